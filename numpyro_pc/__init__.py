@@ -1,0 +1,39 @@
+"""numpyro_pc — keep a fitted NumPyro posterior alive with Khan's posterior correction.
+
+A fitted Gaussian guide becomes a :class:`DualPosterior`: the posterior written as a
+product of one cached site per example plus a prior site (paper eq. ``qdualform``).
+
+The package never enables 64-bit mode globally; use ``jax.config.update("jax_enable_x64",
+True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
+"""
+
+from . import errors, families, guides
+from .errors import (
+    ConvergenceError,
+    DataShapeError,
+    ExpectationRuleError,
+    GuideParamsError,
+    NonFiniteDataError,
+    NonFiniteResultError,
+    NotPositiveDefiniteError,
+    PosteriorCorrectionError,
+    SiteStorageError,
+    UnsupportedGuideError,
+    UnsupportedModelError,
+)
+from .expectations import ExpectationRule
+from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
+from .likelihood import bind_model
+from .posterior import DualPosterior, dual_form, fit
+from .sites import Sites, compute_sites
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DualPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
+    "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "get_family",
+    "errors", "families", "guides",
+    "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
+    "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
+    "ConvergenceError", "ExpectationRuleError", "SiteStorageError",
+]

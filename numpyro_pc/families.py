@@ -1,0 +1,353 @@
+r"""Exponential-family algebra over the flat unconstrained latent vector ``z``.
+
+Three Gaussian families are provided, all sharing one interface so that the rest of
+the package never branches on the family:
+
+========================  ==========================  ==============================
+family                    precision representation    sufficient statistics ``T(z)``
+========================  ==========================  ==============================
+:class:`FullGaussian`     ``(d, d)`` matrix ``S``     ``(z, z zᵀ)``
+:class:`DiagonalGaussian` ``(d,)`` vector ``s``       ``(z, z²)``
+:class:`IsotropicGaussian` scalar ``τ`` (fixed)       ``z`` (base measure ``e^{-τ‖z‖²/2}``)
+========================  ==========================  ==============================
+
+A distribution is the pytree :class:`Gaussian` ``(mean, precision)``; its natural
+parameters are :class:`GaussianNatural` ``(linear, precision)`` meaning
+:math:`\lambda = (S m, -\tfrac12 S)` — the ``precision`` field stores ``S`` itself
+rather than ``-S/2`` so that sums of sites read as sums of precisions.
+
+A Gaussian *site* ``ℓ̂(z) = zᵀĝ + ½ (z − m_t)ᵀ Ĥ (z − m_t)`` (paper Table 1) has natural
+parameters ``(Ĥ m_t − ĝ, Ĥ)``: ``exp(−ℓ̂)`` is an unnormalised Gaussian factor. Adding,
+removing and scaling sites is arithmetic on these pairs (:func:`add_site`,
+:func:`remove_site`, :func:`scale_site`).
+
+New exponential families (Bernoulli, categorical, ...) subclass
+:class:`ExponentialFamily` and provide the same methods.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import cho_solve, solve_triangular
+
+from .errors import NotPositiveDefiniteError
+
+__all__ = [
+    "Gaussian",
+    "GaussianNatural",
+    "ExponentialFamily",
+    "FullGaussian",
+    "DiagonalGaussian",
+    "IsotropicGaussian",
+    "get_family",
+    "add_site",
+    "remove_site",
+    "scale_site",
+]
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+class Gaussian(NamedTuple):
+    """A Gaussian ``N(mean, precision⁻¹)`` in its family's compact precision format."""
+
+    mean: jax.Array
+    precision: jax.Array
+
+
+class GaussianNatural(NamedTuple):
+    """Natural parameters ``λ = (linear, −½ precision)`` with ``linear = S m``."""
+
+    linear: jax.Array
+    precision: jax.Array
+
+
+def add_site(natural, site, alpha=1.0):
+    """Multiply a distribution by ``exp(−α ℓ̂)``: ``λ + α λ_site``."""
+    return jax.tree.map(lambda a, b: a + alpha * b, natural, site)
+
+
+def remove_site(natural, site, alpha=1.0):
+    """Divide a distribution by ``exp(−α ℓ̂)``: ``λ − α λ_site``."""
+    return jax.tree.map(lambda a, b: a - alpha * b, natural, site)
+
+
+def scale_site(site, alpha):
+    """Raise a site to the power ``α`` (tempering): ``α λ_site``."""
+    return jax.tree.map(lambda a: alpha * a, site)
+
+
+class ExponentialFamily(ABC):
+    """Interface every variational family implements.
+
+    All methods are pure functions of pytrees and may be used under ``jit``/``vmap``.
+    """
+
+    name: str
+
+    @abstractmethod
+    def natural(self, q):
+        """Natural parameters of ``q``."""
+
+    @abstractmethod
+    def from_natural(self, natural):
+        """Distribution with the given natural parameters (no positivity check)."""
+
+    @abstractmethod
+    def expectation(self, q):
+        """Expectation parameters ``μ = E_q[T(z)]``."""
+
+    @abstractmethod
+    def from_expectation(self, mu):
+        """Distribution with the given expectation parameters."""
+
+    @abstractmethod
+    def log_prob(self, q, z):
+        """Log-density of ``z`` (trailing axis ``d``) under ``q``."""
+
+    @abstractmethod
+    def entropy(self, q):
+        """Differential entropy of ``q``."""
+
+    @abstractmethod
+    def kl(self, q, p):
+        """``KL(q ‖ p)`` for two members of this family."""
+
+    @abstractmethod
+    def sample(self, q, key, num_samples):
+        """``num_samples`` draws, shape ``(num_samples, d)``."""
+
+    @abstractmethod
+    def site_natural(self, grad, curvature, ref_mean):
+        """Natural parameters of the site ``zᵀĝ + ½(z−m)ᵀĤ(z−m)`` (``Ĥ`` in family format)."""
+
+    @abstractmethod
+    def dense_precision(self, q):
+        """Precision as a dense ``(d, d)`` matrix."""
+
+    @abstractmethod
+    def dense_covariance(self, q):
+        """Covariance as a dense ``(d, d)`` matrix."""
+
+    @abstractmethod
+    def project_curvature(self, dense):
+        """Map a dense ``(..., d, d)`` curvature to this family's precision format."""
+
+    @abstractmethod
+    def is_positive_definite(self, precision):
+        """Boolean (traceable) test of the precision format."""
+
+    def check_positive_definite(self, precision, what="precision"):
+        """Raise :class:`NotPositiveDefiniteError` unless the precision is positive definite."""
+        if not bool(self.is_positive_definite(precision)):
+            raise NotPositiveDefiniteError(
+                f"the {what} of the {self.name} Gaussian is not positive definite "
+                "(a Cholesky factorisation failed or a variance is not positive)."
+            )
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"
+
+
+@dataclass(frozen=True, repr=False)
+class FullGaussian(ExponentialFamily):
+    """Gaussian with a dense precision matrix (low-rank guides map here too)."""
+
+    name: str = "full"
+
+    def natural(self, q):
+        return GaussianNatural(q.precision @ q.mean, q.precision)
+
+    def from_natural(self, natural):
+        chol = jnp.linalg.cholesky(natural.precision)
+        return Gaussian(cho_solve((chol, True), natural.linear), natural.precision)
+
+    def expectation(self, q):
+        cov = self.dense_covariance(q)
+        return (q.mean, jnp.outer(q.mean, q.mean) + cov)
+
+    def from_expectation(self, mu):
+        mean, second = mu
+        cov = second - jnp.outer(mean, mean)
+        return Gaussian(mean, jnp.linalg.inv(cov))
+
+    def _chol(self, q):
+        return jnp.linalg.cholesky(q.precision)
+
+    def log_prob(self, q, z):
+        chol = self._chol(q)
+        white = (z - q.mean) @ chol  # (z-m)ᵀ L  so that ‖·‖² = (z-m)ᵀ S (z-m)
+        d = q.mean.shape[-1]
+        return -0.5 * jnp.sum(white**2, -1) + jnp.sum(jnp.log(jnp.diag(chol))) - 0.5 * d * _LOG_2PI
+
+    def entropy(self, q):
+        d = q.mean.shape[-1]
+        return 0.5 * d * (1.0 + _LOG_2PI) - jnp.sum(jnp.log(jnp.diag(self._chol(q))))
+
+    def kl(self, q, p):
+        d = q.mean.shape[-1]
+        lq, lp = self._chol(q), self._chol(p)
+        # tr(S_p Σ_q) = ‖L_q⁻¹ L_p‖_F²
+        trace = jnp.sum(solve_triangular(lq, lp, lower=True) ** 2)
+        diff = p.mean - q.mean
+        maha = jnp.sum((lp.T @ diff) ** 2)
+        logdet = 2.0 * (jnp.sum(jnp.log(jnp.diag(lq))) - jnp.sum(jnp.log(jnp.diag(lp))))
+        return 0.5 * (trace + maha - d + logdet)
+
+    def sample(self, q, key, num_samples):
+        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
+        chol = self._chol(q)
+        # z = m + L⁻ᵀ ε has covariance (L Lᵀ)⁻¹ = S⁻¹
+        return q.mean + solve_triangular(chol.T, eps.T, lower=False).T
+
+    def site_natural(self, grad, curvature, ref_mean):
+        return GaussianNatural(curvature @ ref_mean - grad, curvature)
+
+    def dense_precision(self, q):
+        return q.precision
+
+    def dense_covariance(self, q):
+        chol = self._chol(q)
+        inv_chol = solve_triangular(chol, jnp.eye(chol.shape[0], dtype=chol.dtype), lower=True)
+        return inv_chol.T @ inv_chol
+
+    def project_curvature(self, dense):
+        return dense
+
+    def is_positive_definite(self, precision):
+        chol = jnp.linalg.cholesky(precision)
+        return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
+
+
+@dataclass(frozen=True, repr=False)
+class DiagonalGaussian(ExponentialFamily):
+    """Gaussian with a diagonal precision (mean-field)."""
+
+    name: str = "diagonal"
+
+    def natural(self, q):
+        return GaussianNatural(q.precision * q.mean, q.precision)
+
+    def from_natural(self, natural):
+        return Gaussian(natural.linear / natural.precision, natural.precision)
+
+    def expectation(self, q):
+        return (q.mean, q.mean**2 + 1.0 / q.precision)
+
+    def from_expectation(self, mu):
+        mean, second = mu
+        return Gaussian(mean, 1.0 / (second - mean**2))
+
+    def log_prob(self, q, z):
+        d = q.mean.shape[-1]
+        return (
+            -0.5 * jnp.sum(q.precision * (z - q.mean) ** 2, -1)
+            + 0.5 * jnp.sum(jnp.log(q.precision))
+            - 0.5 * d * _LOG_2PI
+        )
+
+    def entropy(self, q):
+        d = q.mean.shape[-1]
+        return 0.5 * d * (1.0 + _LOG_2PI) - 0.5 * jnp.sum(jnp.log(q.precision))
+
+    def kl(self, q, p):
+        ratio = p.precision / q.precision
+        return 0.5 * jnp.sum(ratio + p.precision * (p.mean - q.mean) ** 2 - 1.0 - jnp.log(ratio))
+
+    def sample(self, q, key, num_samples):
+        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
+        return q.mean + eps / jnp.sqrt(q.precision)
+
+    def site_natural(self, grad, curvature, ref_mean):
+        return GaussianNatural(curvature * ref_mean - grad, curvature)
+
+    def dense_precision(self, q):
+        return jnp.diag(q.precision)
+
+    def dense_covariance(self, q):
+        return jnp.diag(1.0 / q.precision)
+
+    def project_curvature(self, dense):
+        return jnp.diagonal(dense, axis1=-2, axis2=-1)
+
+    def is_positive_definite(self, precision):
+        return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
+
+
+@dataclass(frozen=True, repr=False)
+class IsotropicGaussian(ExponentialFamily):
+    """Gaussian ``N(m, τ⁻¹ I)`` with a fixed precision ``τ`` (the ERM / MAP case).
+
+    Only the mean is learned, ``T(z) = z``, and the base measure ``exp(−τ‖z‖²/2)`` is
+    carried by the prior site (paper appendix "non-constant base measures"): a site has
+    no curvature and ``λ = τ m = −Σ_{i≥0} ĝ_i + τ m`` reduces to ``Σ_{i≥0} ĝ_i = 0``.
+    """
+
+    name: str = "isotropic"
+
+    def natural(self, q):
+        return GaussianNatural(q.precision * q.mean, q.precision)
+
+    def from_natural(self, natural):
+        return Gaussian(natural.linear / natural.precision, natural.precision)
+
+    def expectation(self, q):
+        return (q.mean,)
+
+    def from_expectation(self, mu, precision=1.0):
+        (mean,) = mu
+        return Gaussian(mean, jnp.asarray(precision, mean.dtype))
+
+    def log_prob(self, q, z):
+        d = q.mean.shape[-1]
+        return -0.5 * q.precision * jnp.sum((z - q.mean) ** 2, -1) + 0.5 * d * (jnp.log(q.precision) - _LOG_2PI)
+
+    def entropy(self, q):
+        d = q.mean.shape[-1]
+        return 0.5 * d * (1.0 + _LOG_2PI - jnp.log(q.precision))
+
+    def kl(self, q, p):
+        d = q.mean.shape[-1]
+        ratio = p.precision / q.precision
+        return 0.5 * (d * (ratio - 1.0 - jnp.log(ratio)) + p.precision * jnp.sum((p.mean - q.mean) ** 2))
+
+    def sample(self, q, key, num_samples):
+        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
+        return q.mean + eps / jnp.sqrt(q.precision)
+
+    def site_natural(self, grad, curvature, ref_mean):
+        return GaussianNatural(-grad, jnp.zeros((), grad.dtype))
+
+    def dense_precision(self, q):
+        d = q.mean.shape[-1]
+        return q.precision * jnp.eye(d, dtype=q.mean.dtype)
+
+    def dense_covariance(self, q):
+        d = q.mean.shape[-1]
+        return jnp.eye(d, dtype=q.mean.dtype) / q.precision
+
+    def project_curvature(self, dense):
+        return jnp.zeros(jnp.shape(dense)[:-2], jnp.result_type(dense))
+
+    def is_positive_definite(self, precision):
+        return jnp.isfinite(precision) & (precision > 0)
+
+
+_FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic": IsotropicGaussian()}
+_ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
+
+
+def get_family(family):
+    """Return a family instance from a name (``"full"``, ``"diagonal"``, ``"isotropic"``) or instance."""
+    if isinstance(family, ExponentialFamily):
+        return family
+    key = _ALIASES.get(family, family)
+    if key not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
+    return _FAMILIES[key]

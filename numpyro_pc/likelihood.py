@@ -1,0 +1,405 @@
+r"""Per-example losses of a NumPyro model over its data plate.
+
+For a model with global latent variables and a plate over the data, this module gives
+the loss of each element ``i`` of the data plate and the prior term, both as functions
+of the flat unconstrained vector ``z`` (DESIGN §2):
+
+.. math::
+
+    \ell_0(z) = -\log p_0(T(z)) - \log|\det J_T(z)|, \qquad
+    \ell_i(z) = -\log p(y_i \mid T(z)),
+
+so that ``ℓ_0(z) + Σ_i ℓ_i(z)`` equals ``numpyro.infer.util.potential_energy``.
+Several observed sites inside the plate add up per example; ``mask``/``obs_mask`` and
+``scale`` handlers are respected. Observed sites and factors outside the data plate
+belong to ``ℓ_0``.
+
+The binding is split in two: a hashable, static :class:`ModelSpec` (the model, its
+latent space, which arguments are per-example) and a :class:`ModelData` pytree of
+arrays, so jitted functions keyed on the spec do not retrace for new data of the same
+size. Example ``i`` is evaluated by running the model on the slice ``[i:i+1]`` of every
+per-example argument; evaluation over all examples is a ``vmap`` of that.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
+from numpyro.distributions.util import sum_rightmost
+import numpyro
+
+from .errors import DataShapeError, NonFiniteDataError, UnsupportedModelError
+from .latent import LatentSpace
+
+__all__ = ["ModelSpec", "ModelData", "bind_model", "prior_loss", "example_loss", "example_params",
+           "example_site_log_likelihoods", "losses", "constrain"]
+
+_LOG_DET_PREFIX = "_pc_log_det_"
+
+
+class ModelData(NamedTuple):
+    """Array arguments of the model: per-example (leading axis = data plate) and shared."""
+
+    per_example: tuple
+    shared: tuple
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Static description of a model bound to its arguments' structure.
+
+    :ivar model: the NumPyro model callable.
+    :ivar latent: the :class:`~numpyro_pc.latent.LatentSpace`.
+    :ivar plate: name of the data plate.
+    :ivar num_examples: size ``N`` of the data plate for the bound data.
+    :ivar observed: names of the observed sites inside the data plate.
+    :ivar param_leaves: per observed site, which float leaves of its distribution depend
+        on ``z`` (the distribution parameters ``θ_i`` used for Gauss–Newton and
+        Gauss–Hermite).
+    :ivar num_params: ``k``, the number of such parameters per example.
+    :ivar affine: whether ``θ_i(z)`` is affine in ``z`` (GLM-type model), so that the
+        Hessian equals the Gauss–Newton matrix and sites factorise exactly.
+    """
+
+    model: object
+    latent: LatentSpace
+    plate: str
+    num_examples: int
+    treedef: object
+    kinds: tuple
+    statics: tuple
+    observed: tuple
+    param_leaves: tuple = ()
+    num_params: int = 0
+    affine: bool = False
+    arg_names: tuple = field(default=(), compare=False, hash=False)
+
+    def build_args(self, per_example, shared):
+        """Rebuild ``(args, kwargs)`` from the array leaves."""
+        ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
+        leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _is_array(x):
+    return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _substitute_unconstrained(values, site):
+    """``substitute_fn`` placing unconstrained values and recording their log-det-Jacobian."""
+    name = site["name"]
+    if site["type"] != "sample" or site["is_observed"] or name not in values:
+        return None
+    u = values[name]
+    support = site["fn"].support
+    if support is constraints.real or (
+        isinstance(support, constraints.independent) and support.base_constraint is constraints.real
+    ):
+        return u
+    transform = biject_to(support)
+    value = transform(u)
+    log_det = transform.log_abs_det_jacobian(u, value)
+    log_det = sum_rightmost(log_det, jnp.ndim(log_det) - jnp.ndim(value) + len(site["fn"].event_shape))
+    if site["scale"] is not None:
+        log_det = site["scale"] * log_det
+    numpyro.factor(_LOG_DET_PREFIX + name, log_det)
+    return value
+
+
+def _trace_at(spec, z, per_example, shared):
+    args, kwargs = spec.build_args(per_example, shared)
+    values = spec.latent.unravel(z)
+
+    def sub(site):
+        return _substitute_unconstrained(values, site)
+
+    model = handlers.substitute(handlers.seed(spec.model, 0), substitute_fn=sub)
+    return handlers.trace(model).get_trace(*args, **kwargs)
+
+
+def _site_log_prob(site):
+    lp = site["fn"].log_prob(site["value"])
+    if site.get("mask") is not None:
+        lp = jnp.where(site["mask"], lp, 0.0)
+    if site.get("scale") is not None:
+        lp = site["scale"] * lp
+    return jnp.sum(lp)
+
+
+def _in_plate(site, plate):
+    return any(f.name == plate for f in site["cond_indep_stack"])
+
+
+def prior_loss(spec, z, data):
+    """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
+    Jacobian of the constraining transforms) plus observed sites/factors outside the
+    data plate."""
+    first = tuple(x[:1] for x in data.per_example)
+    trace = _trace_at(spec, z, first, data.shared)
+    total = 0.0
+    for site in trace.values():
+        if site["type"] != "sample":
+            continue
+        if site["is_observed"] and _in_plate(site, spec.plate):
+            continue
+        total = total + _site_log_prob(site)
+    return -total
+
+
+def _example_args(example):
+    return tuple(x[None] for x in example)
+
+
+def example_loss(spec, z, example, shared):
+    """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
+    trace = _trace_at(spec, z, _example_args(example), shared)
+    return -sum(_site_log_prob(trace[name]) for name in spec.observed)
+
+
+def example_site_log_likelihoods(spec, z, example, shared):
+    """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
+    trace = _trace_at(spec, z, _example_args(example), shared)
+    return tuple(_site_log_prob(trace[name]) for name in spec.observed)
+
+
+def example_params(spec, z, example, shared):
+    """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
+
+    :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
+        of the example's observed distributions (flattened) and ``loss_fn(theta)`` the
+        negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``.
+    """
+    trace = _trace_at(spec, z, _example_args(example), shared)
+    pieces, rebuild = [], []
+    for name, mask in zip(spec.observed, spec.param_leaves):
+        site = trace[name]
+        leaves, treedef = jax.tree.flatten(site["fn"])
+        for leaf, dep in zip(leaves, mask):
+            if dep:
+                pieces.append(jnp.reshape(leaf, -1))
+        rebuild.append((site, leaves, treedef, mask))
+    theta = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), z.dtype)
+
+    def loss_fn(theta):
+        total, pos = 0.0, 0
+        for site, leaves, treedef, mask in rebuild:
+            new_leaves = []
+            for leaf, dep in zip(leaves, mask):
+                if dep:
+                    size = int(np.prod(jnp.shape(leaf)))
+                    new_leaves.append(jnp.reshape(theta[pos:pos + size], jnp.shape(leaf)))
+                    pos += size
+                else:
+                    new_leaves.append(leaf)
+            fn = jax.tree.unflatten(treedef, new_leaves)
+            total = total + _site_log_prob({**site, "fn": fn})
+        return -total
+
+    return theta, loss_fn
+
+
+def losses(spec, z, data):
+    """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
+    return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
+
+
+def constrain(spec, z, data):
+    """Constrained values of the latent sites at ``z`` (a dict in trace order)."""
+    first = tuple(x[:1] for x in data.per_example)
+    trace = _trace_at(spec, z, first, data.shared)
+    return {name: trace[name]["value"] for name in spec.latent.names}
+
+
+# --------------------------------------------------------------------------- binding
+
+
+def _output_dependence(closed_jaxpr):
+    """Which outputs of a jaxpr depend on its inputs (conservative through sub-calls)."""
+    jaxpr = closed_jaxpr.jaxpr
+    dependent = set(map(id, jaxpr.invars))
+    for eqn in jaxpr.eqns:
+        if any(id(v) in dependent for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+            dependent.update(id(v) for v in eqn.outvars)
+    return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
+
+
+def _describe_leading_sizes(names, leaves):
+    return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if _is_array(x))
+
+
+def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
+    """Inspect a model with its data and return ``(spec, data)``.
+
+    :param callable model: a NumPyro model with global latent sites and a plate over the data.
+    :param tuple args: positional arguments of the model (the data).
+    :param dict kwargs: keyword arguments of the model.
+    :param str data_plate: name of the data plate when several plates hold all
+        observed sites; by default the unique such plate.
+    :param tuple shared: names of array arguments that are *not* per-example (e.g. a
+        vector of prior scales); every other array argument with at least one axis must
+        have the data plate's size as its leading dimension.
+    :raises NonFiniteDataError: NaN or infinite values in a float argument.
+    :raises DataShapeError: an argument's leading size disagrees with the data plate.
+    :raises UnsupportedModelError: local latents, no data plate, ambiguous plates,
+        subsampled plates, discrete latents.
+    """
+    kwargs = dict(kwargs or {})
+    try:
+        bound = inspect.signature(model).bind(*args, **kwargs)
+        names_by_position = list(bound.arguments)
+    except (TypeError, ValueError):
+        names_by_position = [f"args[{i}]" for i in range(len(args))] + list(kwargs)
+    leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
+    leaf_names = _leaf_names(args, kwargs, names_by_position)
+
+    for name, leaf in zip(leaf_names, leaves):
+        if _is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            if not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
+                bad = int(np.sum(~np.isfinite(np.asarray(leaf))))
+                raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
+                                         "clean or mask the data before fitting.")
+    try:
+        with handlers.block():
+            trace = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
+    except (ValueError, TypeError, IndexError) as err:
+        if "shape" in str(err).lower() or "broadcast" in str(err).lower() or "incompatible" in str(err).lower():
+            raise DataShapeError(
+                f"the model failed on the given data with a shape error ({err}); argument shapes: "
+                f"{_describe_leading_sizes(leaf_names, leaves)}. Every per-example argument must have "
+                "the data plate's size as its leading dimension."
+            ) from err
+        raise
+
+    plate, size = _find_data_plate(trace, data_plate)
+    latent = LatentSpace.from_trace(trace)
+    for name in latent.names:
+        if _in_plate(trace[name], plate):
+            raise UnsupportedModelError(
+                f"latent site {name!r} lies inside the data plate {plate!r} (a local latent variable); "
+                "the dual form supports global latent variables only: marginalise the local latent "
+                "or move it out of the plate."
+            )
+    observed = tuple(n for n, s in trace.items()
+                     if s["type"] == "sample" and s["is_observed"] and _in_plate(s, plate))
+
+    kinds, statics = [], []
+    for name, leaf in zip(leaf_names, leaves):
+        base = name.split("[")[0].split(".")[0]
+        if not _is_array(leaf):
+            kinds.append("static")
+            statics.append(leaf)
+        elif np.ndim(leaf) == 0 or base in shared:
+            kinds.append("shared")
+        elif np.shape(leaf)[0] == size:
+            kinds.append("example")
+        else:
+            raise DataShapeError(
+                f"argument {name!r} has leading size {np.shape(leaf)[0]} but the data plate {plate!r} has "
+                f"size {size}; per-example arguments need the plate size as leading dimension (pass "
+                f"shared=({base!r},) if this argument is not per-example)."
+            )
+    if "example" not in kinds:
+        raise UnsupportedModelError("no argument of the model has the data plate's size as leading dimension; "
+                                    "pass the data to the model as arguments.")
+    spec = ModelSpec(model=model, latent=latent, plate=plate, num_examples=int(size), treedef=treedef,
+                     kinds=tuple(kinds), statics=tuple(statics), observed=observed,
+                     arg_names=tuple(leaf_names))
+    data = ModelData(
+        per_example=tuple(jnp.asarray(l) for l, k in zip(leaves, kinds) if k == "example"),
+        shared=tuple(jnp.asarray(l) for l, k in zip(leaves, kinds) if k == "shared"),
+    )
+    z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
+    return _analyse_params(spec, data, z0), data
+
+
+def _leaf_names(args, kwargs, names_by_position):
+    names = []
+    for i, a in enumerate(args):
+        base = names_by_position[i] if i < len(names_by_position) else f"args[{i}]"
+        sub = jax.tree.leaves(a)
+        names.extend([base] if len(sub) == 1 else [f"{base}[{j}]" for j in range(len(sub))])
+    for key in sorted(kwargs):  # jax flattens dicts in sorted key order
+        sub = jax.tree.leaves(kwargs[key])
+        names.extend([key] if len(sub) == 1 else [f"{key}[{j}]" for j in range(len(sub))])
+    return names
+
+
+def _find_data_plate(trace, data_plate):
+    observed = [s for s in trace.values() if s["type"] == "sample" and s["is_observed"]]
+    in_plates = [s for s in observed if s["cond_indep_stack"]]
+    if not in_plates:
+        raise UnsupportedModelError(
+            "no observed site of the model lies inside a plate; the dual form needs the data declared "
+            "in a plate, e.g. `with numpyro.plate('data', X.shape[0]): numpyro.sample('y', ..., obs=y)`."
+        )
+    common = None
+    for s in in_plates:
+        names = {f.name for f in s["cond_indep_stack"]}
+        common = names if common is None else common & names
+    frames = {f.name: f for s in in_plates for f in s["cond_indep_stack"]}
+    if data_plate is not None:
+        if data_plate not in frames:
+            raise UnsupportedModelError(f"data_plate={data_plate!r} is not a plate of any observed site; "
+                                        f"plates found: {sorted(frames)}")
+        plate = data_plate
+    elif len(common) == 1:
+        plate = next(iter(common))
+    elif not common:
+        raise UnsupportedModelError(
+            f"the observed sites do not share a plate (plates found: {sorted(frames)}); put every "
+            "per-example observation inside one data plate."
+        )
+    else:
+        raise UnsupportedModelError(f"several plates hold every observed site ({sorted(common)}); "
+                                    "pass data_plate= to say which one indexes the examples.")
+    plate_site = trace.get(plate)
+    if plate_site is not None and plate_site["type"] == "plate":
+        full, sub = plate_site["args"][0], plate_site["args"][1]
+        if sub is not None and sub != full:
+            raise UnsupportedModelError(f"plate {plate!r} is subsampled ({sub} of {full}); bind the full data "
+                                        "without subsample_size.")
+    return plate, frames[plate].size
+
+
+def _analyse_params(spec, data, z0):
+    """Find which distribution leaves depend on ``z``, their count and whether affine."""
+    first = tuple(x[0] for x in data.per_example)
+    trace = _trace_at(spec, z0, _example_args(first), data.shared)
+    masks = []
+    for name in spec.observed:
+        site_leaves = jax.tree.leaves(trace[name]["fn"])
+        float_leaf = [jnp.issubdtype(jnp.result_type(l), jnp.inexact) for l in site_leaves]
+
+        def leaves_of(z, name=name):
+            t = _trace_at(spec, z, _example_args(first), data.shared)
+            return jax.tree.leaves(t[name]["fn"])
+
+        dep = _output_dependence(jax.make_jaxpr(leaves_of)(z0))
+        masks.append(tuple(bool(d and f) for d, f in zip(dep, float_leaf)))
+    spec = _replace(spec, param_leaves=tuple(masks))
+    theta, _ = example_params(spec, z0, first, data.shared)
+    k = int(theta.shape[0])
+    affine = False
+    if k > 0:
+        n_probe = min(8, spec.num_examples)
+        probe = tuple(x[:n_probe] for x in data.per_example)
+        jac = jax.vmap(lambda ex, z: jax.jacfwd(lambda zz: example_params(spec, zz, ex, data.shared)[0])(z),
+                       in_axes=(0, None))
+        key = jax.random.PRNGKey(17)
+        z1 = z0 + jax.random.normal(key, z0.shape, z0.dtype)
+        j0, j1 = jac(probe, z0), jac(probe, z1)
+        affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
+    return _replace(spec, num_params=k, affine=affine)
+
+
+def _replace(spec, **changes):
+    from dataclasses import replace
+    return replace(spec, **changes)

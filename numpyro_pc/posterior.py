@@ -1,0 +1,294 @@
+r"""The dual-form posterior: a Gaussian written as a product of per-example sites.
+
+At a variational optimum (paper eq. ``qdualform``)
+
+.. math::
+
+    q(z) \propto \exp(-\hat\ell_0(z)) \prod_{i=1}^N \exp(-\hat\ell_i(z)), \qquad
+    S = \sum_{i=0}^N \hat H_i, \qquad \sum_{i=0}^N \hat g_i = 0 .
+
+:func:`dual_form` turns a fitted NumPyro guide into a :class:`DualPosterior` (sites
+computed, then refined to the fixed point); :func:`fit` reaches the same fixed point from
+the prior without SVI.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import guides as _guides
+from .errors import ConvergenceError, NotPositiveDefiniteError
+from .expectations import get_rule, prepare_rule
+from .families import Gaussian, IsotropicGaussian, get_family
+from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
+from .solvers import SiteProblem, default_tol, dual_residual, solve
+
+__all__ = ["DualPosterior", "dual_form", "fit"]
+
+
+class DualPosterior:
+    """A Gaussian posterior over the flat unconstrained latents with its cached sites.
+
+    Instances are immutable: :meth:`refine` returns a new object.
+
+    :ivar spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
+    :ivar data: the bound data (:class:`~numpyro_pc.likelihood.ModelData`).
+    :ivar family: the :class:`~numpyro_pc.families.ExponentialFamily`.
+    :ivar state: the :class:`~numpyro_pc.families.Gaussian` ``(mean, precision)``.
+    :ivar sites: the :class:`~numpyro_pc.sites.Sites` at ``state``.
+    :ivar rule: the expectation rule used for the sites and the refinement.
+    :ivar history: the refinement record (list of dicts).
+    """
+
+    __slots__ = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
+                 "history", "guide")
+
+    def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
+                 chunk_size=None, history=(), guide=None):
+        for name, value in dict(spec=spec, data=data, family=family, state=state, sites=sites, rule=rule,
+                                curvature=curvature, storage=storage, chunk_size=chunk_size,
+                                history=tuple(history), guide=guide).items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("DualPosterior is immutable; methods return new posteriors")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def latent(self):
+        """The :class:`~numpyro_pc.latent.LatentSpace` (site names, shapes, order)."""
+        return self.spec.latent
+
+    @property
+    def dim(self):
+        """Dimension ``d`` of the flat unconstrained latent vector."""
+        return self.spec.latent.dim
+
+    @property
+    def num_examples(self):
+        """Number of examples ``N`` with a site."""
+        return self.sites.num_examples
+
+    @property
+    def ids(self):
+        """Stable integer ids of the examples, aligned with the sites."""
+        return self.sites.ids
+
+    @property
+    def mean(self):
+        """Posterior mean ``m`` (unconstrained, flat, model trace order)."""
+        return self.state.mean
+
+    @property
+    def precision(self):
+        """Posterior precision ``S`` as a dense ``(d, d)`` matrix."""
+        return self.family.dense_precision(self.state)
+
+    @property
+    def covariance(self):
+        """Posterior covariance ``S⁻¹`` as a dense ``(d, d)`` matrix."""
+        return self.family.dense_covariance(self.state)
+
+    @property
+    def natural(self):
+        """Natural parameters ``(S m, S)`` (see :class:`~numpyro_pc.families.GaussianNatural`)."""
+        return self.family.natural(self.state)
+
+    @property
+    def residual(self):
+        """Relative dual-form residual (max of the mean and precision identities)."""
+        return dual_residual(self.family, self.state, self.sites)[0]
+
+    @property
+    def residual_parts(self):
+        """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
+        return dual_residual(self.family, self.state, self.sites)[1]
+
+    def _problem(self):
+        return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, self.storage,
+                           self.chunk_size, self.sites.ids)
+
+    def _replace(self, **changes):
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields.update(changes)
+        return DualPosterior(**fields)
+
+    # ------------------------------------------------------------------ refine
+    def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False):
+        """Natural-gradient steps until the dual-form residual is below ``tol``.
+
+        :param float tol: default ``1e-8`` in float64, ``1e-5`` in float32.
+        :param int max_iters: maximum number of accepted steps.
+        :param float step_size: initial damping ``ρ ∈ (0, 1]`` of every step.
+        :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
+            (carrying the last posterior as ``err.posterior``) when ``tol`` is not reached;
+            ``False`` warns instead.
+        :param bool progress: show a progress bar.
+        :return: a new :class:`DualPosterior` whose ``history`` records every step.
+        """
+        try:
+            q, sites, history = solve(self._problem(), self.state, tol=tol, max_iters=max_iters,
+                                      step_size=step_size, raise_on_failure=True, progress=progress)
+        except ConvergenceError as err:
+            q, sites = err.posterior
+            partial = self._replace(state=q, sites=sites, history=err.history)
+            if raise_on_failure:
+                raise ConvergenceError(str(err), posterior=partial, history=err.history) from None
+            warnings.warn(str(err), RuntimeWarning, stacklevel=2)
+            return partial
+        return self._replace(state=q, sites=sites, history=history)
+
+    # ------------------------------------------------------------------ probability
+    def log_prob(self, z):
+        """Log-density of flat unconstrained values ``z`` (trailing axis ``d``)."""
+        return self.family.log_prob(self.state, jnp.asarray(z))
+
+    def entropy(self):
+        """Entropy of the posterior in unconstrained space."""
+        return self.family.entropy(self.state)
+
+    def kl(self, other):
+        """``KL(self ‖ other)`` for two posteriors of the same family and model."""
+        if other.latent.signature() != self.latent.signature():
+            raise ValueError("the posteriors belong to models with different latent sites")
+        if other.family.name != self.family.name:
+            raise ValueError(f"KL between different families ({self.family.name} vs {other.family.name})")
+        return self.family.kl(self.state, other.state)
+
+    def sample_unconstrained(self, key, num_samples):
+        """Draws of the flat unconstrained vector, shape ``(num_samples, d)``."""
+        return self.family.sample(self.state, key, num_samples)
+
+    def sample(self, key, num_samples):
+        """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``."""
+        z = self.sample_unconstrained(key, num_samples)
+        return jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+
+    def log_likelihood(self, z):
+        """Per-site, per-example log-likelihood at flat values ``z`` (``{site: (..., N)}``)."""
+        z = jnp.asarray(z)
+        fn = lambda zz: jax.vmap(lambda ex: example_site_log_likelihoods(self.spec, zz, ex, self.data.shared))(  # noqa: E731
+            self.data.per_example)
+        values = jax.vmap(fn)(jnp.reshape(z, (-1, self.dim)))
+        return {name: jnp.reshape(v.T if v.ndim == 1 else v, z.shape[:-1] + (-1,))
+                for name, v in zip(self.spec.observed, values)}
+
+    def to_arviz(self, key, num_samples=1000):
+        """ArviZ ``InferenceData`` with ``posterior`` and ``log_likelihood`` groups (one chain)."""
+        import arviz as az
+
+        z = self.sample_unconstrained(key, num_samples)
+        values = jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+        loglik = self.log_likelihood(z)
+        posterior = {k: np.asarray(v)[None] for k, v in values.items()}
+        log_likelihood = {k: np.asarray(v)[None] for k, v in loglik.items()}
+        dims = {k: [f"{self.spec.plate}"] for k in log_likelihood}
+        return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, dims=dims)
+
+    def to_guide_params(self, guide=None):
+        """Parameters of ``guide`` (default: the guide this posterior came from) describing it."""
+        guide = guide if guide is not None else self.guide
+        if guide is None:
+            raise ValueError("this posterior was not built from a guide; pass the guide to fill")
+        return _guides.to_guide_params(guide, self.family, self.state, self.latent,
+                                       constrain_fn=lambda z: constrain(self.spec, z, self.data))
+
+    def site_curvature(self):
+        """Per-example ``tr Ĥ_i`` — how much each example contributes to the precision."""
+        return self.sites.curvature_trace()
+
+    def __repr__(self):
+        return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
+                f"rule={self.rule.kind}, storage={self.sites.storage}, residual={self.residual:.2e})")
+
+
+def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+          progress, raise_on_failure):
+    rule = prepare_rule(rule, spec, data, q.mean)
+    problem = SiteProblem(spec, data, family, rule, curvature, storage, chunk_size, jnp.arange(spec.num_examples))
+    sites, _ = problem.sites(q)
+    post = DualPosterior(spec, data, family, q, sites, rule, curvature, storage, chunk_size, (), guide)
+    if refine:
+        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure)
+    return post
+
+
+def dual_form(model, guide, params, *args, expectation=None, curvature="hessian", storage="auto", refine=True,
+              tol=None, max_iters=100, num_samples=64, seed=0, num_nodes=32, chunk_size=None, data_plate=None,
+              shared=(), progress=False, raise_on_failure=True, **kwargs):
+    """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
+
+    :param model: the NumPyro model the guide was fitted to.
+    :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
+    :param dict params: the guide's parameters, e.g. ``SVI(...).run(...).params``.
+    :param args: the model's positional arguments (the data).
+    :param str expectation: ``"delta"``, ``"mc"``, ``"gh"`` or an
+        :class:`~numpyro_pc.expectations.ExpectationRule` (default per guide, see
+        :func:`numpyro_pc.guides.default_expectation`).
+    :param str curvature: ``"hessian"`` or ``"ggn"``.
+    :param str storage: per-example curvature storage, see :mod:`numpyro_pc.sites`.
+    :param bool refine: run natural-gradient steps to the dual-form fixed point.
+    :param float tol: residual tolerance of the refinement.
+    :param int max_iters: refinement iterations.
+    :param int num_samples, seed: Monte Carlo options; :param int num_nodes: Gauss–Hermite nodes.
+    :param str data_plate: the plate indexing examples when ambiguous.
+    :param tuple shared: names of array arguments that are not per-example.
+    :param kwargs: the model's keyword arguments.
+    """
+    spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
+    family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=data_dtype(data))
+    if expectation is None:
+        expectation = _guides.default_expectation(guide, spec)
+    rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
+    return _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+                 progress, raise_on_failure)
+
+
+def fit(model, *args, family="full", expectation=None, curvature="hessian", storage="auto", tol=None,
+        max_iters=100, num_samples=64, seed=0, num_nodes=32, init=None, chunk_size=None, data_plate=None,
+        shared=(), progress=False, raise_on_failure=True, **kwargs):
+    """Variational Bayes with the natural-gradient solver, starting from the prior.
+
+    The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
+    there as precision (the identity where that is not positive definite).
+
+    :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
+        the delta rule is MAP / ERM).
+    :param expectation: default ``"gh"`` for GLM-type models, else ``"mc"``
+        (``"delta"`` for the isotropic family).
+    :param init: optional flat unconstrained starting mean.
+    See :func:`dual_form` for the other options.
+    """
+    spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
+    fam = get_family(family)
+    dtype = data_dtype(data)
+    mean = jnp.zeros(spec.latent.dim, dtype) if init is None else jnp.asarray(init, dtype)
+    if isinstance(fam, IsotropicGaussian):
+        precision = jnp.asarray(1.0, dtype)
+    else:
+        hess = jax.hessian(lambda z: prior_loss(spec, z, data))(mean)
+        precision = fam.project_curvature(0.5 * (hess + hess.T))
+        if not bool(fam.is_positive_definite(precision)):
+            precision = fam.project_curvature(jnp.eye(spec.latent.dim, dtype=dtype))
+    if expectation is None:
+        expectation = ("delta" if isinstance(fam, IsotropicGaussian)
+                       else "gh" if (spec.num_params == 1 and spec.affine) else "mc")
+    rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
+    return _make(spec, data, fam, Gaussian(mean, precision), rule, curvature, storage, chunk_size, None, True, tol,
+                 max_iters, progress, raise_on_failure)
+
+
+def data_dtype(data):
+    """Floating dtype of the computation: float64 if x64 is enabled, else float32."""
+    return jnp.result_type(float)
+
+
+def _rule_options(expectation, num_samples, seed, num_nodes):
+    kind = getattr(expectation, "kind", expectation)
+    if not isinstance(expectation, str):
+        return {}
+    return {"mc": dict(num_samples=num_samples, seed=seed), "gh": dict(num_nodes=num_nodes)}.get(kind, {})

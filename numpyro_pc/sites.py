@@ -1,0 +1,444 @@
+r"""Per-example sites ``ℓ̂_i(z) = zᵀĝ_i + ½ (z − m)ᵀ Ĥ_i (z − m)`` of a Gaussian posterior.
+
+:func:`compute_sites` evaluates ``ĝ_i = E_q[∇ℓ_i]`` and ``Ĥ_i = E_q[∇²ℓ_i]`` (or its
+Gauss–Newton form) for every element of the data plate plus the prior site
+``(ĝ_0, Ĥ_0)``, with one of the expectation rules of :mod:`numpyro_pc.expectations`.
+
+Curvature storage (``Sites.storage``):
+
+``"diag"``    ``(N, d)`` diagonals — the diagonal family;
+``"factor"``  ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J_i`` ``(N, k, d)`` the Jacobian of the
+              example's ``k`` distribution parameters and ``Λ_i`` ``(N, k, k)`` — exact
+              for GLM-type models (``θ_i`` affine in ``z``), and the Gauss–Newton
+              approximation otherwise; ``O(N·k·d)`` memory;
+``"dense"``   ``(N, d, d)`` — only when asked, or automatically for small problems that
+              have no exact factorisation;
+``"none"``    no curvature — the isotropic family.
+
+Examples are processed in chunks (``lax.scan`` over padded, masked chunks) so that
+transient per-example Hessians never exceed a fixed memory budget, and chunks are
+sharded over local devices when more than one is present. Monte Carlo samples are
+accumulated with ``lax.scan``; ``samples × N × d × d`` is never formed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+from jax.sharding import Mesh, PartitionSpec
+
+from .errors import SiteStorageError
+from .expectations import hermite_nodes
+from .families import FullGaussian, DiagonalGaussian, IsotropicGaussian
+from .likelihood import example_loss, example_params, prior_loss
+
+__all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]
+
+_DENSE_AUTO_LIMIT = 2**22  # numbers: automatic dense storage only below ~32 MB in float64
+_CHUNK_BUDGET = 2**23  # numbers per chunk of transient per-example curvature
+_TRACES = {"compute": 0}
+
+
+def trace_count():
+    """Number of times the site computation has been traced (compiled) in this process."""
+    return _TRACES["compute"]
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["grad", "curvature", "jac", "lam", "loss", "ids", "prior_grad", "prior_curvature",
+                      "prior_loss", "ref_mean"],
+         meta_fields=["storage"])
+@dataclass(frozen=True)
+class Sites:
+    """Cached sites of every example and of the prior.
+
+    :ivar grad: ``(N, d)`` expected gradients ``ĝ_i``.
+    :ivar curvature: ``(N, d)`` diagonals or ``(N, d, d)`` dense curvatures, or ``None``.
+    :ivar jac: ``(N, k, d)`` parameter Jacobians (``"factor"`` storage) or ``None``.
+    :ivar lam: ``(N, k, k)`` expected loss Hessians w.r.t. the parameters, or ``None``.
+    :ivar loss: ``(N,)`` expected losses ``E_q[ℓ_i]``.
+    :ivar ids: ``(N,)`` stable integer example ids.
+    :ivar prior_grad: ``ĝ_0``; :ivar prior_curvature: dense ``Ĥ_0``; :ivar prior_loss: ``E_q[ℓ_0]``.
+    :ivar ref_mean: the mean ``m`` of the posterior the sites were computed at.
+    :ivar storage: ``"diag"``, ``"factor"``, ``"dense"`` or ``"none"``.
+    """
+
+    grad: jax.Array
+    curvature: jax.Array | None
+    jac: jax.Array | None
+    lam: jax.Array | None
+    loss: jax.Array
+    ids: jax.Array
+    prior_grad: jax.Array
+    prior_curvature: jax.Array
+    prior_loss: jax.Array
+    ref_mean: jax.Array
+    storage: str
+
+    @property
+    def num_examples(self):
+        return self.grad.shape[0]
+
+    def grad_sum(self):
+        """``Σ_{i=0..N} ĝ_i`` (prior included)."""
+        return self.prior_grad + jnp.sum(self.grad, 0)
+
+    def curvature_sum(self, family):
+        """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
+        return family.project_curvature(self.prior_curvature) + self.example_curvature_sum(family)
+
+    def example_curvature_sum(self, family):
+        """``Σ_{i=1..N} Ĥ_i`` in the family's precision format."""
+        if isinstance(family, IsotropicGaussian):
+            return jnp.zeros((), self.grad.dtype)
+        if self.storage == "factor":
+            if isinstance(family, DiagonalGaussian):
+                return jnp.einsum("nkd,nkl,nld->d", self.jac, self.lam, self.jac)
+            return jnp.einsum("nkd,nkl,nle->de", self.jac, self.lam, self.jac)
+        if self.storage == "dense":
+            return family.project_curvature(jnp.sum(self.curvature, 0))
+        if self.storage == "diag" and isinstance(family, DiagonalGaussian):
+            return jnp.sum(self.curvature, 0)
+        raise SiteStorageError(f"sites stored as {self.storage!r} cannot give the curvature of the {family.name} family")
+
+    def dense_curvature(self):
+        """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
+        if self.storage == "factor":
+            return jnp.einsum("nkd,nkl,nle->nde", self.jac, self.lam, self.jac)
+        if self.storage == "dense":
+            return self.curvature
+        if self.storage == "diag":
+            return jax.vmap(jnp.diag)(self.curvature)
+        raise SiteStorageError("isotropic sites carry no curvature")
+
+    def curvature_trace(self):
+        """``tr Ĥ_i`` per example — a scalar 'weight' of each site in the posterior."""
+        if self.storage == "factor":
+            return jnp.einsum("nkd,nkl,nld->n", self.jac, self.lam, self.jac)
+        if self.storage == "dense":
+            return jnp.trace(self.curvature, axis1=1, axis2=2)
+        if self.storage == "diag":
+            return jnp.sum(self.curvature, 1)
+        return jnp.zeros(self.grad.shape[0], self.grad.dtype)
+
+    def natural(self, family):
+        """Per-example site natural parameters ``(Ĥ_i m − ĝ_i, Ĥ_i)`` (leading axis N)."""
+        if isinstance(family, IsotropicGaussian):
+            curv = jnp.zeros(self.grad.shape[0], self.grad.dtype)
+        elif isinstance(family, DiagonalGaussian) and self.storage == "diag":
+            curv = self.curvature
+        else:
+            curv = family.project_curvature(self.dense_curvature())
+        return jax.vmap(family.site_natural, in_axes=(0, 0, None))(self.grad, curv, self.ref_mean)
+
+    def stored_numbers(self):
+        """How many numbers the per-example sites hold (gradients and curvature)."""
+        return sum(int(np.prod(x.shape)) for x in (self.grad, self.curvature, self.jac, self.lam) if x is not None)
+
+
+class SiteSums(NamedTuple):
+    """Totals over examples computed alongside the sites (for the solver)."""
+
+    hessian: jax.Array  # Σ_{i≥1} dense curvature, (d, d)
+    loss: jax.Array     # Σ_{i≥1} E_q[ℓ_i]
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """Static options of a site computation (hashable, part of the jit cache key)."""
+
+    rule: object
+    curvature: str = "hessian"
+    storage: str = "factor"
+    chunk_size: int = 256
+    num_devices: int = 1
+    need_hessian_sum: bool = False
+
+
+def resolve_storage(storage, family, spec, rule, curvature):
+    """Choose the storage for ``storage="auto"`` and validate an explicit choice."""
+    d, n = spec.latent.dim, spec.num_examples
+    factorisable = rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
+    if storage == "auto":
+        if isinstance(family, IsotropicGaussian):
+            return "none"
+        if isinstance(family, DiagonalGaussian):
+            return "diag"
+        if factorisable and spec.num_params > 0:
+            return "factor"
+        if n * d * d <= _DENSE_AUTO_LIMIT:
+            return "dense"
+        raise SiteStorageError(
+            f"the per-example Hessians of this model do not factorise exactly (its {spec.num_params} "
+            f"distribution parameter(s) are not affine in z) and dense storage would hold N·d² = {n * d * d:.3g} "
+            "numbers; pass curvature='ggn' (Gauss–Newton, factorised), or storage='dense' to accept the memory."
+        )
+    if storage not in ("diag", "factor", "dense", "none"):
+        raise ValueError(f"unknown storage {storage!r}; expected 'auto', 'diag', 'factor', 'dense' or 'none'")
+    if storage == "factor" and not (factorisable and spec.num_params > 0):
+        raise SiteStorageError("storage='factor' needs distribution parameters affine in z, or curvature='ggn' "
+                               "with the delta rule; use storage='dense'.")
+    if isinstance(family, FullGaussian) and storage in ("diag", "none"):
+        raise SiteStorageError(f"the full family needs full per-example curvature; storage={storage!r} cannot hold it")
+    if isinstance(family, DiagonalGaussian) and storage == "none":
+        raise SiteStorageError("the diagonal family needs per-example curvature; storage='none' cannot hold it")
+    return storage
+
+
+def default_chunk_size(spec, storage, curvature, num_examples):
+    d, k = spec.latent.dim, max(spec.num_params, 1)
+    per_example = d * d if (storage in ("dense", "diag", "none") and curvature == "hessian") or storage == "dense" else k * d
+    return int(max(1, min(num_examples, 4096, _CHUNK_BUDGET // max(per_example, 1))))
+
+
+def _psd(lam):
+    vals, vecs = jnp.linalg.eigh(lam)
+    return (vecs * jnp.maximum(vals, 0.0)) @ vecs.T
+
+
+def _point_terms(spec, cfg, z, ex, shared):
+    """Loss, gradient and curvature of one example at one point ``z``."""
+    if cfg.storage == "factor" or cfg.curvature == "ggn":
+        theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
+        theta, loss_fn = example_params(spec, z, ex, shared)
+        jac_fn = jax.jacrev if spec.num_params < spec.latent.dim else jax.jacfwd
+        jac = jac_fn(theta_fn)(z)
+        loss, g_theta = jax.value_and_grad(loss_fn)(theta)
+        lam = jax.hessian(loss_fn)(theta)
+        if cfg.curvature == "ggn":
+            lam = _psd(lam)
+        return loss, jac.T @ g_theta, jac, lam
+    f = lambda zz: example_loss(spec, zz, ex, shared)  # noqa: E731
+    loss, grad = jax.value_and_grad(f)(z)
+    return loss, grad, None, jax.hessian(f)(z)
+
+
+def _store(cfg, jac, curv):
+    """Convert a point's curvature (factor pair or dense) to stored and dense forms."""
+    if jac is not None:
+        if cfg.storage == "factor":
+            return curv, None
+        dense = jac.T @ curv @ jac
+    else:
+        dense = curv
+    stored = {"diag": jnp.diag(dense), "dense": dense, "none": None}[cfg.storage]
+    return stored, dense
+
+
+def _quad_form_cov(family, q, chol, a):
+    """``aᵀ Σ a`` for the family's covariance without forming it."""
+    if isinstance(family, FullGaussian):
+        return jnp.sum(solve_triangular(chol, a, lower=True) ** 2)
+    if isinstance(family, DiagonalGaussian):
+        return jnp.sum(a**2 / q.precision)
+    return jnp.sum(a**2) / q.precision
+
+
+def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
+    """Stored per-example terms of a chunk and its masked dense-curvature sum."""
+    rule = cfg.rule
+    d = spec.latent.dim
+    weights = mask.astype(q.mean.dtype)
+
+    def dense_sum(dense):
+        if dense is None or not cfg.need_hessian_sum:
+            return jnp.zeros((d, d), q.mean.dtype)
+        return jnp.einsum("n,nde->de", weights, dense)
+
+    if rule.kind == "gh":
+        nodes, node_w = extra
+        chol = _precision_chol(family, q)
+
+        def one(ex):
+            theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
+            theta, loss_fn = example_params(spec, q.mean, ex, shared)
+            jac = jax.jacrev(theta_fn)(q.mean)
+            std = jnp.sqrt(_quad_form_cov(family, q, chol, jac[0]))
+            points = theta[0] + std * nodes
+            scalar_loss = lambda t: loss_fn(jnp.reshape(t, (1,)))  # noqa: E731
+            phi = jax.vmap(scalar_loss)(points)
+            d1 = jax.vmap(jax.grad(scalar_loss))(points)
+            d2 = jax.vmap(jax.grad(jax.grad(scalar_loss)))(points)
+            e2 = jnp.dot(node_w, d2)
+            if cfg.curvature == "ggn":
+                e2 = jnp.maximum(e2, 0.0)
+            lam = jnp.reshape(e2, (1, 1))
+            stored, dense = _store(cfg, jac, lam)
+            return (jnp.dot(node_w, phi), jac[0] * jnp.dot(node_w, d1), jac, stored), dense
+
+        (loss, grad, jac, stored), dense = jax.vmap(one)(ex_chunk)
+        return (loss, grad, jac, stored), dense_sum(dense)
+
+    if rule.kind == "delta":
+        def one(ex):
+            loss, grad, jac, curv = _point_terms(spec, cfg, q.mean, ex, shared)
+            stored, dense = _store(cfg, jac, curv)
+            return (loss, grad, jac, stored), dense
+
+        per, dense = jax.vmap(one)(ex_chunk)
+        return per, dense_sum(dense)
+
+    samples = extra  # (S, d) fixed draws
+    num = samples.shape[0]
+    jac_at_mean = None
+    if cfg.storage == "factor":  # affine: the Jacobian does not depend on z
+        jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
+
+    def body(acc, z):
+        def one(ex):
+            loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
+            stored, dense = _store(cfg, jac, curv)
+            return (loss, grad, stored), dense
+
+        (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
+        new = (loss, grad, stored, dense_sum(dense))
+        return jax.tree.map(jnp.add, acc, new), None
+
+    shapes = jax.eval_shape(lambda: _mc_zero(spec, cfg, q, ex_chunk, shared, samples[0], dense_sum))
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, _ = jax.lax.scan(body, init, samples)
+    loss, grad, stored, dsum = jax.tree.map(lambda x: x / num, total)
+    return (loss, grad, jac_at_mean, stored), dsum
+
+
+def _mc_zero(spec, cfg, q, ex_chunk, shared, z, dense_sum):
+    def one(ex):
+        loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
+        stored, dense = _store(cfg, jac, curv)
+        return (loss, grad, stored), dense
+
+    (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
+    return (loss, grad, stored, dense_sum(dense))
+
+
+def _precision_chol(family, q):
+    if isinstance(family, FullGaussian):
+        return jnp.linalg.cholesky(q.precision)
+    return None
+
+
+def _map_chunks(fn, leaves, num, chunk, num_devices):
+    """Run ``fn(chunk_leaves, mask) -> (per_example, sums)`` over padded chunks."""
+    per_block = chunk * num_devices
+    total = int(math.ceil(num / per_block)) * per_block
+    pad = total - num
+    padded = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge") for x in leaves)
+    mask = jnp.arange(total) < num
+    n_chunks = total // per_block
+    shaped = tuple(x.reshape((num_devices, n_chunks, chunk) + x.shape[1:]) for x in padded)
+    mask = mask.reshape(num_devices, n_chunks, chunk)
+
+    def per_device(xs, mk):
+        xs = tuple(x[0] for x in xs)
+        mk = mk[0]
+        first = jax.eval_shape(fn, tuple(x[0] for x in xs), mk[0])
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first[1])
+
+        def body(carry, inp):
+            per, sums = fn(*inp)
+            return jax.tree.map(jnp.add, carry, sums), per
+
+        sums, per = jax.lax.scan(body, init, (xs, mk))
+        if num_devices > 1:
+            sums = jax.lax.psum(sums, "examples")
+        return jax.tree.map(lambda x: x[None], per), sums
+
+    if num_devices > 1:
+        mesh = Mesh(np.array(jax.local_devices()[:num_devices]), ("examples",))
+        spec_in = PartitionSpec("examples")
+        per, sums = jax.shard_map(per_device, mesh=mesh, in_specs=(spec_in, spec_in),
+                                  out_specs=(spec_in, PartitionSpec()))(shaped, mask)
+    else:
+        per, sums = per_device(shaped, mask)
+    per = jax.tree.map(lambda x: x.reshape((total,) + x.shape[3:])[:num], per)
+    return per, sums
+
+
+def _prior_terms(spec, rule, family, q, data, extra):
+    f = lambda z: prior_loss(spec, z, data)  # noqa: E731
+    vgh = lambda z: (*jax.value_and_grad(f)(z), jax.hessian(f)(z))  # noqa: E731
+    if rule.kind == "delta":
+        return vgh(q.mean)
+    if rule.kind == "mc":
+        vals = jax.lax.map(vgh, extra, batch_size=8)
+        return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
+    if rule.prior_mode == "quadratic":
+        loss, grad, hess = vgh(q.mean)
+        cov = family.dense_covariance(q)
+        return loss + 0.5 * jnp.sum(hess * cov), grad, hess
+    nodes, node_w = extra
+    std = jnp.sqrt(jnp.diag(family.dense_covariance(q)))
+    vals = jax.lax.map(lambda xi: vgh(q.mean + std * xi), nodes, batch_size=8)
+    loss = jnp.dot(node_w, vals[0])
+    grad = node_w @ vals[1]
+    hess = jnp.diag(node_w @ jax.vmap(jnp.diag)(vals[2]))
+    return loss, grad, hess
+
+
+@partial(jax.jit, static_argnames=("spec", "cfg", "family"))
+def _compute(spec, cfg, family, q, data, ids):
+    _TRACES["compute"] += 1
+    rule = cfg.rule
+    if rule.kind == "mc":
+        extra = family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples)
+    elif rule.kind == "gh":
+        extra = hermite_nodes(rule.num_nodes, q.mean.dtype)
+    else:
+        extra = None
+    num = data.per_example[0].shape[0]
+    fn = partial(_chunk_fn, spec, cfg, family, q, data.shared, extra)
+    (loss, grad, jac, stored), hess_sum = _map_chunks(fn, data.per_example, num, cfg.chunk_size, cfg.num_devices)
+    p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
+    curvature = None if cfg.storage in ("factor", "none") else stored
+    lam = stored if cfg.storage == "factor" else None
+    sites = Sites(grad=grad, curvature=curvature, jac=jac if cfg.storage == "factor" else None, lam=lam,
+                  loss=loss, ids=ids, prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss,
+                  ref_mean=q.mean, storage=cfg.storage)
+    if cfg.need_hessian_sum and cfg.storage == "factor":
+        hess_sum = jnp.einsum("nkd,nkl,nle->de", jac, lam, jac)
+    elif cfg.need_hessian_sum and cfg.storage == "dense":
+        hess_sum = jnp.sum(stored, 0)
+    return sites, SiteSums(hessian=hess_sum, loss=jnp.sum(loss))
+
+
+def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="auto", chunk_size=None,
+                  ids=None, need_hessian_sum=False, num_devices=None):
+    """Compute the sites of every example and of the prior at the posterior ``q``.
+
+    :param spec: the model's :class:`~numpyro_pc.likelihood.ModelSpec`.
+    :param data: the :class:`~numpyro_pc.likelihood.ModelData` to compute sites for.
+    :param family: an :class:`~numpyro_pc.families.ExponentialFamily`.
+    :param q: the :class:`~numpyro_pc.families.Gaussian` to expand around.
+    :param rule: a prepared :class:`~numpyro_pc.expectations.ExpectationRule`.
+    :param str curvature: ``"hessian"`` (exact ``E_q[∇²ℓ_i]``) or ``"ggn"`` (Gauss–Newton
+        ``E_q[J_iᵀ Λ_i J_i]`` with ``Λ_i`` projected onto its positive part).
+    :param str storage: ``"auto"``, ``"diag"``, ``"factor"``, ``"dense"`` or ``"none"``.
+    :param int chunk_size: examples per chunk (default from a memory budget).
+    :param ids: integer ids of the examples (default ``0..N-1``).
+    :param bool need_hessian_sum: also return ``Σ_i`` dense curvature (for the solver).
+    :param int num_devices: devices to shard chunks over (default: all local devices).
+    :return: ``(Sites, SiteSums)``.
+    """
+    if curvature not in ("hessian", "ggn"):
+        raise ValueError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
+    storage = resolve_storage(storage, family, spec, rule, curvature)
+    num = int(data.per_example[0].shape[0])
+    if num == 0:
+        raise ValueError("no examples to compute sites for (the data is empty)")
+    if num_devices is None:
+        num_devices = jax.local_device_count()
+    num_devices = max(1, min(int(num_devices), num))
+    if chunk_size is None:
+        chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)))
+    if ids is None:
+        ids = jnp.arange(num)
+    cfg = SiteConfig(rule=rule, curvature=curvature, storage=storage, chunk_size=int(chunk_size),
+                     num_devices=num_devices, need_hessian_sum=bool(need_hessian_sum))
+    return _compute(spec, cfg, family, q, data, jnp.asarray(ids))
