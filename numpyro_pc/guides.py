@@ -70,10 +70,11 @@ def default_expectation(guide, spec):
     return "gh" if (spec.num_params == 1 and spec.affine) else "mc"
 
 
-def _ensure_setup(guide, params, args, kwargs):
+def _ensure_setup(guide, args, kwargs):
+    # runs the guide once on its own initial values (not the user's params, which may be invalid)
     if getattr(guide, "prototype_trace", None) is None:
         with handlers.block():
-            handlers.seed(handlers.substitute(guide, data=params), 0)(*args, **kwargs)
+            handlers.seed(guide, 0)(*args, **kwargs)
 
 
 def _param(params, key, shape, guide):
@@ -110,7 +111,7 @@ def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
     kwargs = dict(kwargs or {})
     if not isinstance(params, dict):
         raise GuideParamsError(f"params must be a dict of guide parameters, got {type(params).__name__}")
-    _ensure_setup(guide, params, args, kwargs)
+    _ensure_setup(guide, args, kwargs)
     _check_order(guide, latent)
     family = get_family(_FAMILY[cls])
     d, prefix = latent.dim, guide.prefix

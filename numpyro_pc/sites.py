@@ -353,8 +353,10 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
     if num_devices > 1:
         mesh = Mesh(np.array(jax.local_devices()[:num_devices]), ("examples",))
         spec_in = PartitionSpec("examples")
+        # check_vma=False: with varying-axis checking, gradients w.r.t. the replicated mean
+        # would be psum-ed across devices (the transpose of an implicit broadcast).
         per, sums = jax.shard_map(per_device, mesh=mesh, in_specs=(spec_in, spec_in),
-                                  out_specs=(spec_in, PartitionSpec()))(shaped, mask)
+                                  out_specs=(spec_in, PartitionSpec()), check_vma=False)(shaped, mask)
     else:
         per, sums = per_device(shaped, mask)
     per = jax.tree.map(lambda x: x.reshape((total,) + x.shape[3:])[:num], per)

@@ -1,0 +1,71 @@
+# numpyro_pc developer tasks.  Only Python 3.11 and GNU make are assumed.
+SHELL := /bin/bash
+
+VENV        ?= .venv
+PY          ?= $(VENV)/bin/python
+SPHINXBUILD ?= $(VENV)/bin/sphinx-build
+BOOTSTRAP_PY := $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
+EXTRAS      ?= test,docs,gp
+STAMP       := $(VENV)/.installed
+
+.PHONY: help venv demo test unit notebooks docs bench clean distclean
+
+help:
+	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
+	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
+	@echo "make test       unit tests, then notebooks, then the strict docs build"
+	@echo "make unit       pytest on tests/"
+	@echo "make notebooks  execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
+	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
+	@echo "make bench      run every benchmarks/bench_*.py"
+	@echo "make clean      remove build and run outputs (keeps $(VENV)); distclean also removes $(VENV)"
+
+venv: $(STAMP)
+
+# The stamp is newer than pyproject.toml once the install succeeded; editing
+# pyproject.toml (dependencies, extras) triggers a re-install.  The editable
+# install puts the repository root on sys.path (see package-dir in
+# pyproject.toml), so modules added later import without re-installing.
+$(STAMP): pyproject.toml
+	@if [ ! -x "$(VENV)/bin/python" ]; then \
+	  if [ -z "$(BOOTSTRAP_PY)" ]; then echo "error: neither python3.11 nor python3 found" >&2; exit 1; fi; \
+	  echo "creating $(VENV) with $(BOOTSTRAP_PY)"; \
+	  "$(BOOTSTRAP_PY)" -m venv "$(VENV)"; \
+	fi
+	$(VENV)/bin/python -m pip install --upgrade pip
+	$(VENV)/bin/python -m pip install -e ".[$(EXTRAS)]"
+	@touch "$@"
+
+demo: venv
+	$(PY) -m numpyro_pc demo
+
+test: venv
+	$(MAKE) --no-print-directory unit
+	$(MAKE) --no-print-directory notebooks
+	$(MAKE) --no-print-directory docs
+
+unit: venv
+	$(PY) -m pytest -q -x --durations=15 tests
+
+notebooks: venv
+	NUMPYRO_PC_FAST=1 $(PY) scripts/run_notebooks.py notebooks
+
+docs: venv
+	$(SPHINXBUILD) -W --keep-going -b html docs docs/_build/html
+
+bench: venv
+	@set -e; found=0; \
+	for f in benchmarks/bench_*.py; do \
+	  [ -e "$$f" ] || continue; found=1; \
+	  echo "=== $$f"; \
+	  $(PY) "$$f"; \
+	done; \
+	if [ "$$found" = 0 ]; then echo "no benchmarks/bench_*.py scripts found"; fi
+
+clean:
+	rm -rf docs/_build docs/_generated_notebooks notebooks/_executed demo_output benchmarks/_out \
+	  .pytest_cache build dist *.egg-info
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -print0 | xargs -0 rm -rf
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,54 @@
+"""Shared fixtures: scoped float64, seeded data and small models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+
+@pytest.fixture
+def x64():
+    """Run a test in float64 without flipping the global setting for other tests."""
+    with jax.enable_x64(True):
+        yield
+
+
+def logistic_model(X, y=None):
+    """Bayesian logistic regression with an intercept: b ~ N(0,1), w ~ N(0, I)."""
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def linear_model(X, y=None, noise=0.5, prior_scale=2.0):
+    """Conjugate Bayesian linear regression with known noise."""
+    w = numpyro.sample("w", dist.Normal(0.0, prior_scale).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, noise), obs=y)
+
+
+def scale_model(X, y=None):
+    """Linear regression with a HalfNormal noise scale (a constrained latent)."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
+
+
+def make_logistic(n, d, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)) / np.sqrt(d) * 2.0
+    w = rng.normal(size=d)
+    y = (rng.uniform(size=n) < 1.0 / (1.0 + np.exp(-(X @ w + 0.3)))).astype(float)
+    return jnp.asarray(X), jnp.asarray(y)
+
+
+def make_linear(n, d, seed=0, noise=0.5):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    w = rng.normal(size=d)
+    y = X @ w + noise * rng.normal(size=n)
+    return jnp.asarray(X), jnp.asarray(y)

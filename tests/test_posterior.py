@@ -1,0 +1,220 @@
+"""DualPosterior against real oracles: closed forms, the paper's 1-D example, an independent VB solver."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+import pytest
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
+from scipy.optimize import minimize
+
+import numpyro_pc as pc
+from numpyro_pc.families import FullGaussian, Gaussian
+from numpyro_pc.expectations import get_rule
+from numpyro_pc.likelihood import bind_model
+from numpyro_pc.sites import compute_sites
+
+from conftest import linear_model, logistic_model, make_linear, make_logistic, scale_model
+
+NOISE, PRIOR = 0.5, 2.0
+
+
+def closed_form_linear(X, y):
+    precision = np.eye(X.shape[1]) / PRIOR**2 + X.T @ X / NOISE**2
+    mean = np.linalg.solve(precision, X.T @ y / NOISE**2)
+    return Gaussian(jnp.asarray(mean), jnp.asarray(precision))
+
+
+def test_dual_form_identities_hold_at_the_conjugate_posterior(x64):
+    X, y = make_linear(60, 4)
+    q = closed_form_linear(np.asarray(X), np.asarray(y))
+    spec, data = bind_model(linear_model, (X, y))
+    sites, _ = compute_sites(spec, data, FullGaussian(), q, get_rule("delta"))
+    # S = Σ_{i=0..N} Ĥ_i and Σ_{i=0..N} ĝ_i = 0, both to 1e-10 (relative to the terms' size)
+    np.testing.assert_allclose(sites.curvature_sum(FullGaussian()), q.precision, rtol=1e-10)
+    scale = np.abs(np.asarray(sites.grad)).sum()
+    assert np.abs(np.asarray(sites.grad_sum())).max() < 1e-10 * scale
+    # each Gaussian site is x_i x_iᵀ/σ² with gradient x_i (x_iᵀm − y_i)/σ²
+    np.testing.assert_allclose(sites.grad, X * ((X @ q.mean - y) / NOISE**2)[:, None], rtol=1e-12)
+
+
+def test_dual_form_of_svi_refines_to_the_closed_form(x64):
+    X, y = make_linear(60, 4)
+    exact = closed_form_linear(np.asarray(X), np.asarray(y))
+    guide = AutoMultivariateNormal(linear_model)
+    res = SVI(linear_model, guide, optax.adam(0.01), Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 1500, X, y, progress_bar=False)
+    post = pc.dual_form(linear_model, guide, res.params, X, y, refine=False)
+    kl_svi = float(FullGaussian().kl(post.state, exact))
+    assert post.residual > 1e-4  # SVI with Adam is not at the optimum
+    post = post.refine()
+    assert post.residual < 1e-10
+    assert float(FullGaussian().kl(post.state, exact)) < 1e-10 < kl_svi
+
+
+def threshold_model(x, y=None):
+    """The paper's App. A.1 classifier: a threshold θ with logits x − θ and prior N(0, 1)."""
+    theta = numpyro.sample("theta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x - theta), obs=y)
+
+
+def test_paper_one_dimensional_logistic_identities(x64):
+    x = jnp.asarray([-0.6, 0.4, 3.0])
+    y = jnp.asarray([0.0, 1.0, 1.0])
+    post = pc.fit(threshold_model, x, y, family="full", tol=1e-12)
+    m, var = float(post.mean[0]), float(post.covariance[0, 0])
+    # α_i = y_i − E[σ(f_i)], β_i = E[σ'(f_i)] with f_i = x_i − θ ~ N(x_i − m, var): computed
+    # independently with 200-node Gauss-Hermite in NumPy
+    nodes, weights = np.polynomial.hermite_e.hermegauss(200)
+    weights = weights / np.sqrt(2 * np.pi)
+    f = (np.asarray(x)[:, None] - m) + np.sqrt(var) * nodes[None, :]
+    sig = 1.0 / (1.0 + np.exp(-f))
+    alpha = np.asarray(y) - sig @ weights
+    beta = (sig * (1 - sig)) @ weights
+    assert abs(1.0 / var - (1.0 + beta.sum())) < 1e-8
+    assert abs(m - (-alpha.sum())) < 1e-8
+    # the far point contributes the least curvature
+    assert np.argmin(beta) == 2
+
+
+def reference_vb(X, y, num_nodes=32):
+    """VB optimum of Bayesian logistic regression by Newton's method on the ELBO (no numpyro_pc).
+
+    Parametrised by the mean and the Cholesky factor of the covariance; expectations of the
+    per-example losses by Gauss-Hermite on f_i = x_iᵀw + b, the KL to N(0, I) in closed form.
+    """
+    Xb = jnp.concatenate([jnp.ones((X.shape[0], 1)), X], 1)  # intercept first, as in the model
+    d = Xb.shape[1]
+    nodes, weights = np.polynomial.hermite_e.hermegauss(num_nodes)
+    nodes, weights = jnp.asarray(nodes), jnp.asarray(weights / np.sqrt(2 * np.pi))
+    tril = np.tril_indices(d)
+
+    def unpack(theta):
+        mean = theta[:d]
+        L = jnp.zeros((d, d)).at[tril].set(theta[d:])
+        L = L - jnp.diag(jnp.diag(L)) + jnp.diag(jnp.exp(jnp.diag(L)))
+        return mean, L
+
+    def neg_elbo(theta):
+        mean, L = unpack(theta)
+        mu = Xb @ mean
+        s = jnp.linalg.norm(Xb @ L, axis=1)
+        f = mu[:, None] + s[:, None] * nodes[None, :]
+        loss = jnp.sum((jax.nn.softplus(f) - y[:, None] * f) @ weights)
+        kl = 0.5 * (jnp.sum(L**2) + mean @ mean - d) - jnp.sum(jnp.log(jnp.diag(L)))
+        return loss + kl
+
+    theta = jnp.zeros(d + len(tril[0]))
+    grad, hess = jax.jit(jax.grad(neg_elbo)), jax.jit(jax.hessian(neg_elbo))
+    res = minimize(lambda t: float(neg_elbo(t)), np.asarray(theta), jac=lambda t: np.asarray(grad(t)),
+                   method="L-BFGS-B", options=dict(maxiter=5000, gtol=1e-9))
+    theta = jnp.asarray(res.x)
+    for _ in range(30):  # Newton polish to machine precision
+        g = grad(theta)
+        if float(jnp.max(jnp.abs(g))) < 1e-12:
+            break
+        theta = theta - jnp.linalg.solve(hess(theta), g)
+    mean, L = unpack(theta)
+    return Gaussian(mean, jnp.linalg.inv(L @ L.T))
+
+
+def test_logistic_regression_matches_an_independent_vb_solver(x64):
+    X, y = make_logistic(400, 20, seed=3)
+    post = pc.fit(logistic_model, X, y, family="full", expectation="gh")
+    assert post.residual < 1e-8
+    ref = reference_vb(X, y)
+    assert float(FullGaussian().kl(post.state, ref)) < 1e-8
+
+
+@pytest.mark.parametrize("rule", ["delta", "mc", "gh"])
+def test_each_rule_reaches_its_own_fixed_point(x64, rule):
+    X, y = make_logistic(200, 20, seed=6)
+    post = pc.fit(logistic_model, X, y, family="full", expectation=rule, num_samples=32)
+    assert post.residual < 1e-8
+    # recomputing the sites at the returned posterior with the same rule reproduces the fixed point
+    parts = post.residual_parts
+    assert parts["mean"] < 1e-8 and parts["precision"] < 1e-8
+    assert len(post.history) <= 25
+
+
+def test_delta_rule_is_the_laplace_approximation(x64):
+    X, y = make_logistic(150, 5, seed=2)
+    post = pc.fit(logistic_model, X, y, family="full", expectation="delta", tol=1e-12)
+    Xb = np.concatenate([np.ones((150, 1)), np.asarray(X)], 1)
+    yn = np.asarray(y)
+
+    def neg_log_post(w):
+        f = Xb @ w
+        return np.sum(np.logaddexp(0, f) - yn * f) + 0.5 * w @ w
+
+    def grad(w):
+        return Xb.T @ (1 / (1 + np.exp(-(Xb @ w))) - yn) + w
+
+    w_map = minimize(neg_log_post, np.zeros(6), jac=grad, method="BFGS", options=dict(gtol=1e-12)).x
+    p = 1 / (1 + np.exp(-(Xb @ w_map)))
+    hess = Xb.T @ (Xb * (p * (1 - p))[:, None]) + np.eye(6)
+    np.testing.assert_allclose(post.mean, w_map, atol=1e-7)
+    np.testing.assert_allclose(post.precision, hess, rtol=1e-7)
+
+
+def test_diagonal_and_constrained_models(x64):
+    X, y = make_linear(80, 3, seed=1)
+    post = pc.fit(scale_model, X, y, family="diagonal", expectation="mc", num_samples=32)
+    assert post.residual < 1e-8
+    draws = post.sample(jax.random.PRNGKey(0), 500)
+    assert draws["sigma"].shape == (500,) and bool(jnp.all(draws["sigma"] > 0))
+    assert draws["w"].shape == (500, 3)
+    full = pc.fit(scale_model, X, y, family="full", expectation="mc", num_samples=32)
+    assert full.sites.storage == "dense" and full.residual < 1e-8
+
+
+def test_fit_and_dual_form_agree(x64):
+    X, y = make_logistic(120, 4, seed=9)
+    guide = AutoNormal(logistic_model)
+    res = SVI(logistic_model, guide, optax.adam(0.02), Trace_ELBO()).run(
+        jax.random.PRNGKey(0), 500, X, y, progress_bar=False)
+    a = pc.dual_form(logistic_model, guide, res.params, X, y)
+    b = pc.fit(logistic_model, X, y, family="diagonal")
+    assert float(a.kl(b)) < 1e-10
+
+
+def test_float32_reaches_its_default_tolerance():
+    X, y = make_logistic(200, 5, seed=1)
+    post = pc.fit(logistic_model, X, y, family="full")
+    assert post.mean.dtype == jnp.float32
+    assert post.residual < 1e-5
+
+
+def test_failed_refinement_is_reported_not_hidden(x64):
+    X, y = make_logistic(100, 5)
+    with pytest.raises(pc.ConvergenceError, match="residual") as info:
+        pc.fit(logistic_model, X, y, family="full", max_iters=1)
+    partial = info.value.posterior
+    assert isinstance(partial, pc.DualPosterior) and partial.residual > 1e-8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        post = pc.fit(logistic_model, X, y, family="full", max_iters=1, raise_on_failure=False)
+    assert any("residual" in str(w.message) for w in caught)
+    assert post.residual > 1e-8
+
+
+def test_sample_arviz_and_immutability(x64):
+    X, y = make_logistic(50, 3)
+    post = pc.fit(logistic_model, X, y, family="full")
+    idata = post.to_arviz(jax.random.PRNGKey(0), 200)
+    assert idata.posterior["w"].shape == (1, 200, 3)
+    ll = idata.log_likelihood["y"].values
+    assert ll.shape == (1, 200, 50)
+    z = post.sample_unconstrained(jax.random.PRNGKey(0), 200)
+    expected = dist.Bernoulli(logits=X @ z[5, 1:].T + z[5, 0]).log_prob(y)
+    np.testing.assert_allclose(ll[0, 5], expected, rtol=1e-10)
+    with pytest.raises(AttributeError):
+        post.state = None
+    refined = post.refine()
+    assert refined is not post
