@@ -48,7 +48,7 @@ class ExpectationRule:
     kind: str = "delta"
     num_samples: int = 64
     seed: int = 0
-    num_nodes: int = 32
+    num_nodes: int = 64
     prior_mode: str | None = None
 
     def __post_init__(self):

@@ -30,6 +30,23 @@ from .solvers import SiteProblem, default_tol, dual_residual, solve
 __all__ = ["DualPosterior", "dual_form", "fit"]
 
 
+def _in_own_precision(method):
+    """Run a method in the floating precision the posterior was built with.
+
+    A posterior created inside ``jax.enable_x64()`` keeps computing in float64 when used
+    after the context has closed (and a float32 posterior stays float32), without
+    changing the global setting.
+    """
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with jax.enable_x64(self.state.mean.dtype == jnp.float64):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class DualPosterior:
     """A Gaussian posterior over the flat unconstrained latents with its cached sites.
 
@@ -84,26 +101,31 @@ class DualPosterior:
         return self.state.mean
 
     @property
+    @_in_own_precision
     def precision(self):
         """Posterior precision ``S`` as a dense ``(d, d)`` matrix."""
         return self.family.dense_precision(self.state)
 
     @property
+    @_in_own_precision
     def covariance(self):
         """Posterior covariance ``S⁻¹`` as a dense ``(d, d)`` matrix."""
         return self.family.dense_covariance(self.state)
 
     @property
+    @_in_own_precision
     def natural(self):
         """Natural parameters ``(S m, S)`` (see :class:`~numpyro_pc.families.GaussianNatural`)."""
         return self.family.natural(self.state)
 
     @property
+    @_in_own_precision
     def residual(self):
         """Relative dual-form residual (max of the mean and precision identities)."""
         return dual_residual(self.family, self.state, self.sites)[0]
 
     @property
+    @_in_own_precision
     def residual_parts(self):
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
         return dual_residual(self.family, self.state, self.sites)[1]
@@ -118,6 +140,7 @@ class DualPosterior:
         return DualPosterior(**fields)
 
     # ------------------------------------------------------------------ refine
+    @_in_own_precision
     def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False):
         """Natural-gradient steps until the dual-form residual is below ``tol``.
 
@@ -143,14 +166,17 @@ class DualPosterior:
         return self._replace(state=q, sites=sites, history=history)
 
     # ------------------------------------------------------------------ probability
+    @_in_own_precision
     def log_prob(self, z):
         """Log-density of flat unconstrained values ``z`` (trailing axis ``d``)."""
         return self.family.log_prob(self.state, jnp.asarray(z))
 
+    @_in_own_precision
     def entropy(self):
         """Entropy of the posterior in unconstrained space."""
         return self.family.entropy(self.state)
 
+    @_in_own_precision
     def kl(self, other):
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
         if other.latent.signature() != self.latent.signature():
@@ -159,15 +185,18 @@ class DualPosterior:
             raise ValueError(f"KL between different families ({self.family.name} vs {other.family.name})")
         return self.family.kl(self.state, other.state)
 
+    @_in_own_precision
     def sample_unconstrained(self, key, num_samples):
         """Draws of the flat unconstrained vector, shape ``(num_samples, d)``."""
         return self.family.sample(self.state, key, num_samples)
 
+    @_in_own_precision
     def sample(self, key, num_samples):
         """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``."""
         z = self.sample_unconstrained(key, num_samples)
         return jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
 
+    @_in_own_precision
     def log_likelihood(self, z):
         """Per-site, per-example log-likelihood at flat values ``z`` (``{site: (..., N)}``)."""
         z = jnp.asarray(z)
@@ -177,6 +206,7 @@ class DualPosterior:
         return {name: jnp.reshape(v.T if v.ndim == 1 else v, z.shape[:-1] + (-1,))
                 for name, v in zip(self.spec.observed, values)}
 
+    @_in_own_precision
     def to_arviz(self, key, num_samples=1000):
         """ArviZ ``InferenceData`` with ``posterior`` and ``log_likelihood`` groups (one chain)."""
         import arviz as az
@@ -189,6 +219,7 @@ class DualPosterior:
         dims = {k: [f"{self.spec.plate}"] for k in log_likelihood}
         return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, dims=dims)
 
+    @_in_own_precision
     def to_guide_params(self, guide=None):
         """Parameters of ``guide`` (default: the guide this posterior came from) describing it."""
         guide = guide if guide is not None else self.guide
@@ -197,6 +228,7 @@ class DualPosterior:
         return _guides.to_guide_params(guide, self.family, self.state, self.latent,
                                        constrain_fn=lambda z: constrain(self.spec, z, self.data))
 
+    @_in_own_precision
     def site_curvature(self):
         """Per-example ``tr Ĥ_i`` — how much each example contributes to the precision."""
         return self.sites.curvature_trace()
@@ -218,7 +250,7 @@ def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, re
 
 
 def dual_form(model, guide, params, *args, expectation=None, curvature="hessian", storage="auto", refine=True,
-              tol=None, max_iters=100, num_samples=64, seed=0, num_nodes=32, chunk_size=None, data_plate=None,
+              tol=None, max_iters=100, num_samples=64, seed=0, num_nodes=64, chunk_size=None, data_plate=None,
               shared=(), progress=False, raise_on_failure=True, **kwargs):
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
 
@@ -249,7 +281,7 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
 
 
 def fit(model, *args, family="full", expectation=None, curvature="hessian", storage="auto", tol=None,
-        max_iters=100, num_samples=64, seed=0, num_nodes=32, init=None, chunk_size=None, data_plate=None,
+        max_iters=100, num_samples=64, seed=0, num_nodes=64, init=None, chunk_size=None, data_plate=None,
         shared=(), progress=False, raise_on_failure=True, **kwargs):
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 

@@ -218,3 +218,23 @@ def test_sample_arviz_and_immutability(x64):
         post.state = None
     refined = post.refine()
     assert refined is not post
+
+
+def test_a_float64_posterior_keeps_its_precision_outside_the_x64_scope():
+    X, y = make_logistic(60, 3)
+    with jax.enable_x64(True):
+        post = pc.fit(logistic_model, jnp.asarray(X, jnp.float64), jnp.asarray(y, jnp.float64), family="full")
+    assert not jax.config.jax_enable_x64  # the global setting is untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert post.residual < 1e-8
+        assert post.covariance.dtype == jnp.float64
+        assert post.sample(jax.random.PRNGKey(0), 5)["w"].dtype == jnp.float64
+
+
+def test_package_import_does_not_enable_x64():
+    import subprocess
+    import sys
+    code = "import numpyro_pc, jax; print(jax.config.jax_enable_x64)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
