@@ -3,13 +3,13 @@ r"""Exponential-family algebra over the flat unconstrained latent vector ``z``.
 Three Gaussian families are provided, all sharing one interface so that the rest of
 the package never branches on the family:
 
-========================  ==========================  ==============================
-family                    precision representation    sufficient statistics ``T(z)``
-========================  ==========================  ==============================
-:class:`FullGaussian`     ``(d, d)`` matrix ``S``     ``(z, z zᵀ)``
-:class:`DiagonalGaussian` ``(d,)`` vector ``s``       ``(z, z²)``
-:class:`IsotropicGaussian` scalar ``τ`` (fixed)       ``z`` (base measure ``e^{-τ‖z‖²/2}``)
-========================  ==========================  ==============================
+=========================== ============================ ===============================
+family                      precision representation     sufficient statistics ``T(z)``
+=========================== ============================ ===============================
+:class:`FullGaussian`       ``(d, d)`` matrix ``S``      ``(z, z zᵀ)``
+:class:`DiagonalGaussian`   ``(d,)`` vector ``s``        ``(z, z²)``
+:class:`IsotropicGaussian`  scalar ``τ`` (fixed)         ``z`` (base measure ``e^{-τ‖z‖²/2}``)
+=========================== ============================ ===============================
 
 A distribution is the pytree :class:`Gaussian` ``(mean, precision)``; its natural
 parameters are :class:`GaussianNatural` ``(linear, precision)`` meaning

@@ -264,15 +264,20 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
     :param str curvature: ``"hessian"`` or ``"ggn"``.
     :param str storage: per-example curvature storage, see :mod:`numpyro_pc.sites`.
     :param bool refine: run natural-gradient steps to the dual-form fixed point.
+    :param bool progress: show a progress bar during refinement.
+    :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations.
-    :param int num_samples, seed: Monte Carlo options; :param int num_nodes: Gauss–Hermite nodes.
+    :param int num_samples: Monte Carlo draws (``"mc"``).
+    :param int seed: seed of the fixed Monte Carlo noise.
+    :param int num_nodes: Gauss–Hermite nodes (``"gh"``).
+    :param int chunk_size: examples per chunk of the site computation.
     :param str data_plate: the plate indexing examples when ambiguous.
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
-    family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=data_dtype(data))
+    family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=_float_dtype())
     if expectation is None:
         expectation = _guides.default_expectation(guide, spec)
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
@@ -293,11 +298,12 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     :param expectation: default ``"gh"`` for GLM-type models, else ``"mc"``
         (``"delta"`` for the isotropic family).
     :param init: optional flat unconstrained starting mean.
+
     See :func:`dual_form` for the other options.
     """
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     fam = get_family(family)
-    dtype = data_dtype(data)
+    dtype = _float_dtype()
     mean = jnp.zeros(spec.latent.dim, dtype) if init is None else jnp.asarray(init, dtype)
     if isinstance(fam, IsotropicGaussian):
         precision = jnp.asarray(1.0, dtype)
@@ -314,7 +320,7 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
                  max_iters, progress, raise_on_failure)
 
 
-def data_dtype(data):
+def _float_dtype():
     """Floating dtype of the computation: float64 if x64 is enabled, else float32."""
     return jnp.result_type(float)
 

@@ -6,14 +6,17 @@ Gauss–Newton form) for every element of the data plate plus the prior site
 
 Curvature storage (``Sites.storage``):
 
-``"diag"``    ``(N, d)`` diagonals — the diagonal family;
-``"factor"``  ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J_i`` ``(N, k, d)`` the Jacobian of the
-              example's ``k`` distribution parameters and ``Λ_i`` ``(N, k, k)`` — exact
-              for GLM-type models (``θ_i`` affine in ``z``), and the Gauss–Newton
-              approximation otherwise; ``O(N·k·d)`` memory;
-``"dense"``   ``(N, d, d)`` — only when asked, or automatically for small problems that
-              have no exact factorisation;
-``"none"``    no curvature — the isotropic family.
+``"diag"``
+    ``(N, d)`` diagonals — the diagonal family.
+``"factor"``
+    ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J_i`` ``(N, k, d)`` the Jacobian of the example's ``k``
+    distribution parameters and ``Λ_i`` ``(N, k, k)`` — exact for GLM-type models
+    (``θ_i`` affine in ``z``), the Gauss–Newton approximation otherwise; ``O(N·k·d)``.
+``"dense"``
+    ``(N, d, d)`` — only when asked, or automatically for small problems that have no
+    exact factorisation.
+``"none"``
+    no curvature — the isotropic family.
 
 Examples are processed in chunks (``lax.scan`` over padded, masked chunks) so that
 transient per-example Hessians never exceed a fixed memory budget, and chunks are
@@ -286,36 +289,27 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         return per, dense_sum(dense)
 
     samples = extra  # (S, d) fixed draws
-    num = samples.shape[0]
     jac_at_mean = None
     if cfg.storage == "factor":  # affine: the Jacobian does not depend on z
         jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
 
-    def body(acc, z):
+    def at_sample(z):
         def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
             stored, dense = _store(cfg, jac, curv)
             return (loss, grad, stored), dense
 
         (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
-        new = (loss, grad, stored, dense_sum(dense))
-        return jax.tree.map(jnp.add, acc, new), None
+        return loss, grad, stored, dense_sum(dense)
 
-    shapes = jax.eval_shape(lambda: _mc_zero(spec, cfg, q, ex_chunk, shared, samples[0], dense_sum))
+    def body(acc, z):
+        return jax.tree.map(jnp.add, acc, at_sample(z)), None
+
+    shapes = jax.eval_shape(at_sample, samples[0])
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     total, _ = jax.lax.scan(body, init, samples)
-    loss, grad, stored, dsum = jax.tree.map(lambda x: x / num, total)
+    loss, grad, stored, dsum = jax.tree.map(lambda x: x / samples.shape[0], total)
     return (loss, grad, jac_at_mean, stored), dsum
-
-
-def _mc_zero(spec, cfg, q, ex_chunk, shared, z, dense_sum):
-    def one(ex):
-        loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
-        stored, dense = _store(cfg, jac, curv)
-        return (loss, grad, stored), dense
-
-    (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
-    return (loss, grad, stored, dense_sum(dense))
 
 
 def _precision_chol(family, q):
