@@ -19,6 +19,7 @@ from .errors import (
     PosteriorCorrectionError,
     SiteStorageError,
     UnsupportedGuideError,
+    UnknownExampleError,
     UnsupportedModelError,
 )
 from .expectations import ExpectationRule
@@ -35,5 +36,5 @@ __all__ = [
     "errors", "families", "guides",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
-    "ConvergenceError", "ExpectationRuleError", "SiteStorageError",
+    "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError",
 ]

@@ -62,3 +62,10 @@ class ExpectationRuleError(PosteriorCorrectionError, ValueError):
 
 class SiteStorageError(PosteriorCorrectionError, ValueError):
     """The requested per-example site storage is impossible or too large."""
+
+
+class UnknownExampleError(PosteriorCorrectionError, KeyError):
+    """An example id is not in the posterior (never added, already deleted, or its data was dropped)."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""

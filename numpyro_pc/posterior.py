@@ -62,13 +62,19 @@ class DualPosterior:
     """
 
     __slots__ = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
-                 "history", "guide")
+                 "history", "guide", "data_ids", "tombstones", "next_id", "record")
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
-                 chunk_size=None, history=(), guide=None):
+                 chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None):
+        if data_ids is None:
+            data_ids = sites.ids
+        if next_id is None:
+            next_id = int(np.max(np.asarray(sites.ids))) + 1 if sites.num_examples else 0
         for name, value in dict(spec=spec, data=data, family=family, state=state, sites=sites, rule=rule,
                                 curvature=curvature, storage=storage, chunk_size=chunk_size,
-                                history=tuple(history), guide=guide).items():
+                                history=tuple(history), guide=guide, data_ids=jnp.asarray(data_ids),
+                                tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
+                                record=record).items():
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name, value):
@@ -94,6 +100,11 @@ class DualPosterior:
     def ids(self):
         """Stable integer ids of the examples, aligned with the sites."""
         return self.sites.ids
+
+    @property
+    def num_retained(self):
+        """Number of examples whose data is kept (and can be corrected)."""
+        return int(np.asarray(self.data_ids).size)
 
     @property
     def mean(self):
@@ -130,9 +141,20 @@ class DualPosterior:
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
         return dual_residual(self.family, self.state, self.sites)[1]
 
+    def _split_frozen(self):
+        """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
+        from .streaming import positions
+
+        live = positions(self.sites.ids, self.data_ids)
+        frozen = np.setdiff1d(np.arange(self.num_examples), live)
+        base = self.sites.take(frozen).natural_sum(self.family) if frozen.size else None
+        return live, frozen, base
+
     def _problem(self):
-        return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, self.storage,
-                           self.chunk_size, self.sites.ids)
+        _, _, base = self._split_frozen()
+        storage = self.sites.storage
+        return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, storage,
+                           self.chunk_size, self.data_ids, base, True)
 
     def _replace(self, **changes):
         fields = {name: getattr(self, name) for name in self.__slots__}
@@ -153,17 +175,59 @@ class DualPosterior:
         :param bool progress: show a progress bar.
         :return: a new :class:`DualPosterior` whose ``history`` records every step.
         """
+        _, frozen, _ = self._split_frozen()
+
+        def assemble(fresh):
+            return self.sites.take(frozen).concat(fresh) if frozen.size else fresh
+
         try:
             q, sites, history = solve(self._problem(), self.state, tol=tol, max_iters=max_iters,
                                       step_size=step_size, raise_on_failure=True, progress=progress)
         except ConvergenceError as err:
             q, sites = err.posterior
-            partial = self._replace(state=q, sites=sites, history=err.history)
+            partial = self._replace(state=q, sites=assemble(sites), history=err.history)
             if raise_on_failure:
                 raise ConvergenceError(str(err), posterior=partial, history=err.history) from None
             warnings.warn(str(err), RuntimeWarning, stacklevel=2)
             return partial
-        return self._replace(state=q, sites=sites, history=history)
+        return self._replace(state=q, sites=assemble(sites), history=history)
+
+    # ------------------------------------------------------------------ adaptation
+    def update(self, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
+               max_iters=100, progress=False, raise_on_failure=True, **kwargs):
+        """Add a batch of examples: the corrected streaming update of DESIGN §2.
+
+        New examples get the next free ids. ``correction`` chooses the past terms whose
+        stale sites are replaced by their true losses: ``"none"`` (VCL), ``"prior"``,
+        ``"exact"`` (every retained example: the batch posterior) or ``"memory"`` (``memory``
+        is a list of ids, or a size chosen by ``selection`` in ``"random"``,
+        ``"residual"``, ``"curvature"``, ``"leverage"``).
+
+        :param args: the new batch, passed to the model like the original data.
+        :param keep: data retention: ``"all"``, ``"none"`` or a reservoir size (int);
+            sites of examples whose data is dropped stay in the posterior, frozen.
+        :param int seed: seed of random memory selection and of the reservoir.
+        :return: a new :class:`DualPosterior`; ``record`` holds the operation's diagnostics.
+        """
+        from .streaming import update
+
+        return update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
+                      tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure, **kwargs)
+
+    @_in_own_precision
+    def delete(self, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
+        """Remove examples from the posterior (unlearning); see :mod:`numpyro_pc.unlearning`.
+
+        :param ids: example ids to delete (any number).
+        :param str method: ``"remove_site"`` (memory-perturbation equation, default),
+            ``"influence"``, ``"tracin"``, ``"corrected"`` or ``"retrain"``.
+        :param bool damping: when the result would not be positive definite, shrink the
+            removal and report the factor in ``record["damping"]`` instead of raising.
+        """
+        from .unlearning import delete
+
+        return delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
+                      raise_on_failure=raise_on_failure)
 
     # ------------------------------------------------------------------ probability
     @_in_own_precision
@@ -235,7 +299,8 @@ class DualPosterior:
 
     def __repr__(self):
         return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
-                f"rule={self.rule.kind}, storage={self.sites.storage}, residual={self.residual:.2e})")
+                f"retained={self.num_retained}, rule={self.rule.kind}, storage={self.sites.storage}, "
+                f"residual={self.residual:.2e})")
 
 
 def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .errors import SiteStorageError
 from .expectations import hermite_nodes
-from .families import FullGaussian, DiagonalGaussian, IsotropicGaussian
+from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import example_loss, example_params, prior_loss
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]
@@ -55,8 +55,8 @@ def trace_count():
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["grad", "curvature", "jac", "lam", "loss", "ids", "prior_grad", "prior_curvature",
-                      "prior_loss", "ref_mean"],
+         data_fields=["grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
+                      "prior_curvature", "prior_loss", "prior_ref"],
          meta_fields=["storage"])
 @dataclass(frozen=True)
 class Sites:
@@ -68,8 +68,14 @@ class Sites:
     :ivar lam: ``(N, k, k)`` expected loss Hessians w.r.t. the parameters, or ``None``.
     :ivar loss: ``(N,)`` expected losses ``E_q[ℓ_i]``.
     :ivar ids: ``(N,)`` stable integer example ids.
-    :ivar prior_grad: ``ĝ_0``; :ivar prior_curvature: dense ``Ĥ_0``; :ivar prior_loss: ``E_q[ℓ_0]``.
-    :ivar ref_mean: the mean ``m`` of the posterior the sites were computed at.
+    :ivar ref_index: ``(N,)`` row of ``ref_means`` holding the mean each site was computed at.
+    :ivar ref_means: ``(T, d)`` the posterior means the sites were computed at (one row per
+        computation; sites from earlier posteriors keep their own row, so stale and fresh
+        sites coexist).
+    :ivar prior_grad: ``ĝ_0``.
+    :ivar prior_curvature: dense ``Ĥ_0``.
+    :ivar prior_loss: ``E_q[ℓ_0]``.
+    :ivar prior_ref: the mean the prior site was computed at.
     :ivar storage: ``"diag"``, ``"factor"``, ``"dense"`` or ``"none"``.
     """
 
@@ -79,10 +85,12 @@ class Sites:
     lam: jax.Array | None
     loss: jax.Array
     ids: jax.Array
+    ref_index: jax.Array
+    ref_means: jax.Array
     prior_grad: jax.Array
     prior_curvature: jax.Array
     prior_loss: jax.Array
-    ref_mean: jax.Array
+    prior_ref: jax.Array
     storage: str
 
     @property
@@ -131,15 +139,70 @@ class Sites:
             return jnp.sum(self.curvature, 1)
         return jnp.zeros(self.grad.shape[0], self.grad.dtype)
 
+    def refs(self):
+        """``(N, d)`` the mean each example's site was computed at."""
+        return self.ref_means[self.ref_index]
+
+    def _curvature_matvec(self, v):
+        """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
+        if self.storage == "factor":
+            return jnp.einsum("nkd,nkl,nle,ne->nd", self.jac, self.lam, self.jac, v)
+        if self.storage == "dense":
+            return jnp.einsum("nde,ne->nd", self.curvature, v)
+        if self.storage == "diag":
+            return self.curvature * v
+        return jnp.zeros_like(v)
+
+    def grad_at(self, mean):
+        """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
+        return self.grad + self._curvature_matvec(mean[None, :] - self.refs())
+
+    def prior_grad_at(self, mean):
+        """Gradient of the prior site at ``mean``."""
+        return self.prior_grad + self.prior_curvature @ (mean - self.prior_ref)
+
     def natural(self, family):
-        """Per-example site natural parameters ``(Ĥ_i m − ĝ_i, Ĥ_i)`` (leading axis N)."""
+        """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
+        linear = self._curvature_matvec(self.refs()) - self.grad
         if isinstance(family, IsotropicGaussian):
             curv = jnp.zeros(self.grad.shape[0], self.grad.dtype)
         elif isinstance(family, DiagonalGaussian) and self.storage == "diag":
             curv = self.curvature
         else:
             curv = family.project_curvature(self.dense_curvature())
-        return jax.vmap(family.site_natural, in_axes=(0, 0, None))(self.grad, curv, self.ref_mean)
+        return GaussianNatural(linear, curv)
+
+    def natural_sum(self, family):
+        """``Σ_{i=1..N}`` site natural parameters, in the family's format."""
+        linear = jnp.sum(self._curvature_matvec(self.refs()) - self.grad, 0)
+        return GaussianNatural(linear, self.example_curvature_sum(family))
+
+    def prior_natural(self, family):
+        """Natural parameters of the prior site."""
+        return family.site_natural(self.prior_grad, family.project_curvature(self.prior_curvature), self.prior_ref)
+
+    def take(self, index):
+        """The sites of the examples at positions ``index`` (the prior site is kept)."""
+        index = jnp.asarray(index, dtype=jnp.int32)
+        pick = lambda x: None if x is None else x[index]  # noqa: E731
+        return Sites(grad=self.grad[index], curvature=pick(self.curvature), jac=pick(self.jac), lam=pick(self.lam),
+                     loss=self.loss[index], ids=self.ids[index], ref_index=self.ref_index[index],
+                     ref_means=self.ref_means, prior_grad=self.prior_grad, prior_curvature=self.prior_curvature,
+                     prior_loss=self.prior_loss, prior_ref=self.prior_ref, storage=self.storage)
+
+    def concat(self, other, prior_from="other"):
+        """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
+        if other.storage != self.storage:
+            raise SiteStorageError(f"cannot join sites stored as {self.storage!r} and {other.storage!r}")
+        join = lambda a, b: None if a is None else jnp.concatenate([a, b], 0)  # noqa: E731
+        prior = other if prior_from == "other" else self
+        return Sites(grad=join(self.grad, other.grad), curvature=join(self.curvature, other.curvature),
+                     jac=join(self.jac, other.jac), lam=join(self.lam, other.lam), loss=join(self.loss, other.loss),
+                     ids=join(self.ids, other.ids),
+                     ref_index=join(self.ref_index, other.ref_index + self.ref_means.shape[0]),
+                     ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
+                     prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref,
+                     storage=self.storage)
 
     def stored_numbers(self):
         """How many numbers the per-example sites hold (gradients and curvature)."""
@@ -395,8 +458,9 @@ def _compute(spec, cfg, family, q, data, ids):
     curvature = None if cfg.storage in ("factor", "none") else stored
     lam = stored if cfg.storage == "factor" else None
     sites = Sites(grad=grad, curvature=curvature, jac=jac if cfg.storage == "factor" else None, lam=lam,
-                  loss=loss, ids=ids, prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss,
-                  ref_mean=q.mean, storage=cfg.storage)
+                  loss=loss, ids=ids, ref_index=jnp.zeros(num, jnp.int32), ref_means=q.mean[None, :],
+                  prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss, prior_ref=q.mean,
+                  storage=cfg.storage)
     if cfg.need_hessian_sum and cfg.storage == "factor":
         hess_sum = jnp.einsum("nkd,nkl,nle->de", jac, lam, jac)
     elif cfg.need_hessian_sum and cfg.storage == "dense":

@@ -43,7 +43,13 @@ _LINEAR = 0.1  # accelerate only while the residual shrinks by less than this fa
 
 
 class SiteProblem(NamedTuple):
-    """Everything needed to recompute sites at a new ``q`` (model, data and options)."""
+    """A dual-form fixed-point problem: which terms are live and how their sites are computed.
+
+    The target is ``q ∝ base(z) · exp(−ℓ_0(z))^{[include_prior]} · Π_i exp(−ℓ_i(z))`` over the
+    examples in ``data``, where ``base`` is a fixed (possibly improper) Gaussian factor in
+    natural parameters — e.g. the old posterior with the sites of corrected examples
+    divided out (DESIGN §2, streaming update and deletion).
+    """
 
     spec: object
     data: object
@@ -53,6 +59,8 @@ class SiteProblem(NamedTuple):
     storage: str
     chunk_size: int | None
     ids: object
+    base: object = None
+    include_prior: bool = True
 
     def sites(self, q, need_hessian_sum=False):
         return compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
@@ -65,37 +73,67 @@ def default_tol(dtype):
     return 1e-8 if jnp.dtype(dtype) == jnp.float64 else 1e-5
 
 
-@jax.jit
-def _residual_parts_full(precision, grad_sum, grad_norms, curv_sum):
-    r_mean = jnp.linalg.norm(grad_sum) / jnp.maximum(grad_norms, jnp.finfo(grad_sum.dtype).tiny)
-    r_prec = jnp.linalg.norm(precision - curv_sum) / jnp.linalg.norm(precision)
-    return r_mean, r_prec
+def _base_terms(family, q, base):
+    """Gradient, family-format and dense curvature, and expected loss of a Gaussian factor.
+
+    The factor ``exp(bᵀz − ½ zᵀBz)`` contributes the loss ``½ zᵀBz − bᵀz``.
+    """
+    b_mean = family.natural(Gaussian(q.mean, base.precision)).linear  # B m
+    grad = b_mean - base.linear
+    dense_b = family.dense_precision(Gaussian(q.mean, base.precision))
+    loss = 0.5 * (q.mean @ b_mean + jnp.sum(dense_b * family.dense_covariance(q))) - base.linear @ q.mean
+    return grad, base.precision, dense_b, loss
 
 
-def dual_residual(family, q, sites):
+def _totals(problem, q, sites, sums=None):
+    """Sums over the live terms: gradient, Σ‖gradients‖, curvature (family format), dense curvature, loss."""
+    family = problem.family
+    grads = sites.grad_at(q.mean)
+    grad = jnp.sum(grads, 0)
+    norms = jnp.sum(jnp.linalg.norm(grads, axis=1))
+    curv = sites.example_curvature_sum(family)
+    dense = None if sums is None else sums.hessian
+    loss = None if sums is None else sums.loss
+    if problem.include_prior:
+        p_grad = sites.prior_grad_at(q.mean)
+        grad, norms = grad + p_grad, norms + jnp.linalg.norm(p_grad)
+        curv = curv + family.project_curvature(sites.prior_curvature)
+        dense = None if dense is None else dense + sites.prior_curvature
+        loss = None if loss is None else loss + sites.prior_loss
+    if problem.base is not None:
+        b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, problem.base)
+        grad, norms, curv = grad + b_grad, norms + jnp.linalg.norm(b_grad), curv + b_curv
+        dense = None if dense is None else dense + b_dense
+        loss = None if loss is None else loss + b_loss
+    return grad, norms, curv, dense, loss
+
+
+def dual_residual(family, q, sites, base=None, include_prior=True):
     """Relative residuals of the two dual-form identities (DESIGN §2).
 
-    ``mean = ‖Σ_{i=0..N} ĝ_i‖ / Σ_{i=0..N} ‖ĝ_i‖`` (cancellation of the expected
-    gradients) and ``precision = ‖S − Σ_{i=0..N} Ĥ_i‖_F / ‖S‖_F`` (zero by construction
-    for the isotropic family, whose precision is fixed).
+    With ``∇ℓ̂_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the gradient of site ``i`` at the mean (equal to
+    ``ĝ_i`` for a site computed at ``q`` itself):
+
+    ``mean = ‖Σ_i ∇ℓ̂_i(m)‖ / Σ_i ‖∇ℓ̂_i(m)‖`` (the site gradients cancel at the mean) and
+    ``precision = ‖S − Σ_i Ĥ_i‖_F / ‖S‖_F`` (zero by construction for the isotropic family,
+    whose precision is fixed); sums run over the prior site, the example sites and an
+    optional fixed Gaussian ``base`` factor.
 
     :return: ``(residual, {"mean": ..., "precision": ...})`` with ``residual`` the larger.
     """
-    grad_norms = jnp.linalg.norm(sites.prior_grad) + jnp.sum(jnp.linalg.norm(sites.grad, axis=1))
-    if isinstance(family, IsotropicGaussian):
-        curv = q.precision
-    else:
-        curv = sites.curvature_sum(family)
-    r_mean, r_prec = _residual_parts_full(q.precision, sites.grad_sum(), grad_norms, curv)
-    r_mean, r_prec = float(r_mean), float(r_prec)
+    problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior)
+    grad, norms, curv, _, _ = _totals(problem, q, sites)
+    r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
     if isinstance(family, IsotropicGaussian):
         r_prec = 0.0
+    else:
+        r_prec = float(jnp.linalg.norm(q.precision - curv) / jnp.linalg.norm(q.precision))
     return max(r_mean, r_prec), {"mean": r_mean, "precision": r_prec}
 
 
 def _objective(problem, q, sites, sums):
-    """Variational objective ``Σ_{i≥0} E_q[ℓ_i] − H(q)`` (the MAP loss for the delta rule)."""
-    value = sums.loss + sites.prior_loss
+    """Variational objective ``Σ E_q[live losses] − H(q)`` (the MAP loss for the delta rule)."""
+    value = _totals(problem, q, sites, sums)[4]
     if problem.rule.kind != "delta":
         value = value - problem.family.entropy(q)
     return float(value)
@@ -129,20 +167,15 @@ def _check_finite(sites):
         )
 
 
-def _fixed_point_map(family, q, sites, sums):
+def _fixed_point_map(problem, q, sites, sums):
     """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
-    grad = sites.grad_sum()
+    family = problem.family
+    grad, _, target, dense, _ = _totals(problem, q, sites, sums)
     if isinstance(family, IsotropicGaussian):
         target = q.precision
-    else:
-        target = sites.curvature_sum(family)
-    if isinstance(family, FullGaussian):
-        pre = target
-    else:
-        pre = sums.hessian + sites.prior_curvature
+    pre = target if isinstance(family, FullGaussian) else dense
     chol, _ = _regularised_chol(pre)
-    direction = -cho_solve((chol, True), grad)
-    return direction, target
+    return -cho_solve((chol, True), grad), target
 
 
 def _pack(q):
@@ -190,7 +223,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     if sites is None or sums is None:
         sites, sums = problem.sites(q, need_hessian_sum=need_sum)
     _check_finite(sites)
-    res, parts = dual_residual(family, q, sites)
+    res, parts = dual_residual(family, q, sites, problem.base, problem.include_prior)
     obj = _objective(problem, q, sites, sums)
     history = [dict(iteration=0, residual=res, residual_mean=parts["mean"], residual_precision=parts["precision"],
                     objective=obj, step=0.0, accelerated=False, seconds=time.perf_counter() - start)]
@@ -204,7 +237,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         t_sites, t_sums = problem.sites(trial, need_hessian_sum=need_sum)
         if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
             return None
-        t_res, t_parts = dual_residual(family, trial, t_sites)
+        t_res, t_parts = dual_residual(family, trial, t_sites, problem.base, problem.include_prior)
         t_obj = _objective(problem, trial, t_sites, t_sums)
         reference = max(h["residual"] for h in history[-_WATCH:])
         slack = 1e-12 * (1.0 + abs(obj))
@@ -214,7 +247,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
 
     while res > tol and it < max_iters:
         it += 1
-        direction, target = _fixed_point_map(family, q, sites, sums)
+        direction, target = _fixed_point_map(problem, q, sites, sums)
         x = _pack(q)
         xs.append(x)
         fs.append(_pack(Gaussian(q.mean + direction, target)) - x)

@@ -1,0 +1,195 @@
+r"""Streaming updates of a dual-form posterior with correction terms (DESIGN §2).
+
+Given ``q_t`` with its sites and a new batch, the corrected update is
+
+.. math::
+
+    q_{t+1} = \arg\min_q\; E_q[\ell_{new}] + KL(q \| q_t) + \sum_{i \in C} E_q[\ell_i - \hat\ell_{i|t}],
+
+which is the dual-form problem with the *cavity* ``q_t / Π_{i∈C} exp(−ℓ̂_{i|t})`` as a
+fixed Gaussian factor and the true losses of the new examples and of ``C`` as live terms
+(paper eq. ``postcorr``). The policy chooses ``C``:
+
+``"none"``     ``C = ∅`` — variational continual learning (VCL);
+``"prior"``    ``C = {0}`` — the prior site only;
+``"exact"``    every retained example and the prior — the batch posterior;
+``"memory"``   the prior and a memory of retained examples (ids, or a size and a selection
+               rule: ``random``, ``residual``, ``curvature``, ``leverage``).
+
+Sites of examples outside ``C`` stay as they were (stale); the result still satisfies
+``λ_{t+1} = Σ_i λ̂_i`` over all sites.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import DataShapeError, UnknownExampleError
+from .families import GaussianNatural, remove_site
+from .likelihood import ModelData, bind_model
+from .solvers import SiteProblem, solve
+
+__all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
+
+CORRECTIONS = ("none", "prior", "exact", "memory")
+SELECTIONS = ("random", "residual", "curvature", "leverage")
+
+
+def concat_data(a, b):
+    """Examples of ``a`` followed by those of ``b`` (shared arguments from ``a``)."""
+    return ModelData(tuple(jnp.concatenate([x, y], 0) for x, y in zip(a.per_example, b.per_example)), a.shared)
+
+
+def take_data(data, rows):
+    """The examples at ``rows``."""
+    rows = jnp.asarray(rows, dtype=jnp.int32)
+    return ModelData(tuple(x[rows] for x in data.per_example), data.shared)
+
+
+def positions(ids, wanted, what="example"):
+    """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`)."""
+    lookup = {int(i): k for k, i in enumerate(np.asarray(ids))}
+    missing = [int(i) for i in np.asarray(wanted).ravel() if int(i) not in lookup]
+    if missing:
+        raise UnknownExampleError(f"no {what} with id(s) {missing[:10]}{' …' if len(missing) > 10 else ''}")
+    return np.asarray([lookup[int(i)] for i in np.asarray(wanted).ravel()], dtype=np.int64)
+
+
+def _shared_names(spec):
+    return tuple(n.split("[")[0] for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
+
+
+def bind_batch(post, args, kwargs):
+    """Bind a new batch to the posterior's model and check it is compatible."""
+    spec, data = bind_model(post.spec.model, args, kwargs, data_plate=post.spec.plate, shared=_shared_names(post.spec))
+    if spec.latent.signature() != post.latent.signature() or spec.observed != post.spec.observed:
+        raise DataShapeError("the new batch gives the model different latent or observed sites "
+                             f"({spec.latent.names} vs {post.latent.names}); was another model called?")
+    if spec.kinds != post.spec.kinds or spec.treedef != post.spec.treedef:
+        raise DataShapeError("the new batch passes the model's arguments differently from the fitted data")
+    for old, new in zip(post.data.shared, data.shared):
+        if old.shape != new.shape or not bool(jnp.all(old == new)):
+            raise DataShapeError("a shared (not per-example) argument changed between batches")
+    return data
+
+
+def select_memory(post, size, rule="random", seed=0):
+    """Choose ``size`` retained examples to correct.
+
+    :param str rule: ``"random"``; ``"residual"`` (largest stale site gradient ``‖ĝ_i‖``);
+        ``"curvature"`` (largest ``tr Ĥ_i``); ``"leverage"`` (largest ``tr(Ĥ_i S⁻¹)``).
+    :return: the chosen ids.
+    """
+    ids = np.asarray(post.data_ids)
+    size = int(min(max(size, 0), ids.size))
+    if size == 0:
+        return ids[:0]
+    rows = positions(post.sites.ids, ids)
+    sites = post.sites.take(rows)
+    if rule == "random":
+        chosen = np.random.default_rng(seed).choice(ids.size, size=size, replace=False)
+        return ids[np.sort(chosen)]
+    if rule == "residual":
+        score = np.asarray(jnp.linalg.norm(sites.grad, axis=1))
+    elif rule == "curvature":
+        score = np.asarray(sites.curvature_trace())
+    elif rule == "leverage":
+        cov = post.covariance
+        score = np.asarray(jnp.einsum("nde,ed->n", sites.dense_curvature(), cov)) if sites.storage != "factor" else \
+            np.asarray(jnp.einsum("nkl,nld,de,nke->n", sites.lam, sites.jac, cov, sites.jac))
+    else:
+        raise ValueError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
+    return ids[np.sort(np.argsort(-score, kind="stable")[:size])]
+
+
+def _corrected_ids(post, correction, memory, selection, seed):
+    if correction not in CORRECTIONS:
+        raise ValueError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
+    retained = np.asarray(post.data_ids)
+    if correction in ("none", "prior"):
+        return retained[:0], correction == "prior"
+    if correction == "exact":
+        return retained, True
+    if memory is None:
+        raise ValueError("correction='memory' needs memory= (a size or a list of example ids)")
+    if np.ndim(memory) == 0:
+        return select_memory(post, int(memory), selection, seed), True
+    chosen = np.unique(np.asarray(memory, dtype=np.int64))
+    positions(retained, chosen, "retained example (its data was not kept)")
+    return chosen, True
+
+
+def _reservoir(ids_old, ids_new, size, seen_before, seed):
+    """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
+    rng = np.random.default_rng(seed)
+    kept = list(np.asarray(ids_old)[:size])
+    for k, new in enumerate(np.asarray(ids_new)):
+        seen = seen_before + k + 1
+        if len(kept) < size:
+            kept.append(int(new))
+        else:
+            slot = rng.integers(0, seen)
+            if slot < size:
+                kept[slot] = int(new)
+    return np.asarray(sorted(kept), dtype=np.int64)
+
+
+def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
+           max_iters=100, progress=False, raise_on_failure=True, **kwargs):
+    """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
+    start = time.perf_counter()
+    if post.residual > 1e-6:
+        warnings.warn(f"updating a posterior whose dual-form residual is {post.residual:.1e}; refine() it first "
+                      "so that its sites represent it", RuntimeWarning, stacklevel=3)
+    new_data = bind_batch(post, args, kwargs)
+    num_new = int(new_data.per_example[0].shape[0])
+    new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
+    corrected, correct_prior = _corrected_ids(post, correction, memory, selection, seed)
+
+    family = post.family
+    site_rows = positions(post.sites.ids, corrected)
+    cavity = family.natural(post.state)
+    if corrected.size:
+        cavity = remove_site(cavity, post.sites.take(site_rows).natural_sum(family))
+    if correct_prior:
+        cavity = remove_site(cavity, post.sites.prior_natural(family))
+
+    data_rows = positions(post.data_ids, corrected)
+    active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
+    active_ids = np.concatenate([corrected, new_ids])
+    spec = replace(post.spec, num_examples=int(active_ids.size))
+    problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
+                          jnp.asarray(active_ids), cavity, correct_prior)
+    q, fresh, history = solve(problem, post.state, tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
+                              progress=progress)
+
+    stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
+    sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
+    data, data_ids = _retain(post, new_data, new_ids, keep, seed)
+    record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
+                  iterations=len(history) - 1, seconds=time.perf_counter() - start,
+                  kl_to_previous=float(family.kl(q, post.state)))
+    return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
+                         data_ids=jnp.asarray(data_ids), state=q, sites=sites, history=history,
+                         next_id=post.next_id + num_new, record=record)
+
+
+def _retain(post, new_data, new_ids, keep, seed):
+    if keep == "all":
+        return concat_data(post.data, new_data), np.concatenate([np.asarray(post.data_ids), new_ids])
+    if keep == "none":
+        empty = take_data(post.data, np.zeros(0, np.int64))
+        return empty, np.zeros(0, np.int64)
+    if isinstance(keep, (int, np.integer)) and keep >= 0:
+        seen = int(post.next_id) - len(post.tombstones)
+        kept = _reservoir(post.data_ids, new_ids, int(keep), seen, seed)
+        both = concat_data(post.data, new_data)
+        rows = positions(np.concatenate([np.asarray(post.data_ids), new_ids]), kept)
+        return take_data(both, rows), kept
+    raise ValueError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")

@@ -1,0 +1,171 @@
+r"""Deleting examples from a dual-form posterior (unlearning and influence), DESIGN §2.
+
+Removing a set ``J`` solves
+
+.. math::
+
+    q_{t\setminus J} = \arg\min_q\; -\sum_{j\in J} E_q[\hat\ell_{j|t}] + KL(q\|q_t)
+        + \sum_{i\in C,\,i\notin J} E_q[\ell_i - \hat\ell_{i|t}]
+
+(paper eq. ``postcorr_influence``). The methods differ in how they treat the correction:
+
+``"remove_site"``
+    ignore it: ``λ_{t∖J} = λ_t − Σ_J λ̂_j`` — the memory-perturbation equation (Nickl et al.
+    2023), i.e. ``S_{∖J} = S_t − Σ_J Ĥ_j`` and ``m_{∖J} = m_t + S_{∖J}⁻¹ Σ_J ĝ_j`` for sites
+    fresh at ``q_t``;
+``"influence"``
+    the delta method with ``S_t`` replaced by the Hessian at the mean (paper eq.
+    ``if_deriv``): ``m_{∖J} = m_t + H_{∖J}⁻¹ Σ_J ∇ℓ_j(m_t)``;
+``"tracin"``
+    the isotropic family: ``m_{∖J} = m_t + Σ_J ∇ℓ_j(m_t)`` (paper eq. ``tracin_deriv``);
+``"corrected"``
+    keep the correction over every retained example (exact when all data is retained);
+``"retrain"``
+    solve the problem without ``J`` from scratch — the oracle.
+
+A result whose precision is not positive definite (stale sites, leverage near one) is never
+returned silently: it raises :class:`~numpyro_pc.errors.NotPositiveDefiniteError`, or with
+``damping=True`` the removal is scaled by the largest ``α ∈ (0, 1]`` that keeps it positive
+definite, reported in ``record["damping"]``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import NotPositiveDefiniteError, UnknownExampleError
+from .families import Gaussian, remove_site
+from .likelihood import example_loss
+from .solvers import SiteProblem, solve
+from .streaming import positions, take_data
+
+__all__ = ["METHODS", "delete"]
+
+METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
+
+
+def _check_ids(post, ids):
+    ids = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+    if ids.size == 0:
+        raise ValueError("no ids to delete")
+    dead = sorted(set(ids.tolist()) & set(post.tombstones))
+    if dead:
+        raise UnknownExampleError(f"example id(s) {dead[:10]} were already deleted")
+    positions(post.sites.ids, ids)
+    return ids
+
+
+def _delta_terms(post, rows):
+    """Per-example gradients and Hessians at the mean for retained data rows (delta method)."""
+    spec, data, mean = post.spec, take_data(post.data, rows), post.state.mean
+
+    def one(ex):
+        f = lambda z: example_loss(spec, z, ex, data.shared)  # noqa: E731
+        return jax.grad(f)(mean), jax.hessian(f)(mean)
+
+    return jax.lax.map(one, data.per_example, batch_size=256)
+
+
+def _largest_safe_fraction(family, natural, removal, steps=40):
+    """Largest α in (0, 1] with ``natural − α·removal`` positive definite (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        if bool(family.is_positive_definite(remove_site(natural, removal, mid).precision)):
+            lo = mid
+        else:
+            hi = mid
+    return 0.99 * lo
+
+
+def _remove(post, natural, removal, damping, what):
+    family = post.family
+    alpha = 1.0
+    if not bool(family.is_positive_definite(remove_site(natural, removal).precision)):
+        if not damping:
+            raise NotPositiveDefiniteError(
+                f"{what} leaves a precision that is not positive definite (the removed sites carry more "
+                "curvature than the posterior can lose); pass damping=True to shrink the removal, or use "
+                "method='corrected'/'retrain'."
+            )
+        alpha = _largest_safe_fraction(family, natural, removal)
+        if alpha <= 0.0:
+            raise NotPositiveDefiniteError(f"{what}: no damping keeps the precision positive definite")
+    return family.from_natural(remove_site(natural, removal, alpha)), alpha
+
+
+def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
+    """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown deletion method {method!r}; expected one of {METHODS}")
+    start = time.perf_counter()
+    ids = _check_ids(post, ids)
+    family = post.family
+    site_rows = positions(post.sites.ids, ids)
+    keep_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
+    retained = np.asarray(post.data_ids)
+    data_keep = np.flatnonzero(~np.isin(retained, ids))
+    alpha, history = 1.0, ()
+
+    if method == "remove_site":
+        q, alpha = _remove(post, family.natural(post.state), post.sites.take(site_rows).natural_sum(family),
+                           damping, "site removal")
+        sites = post.sites.take(keep_rows)
+    elif method in ("influence", "tracin"):
+        rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
+        grads, _ = _delta_terms(post, rows)
+        g = jnp.sum(grads, 0)
+        if method == "tracin":
+            q = Gaussian(post.state.mean + g, post.state.precision)
+        else:
+            all_rows = np.arange(retained.size)
+            _, hessians = _delta_terms(post, all_rows)
+            prior_h = jax.hessian(lambda z: _prior(post, z))(post.state.mean)
+            h_rest = prior_h + jnp.sum(hessians, 0) - jnp.sum(hessians[rows], 0)
+            chol = jnp.linalg.cholesky(h_rest)
+            if not bool(jnp.all(jnp.isfinite(chol))):
+                raise NotPositiveDefiniteError("the Hessian without the deleted examples is not positive definite")
+            mean = post.state.mean + jax.scipy.linalg.cho_solve((chol, True), g)
+            q = Gaussian(mean, family.project_curvature(h_rest) if family.name != "isotropic" else post.state.precision)
+        sites = post.sites.take(keep_rows)
+    else:
+        if method == "retrain":
+            lacking = np.setdiff1d(np.asarray(post.sites.ids)[keep_rows], retained)
+            if lacking.size:
+                raise UnknownExampleError(f"retrain needs the data of every remaining example; {lacking.size} "
+                                          "example(s) had their data dropped")
+        live = retained[data_keep]
+        live_rows = positions(post.sites.ids, live)
+        frozen_rows = np.setdiff1d(keep_rows, live_rows)
+        if method == "corrected":
+            natural = family.natural(post.state)
+            natural = remove_site(natural, post.sites.take(np.concatenate([site_rows, live_rows])).natural_sum(family))
+            base = remove_site(natural, post.sites.prior_natural(family))
+        else:
+            base = post.sites.take(frozen_rows).natural_sum(family) if frozen_rows.size else None
+        spec = replace(post.spec, num_examples=int(live.size))
+        problem = SiteProblem(spec, take_data(post.data, data_keep), family, post.rule, post.curvature,
+                              post.sites.storage, post.chunk_size, jnp.asarray(live), base, True)
+        # the oracle starts from q_t too: the fixed point does not depend on the start
+        q, fresh, history = solve(problem, post.state, tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure)
+        sites = post.sites.take(frozen_rows).concat(fresh) if frozen_rows.size else fresh
+    family.check_positive_definite(q.precision, f"posterior after deletion ({method})")
+    if not bool(jnp.all(jnp.isfinite(q.mean))):
+        raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
+    record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
+                  seconds=time.perf_counter() - start, kl_to_previous=float(family.kl(q, post.state)))
+    return post._replace(spec=replace(post.spec, num_examples=int(data_keep.size)),
+                         data=take_data(post.data, data_keep), data_ids=jnp.asarray(retained[data_keep]), state=q,
+                         sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
+                         record=record)
+
+
+def _prior(post, z):
+    from .likelihood import prior_loss
+
+    return prior_loss(post.spec, z, post.data)
