@@ -7,7 +7,7 @@ The package never enables 64-bit mode globally; use ``jax.config.update("jax_ena
 True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
 """
 
-from . import errors, families, guides
+from . import diagnostics, errors, families, guides, handlers
 from .errors import (
     ConvergenceError,
     DataShapeError,
@@ -27,13 +27,15 @@ from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural,
 from .likelihood import bind_model
 from .posterior import DualPosterior, dual_form, fit
 from .sites import Sites, compute_sites
+from .diagnostics import correction_magnitude, information_gain, kl
+from .io import load
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DualPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "get_family",
-    "errors", "families", "guides",
+    "errors", "families", "guides", "handlers", "diagnostics", "kl", "information_gain", "correction_magnitude", "load",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
     "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError",

@@ -122,7 +122,8 @@ def _trace_at(spec, z, per_example, shared):
         return _substitute_unconstrained(values, site)
 
     model = handlers.substitute(handlers.seed(spec.model, 0), substitute_fn=sub)
-    return handlers.trace(model).get_trace(*args, **kwargs)
+    with handlers.block():  # inner evaluations never leak sites to outer handlers
+        return handlers.trace(model).get_trace(*args, **kwargs)
 
 
 def _site_log_prob(site):

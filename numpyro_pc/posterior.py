@@ -229,6 +229,12 @@ class DualPosterior:
         return delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
                       raise_on_failure=raise_on_failure)
 
+    def save(self, path):
+        """Write the posterior atomically to ``path`` (see :mod:`numpyro_pc.io`)."""
+        from .io import save
+
+        return save(self, path)
+
     # ------------------------------------------------------------------ probability
     @_in_own_precision
     def log_prob(self, z):

@@ -1,0 +1,149 @@
+r"""Diagnostics of adaptation: KL, information gain and correction magnitude.
+
+Information gain (paper eq. ``knowledge_gap``). With both posteriors in dual form,
+``q ∝ Π_i exp(−ℓ̂_i)``, the log-ratio of new to old is a sum of site differences, so
+
+.. math::
+
+    KL(q_{new}\|q_{old}) = \underbrace{-\sum_{i\in new\setminus old} E_{q_{new}}[\hat\ell_i^{new}]}_{\text{new data}}
+      \underbrace{-\sum_{i\in new\cap old} E_{q_{new}}[\hat\ell_i^{new} - \hat\ell_i^{old}]}_{\text{correction}}
+      + \underbrace{\sum_{i\in old\setminus new} E_{q_{new}}[\hat\ell_i^{old}]}_{\text{removed}}
+      + \log\frac{Z_{old}}{Z_{new}} .
+
+(The paper writes the correction expectation under ``q_t``; the identity holds with
+``q_{t+1}``, which is what is computed here and checked in the tests.)
+
+Correction magnitude (paper eq. ``nat_grad_mismatch``): the mismatch between a fresh site
+``λ̂_i(q)`` and a stale one, measured in the Fisher metric of ``q`` — the standard
+deviation under ``q`` of the log-ratio of the two site factors:
+
+.. math::
+
+    \|\Delta\lambda_i\|_{q} = \sqrt{\delta g_i^\top \Sigma\, \delta g_i + \tfrac12 \operatorname{tr}((\delta H_i \Sigma)^2)},
+    \quad \delta g_i = \hat g_i(q) - \nabla\hat\ell_i^{stale}(m),\; \delta H_i = \hat H_i(q) - \hat H_i^{stale}.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .families import IsotropicGaussian
+from .sites import compute_sites
+from .streaming import bind_batch, positions
+
+__all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
+           "log_normaliser"]
+
+
+def kl(q, p):
+    """``KL(q ‖ p)`` between two :class:`~numpyro_pc.DualPosterior` of the same model and family."""
+    return q.kl(p)
+
+
+def expected_site_values(sites, mean, cov):
+    """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``."""
+    diff = mean[None, :] - sites.refs()
+    if sites.storage == "factor":
+        jsj = jnp.einsum("nkd,de,nle->nkl", sites.jac, cov, sites.jac)
+        trace = jnp.einsum("nkl,nlk->n", sites.lam, jsj)
+        quad = jnp.einsum("nkd,nkl,nle,nd,ne->n", sites.jac, sites.lam, sites.jac, diff, diff)
+    elif sites.storage == "dense":
+        trace = jnp.einsum("nde,ed->n", sites.curvature, cov)
+        quad = jnp.einsum("nd,nde,ne->n", diff, sites.curvature, diff)
+    elif sites.storage == "diag":
+        trace = sites.curvature @ jnp.diag(cov)
+        quad = jnp.sum(sites.curvature * diff**2, 1)
+    else:
+        trace = quad = jnp.zeros(sites.num_examples, mean.dtype)
+    values = sites.grad @ mean + 0.5 * (quad + trace)
+    p_diff = mean - sites.prior_ref
+    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ sites.prior_curvature @ p_diff
+                                             + jnp.sum(sites.prior_curvature * cov))
+    return values, prior
+
+
+def log_normaliser(sites, family):
+    """``log ∫ Π_i exp(−ℓ̂_i(z)) dz`` over the prior and example sites (exact quadratics)."""
+    nat = sites.natural_sum(family)
+    prior = sites.prior_natural(family)
+    precision = _dense(family, nat.precision + prior.precision)
+    linear = nat.linear + prior.linear
+    refs = sites.refs()
+    const = 0.5 * jnp.sum(refs * sites._curvature_matvec(refs))
+    const = const + 0.5 * sites.prior_ref @ sites.prior_curvature @ sites.prior_ref
+    chol = jnp.linalg.cholesky(precision)
+    white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
+    d = linear.shape[0]
+    return -const + 0.5 * white @ white + 0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
+
+
+def _dense(family, precision):
+    return precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
+
+
+def information_gain(old, new):
+    """Decompose ``KL(new ‖ old)`` into new-data, correction, removed and normaliser terms.
+
+    :return: dict with ``kl`` (closed form), ``new_data``, ``correction``, ``removed``,
+        ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``).
+    :raises ValueError: for the isotropic family, whose sites carry no curvature.
+    """
+    if isinstance(new.family, IsotropicGaussian):
+        raise ValueError("information_gain needs sites with curvature (full or diagonal family)")
+    with jax.enable_x64(new.state.mean.dtype == jnp.float64):
+        mean, cov = new.state.mean, new.covariance
+        old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)
+        common = np.intersect1d(old_ids, new_ids)
+        v_new, p_new = expected_site_values(new.sites, mean, cov)
+        v_old, p_old = expected_site_values(old.sites, mean, cov)
+        in_old = np.isin(new_ids, old_ids)
+        new_data = -float(jnp.sum(v_new[~in_old]))
+        rows_new, rows_old = positions(new_ids, common), positions(old_ids, common)
+        correction = -float(jnp.sum(v_new[rows_new]) - jnp.sum(v_old[rows_old]) + p_new - p_old)
+        removed = float(jnp.sum(v_old[~np.isin(old_ids, new_ids)]))
+        ratio = float(log_normaliser(old.sites, old.family) - log_normaliser(new.sites, new.family))
+        total = float(new.kl(old))
+    parts = new_data + correction + removed + ratio
+    return dict(kl=total, new_data=new_data, correction=correction, removed=removed, log_normaliser_ratio=ratio,
+                identity_error=parts - total)
+
+
+def site_mismatch(stale, fresh, q, family):
+    """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows)."""
+    cov = family.dense_covariance(q)
+    dg = fresh.grad - stale.grad_at(q.mean)
+    dh = fresh.dense_curvature() - stale.dense_curvature() if fresh.storage != "none" else None
+    grad_part = jnp.einsum("nd,de,ne->n", dg, cov, dg)
+    if dh is None:
+        curv_part = jnp.zeros_like(grad_part)
+    else:
+        m = jnp.einsum("nde,ef->ndf", dh, cov)
+        curv_part = 0.5 * jnp.einsum("nde,ned->n", m, m)
+    return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
+
+
+def correction_magnitude(post, *args, **kwargs):
+    """Interference map: how much each retained past example's site would go stale under new data.
+
+    The new batch (``args``/``kwargs`` as for the model) is added without correction (VCL);
+    at that posterior the fresh site of every retained past example is compared with its
+    stored site (:func:`site_mismatch`).
+
+    :return: dict with ``ids``, ``magnitude`` (per example), ``gradient`` and ``curvature``
+        parts, and ``total`` (sum of magnitudes).
+    """
+    bind_batch(post, args, kwargs)
+    vcl = post.update(*args, correction="none", **kwargs)
+    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
+        ids = np.asarray(post.data_ids)
+        stale = post.sites.take(positions(post.sites.ids, ids))
+        fresh, _ = compute_sites(post.spec, post.data, post.family, vcl.state, post.rule, curvature=post.curvature,
+                                 storage=post.sites.storage, chunk_size=post.chunk_size, ids=jnp.asarray(ids))
+        total, grad, curv = site_mismatch(stale, fresh, vcl.state, post.family)
+    return dict(ids=ids, magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv),
+                total=float(jnp.sum(total)))
+

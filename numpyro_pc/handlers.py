@@ -1,0 +1,178 @@
+r"""NumPyro effect handlers that turn a dual-form posterior into a corrected model.
+
+:func:`update` and :func:`forget` return plain NumPyro models, so *any* inference
+algorithm (NUTS, SVI with any guide, ...) can be run on the corrected objectives of
+DESIGN §2:
+
+.. math::
+
+    \text{update:}\quad p(z \mid y_{new}) \propto q_t(z)\, p(y_{new}\mid z)
+        \prod_{i \in C} e^{-(\ell_i(z) - \hat\ell_{i|t}(z))}, \qquad
+    \text{forget:}\quad q_t(z) \prod_{j\in J} e^{\hat\ell_{j|t}(z)} \prod_{i \in C\setminus J} e^{-(\ell_i(z) - \hat\ell_{i|t}(z))} .
+
+With ``C`` every retained example and the prior, the corrected model's posterior is the
+exact posterior given all data. The building block is :class:`posterior_prior`, a
+``Messenger`` that replaces each latent site's prior with an improper flat density on the
+same support and adds one factor ``log q_t(z) − log|det J_T(z)|``, so that inference in
+unconstrained space sees exactly ``q_t(z)``. Inner evaluations run under ``block`` and
+never leak sites to outer handlers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro.distributions.transforms import biject_to
+from numpyro.primitives import Messenger
+
+from .likelihood import losses, prior_loss
+from .streaming import positions, take_data
+
+__all__ = ["posterior_prior", "correction_factor", "update", "forget"]
+
+
+class posterior_prior(Messenger):
+    """Replace the prior of the latent sites by a :class:`~numpyro_pc.DualPosterior`.
+
+    Each latent site's distribution becomes ``ImproperUniform`` on its support; after the
+    model has run, a factor site ``"_pc_posterior_prior"`` adds ``log q_t(z)`` minus the
+    log-Jacobian that inference adds back for the constrained sites.
+
+    :param fn: a NumPyro model.
+    :param posterior: the :class:`~numpyro_pc.DualPosterior` acting as prior.
+    :param extra_log_density: optional ``z -> scalar`` added to the same factor (used for
+        correction terms).
+    """
+
+    def __init__(self, fn=None, posterior=None, extra_log_density=None):
+        if posterior is None:
+            raise ValueError("posterior_prior needs a posterior")
+        self.posterior = posterior
+        self.extra = extra_log_density
+        self._values = {}
+        super().__init__(fn)
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.posterior.latent.names:
+            fn = msg["fn"]
+            msg["fn"] = dist.ImproperUniform(fn.support, fn.batch_shape, fn.event_shape)
+
+    def postprocess_message(self, msg):
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.posterior.latent.names:
+            self._values[msg["name"]] = (msg["value"], msg["fn"].support)
+
+    def __call__(self, *args, **kwargs):
+        self._values = {}
+        with self:
+            out = self.fn(*args, **kwargs)
+            latent = self.posterior.latent
+            missing = [n for n in latent.names if n not in self._values]
+            if missing:
+                raise ValueError(f"the model did not sample the posterior's latent sites {missing}")
+            unconstrained, log_det = {}, 0.0
+            for name in latent.names:
+                value, support = self._values[name]
+                transform = biject_to(support)
+                u = transform.inv(value)
+                unconstrained[name] = u
+                log_det = log_det + jnp.sum(transform.log_abs_det_jacobian(u, value))
+            z = latent.ravel(unconstrained)
+            log_density = self.posterior.log_prob(z) - log_det
+            if self.extra is not None:
+                log_density = log_density + self.extra(z)
+            numpyro.factor("_pc_posterior_prior", log_density)
+        return out
+
+
+class _drop_observations(Messenger):
+    """Mask out observed sites only (latent sites and their Jacobian factors stay)."""
+
+    def process_message(self, msg):
+        if msg["type"] == "sample" and msg["is_observed"] and not msg["name"].startswith("_"):
+            msg["fn"] = msg["fn"].mask(False)
+
+
+def _site_values(sites, z):
+    """Each quadratic site's value at ``z``: ``zᵀĝ_i + ½ (z − m_i)ᵀ Ĥ_i (z − m_i)``."""
+    diff = z[None, :] - sites.refs()
+    return sites.grad @ z + 0.5 * jnp.sum(diff * sites._curvature_matvec(diff), 1)
+
+
+def _prior_site_value(sites, z):
+    diff = z - sites.prior_ref
+    return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature @ diff
+
+
+def correction_factor(posterior, memory="all", correct_prior=True, removed=()):
+    """``z ↦`` the log-density of the correction terms (DESIGN §2).
+
+    ``−Σ_{i∈C}(ℓ_i(z) − ℓ̂_i(z))`` over the memory ``C`` (and the prior when
+    ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j(z)`` for deleted examples.
+
+    :param memory: ``"all"`` (every retained example), ``"none"`` or a list of ids.
+    """
+    post = posterior
+    retained = np.asarray(post.data_ids)
+    if isinstance(memory, str):
+        if memory not in ("all", "none"):
+            raise ValueError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
+        ids = retained if memory == "all" else retained[:0]
+    else:
+        ids = np.unique(np.asarray(memory, dtype=np.int64))
+    ids = np.setdiff1d(ids, np.asarray(removed, dtype=np.int64))
+    data = take_data(post.data, positions(retained, ids, "retained example"))
+    sites = post.sites.take(positions(post.sites.ids, ids))
+    gone = post.sites.take(positions(post.sites.ids, np.asarray(removed, dtype=np.int64)))
+    spec = post.spec
+
+    def log_density(z):
+        total = 0.0
+        if ids.size:
+            total = total - (jnp.sum(losses(spec, z, data)) - jnp.sum(_site_values(sites, z)))
+        if correct_prior:
+            total = total - (prior_loss(spec, z, post.data) - _prior_site_value(post.sites, z))
+        if gone.num_examples:
+            total = total + jnp.sum(_site_values(gone, z))
+        return total
+
+    return log_density
+
+
+def update(model, posterior, memory="all", correct_prior=True):
+    """A NumPyro model whose posterior on new data is the corrected update of ``posterior``.
+
+    Call it with the new batch like the original model; e.g.
+    ``MCMC(NUTS(pc.handlers.update(model, post)), ...).run(key, X_new, y_new)``.
+
+    :param memory: past examples to correct: ``"all"`` retained (exact), ``"none"`` (VCL
+        when ``correct_prior=False``) or a list of ids.
+    :param bool correct_prior: replace the prior's site by the true prior term.
+    """
+    return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
+
+
+def forget(model, posterior, ids, memory="all", correct_prior=True):
+    """A NumPyro model (called with no arguments) whose posterior deletes ``ids`` from ``posterior``.
+
+    Its density is the deletion objective of DESIGN §2: the deleted sites are divided out
+    and the retained examples in ``memory`` are corrected; with all data retained its
+    posterior is the posterior without ``ids``.
+    """
+    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    positions(posterior.sites.ids, ids)
+    extra = correction_factor(posterior, memory, correct_prior, removed=ids)
+    shape_args = take_data(posterior.data, np.zeros(1, np.int64)) if posterior.num_retained else None
+    if shape_args is None:
+        raise ValueError("forget needs at least one retained example to call the model for its latent sites")
+    args, kwargs = posterior.spec.build_args(shape_args.per_example, shape_args.shared)
+
+    def latents_only():
+        # the model runs on one retained example only to declare its latent sites; its
+        # observations are masked out (the deletion objective has no likelihood of its own)
+        with _drop_observations():
+            return model(*args, **kwargs)
+
+    return posterior_prior(latents_only, posterior, extra)
