@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import PosteriorCorrectionError
 from .expectations import ExpectationRule
-from .families import Gaussian, get_family
+from .families import Gaussian, GaussianNatural, get_family
 from .likelihood import ModelData, bind_model
 from .sites import Sites
 
@@ -85,6 +85,8 @@ def save(post, path):
         value = getattr(post.sites, name)
         if value is not None:
             arrays[f"sites.{name}"] = value
+    if post.offset is not None:
+        arrays["offset.linear"], arrays["offset.precision"] = post.offset.linear, post.offset.precision
     for k, leaf in enumerate(post.data.per_example):
         arrays[f"data.example.{k}"] = leaf
     for k, leaf in enumerate(post.data.shared):
@@ -241,9 +243,12 @@ def load(path, model):
     sites = Sites(storage=manifest["storage"], **site_fields)
     data = ModelData(tuple(jnp.asarray(x) for x in per_example), tuple(jnp.asarray(x) for x in shared))
     state = Gaussian(jnp.asarray(arrays["mean"]), jnp.asarray(arrays["precision"]))
+    offset = None
+    if "offset.linear" in arrays:
+        offset = GaussianNatural(jnp.asarray(arrays["offset.linear"]), jnp.asarray(arrays["offset.precision"]))
     return DualPosterior(spec, data, family, state, sites, rule, manifest["curvature"], manifest["storage"],
                          manifest["chunk_size"], (), None, data_ids=jnp.asarray(arrays["data_ids"]),
-                         tombstones=manifest["tombstones"], next_id=manifest["next_id"])
+                         tombstones=manifest["tombstones"], next_id=manifest["next_id"], offset=offset)
 
 
 def _entries(layout):

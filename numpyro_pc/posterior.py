@@ -23,7 +23,7 @@ import numpy as np
 from . import guides as _guides
 from .errors import ConvergenceError, NotPositiveDefiniteError
 from .expectations import get_rule, prepare_rule
-from .families import Gaussian, IsotropicGaussian, get_family
+from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
 from .solvers import SiteProblem, default_tol, dual_residual, solve
 
@@ -59,13 +59,16 @@ class DualPosterior:
     :ivar sites: the :class:`~numpyro_pc.sites.Sites` at ``state``.
     :ivar rule: the expectation rule used for the sites and the refinement.
     :ivar history: the refinement record (list of dicts).
+    :ivar offset: natural parameters not attributed to any single site (left by weighted
+        corrections), or ``None``: ``λ = offset + Σ_i λ̂_i``.
     """
 
     __slots__ = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
-                 "history", "guide", "data_ids", "tombstones", "next_id", "record")
+                 "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset")
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
-                 chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None):
+                 chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
+                 offset=None):
         if data_ids is None:
             data_ids = sites.ids
         if next_id is None:
@@ -74,7 +77,7 @@ class DualPosterior:
                                 curvature=curvature, storage=storage, chunk_size=chunk_size,
                                 history=tuple(history), guide=guide, data_ids=jnp.asarray(data_ids),
                                 tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
-                                record=record).items():
+                                record=record, offset=offset).items():
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name, value):
@@ -133,13 +136,13 @@ class DualPosterior:
     @_in_own_precision
     def residual(self):
         """Relative dual-form residual (max of the mean and precision identities)."""
-        return dual_residual(self.family, self.state, self.sites)[0]
+        return dual_residual(self.family, self.state, self.sites, self.offset)[0]
 
     @property
     @_in_own_precision
     def residual_parts(self):
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
-        return dual_residual(self.family, self.state, self.sites)[1]
+        return dual_residual(self.family, self.state, self.sites, self.offset)[1]
 
     def _split_frozen(self):
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
@@ -148,6 +151,8 @@ class DualPosterior:
         live = positions(self.sites.ids, self.data_ids)
         frozen = np.setdiff1d(np.arange(self.num_examples), live)
         base = self.sites.take(frozen).natural_sum(self.family) if frozen.size else None
+        if self.offset is not None:
+            base = self.offset if base is None else add_site(base, self.offset)
         return live, frozen, base
 
     def _problem(self):
@@ -163,7 +168,7 @@ class DualPosterior:
 
     # ------------------------------------------------------------------ refine
     @_in_own_precision
-    def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False):
+    def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False, _start=None):
         """Natural-gradient steps until the dual-form residual is below ``tol``.
 
         :param float tol: default ``1e-8`` in float64, ``1e-5`` in float32.
@@ -181,8 +186,10 @@ class DualPosterior:
             return self.sites.take(frozen).concat(fresh) if frozen.size else fresh
 
         try:
+            start_sites, start_sums = _start if _start is not None else (None, None)
             q, sites, history = solve(self._problem(), self.state, tol=tol, max_iters=max_iters,
-                                      step_size=step_size, raise_on_failure=True, progress=progress)
+                                      step_size=step_size, raise_on_failure=True, progress=progress,
+                                      sites=start_sites, sums=start_sums)
         except ConvergenceError as err:
             q, sites = err.posterior
             partial = self._replace(state=q, sites=assemble(sites), history=err.history)
@@ -194,14 +201,17 @@ class DualPosterior:
 
     # ------------------------------------------------------------------ adaptation
     def update(self, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-               max_iters=100, progress=False, raise_on_failure=True, **kwargs):
+               max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, **kwargs):
         """Add a batch of examples: the corrected streaming update of DESIGN §2.
 
         New examples get the next free ids. ``correction`` chooses the past terms whose
         stale sites are replaced by their true losses: ``"none"`` (VCL), ``"prior"``,
-        ``"exact"`` (every retained example: the batch posterior) or ``"memory"`` (``memory``
+        ``"exact"`` (every retained example: the batch posterior), ``"memory"`` (``memory``
         is a list of ids, or a size chosen by ``selection`` in ``"random"``,
-        ``"residual"``, ``"curvature"``, ``"leverage"``).
+        ``"residual"``, ``"curvature"``, ``"leverage"``), ``"weighted"`` (the memory scaled
+        to stand for all retained data, falling back to ``"memory"`` if that loses positive
+        definiteness) or ``"stochastic"`` (the exact correction from a random
+        ``batch_fraction`` of the retained data per iteration, SAGA-style).
 
         :param args: the new batch, passed to the model like the original data.
         :param keep: data retention: ``"all"``, ``"none"`` or a reservoir size (int);
@@ -212,7 +222,8 @@ class DualPosterior:
         from .streaming import update
 
         return update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
-                      tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure, **kwargs)
+                      tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
+                      batch_fraction=batch_fraction, **kwargs)
 
     @_in_own_precision
     def delete(self, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
@@ -313,10 +324,11 @@ def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, re
           progress, raise_on_failure):
     rule = prepare_rule(rule, spec, data, q.mean)
     problem = SiteProblem(spec, data, family, rule, curvature, storage, chunk_size, jnp.arange(spec.num_examples))
-    sites, _ = problem.sites(q)
+    sites, sums = problem.sites(q, need_hessian_sum=not isinstance(family, FullGaussian))
     post = DualPosterior(spec, data, family, q, sites, rule, curvature, storage, chunk_size, (), guide)
-    if refine:
-        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure)
+    if refine:  # the solver starts from the sites just computed
+        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
+                           _start=(sites, sums))
     return post
 
 

@@ -34,7 +34,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import solve_triangular
 from jax.sharding import Mesh, PartitionSpec
 
 from .errors import SiteStorageError
@@ -105,18 +104,19 @@ class Sites:
         """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
         return family.project_curvature(self.prior_curvature) + self.example_curvature_sum(family)
 
-    def example_curvature_sum(self, family):
-        """``Σ_{i=1..N} Ĥ_i`` in the family's precision format."""
+    def example_curvature_sum(self, family, weights=None):
+        """``Σ_{i=1..N} w_i Ĥ_i`` in the family's precision format (``w_i = 1`` by default)."""
         if isinstance(family, IsotropicGaussian):
             return jnp.zeros((), self.grad.dtype)
+        w = jnp.ones(self.num_examples, self.grad.dtype) if weights is None else weights
         if self.storage == "factor":
             if isinstance(family, DiagonalGaussian):
-                return jnp.einsum("nkd,nkl,nld->d", self.jac, self.lam, self.jac)
-            return jnp.einsum("nkd,nkl,nle->de", self.jac, self.lam, self.jac)
+                return jnp.einsum("n,nkd,nkl,nld->d", w, self.jac, self.lam, self.jac)
+            return jnp.einsum("n,nkd,nkl,nle->de", w, self.jac, self.lam, self.jac)
         if self.storage == "dense":
-            return family.project_curvature(jnp.sum(self.curvature, 0))
+            return family.project_curvature(jnp.einsum("n,nde->de", w, self.curvature))
         if self.storage == "diag" and isinstance(family, DiagonalGaussian):
-            return jnp.sum(self.curvature, 0)
+            return w @ self.curvature
         raise SiteStorageError(f"sites stored as {self.storage!r} cannot give the curvature of the {family.name} family")
 
     def dense_curvature(self):
@@ -259,9 +259,19 @@ def resolve_storage(storage, family, spec, rule, curvature):
 
 
 def default_chunk_size(spec, storage, curvature, num_examples):
+    """Examples per chunk: as many as the transient-memory budget allows, balanced so that
+    padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
-    per_example = d * d if (storage in ("dense", "diag", "none") and curvature == "hessian") or storage == "dense" else k * d
-    return int(max(1, min(num_examples, 4096, _CHUNK_BUDGET // max(per_example, 1))))
+    dense_transient = storage == "dense" or not _uses_params(spec, storage, curvature)
+    per_example = d * d if dense_transient else 4 * k * d
+    largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
+    chunks = int(math.ceil(num_examples / largest))
+    return int(math.ceil(num_examples / chunks))
+
+
+def _uses_params(spec, storage, curvature):
+    """Whether per-example curvature goes through the distribution parameters (``J_iᵀ Λ_i J_i``)."""
+    return spec.num_params > 0 and (storage == "factor" or curvature == "ggn" or spec.affine)
 
 
 def _psd(lam):
@@ -271,7 +281,7 @@ def _psd(lam):
 
 def _point_terms(spec, cfg, z, ex, shared):
     """Loss, gradient and curvature of one example at one point ``z``."""
-    if cfg.storage == "factor" or cfg.curvature == "ggn":
+    if _uses_params(spec, cfg.storage, cfg.curvature):
         theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
         theta, loss_fn = example_params(spec, z, ex, shared)
         jac_fn = jax.jacrev if spec.num_params < spec.latent.dim else jax.jacfwd
@@ -298,20 +308,22 @@ def _store(cfg, jac, curv):
     return stored, dense
 
 
-def _quad_form_cov(family, q, chol, a):
-    """``aᵀ Σ a`` for the family's covariance without forming it."""
+def _quad_form_cov(family, q, cov, a):
+    """``aᵀ Σ a`` (``cov`` is the dense covariance for the full family, formed once per call)."""
     if isinstance(family, FullGaussian):
-        return jnp.sum(solve_triangular(chol, a, lower=True) ** 2)
+        return a @ cov @ a
     if isinstance(family, DiagonalGaussian):
         return jnp.sum(a**2 / q.precision)
     return jnp.sum(a**2) / q.precision
 
 
 def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
-    """Stored per-example terms of a chunk and its masked dense-curvature sum."""
+    """Stored per-example terms of a chunk and its masked, weighted dense-curvature sum."""
     rule = cfg.rule
     d = spec.latent.dim
-    weights = mask.astype(q.mean.dtype)
+    *ex_chunk, example_weights = ex_chunk
+    ex_chunk = tuple(ex_chunk)
+    weights = mask.astype(q.mean.dtype) * example_weights
 
     def dense_sum(dense):
         if dense is None or not cfg.need_hessian_sum:
@@ -319,14 +331,13 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         return jnp.einsum("n,nde->de", weights, dense)
 
     if rule.kind == "gh":
-        nodes, node_w = extra
-        chol = _precision_chol(family, q)
+        nodes, node_w, cov = extra
 
         def one(ex):
             theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
             theta, loss_fn = example_params(spec, q.mean, ex, shared)
             jac = jax.jacrev(theta_fn)(q.mean)
-            std = jnp.sqrt(_quad_form_cov(family, q, chol, jac[0]))
+            std = jnp.sqrt(_quad_form_cov(family, q, cov, jac[0]))
             points = theta[0] + std * nodes
             scalar_loss = lambda t: loss_fn(jnp.reshape(t, (1,)))  # noqa: E731
             phi = jax.vmap(scalar_loss)(points)
@@ -375,18 +386,13 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     return (loss, grad, jac_at_mean, stored), dsum
 
 
-def _precision_chol(family, q):
-    if isinstance(family, FullGaussian):
-        return jnp.linalg.cholesky(q.precision)
-    return None
-
-
 def _map_chunks(fn, leaves, num, chunk, num_devices):
     """Run ``fn(chunk_leaves, mask) -> (per_example, sums)`` over padded chunks."""
     per_block = chunk * num_devices
     total = int(math.ceil(num / per_block)) * per_block
     pad = total - num
-    padded = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge") for x in leaves)
+    padded = leaves if pad == 0 else tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), mode="edge")
+                                           for x in leaves)
     mask = jnp.arange(total) < num
     n_chunks = total // per_block
     shaped = tuple(x.reshape((num_devices, n_chunks, chunk) + x.shape[1:]) for x in padded)
@@ -416,7 +422,9 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
                                   out_specs=(spec_in, PartitionSpec()), check_vma=False)(shaped, mask)
     else:
         per, sums = per_device(shaped, mask)
-    per = jax.tree.map(lambda x: x.reshape((total,) + x.shape[3:])[:num], per)
+    per = jax.tree.map(lambda x: x.reshape((total,) + x.shape[3:]), per)
+    if pad:
+        per = jax.tree.map(lambda x: x[:num], per)
     return per, sums
 
 
@@ -432,7 +440,7 @@ def _prior_terms(spec, rule, family, q, data, extra):
         loss, grad, hess = vgh(q.mean)
         cov = family.dense_covariance(q)
         return loss + 0.5 * jnp.sum(hess * cov), grad, hess
-    nodes, node_w = extra
+    nodes, node_w, _ = extra
     std = jnp.sqrt(jnp.diag(family.dense_covariance(q)))
     vals = jax.lax.map(lambda xi: vgh(q.mean + std * xi), nodes, batch_size=8)
     loss = jnp.dot(node_w, vals[0])
@@ -442,18 +450,20 @@ def _prior_terms(spec, rule, family, q, data, extra):
 
 
 @partial(jax.jit, static_argnames=("spec", "cfg", "family"))
-def _compute(spec, cfg, family, q, data, ids):
+def _compute(spec, cfg, family, q, data, ids, weights):
     _TRACES["compute"] += 1
     rule = cfg.rule
     if rule.kind == "mc":
         extra = family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples)
     elif rule.kind == "gh":
-        extra = hermite_nodes(rule.num_nodes, q.mean.dtype)
+        cov = family.dense_covariance(q) if isinstance(family, FullGaussian) else None
+        extra = (*hermite_nodes(rule.num_nodes, q.mean.dtype), cov)
     else:
         extra = None
     num = data.per_example[0].shape[0]
-    fn = partial(_chunk_fn, spec, cfg, family, q, data.shared, extra)
-    (loss, grad, jac, stored), hess_sum = _map_chunks(fn, data.per_example, num, cfg.chunk_size, cfg.num_devices)
+    fn = lambda leaves, mask: _chunk_fn(spec, cfg, family, q, data.shared, extra, leaves, mask)  # noqa: E731
+    leaves = data.per_example + (weights,)
+    (loss, grad, jac, stored), hess_sum = _map_chunks(fn, leaves, num, cfg.chunk_size, cfg.num_devices)
     p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
     curvature = None if cfg.storage in ("factor", "none") else stored
     lam = stored if cfg.storage == "factor" else None
@@ -462,14 +472,14 @@ def _compute(spec, cfg, family, q, data, ids):
                   prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss, prior_ref=q.mean,
                   storage=cfg.storage)
     if cfg.need_hessian_sum and cfg.storage == "factor":
-        hess_sum = jnp.einsum("nkd,nkl,nle->de", jac, lam, jac)
+        hess_sum = jnp.einsum("n,nkd,nkl,nle->de", weights, jac, lam, jac)
     elif cfg.need_hessian_sum and cfg.storage == "dense":
-        hess_sum = jnp.sum(stored, 0)
-    return sites, SiteSums(hessian=hess_sum, loss=jnp.sum(loss))
+        hess_sum = jnp.einsum("n,nde->de", weights, stored)
+    return sites, SiteSums(hessian=hess_sum, loss=weights @ loss)
 
 
 def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="auto", chunk_size=None,
-                  ids=None, need_hessian_sum=False, num_devices=None):
+                  ids=None, need_hessian_sum=False, num_devices=None, weights=None):
     """Compute the sites of every example and of the prior at the posterior ``q``.
 
     :param spec: the model's :class:`~numpyro_pc.likelihood.ModelSpec`.
@@ -484,6 +494,8 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     :param ids: integer ids of the examples (default ``0..N-1``).
     :param bool need_hessian_sum: also return ``Σ_i`` dense curvature (for the solver).
     :param int num_devices: devices to shard chunks over (default: all local devices).
+    :param weights: per-example weights of the totals in :class:`SiteSums` (the sites
+        themselves are unweighted).
     :return: ``(Sites, SiteSums)``.
     """
     if curvature not in ("hessian", "ggn"):
@@ -501,4 +513,5 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         ids = jnp.arange(num)
     cfg = SiteConfig(rule=rule, curvature=curvature, storage=storage, chunk_size=int(chunk_size),
                      num_devices=num_devices, need_hessian_sum=bool(need_hessian_sum))
-    return _compute(spec, cfg, family, q, data, jnp.asarray(ids))
+    weights = jnp.ones(num, q.mean.dtype) if weights is None else jnp.asarray(weights, q.mean.dtype)
+    return _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)

@@ -25,6 +25,7 @@ discarded; accepted trials are reused as the next iteration's sites.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -61,11 +62,12 @@ class SiteProblem(NamedTuple):
     ids: object
     base: object = None
     include_prior: bool = True
+    weights: object = None
 
     def sites(self, q, need_hessian_sum=False):
         return compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
                              storage=self.storage, chunk_size=self.chunk_size, ids=self.ids,
-                             need_hessian_sum=need_hessian_sum)
+                             need_hessian_sum=need_hessian_sum, weights=self.weights)
 
 
 def default_tol(dtype):
@@ -87,28 +89,34 @@ def _base_terms(family, q, base):
 
 def _totals(problem, q, sites, sums=None):
     """Sums over the live terms: gradient, Σ‖gradients‖, curvature (family format), dense curvature, loss."""
-    family = problem.family
+    return _totals_jit(problem.family, bool(problem.include_prior), q, sites, sums, problem.base, problem.weights)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _totals_jit(family, include_prior, q, sites, sums, base, weights):
     grads = sites.grad_at(q.mean)
+    if weights is not None:
+        grads = grads * weights[:, None]
     grad = jnp.sum(grads, 0)
     norms = jnp.sum(jnp.linalg.norm(grads, axis=1))
-    curv = sites.example_curvature_sum(family)
+    curv = sites.example_curvature_sum(family, weights)
     dense = None if sums is None else sums.hessian
     loss = None if sums is None else sums.loss
-    if problem.include_prior:
+    if include_prior:
         p_grad = sites.prior_grad_at(q.mean)
         grad, norms = grad + p_grad, norms + jnp.linalg.norm(p_grad)
         curv = curv + family.project_curvature(sites.prior_curvature)
         dense = None if dense is None else dense + sites.prior_curvature
         loss = None if loss is None else loss + sites.prior_loss
-    if problem.base is not None:
-        b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, problem.base)
+    if base is not None:
+        b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, base)
         grad, norms, curv = grad + b_grad, norms + jnp.linalg.norm(b_grad), curv + b_curv
         dense = None if dense is None else dense + b_dense
         loss = None if loss is None else loss + b_loss
     return grad, norms, curv, dense, loss
 
 
-def dual_residual(family, q, sites, base=None, include_prior=True):
+def dual_residual(family, q, sites, base=None, include_prior=True, weights=None):
     """Relative residuals of the two dual-form identities (DESIGN §2).
 
     With ``∇ℓ̂_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the gradient of site ``i`` at the mean (equal to
@@ -117,11 +125,11 @@ def dual_residual(family, q, sites, base=None, include_prior=True):
     ``mean = ‖Σ_i ∇ℓ̂_i(m)‖ / Σ_i ‖∇ℓ̂_i(m)‖`` (the site gradients cancel at the mean) and
     ``precision = ‖S − Σ_i Ĥ_i‖_F / ‖S‖_F`` (zero by construction for the isotropic family,
     whose precision is fixed); sums run over the prior site, the example sites and an
-    optional fixed Gaussian ``base`` factor.
+    optional fixed Gaussian ``base`` factor; example sites may carry ``weights``.
 
     :return: ``(residual, {"mean": ..., "precision": ...})`` with ``residual`` the larger.
     """
-    problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior)
+    problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior, weights)
     grad, norms, curv, _, _ = _totals(problem, q, sites)
     r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
     if isinstance(family, IsotropicGaussian):
@@ -223,7 +231,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     if sites is None or sums is None:
         sites, sums = problem.sites(q, need_hessian_sum=need_sum)
     _check_finite(sites)
-    res, parts = dual_residual(family, q, sites, problem.base, problem.include_prior)
+    res, parts = dual_residual(family, q, sites, problem.base, problem.include_prior, problem.weights)
     obj = _objective(problem, q, sites, sums)
     history = [dict(iteration=0, residual=res, residual_mean=parts["mean"], residual_precision=parts["precision"],
                     objective=obj, step=0.0, accelerated=False, seconds=time.perf_counter() - start)]
@@ -237,7 +245,8 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         t_sites, t_sums = problem.sites(trial, need_hessian_sum=need_sum)
         if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
             return None
-        t_res, t_parts = dual_residual(family, trial, t_sites, problem.base, problem.include_prior)
+        t_res, t_parts = dual_residual(family, trial, t_sites, problem.base, problem.include_prior,
+                                       problem.weights)
         t_obj = _objective(problem, trial, t_sites, t_sums)
         reference = max(h["residual"] for h in history[-_WATCH:])
         slack = 1e-12 * (1.0 + abs(obj))

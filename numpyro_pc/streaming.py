@@ -14,7 +14,15 @@ fixed Gaussian factor and the true losses of the new examples and of ``C`` as li
 ``"prior"``    ``C = {0}`` — the prior site only;
 ``"exact"``    every retained example and the prior — the batch posterior;
 ``"memory"``   the prior and a memory of retained examples (ids, or a size and a selection
-               rule: ``random``, ``residual``, ``curvature``, ``leverage``).
+               rule: ``random``, ``residual``, ``curvature``, ``leverage``);
+``"weighted"`` the memory's corrections scaled by ``n_retained / n_memory`` so that they
+               stand for all retained data; if that makes the precision indefinite the
+               update falls back to ``"memory"`` and says so (``record["fallback"]``);
+``"stochastic"`` the exact correction estimated from a fresh random subset of the retained
+               data at every iteration, SAGA-style: a table holds the latest site of every
+               retained example and only the subset's sites are recomputed, so the
+               estimate's variance vanishes as the table becomes fresh and the iteration
+               converges to the exact (``"exact"``) answer while touching one subset per step.
 
 Sites of examples outside ``C`` stay as they were (stale); the result still satisfies
 ``λ_{t+1} = Σ_i λ̂_i`` over all sites.
@@ -30,14 +38,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import DataShapeError, UnknownExampleError
-from .families import GaussianNatural, remove_site
+from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
+from .families import Gaussian, IsotropicGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, bind_model
-from .solvers import SiteProblem, solve
+from .sites import compute_sites
+from .solvers import SiteProblem, default_tol, solve
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
-CORRECTIONS = ("none", "prior", "exact", "memory")
+CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic")
 SELECTIONS = ("random", "residual", "curvature", "leverage")
 
 
@@ -114,7 +123,7 @@ def _corrected_ids(post, correction, memory, selection, seed):
     retained = np.asarray(post.data_ids)
     if correction in ("none", "prior"):
         return retained[:0], correction == "prior"
-    if correction == "exact":
+    if correction in ("exact", "stochastic"):
         return retained, True
     if memory is None:
         raise ValueError("correction='memory' needs memory= (a size or a list of example ids)")
@@ -141,7 +150,7 @@ def _reservoir(ids_old, ids_new, size, seen_before, seed):
 
 
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-           max_iters=100, progress=False, raise_on_failure=True, **kwargs):
+           max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     if post.residual > 1e-6:
@@ -151,33 +160,191 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     num_new = int(new_data.per_example[0].shape[0])
     new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
     corrected, correct_prior = _corrected_ids(post, correction, memory, selection, seed)
+    weight = 1.0
+    if correction == "weighted":
+        weight = post.num_retained / max(corrected.size, 1)
+    solve_options = dict(tol=tol, max_iters=max_iters, progress=progress)
+    fallback = None
+    if correction == "stochastic":
+        q, fresh, history, touched = _stochastic(post, new_data, new_ids, corrected, batch_fraction, seed,
+                                                  solve_options, raise_on_failure)
+        offset = post.offset
+    else:
+        try:
+            q, fresh, history, offset = _solve_update(post, new_data, new_ids, corrected, correct_prior, weight,
+                                                      solve_options, raise_on_failure or weight != 1.0)
+        except (ConvergenceError, NotPositiveDefiniteError) as err:
+            if weight == 1.0:
+                raise
+            fallback = f"weighted correction failed ({type(err).__name__}); fell back to the unweighted memory"
+            warnings.warn(fallback, RuntimeWarning, stacklevel=3)
+            q, fresh, history, offset = _solve_update(post, new_data, new_ids, corrected, correct_prior, 1.0,
+                                                      solve_options, raise_on_failure)
+        touched = corrected.size * (len(history) - 1)
 
-    family = post.family
     site_rows = positions(post.sites.ids, corrected)
-    cavity = family.natural(post.state)
-    if corrected.size:
-        cavity = remove_site(cavity, post.sites.take(site_rows).natural_sum(family))
-    if correct_prior:
-        cavity = remove_site(cavity, post.sites.prior_natural(family))
-
-    data_rows = positions(post.data_ids, corrected)
-    active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
-    active_ids = np.concatenate([corrected, new_ids])
-    spec = replace(post.spec, num_examples=int(active_ids.size))
-    problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
-                          jnp.asarray(active_ids), cavity, correct_prior)
-    q, fresh, history = solve(problem, post.state, tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
-                              progress=progress)
-
     stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
     data, data_ids = _retain(post, new_data, new_ids, keep, seed)
     record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
                   iterations=len(history) - 1, seconds=time.perf_counter() - start,
-                  kl_to_previous=float(family.kl(q, post.state)))
+                  kl_to_previous=float(post.family.kl(q, post.state)), weight=weight, fallback=fallback,
+                  past_examples_touched=int(touched))
+    if corrected.size and correction != "stochastic":
+        from .diagnostics import site_mismatch
+
+        stale = post.sites.take(site_rows)
+        magnitude = site_mismatch(stale, fresh.take(np.arange(corrected.size)), q, post.family)[0]
+        record["correction_magnitude"] = dict(ids=corrected, magnitude=np.asarray(magnitude),
+                                              total=float(jnp.sum(magnitude)))
     return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=jnp.asarray(data_ids), state=q, sites=sites, history=history,
-                         next_id=post.next_id + num_new, record=record)
+                         next_id=post.next_id + num_new, record=record, offset=offset)
+
+
+def bucket_size(num, smallest=8):
+    """The bucket a batch of ``num`` examples is padded to: the next power of two (≥ ``smallest``)."""
+    return int(max(smallest, 2 ** int(np.ceil(np.log2(max(num, 1))))))
+
+
+def pad_to_bucket(data, weights, ids):
+    """Pad examples to :func:`bucket_size` by repeating the last one with weight 0 and id −1.
+
+    Batches of varying size then reuse a few compiled site computations instead of
+    recompiling for every size.
+    """
+    num = int(np.asarray(ids).size)
+    pad = bucket_size(num) - num
+    if pad == 0:
+        return data, weights, np.asarray(ids)
+    per_example = tuple(jnp.concatenate([x, jnp.repeat(x[-1:], pad, 0)], 0) for x in data.per_example)
+    weights = jnp.concatenate([weights, jnp.zeros(pad, weights.dtype)])
+    return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
+
+
+def _cavity(post, rows, correct_prior, weight):
+    """``λ_t − w Σ_rows λ̂_i [− λ̂_0]``: the old posterior with the corrected sites divided out."""
+    family = post.family
+    cavity = family.natural(post.state)
+    if len(rows):
+        cavity = remove_site(cavity, post.sites.take(rows).natural_sum(family), weight)
+    if correct_prior:
+        cavity = remove_site(cavity, post.sites.prior_natural(family))
+    return cavity
+
+
+def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure):
+    family = post.family
+    site_rows = positions(post.sites.ids, corrected)
+    cavity = _cavity(post, site_rows, correct_prior, weight)
+    data_rows = positions(post.data_ids, corrected)
+    active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
+    active_ids = np.concatenate([corrected, new_ids])
+    dtype = post.state.mean.dtype
+    weights = jnp.concatenate([jnp.full(corrected.size, weight, dtype), jnp.ones(new_ids.size, dtype)])
+    num_active = int(active_ids.size)
+    active, weights, padded_ids = pad_to_bucket(active, weights, active_ids)
+    spec = replace(post.spec, num_examples=int(padded_ids.size))
+    problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
+                          jnp.asarray(padded_ids), cavity, correct_prior, weights)
+    q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure, **solve_options)
+    fresh = fresh.take(np.arange(num_active))
+    offset = post.offset
+    if weight != 1.0:  # λ_{t+1} − Σ sites: the part of the scaled correction no single site holds
+        stale, new_fresh = post.sites.take(site_rows), fresh.take(np.arange(corrected.size))
+        extra = add_site(scale_site(new_fresh.natural_sum(family), weight - 1.0),
+                         scale_site(stale.natural_sum(family), 1.0 - weight))
+        offset = extra if offset is None else add_site(offset, extra)
+    return q, fresh, history, offset
+
+
+def _stochastic(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure):
+    """SAGA-style natural-gradient iteration for the exact correction, one random subset per step."""
+    family, dtype = post.family, post.state.mean.dtype
+    if isinstance(family, IsotropicGaussian):
+        raise ValueError("correction='stochastic' needs the full or diagonal family (the isotropic family has no "
+                         "precision to precondition with); use correction='exact'")
+    tol = solve_options.get("tol") or default_tol(dtype)
+    max_iters = max(int(solve_options.get("max_iters") or 100), 1) * 10
+    n = int(corrected.size)
+    if n == 0:
+        q, fresh, history, _ = _solve_update(post, new_data, new_ids, corrected, True, 1.0, solve_options,
+                                             raise_on_failure)
+        return q, fresh, history, 0
+    batch = int(max(1, np.ceil(fraction * n)))
+    rng = np.random.default_rng(seed)
+    site_rows = positions(post.sites.ids, corrected)
+    data_rows = positions(post.data_ids, corrected)
+    past = take_data(post.data, data_rows)
+    table = post.sites.take(site_rows)
+    table = replace(table, ref_means=table.refs(), ref_index=jnp.arange(n, dtype=jnp.int32))
+    cavity = _cavity(post, site_rows, True, 1.0)
+    spec_new = replace(post.spec, num_examples=int(new_ids.size))
+    spec_past = replace(post.spec, num_examples=batch)
+    q, rho = post.state, 0.5
+    history, touched, start = [], 0, time.perf_counter()
+    for it in range(max_iters):
+        pick = np.sort(rng.choice(n, size=batch, replace=False))
+        fresh_new, sums_new = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
+                                            storage=post.sites.storage, chunk_size=post.chunk_size,
+                                            ids=jnp.asarray(new_ids))
+        fresh_b, sums_b = compute_sites(spec_past, take_data(past, pick), family, q, post.rule,
+                                        curvature=post.curvature, storage=post.sites.storage,
+                                        chunk_size=post.chunk_size, ids=jnp.asarray(corrected[pick]))
+        touched += batch
+        old_b = table.take(pick)
+        scale = n / batch
+        # SAGA estimate of Σ_past E_q[∇ℓ_i] and E_q[∇²ℓ_i]: table sum + scaled fresh-minus-table on the subset
+        grad = (jnp.sum(table.grad_at(q.mean), 0) + scale * jnp.sum(fresh_b.grad - old_b.grad_at(q.mean), 0)
+                + jnp.sum(fresh_new.grad, 0) + fresh_new.prior_grad)
+        curv = (table.example_curvature_sum(family)
+                + scale * (fresh_b.example_curvature_sum(family) - old_b.example_curvature_sum(family))
+                + fresh_new.example_curvature_sum(family) + family.project_curvature(fresh_new.prior_curvature))
+        b_mean = family.natural(Gaussian(q.mean, cavity.precision)).linear
+        grad = grad + b_mean - cavity.linear
+        target = curv + cavity.precision
+        # refresh the table rows of the subset
+        table = _set_rows(table, pick, fresh_b, q.mean)
+        step = rho
+        precision = (1 - step) * q.precision + step * target
+        while not bool(family.is_positive_definite(precision)):
+            step *= 0.5
+            if step < 1e-6:
+                raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
+                                               "definite; use a larger batch_fraction or correction='exact'")
+            precision = (1 - step) * q.precision + step * target
+        chol = jnp.linalg.cholesky(family.dense_precision(Gaussian(q.mean, precision)))
+        mean = q.mean - step * jax.scipy.linalg.cho_solve((chol, True), grad)
+        q = Gaussian(mean, precision)
+        norm = float(jnp.linalg.norm(grad) / (jnp.linalg.norm(fresh_new.prior_grad) + jnp.sum(
+            jnp.linalg.norm(table.grad, axis=1)) + jnp.sum(jnp.linalg.norm(fresh_new.grad, axis=1))))
+        prec_res = 0.0 if isinstance(family, IsotropicGaussian) else float(
+            jnp.linalg.norm(family.dense_precision(q) - family.dense_precision(Gaussian(q.mean, target)))
+            / jnp.linalg.norm(family.dense_precision(q)))
+        history.append(dict(iteration=it + 1, residual=max(norm, prec_res), residual_mean=norm,
+                            residual_precision=prec_res, step=step, seconds=time.perf_counter() - start))
+        if it >= 2 * n // batch and max(norm, prec_res) < tol:
+            break
+    # final sites: the table (fresh within the last epoch) and the new examples at the final q
+    fresh_new, _ = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
+                                 storage=post.sites.storage, chunk_size=post.chunk_size, ids=jnp.asarray(new_ids))
+    fresh = table.concat(fresh_new)
+    if history[-1]["residual"] > tol:
+        message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
+                   f"{len(history)} iterations")
+        if raise_on_failure:
+            raise ConvergenceError(message, posterior=(q, fresh), history=history)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    history.insert(0, dict(iteration=0, residual=float("nan"), step=0.0, seconds=0.0))
+    return q, fresh, history, touched
+
+
+def _set_rows(table, rows, fresh, mean):
+    rows = jnp.asarray(rows, dtype=jnp.int32)
+    put = lambda a, b: None if a is None else a.at[rows].set(b)  # noqa: E731
+    return replace(table, grad=put(table.grad, fresh.grad), curvature=put(table.curvature, fresh.curvature),
+                   jac=put(table.jac, fresh.jac), lam=put(table.lam, fresh.lam), loss=put(table.loss, fresh.loss),
+                   ref_means=table.ref_means.at[rows].set(mean))
 
 
 def _retain(post, new_data, new_ids, keep, seed):

@@ -85,3 +85,47 @@ def test_bad_batches_are_rejected(x64):
         post.update(X, y, correction="sometimes")
     with pytest.raises(ValueError, match="memory="):
         post.update(X, y, correction="memory")
+
+
+def test_stochastic_correction_converges_to_exact_touching_a_tenth(x64):
+    X, y = make_logistic(300, 3, seed=21)
+    first = pc.fit(logistic_model, X[:200], y[:200], family="full")
+    exact = first.update(X[200:], y[200:], correction="exact", tol=1e-12)
+    stoch = first.update(X[200:], y[200:], correction="stochastic", batch_fraction=0.1, tol=1e-10)
+    assert float(stoch.kl(exact)) < 1e-6
+    per_iteration = stoch.record["past_examples_touched"] / stoch.record["iterations"]
+    assert per_iteration <= 0.1 * 200
+    vcl = first.update(X[200:], y[200:], correction="none")
+    assert float(stoch.kl(exact)) < 1e-3 * float(vcl.kl(exact))
+
+
+def test_weighted_memory_beats_unweighted_and_keeps_a_dual_form(x64):
+    X, y = make_logistic(300, 3, seed=22)
+    order = np.argsort(np.asarray(X[:, 0]))  # a drifting stream
+    X, y = X[order], y[order]
+    first = pc.fit(logistic_model, X[:200], y[:200], family="diagonal")
+    exact = first.update(X[200:], y[200:], correction="exact", tol=1e-12)
+    plain = first.update(X[200:], y[200:], correction="memory", memory=20, seed=1)
+    weighted = first.update(X[200:], y[200:], correction="weighted", memory=20, seed=1)
+    assert weighted.record["weight"] == pytest.approx(10.0)
+    assert weighted.record["fallback"] is None
+    assert float(weighted.kl(exact)) < float(plain.kl(exact))
+    assert weighted.residual < 1e-7  # the offset keeps λ = offset + Σ sites exact
+    again = weighted.update(X[:10], y[:10], correction="exact")  # later exact updates stay consistent
+    assert again.residual < 1e-7
+
+
+def test_a_stream_of_random_batch_sizes_does_not_recompile_every_batch(x64):
+    from numpyro_pc.sites import trace_count
+
+    X, y = make_logistic(700, 3, seed=23)
+    post = pc.fit(logistic_model, X[:20], y[:20], family="full")
+    sizes = np.random.default_rng(0).integers(3, 30, size=20)
+    before, start = trace_count(), 20
+    for size in sizes:
+        post = post.update(X[start:start + size], y[start:start + size], correction="none")
+        start += size
+    traces = trace_count() - before
+    assert traces <= 3, f"{traces} traces for 20 batches (sizes {sizes.tolist()})"  # buckets 8, 16, 32
+    batch = pc.fit(logistic_model, X[:start], y[:start], family="full")
+    assert np.all(np.isfinite(np.asarray(post.mean))) and float(post.kl(batch)) < 0.5
