@@ -21,10 +21,13 @@ def _logistic_model(X, y=None):
 
 
 def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
-    """Dual form on scikit-learn's breast-cancer data: SVI → ``dual_form`` → ``refine``.
+    """The package on scikit-learn's breast-cancer data.
 
-    Prints the residual before and after refinement, the KL between the SVI guide and the
-    refined posterior, and the time of each step; writes ``dual_form.png`` into ``out``.
+    1. Dual form: SVI → ``dual_form`` → ``refine``; prints the residual before and after,
+       the KL between the SVI guide and the refined posterior and the time of each step;
+       writes ``dual_form.png``.
+    2. Streaming: the data in 5 drifting batches with every correction policy, then a group
+       deletion with every method; prints tables of KL and time; writes ``streaming.png``.
 
     :return: a dict of the measured numbers.
     """
@@ -92,8 +95,87 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         figure.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(figure)
         print(f"\nplot written to {path.resolve()}")
+        streaming = _demo_streaming(X, y, out, plt, fast)
         return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
-                    timings=timings, iterations=len(post.history) - 1, plot=str(path))
+                    timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming)
+
+
+STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),
+                   ("stochastic", dict(batch_fraction=0.1)), ("exact", {}))
+DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
+
+
+def _demo_streaming(X, y, out, plt, fast, num_batches=5):
+    """Stream the data in non-IID batches with every correction policy, then delete a group."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import numpyro_pc as pc
+
+    order = np.argsort(np.asarray(X[:, 0]))  # sorted by the first feature: a drifting stream
+    Xs, ys = X[order], y[order]
+    parts = np.array_split(np.arange(Xs.shape[0]), num_batches)
+    print(f"\nStreaming: {num_batches} batches sorted by 'mean radius', full Gaussian")
+    t0 = time.perf_counter()
+    first = pc.fit(_logistic_model, Xs[parts[0]], ys[parts[0]], family="full")
+    first_seconds = time.perf_counter() - t0
+    kl_curves, rows, finals = {}, [], {}
+    batches = [pc.fit(_logistic_model, Xs[np.concatenate(parts[: k + 1])], ys[np.concatenate(parts[: k + 1])],
+                      family="full") for k in range(1, num_batches)]  # the oracle after each batch
+    for name, options in STREAM_POLICIES:
+        post, kls, seconds = first, [], first_seconds
+        for k, part in enumerate(parts[1:], start=1):
+            opts = dict(options)
+            if "memory" in opts:
+                opts["memory"] = max(1, int(opts["memory"] * post.num_retained))
+            t0 = time.perf_counter()
+            post = post.update(Xs[part], ys[part], correction=name, **opts)
+            seconds += time.perf_counter() - t0
+            kls.append(max(float(post.kl(batches[k - 1])), 1e-16))
+        kl_curves[name] = kls
+        finals[name] = post
+        label = name + (" (10 %)" if name in ("memory", "weighted") else "")
+        rows.append((label, kls[-1], seconds))
+    print(f"{'policy':18s} {'KL to batch posterior':>22s} {'time [s]':>9s}")
+    for label, kl, seconds in rows:
+        print(f"{label:18s} {kl:22.3e} {seconds:9.2f}")
+
+    exact = finals["exact"]
+    curvature = np.asarray(exact.sites.curvature_trace())
+    gone = np.asarray(exact.ids)[np.argsort(-curvature)[:20]]
+    print(f"\nDeleting the 20 examples of largest site curvature (full data, {exact.num_examples} examples)")
+    deleted = {}
+    for method in DELETE_METHODS:
+        t0 = time.perf_counter()
+        deleted[method] = exact.delete(gone, method=method, damping=True)
+        deleted[method + "_seconds"] = time.perf_counter() - t0
+    print(f"{'method':12s} {'KL to retrain':>14s} {'time [s]':>9s}")
+    del_rows = []
+    for method in DELETE_METHODS:
+        kl = max(float(deleted[method].kl(deleted["retrain"])), 0.0)
+        del_rows.append((method, kl, deleted[method + "_seconds"]))
+        print(f"{method:12s} {kl:14.3e} {deleted[method + '_seconds']:9.2f}")
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax = axes[0]
+    for name, kls in kl_curves.items():
+        ax.semilogy(range(2, num_batches + 1), kls, "o-", label=name)
+    ax.set_xlabel("batches seen")
+    ax.set_ylabel("KL(streamed ‖ batch posterior)")
+    ax.set_title("Streaming with correction policies")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    names = [r[0] for r in del_rows[:-1]]
+    ax.bar(names, [max(r[1], 1e-16) for r in del_rows[:-1]], color="tab:purple")
+    ax.set_yscale("log")
+    ax.set_ylabel("KL(method ‖ retrain)")
+    ax.set_title("Deleting 20 high-curvature examples")
+    fig.tight_layout()
+    path = Path(out) / "streaming.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"\nplot written to {path.resolve()}")
+    return dict(stream=rows, delete=del_rows, plot=str(path))
 
 
 def _plot(post, raw, X, y, names, plt):

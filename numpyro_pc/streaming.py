@@ -10,19 +10,25 @@ which is the dual-form problem with the *cavity* ``q_t / Π_{i∈C} exp(−ℓ̂
 fixed Gaussian factor and the true losses of the new examples and of ``C`` as live terms
 (paper eq. ``postcorr``). The policy chooses ``C``:
 
-``"none"``     ``C = ∅`` — variational continual learning (VCL);
-``"prior"``    ``C = {0}`` — the prior site only;
-``"exact"``    every retained example and the prior — the batch posterior;
-``"memory"``   the prior and a memory of retained examples (ids, or a size and a selection
-               rule: ``random``, ``residual``, ``curvature``, ``leverage``);
-``"weighted"`` the memory's corrections scaled by ``n_retained / n_memory`` so that they
-               stand for all retained data; if that makes the precision indefinite the
-               update falls back to ``"memory"`` and says so (``record["fallback"]``);
-``"stochastic"`` the exact correction estimated from a fresh random subset of the retained
-               data at every iteration, SAGA-style: a table holds the latest site of every
-               retained example and only the subset's sites are recomputed, so the
-               estimate's variance vanishes as the table becomes fresh and the iteration
-               converges to the exact (``"exact"``) answer while touching one subset per step.
+``"none"``
+    ``C = ∅`` — variational continual learning (VCL).
+``"prior"``
+    ``C = {0}`` — the prior site only.
+``"exact"``
+    every retained example and the prior — the batch posterior.
+``"memory"``
+    the prior and a memory of retained examples (ids, or a size and a selection rule:
+    ``random``, ``residual``, ``curvature``, ``leverage``).
+``"weighted"``
+    the memory's corrections scaled by ``n_retained / n_memory`` so that they stand for
+    all retained data; if that makes the problem unsolvable the update falls back to
+    ``"memory"`` and says so (``record["fallback"]``).
+``"stochastic"``
+    the exact correction from a fresh random subset of the retained data at every
+    iteration (stochastic average gradient, SAG): a table holds the latest site of every
+    retained example, only the subset's rows are recomputed, and each natural-gradient
+    step uses the table's sums — exact once every row is fresh, so the iteration
+    converges to the ``"exact"`` answer while touching one subset per step (full family).
 
 Sites of examples outside ``C`` stay as they were (stale); the result still satisfies
 ``λ_{t+1} = Σ_i λ̂_i`` over all sites.
@@ -39,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
-from .families import Gaussian, IsotropicGaussian, add_site, remove_site, scale_site
+from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, bind_model
 from .sites import compute_sites
 from .solvers import SiteProblem, default_tol, solve
@@ -259,11 +265,14 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
 
 
 def _stochastic(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure):
-    """SAGA-style natural-gradient iteration for the exact correction, one random subset per step."""
+    """SAG natural-gradient iteration for the exact correction, one random subset per step."""
     family, dtype = post.family, post.state.mean.dtype
-    if isinstance(family, IsotropicGaussian):
-        raise ValueError("correction='stochastic' needs the full or diagonal family (the isotropic family has no "
-                         "precision to precondition with); use correction='exact'")
+    if not isinstance(family, FullGaussian):
+        raise ValueError(
+            f"correction='stochastic' needs the full family (found {family.name}): its table of sites gives the "
+            "full curvature that preconditions each step, which diagonal sites cannot; use correction='exact' "
+            "or 'memory' with this family"
+        )
     tol = solve_options.get("tol") or default_tol(dtype)
     max_iters = max(int(solve_options.get("max_iters") or 100), 1) * 10
     n = int(corrected.size)
@@ -285,26 +294,21 @@ def _stochastic(post, new_data, new_ids, corrected, fraction, seed, solve_option
     history, touched, start = [], 0, time.perf_counter()
     for it in range(max_iters):
         pick = np.sort(rng.choice(n, size=batch, replace=False))
-        fresh_new, sums_new = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
+        fresh_new, _ = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
                                             storage=post.sites.storage, chunk_size=post.chunk_size,
                                             ids=jnp.asarray(new_ids))
-        fresh_b, sums_b = compute_sites(spec_past, take_data(past, pick), family, q, post.rule,
+        fresh_b, _ = compute_sites(spec_past, take_data(past, pick), family, q, post.rule,
                                         curvature=post.curvature, storage=post.sites.storage,
                                         chunk_size=post.chunk_size, ids=jnp.asarray(corrected[pick]))
         touched += batch
-        old_b = table.take(pick)
-        scale = n / batch
-        # SAGA estimate of Σ_past E_q[∇ℓ_i] and E_q[∇²ℓ_i]: table sum + scaled fresh-minus-table on the subset
-        grad = (jnp.sum(table.grad_at(q.mean), 0) + scale * jnp.sum(fresh_b.grad - old_b.grad_at(q.mean), 0)
-                + jnp.sum(fresh_new.grad, 0) + fresh_new.prior_grad)
-        curv = (table.example_curvature_sum(family)
-                + scale * (fresh_b.example_curvature_sum(family) - old_b.example_curvature_sum(family))
-                + fresh_new.example_curvature_sum(family) + family.project_curvature(fresh_new.prior_curvature))
+        # SAG: refresh the subset's rows of the table, then step on the table sums
+        table = _set_rows(table, pick, fresh_b, q.mean)
+        grad = (jnp.sum(table.grad_at(q.mean), 0) + jnp.sum(fresh_new.grad, 0) + fresh_new.prior_grad)
+        curv = (table.example_curvature_sum(family) + fresh_new.example_curvature_sum(family)
+                + family.project_curvature(fresh_new.prior_curvature))
         b_mean = family.natural(Gaussian(q.mean, cavity.precision)).linear
         grad = grad + b_mean - cavity.linear
         target = curv + cavity.precision
-        # refresh the table rows of the subset
-        table = _set_rows(table, pick, fresh_b, q.mean)
         step = rho
         precision = (1 - step) * q.precision + step * target
         while not bool(family.is_positive_definite(precision)):
@@ -313,7 +317,7 @@ def _stochastic(post, new_data, new_ids, corrected, fraction, seed, solve_option
                 raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
                                                "definite; use a larger batch_fraction or correction='exact'")
             precision = (1 - step) * q.precision + step * target
-        chol = jnp.linalg.cholesky(family.dense_precision(Gaussian(q.mean, precision)))
+        chol = jnp.linalg.cholesky(precision)
         mean = q.mean - step * jax.scipy.linalg.cho_solve((chol, True), grad)
         q = Gaussian(mean, precision)
         norm = float(jnp.linalg.norm(grad) / (jnp.linalg.norm(fresh_new.prior_grad) + jnp.sum(

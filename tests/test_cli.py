@@ -10,3 +10,9 @@ def test_demo_fast(tmp_path, capsys):
     assert (tmp_path / "dual_form.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "KL(SVI guide" in printed and "residual" in printed
+    stream = {label: kl for label, kl, _ in result["streaming"]["stream"]}
+    assert stream["exact"] < 1e-8 < stream["none"]  # exact streaming recovers the batch posterior
+    assert stream["stochastic"] < 1e-6
+    deletion = {method: kl for method, kl, _ in result["streaming"]["delete"]}
+    assert deletion["corrected"] < 1e-8 and deletion["remove_site"] < deletion["tracin"]
+    assert (tmp_path / "streaming.png").stat().st_size > 10_000
