@@ -238,3 +238,26 @@ def test_package_import_does_not_enable_x64():
     code = "import numpyro_pc, jax; print(jax.config.jax_enable_x64)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def robust_model(x, t=None):
+    """Student-t regression with a learned scale: a non-log-concave likelihood."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("t", dist.StudentT(2.0, x @ w + b, s), obs=t)
+
+
+def test_non_log_concave_fit_converges_from_the_default_start(x64):
+    """Far from the optimum only objective decreases are accepted, so the solver does not run away."""
+    from numpyro_pc.datasets import load_breast_cancer
+
+    X, _, names = load_breast_cancer()
+    x = jnp.asarray(X[:, [names.index("mean radius")]])
+    t = jnp.asarray(X[:, names.index("worst radius")])
+    default = pc.fit(robust_model, x, t, family="full")
+    started = pc.fit(robust_model, x, t, family="full", init=jnp.asarray([0.9, 0.0, -1.9]))
+    assert default.residual < 1e-8 and started.residual < 1e-8
+    assert float(default.kl(started)) < 1e-8
+    assert 0.5 < float(default.mean[0]) < 1.5  # worst radius grows with mean radius
