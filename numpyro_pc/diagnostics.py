@@ -113,14 +113,30 @@ def information_gain(old, new):
 
 
 def site_mismatch(stale, fresh, q, family):
-    """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows)."""
+    """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows).
+
+    Never forms per-example ``d × d`` matrices for factorised or diagonal sites:
+    ``tr((δH Σ)²)`` is ``tr((C G)²)`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and
+    ``G = U Σ Uᵀ`` (factorised), or ``δhᵀ (Σ∘Σ) δh`` (diagonal).
+    """
     cov = family.dense_covariance(q)
     dg = fresh.grad - stale.grad_at(q.mean)
-    dh = fresh.dense_curvature() - stale.dense_curvature() if fresh.storage != "none" else None
     grad_part = jnp.einsum("nd,de,ne->n", dg, cov, dg)
-    if dh is None:
+    if fresh.storage == "none" or stale.storage == "none":
         curv_part = jnp.zeros_like(grad_part)
+    elif fresh.storage == "factor" and stale.storage == "factor":
+        stacked = jnp.concatenate([fresh.jac, stale.jac], 1)  # (n, 2k, d)
+        gram = jnp.einsum("nad,de,nbe->nab", stacked, cov, stacked)
+        zeros = jnp.zeros_like(fresh.lam)
+        signed = jnp.concatenate([jnp.concatenate([fresh.lam, zeros], 2),
+                                  jnp.concatenate([zeros, -stale.lam], 2)], 1)  # blockdiag(Λ_f, −Λ_s)
+        cg = jnp.einsum("nab,nbc->nac", signed, gram)
+        curv_part = 0.5 * jnp.einsum("nab,nba->n", cg, cg)
+    elif fresh.storage == "diag" and stale.storage == "diag":
+        dh = fresh.curvature - stale.curvature
+        curv_part = 0.5 * jnp.einsum("nd,de,ne->n", dh, cov * cov, dh)
     else:
+        dh = fresh.dense_curvature() - stale.dense_curvature()
         m = jnp.einsum("nde,ef->ndf", dh, cov)
         curv_part = 0.5 * jnp.einsum("nde,ned->n", m, m)
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)

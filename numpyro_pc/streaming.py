@@ -193,9 +193,8 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
     data, data_ids = _retain(post, new_data, new_ids, keep, seed)
     record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
-                  iterations=len(history) - 1, seconds=time.perf_counter() - start,
-                  kl_to_previous=float(post.family.kl(q, post.state)), weight=weight, fallback=fallback,
-                  past_examples_touched=int(touched))
+                  iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
+                  weight=weight, fallback=fallback, past_examples_touched=int(touched))
     if corrected.size and correction != "stochastic":
         from .diagnostics import site_mismatch
 
@@ -203,6 +202,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
         magnitude = site_mismatch(stale, fresh.take(np.arange(corrected.size)), q, post.family)[0]
         record["correction_magnitude"] = dict(ids=corrected, magnitude=np.asarray(magnitude),
                                               total=float(jnp.sum(magnitude)))
+    record["seconds"] = time.perf_counter() - start
     return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=jnp.asarray(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset)

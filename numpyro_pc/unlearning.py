@@ -40,7 +40,6 @@ import numpy as np
 
 from .errors import NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
-from .likelihood import example_loss
 from .solvers import SiteProblem, solve
 from .streaming import positions, take_data
 
@@ -61,14 +60,23 @@ def _check_ids(post, ids):
 
 
 def _delta_terms(post, rows):
-    """Per-example gradients and Hessians at the mean for retained data rows (delta method)."""
-    spec, data, mean = post.spec, take_data(post.data, rows), post.state.mean
+    """Delta-method gradients of the examples at ``rows`` and Hessian sums at the mean.
 
-    def one(ex):
-        f = lambda z: example_loss(spec, z, ex, data.shared)  # noqa: E731
-        return jax.grad(f)(mean), jax.hessian(f)(mean)
+    :return: ``(Σ_rows ∇ℓ_j(m), H_rows, H_all)`` with ``H_all`` the prior plus all
+        retained examples; computed by the jitted site machinery with diagonal storage, so
+        per-example ``d × d`` Hessians are summed chunk by chunk, never stored.
+    """
+    from .expectations import get_rule
+    from .families import DiagonalGaussian
+    from .sites import compute_sites
 
-    return jax.lax.map(one, data.per_example, batch_size=256)
+    q = Gaussian(post.state.mean, jnp.ones_like(post.state.mean))
+    options = dict(curvature="hessian", storage="diag", need_hessian_sum=True)
+    subset = take_data(post.data, rows)
+    sub, sub_sums = compute_sites(replace(post.spec, num_examples=len(rows)), subset, DiagonalGaussian(), q,
+                                  get_rule("delta"), **options)
+    everything, sums = compute_sites(post.spec, post.data, DiagonalGaussian(), q, get_rule("delta"), **options)
+    return jnp.sum(sub.grad, 0), sub_sums.hessian, sums.hessian + everything.prior_curvature
 
 
 def _largest_safe_fraction(family, natural, removal, steps=40):
@@ -118,20 +126,17 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
         sites = post.sites.take(keep_rows)
     elif method in ("influence", "tracin"):
         rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
-        grads, _ = _delta_terms(post, rows)
-        g = jnp.sum(grads, 0)
+        g, h_gone, h_all = _delta_terms(post, rows)
         if method == "tracin":
             q = Gaussian(post.state.mean + g, post.state.precision)
         else:
-            all_rows = np.arange(retained.size)
-            _, hessians = _delta_terms(post, all_rows)
-            prior_h = jax.hessian(lambda z: _prior(post, z))(post.state.mean)
-            h_rest = prior_h + jnp.sum(hessians, 0) - jnp.sum(hessians[rows], 0)
+            h_rest = h_all - h_gone
             chol = jnp.linalg.cholesky(h_rest)
             if not bool(jnp.all(jnp.isfinite(chol))):
                 raise NotPositiveDefiniteError("the Hessian without the deleted examples is not positive definite")
             mean = post.state.mean + jax.scipy.linalg.cho_solve((chol, True), g)
-            q = Gaussian(mean, family.project_curvature(h_rest) if family.name != "isotropic" else post.state.precision)
+            precision = post.state.precision if family.name == "isotropic" else family.project_curvature(h_rest)
+            q = Gaussian(mean, precision)
         sites = post.sites.take(keep_rows)
     else:
         if method == "retrain":
@@ -164,8 +169,3 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
                          record=record)
 
-
-def _prior(post, z):
-    from .likelihood import prior_loss
-
-    return prior_loss(post.spec, z, post.data)

@@ -48,3 +48,21 @@ def test_correction_magnitude_finds_interfering_examples(x64):
     kl_top = float(post.update(X[100:], y[100:], correction="memory", memory=top).kl(batch))
     kl_rand = float(post.update(X[100:], y[100:], correction="memory", memory=rand).kl(batch))
     assert kl_top < kl_rand
+
+
+@pytest.mark.parametrize("family", ["full", "diagonal"])
+def test_factorised_mismatch_equals_the_dense_formula(x64, family):
+    from numpyro_pc.diagnostics import site_mismatch
+
+    X, y = make_logistic(60, 3, seed=24)
+    post = pc.fit(logistic_model, X[:40], y[:40], family=family)
+    new = post.update(X[40:], y[40:], correction="exact")
+    stale = post.sites
+    fresh = new.sites.take(np.arange(40))
+    fast = site_mismatch(stale, fresh, new.state, new.family)
+    cov = np.asarray(new.family.dense_covariance(new.state))
+    dh = np.asarray(fresh.dense_curvature() - stale.dense_curvature())
+    dg = np.asarray(fresh.grad - stale.grad_at(new.state.mean))
+    dense = np.sqrt(np.einsum("nd,de,ne->n", dg, cov, dg)
+                    + 0.5 * np.einsum("nde,ef,nfg,gd->n", dh, cov, dh, cov))
+    np.testing.assert_allclose(fast[0], dense, rtol=1e-10)
