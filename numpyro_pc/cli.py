@@ -107,7 +107,6 @@ DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
 
 def _demo_streaming(X, y, out, plt, fast, num_batches=5):
     """Stream the data in non-IID batches with every correction policy, then delete a group."""
-    import jax.numpy as jnp
     import numpy as np
 
     import numpyro_pc as pc
@@ -179,7 +178,6 @@ def _demo_streaming(X, y, out, plt, fast, num_batches=5):
 
 
 def _plot(post, raw, X, y, names, plt):
-    import jax.numpy as jnp
     import numpy as np
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from numpyro import handlers
 from numpyro.infer.autoguide import (
-    AutoContinuous,
     AutoDelta,
     AutoDiagonalNormal,
     AutoLaplaceApproximation,

@@ -20,7 +20,6 @@ never leak sites to outer handlers.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro

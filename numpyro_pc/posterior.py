@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import guides as _guides
-from .errors import ConvergenceError, NotPositiveDefiniteError
+from .errors import ConvergenceError
 from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
-from .solvers import SiteProblem, default_tol, dual_residual, solve
+from .solvers import SiteProblem, dual_residual, solve
 
 __all__ = ["DualPosterior", "dual_form", "fit"]
 

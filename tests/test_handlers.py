@@ -3,9 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 import numpyro.distributions as dist
-import pytest
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import potential_energy
 

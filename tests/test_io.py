@@ -1,14 +1,10 @@
 """Persistence: bit-exact round trips, atomic writes, and a typed error for every corruption."""
 
 import json
-import os
 import zipfile
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc

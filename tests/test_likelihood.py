@@ -1,6 +1,5 @@
 """Per-example losses and the prior term against NumPyro's own log densities."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -10,7 +9,7 @@ from numpyro import handlers
 from numpyro.infer.util import log_density, potential_energy
 
 import numpyro_pc as pc
-from numpyro_pc.likelihood import bind_model, example_loss, losses, prior_loss
+from numpyro_pc.likelihood import bind_model, losses, prior_loss
 
 from conftest import logistic_model, make_linear, scale_model
 

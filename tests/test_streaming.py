@@ -1,6 +1,5 @@
 """Streaming updates against exact batch posteriors."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -1,6 +1,5 @@
 """Deletion against retraining and closed forms."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
