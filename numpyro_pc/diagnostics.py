@@ -73,7 +73,7 @@ def log_normaliser(sites, family):
     precision = _dense(family, nat.precision + prior.precision)
     linear = nat.linear + prior.linear
     refs = sites.refs()
-    const = 0.5 * jnp.sum(refs * sites._curvature_matvec(refs))
+    const = 0.5 * jnp.sum(refs * sites.curvature_matvec(refs))
     const = const + 0.5 * sites.prior_ref @ sites.prior_curvature @ sites.prior_ref
     chol = jnp.linalg.cholesky(precision)
     white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)

@@ -97,7 +97,7 @@ class _drop_observations(Messenger):
 def _site_values(sites, z):
     """Each quadratic site's value at ``z``: ``zᵀĝ_i + ½ (z − m_i)ᵀ Ĥ_i (z − m_i)``."""
     diff = z[None, :] - sites.refs()
-    return sites.grad @ z + 0.5 * jnp.sum(diff * sites._curvature_matvec(diff), 1)
+    return sites.grad @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
 
 
 def _prior_site_value(sites, z):

@@ -143,7 +143,7 @@ class Sites:
         """``(N, d)`` the mean each example's site was computed at."""
         return self.ref_means[self.ref_index]
 
-    def _curvature_matvec(self, v):
+    def curvature_matvec(self, v):
         """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
         if self.storage == "factor":
             return jnp.einsum("nkd,nkl,nle,ne->nd", self.jac, self.lam, self.jac, v)
@@ -155,7 +155,7 @@ class Sites:
 
     def grad_at(self, mean):
         """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
-        return self.grad + self._curvature_matvec(mean[None, :] - self.refs())
+        return self.grad + self.curvature_matvec(mean[None, :] - self.refs())
 
     def prior_grad_at(self, mean):
         """Gradient of the prior site at ``mean``."""
@@ -163,7 +163,7 @@ class Sites:
 
     def natural(self, family):
         """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
-        linear = self._curvature_matvec(self.refs()) - self.grad
+        linear = self.curvature_matvec(self.refs()) - self.grad
         if isinstance(family, IsotropicGaussian):
             curv = jnp.zeros(self.grad.shape[0], self.grad.dtype)
         elif isinstance(family, DiagonalGaussian) and self.storage == "diag":
@@ -174,7 +174,7 @@ class Sites:
 
     def natural_sum(self, family):
         """``Σ_{i=1..N}`` site natural parameters, in the family's format."""
-        linear = jnp.sum(self._curvature_matvec(self.refs()) - self.grad, 0)
+        linear = jnp.sum(self.curvature_matvec(self.refs()) - self.grad, 0)
         return GaussianNatural(linear, self.example_curvature_sum(family))
 
     def prior_natural(self, family):
