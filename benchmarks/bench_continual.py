@@ -59,13 +59,11 @@ Outputs: ``benchmarks/_out/bench_continual.json``, ``bench_continual.md``,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
 import sys
 import time
-import warnings
 
 import jax
 
@@ -82,7 +80,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
-from bench_refine import RefGaussian, machine_info  # noqa: E402
+from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
+from bench_refine import RefGaussian  # noqa: E402
 from numpyro_pc.datasets import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
@@ -115,12 +114,6 @@ def model(X, y=None):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return fn(*args, **kwargs)
 
 
 def _peak_rss_mb():
@@ -426,17 +419,8 @@ def main(argv=None):
                                     met=bool(kl_ratio >= TARGET_KL_RATIO and t_ratio <= TARGET_TIME_RATIO)))
     result["targets"] = targets
 
-    os.makedirs(args.out, exist_ok=True)
-    table = render(result)
-    table += "\n\nTargets:\n\n| target | measured | verdict |\n|---|---|---|\n" + "\n".join(
-        f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |" for t in targets)
-    plot(result, os.path.join(args.out, "bench_continual_kl.png"))
-    with open(os.path.join(args.out, "bench_continual.json"), "w") as f:
-        json.dump(result, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    with open(os.path.join(args.out, "bench_continual.md"), "w") as f:
-        f.write(table + "\n")
-    print()
-    print(table)
+    write_results("bench_continual", args.out, result, render(result), targets,
+                  lambda path: plot(result, path.replace(".png", "_kl.png")))
     print(f"\ntotal {time.perf_counter() - start:.0f}s; wrote {args.out}/bench_continual.json, bench_continual.md, "
           "bench_continual_kl.png")
     return 0

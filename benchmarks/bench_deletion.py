@@ -45,13 +45,11 @@ Outputs: ``benchmarks/_out/bench_deletion.json``, ``bench_deletion.md``,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
 import sys
 import time
-import warnings
 
 import jax
 
@@ -65,19 +63,14 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from bench_continual import model  # noqa: E402  (same model: intercept, prior precision 5)
-from bench_refine import RefGaussian, machine_info  # noqa: E402
+from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
+from bench_refine import RefGaussian  # noqa: E402
 from numpyro_pc.datasets import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
 TARGET_SPEEDUP = 100.0
 TARGET_KL = 1e-3
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return fn(*args, **kwargs)
 
 
 def accuracy(mean, X_test, y_test):
@@ -242,17 +235,8 @@ def main(argv=None):
                             measured=f"KL {kl:.2e}", met=bool(kl <= TARGET_KL)))
     result["targets"] = targets
     result["total_s"] = time.perf_counter() - start
-    os.makedirs(args.out, exist_ok=True)
-    table = render(result)
-    table += "\nTargets:\n\n| target | measured | verdict |\n|---|---|---|\n" + "\n".join(
-        f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |" for t in targets)
-    plot(result, os.path.join(args.out, "bench_deletion.png"))
-    with open(os.path.join(args.out, "bench_deletion.json"), "w") as f:
-        json.dump(result, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
-    with open(os.path.join(args.out, "bench_deletion.md"), "w") as f:
-        f.write(table + "\n")
-    print()
-    print(table)
+    write_results("bench_deletion", args.out, result, render(result).rstrip("\n"), targets,
+                  lambda path: plot(result, path))
     print(f"\ntotal {time.perf_counter() - start:.0f}s; wrote {args.out}/bench_deletion.json, bench_deletion.md, "
           "bench_deletion.png")
     return 0

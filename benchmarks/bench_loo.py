@@ -45,12 +45,10 @@ Outputs: ``benchmarks/_out/bench_loo.json``, ``bench_loo.md``, ``bench_loo.png``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-import warnings
 
 import jax
 
@@ -65,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
-from bench_refine import machine_info  # noqa: E402
+from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
 from numpyro_pc.datasets import load_breast_cancer  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
@@ -79,12 +77,6 @@ def model(X, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return fn(*args, **kwargs)
 
 
 def change(post, i, method, tol=None):
@@ -232,17 +224,8 @@ def main(argv=None):
              met=bool(rs["pooled_r"] > ri["pooled_r"] and rs["median_coordinate_r"] > ri["median_coordinate_r"])),
     ]
     result["total_s"] = time.perf_counter() - start
-    os.makedirs(args.out, exist_ok=True)
-    table = render(result)
-    table += "\n\nTargets:\n\n| target | measured | verdict |\n|---|---|---|\n" + "\n".join(
-        f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |" for t in result["targets"])
-    plot(result, exact, preds, os.path.join(args.out, "bench_loo.png"))
-    with open(os.path.join(args.out, "bench_loo.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "bench_loo.md"), "w") as f:
-        f.write(table + "\n")
-    print()
-    print(table)
+    write_results("bench_loo", args.out, result, render(result), result["targets"],
+                  lambda path: plot(result, exact, preds, path))
     print(f"\ntotal {time.perf_counter() - start:.0f}s; wrote {args.out}/bench_loo.json, bench_loo.md, bench_loo.png")
     return 0
 

@@ -53,11 +53,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-import warnings
 
 import jax
 
@@ -74,6 +72,7 @@ from numpyro.infer.autoguide import AutoMultivariateNormal  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import numpyro_pc as pc  # noqa: E402
+from _common import machine_info, quiet as _quiet  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 KL_LEVELS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-8)
@@ -127,12 +126,6 @@ class RefGaussian:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _quiet(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return fn(*args, **kwargs)
 
 
 def _median_run(fn, reps):
@@ -313,42 +306,6 @@ def run_dual_form(X, y, ref, guide, params, svi_seconds, tol, reps):
 
 
 # --------------------------------------------------------------------------- report
-
-
-def package_version():
-    """Which numpyro_pc the numbers belong to: git HEAD, whether numpyro_pc/ has uncommitted
-    changes, and a hash of its sources."""
-    import glob
-    import hashlib
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(root, "numpyro_pc", "*.py"))):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    info = dict(source_sha1=digest.hexdigest()[:12])
-    try:
-        import subprocess as sp
-
-        info["git_head"] = sp.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()
-        info["uncommitted_changes"] = bool(sp.run(["git", "-C", root, "status", "--porcelain", "numpyro_pc"],
-                                                  capture_output=True, text=True).stdout.strip())
-    except OSError:
-        pass
-    return info
-
-
-def machine_info():
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), jax=jax.__version__, numpyro=numpyro.__version__,
-                backend=jax.default_backend(), python=platform.python_version(), numpyro_pc=package_version(),
-                loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
 
 
 def _t(x):

@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -72,6 +71,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "_out")
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import machine_info  # noqa: E402
 
 STORAGES = {  # name: (family, storage, curvature)
     "diagonal": ("diagonal", "diag", "hessian"),
@@ -354,47 +355,6 @@ def _run_worker(kind, cfg, timeout):
     return result
 
 
-def package_version():
-    """Which numpyro_pc the numbers belong to: git HEAD, whether numpyro_pc/ has uncommitted
-    changes, and a hash of its sources."""
-    import glob
-    import hashlib
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(root, "numpyro_pc", "*.py"))):
-        with open(path, "rb") as f:
-            digest.update(f.read())
-    info = dict(source_sha1=digest.hexdigest()[:12])
-    try:
-        import subprocess as sp
-
-        info["git_head"] = sp.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip()
-        info["uncommitted_changes"] = bool(sp.run(["git", "-C", root, "status", "--porcelain", "numpyro_pc"],
-                                                  capture_output=True, text=True).stdout.strip())
-    except OSError:
-        pass
-    return info
-
-
-def machine_info():
-    import jax
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), jax=jax.__version__, backend=jax.default_backend(),
-                python=platform.python_version(), platform=platform.platform(), loadavg_start=os.getloadavg(),
-                numpyro_pc=package_version())
-
-
 def _fmt(x, spec=".3g"):
     return "—" if x is None else format(x, spec)
 
@@ -402,7 +362,7 @@ def _fmt(x, spec=".3g"):
 def render(results, profiles, info, args):
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), "
              f"Python {info['python']}; numpyro_pc {info['numpyro_pc']}; load average at start "
-             f"{', '.join(f'{x:.1f}' for x in info['loadavg_start'])}.", ""]
+             f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}.", ""]
     lines.append("| N | d | storage | rule | compile s | sites s | grad s | sites/grad | min/min "
                  "| sites/grad(log_density) | stored/(N·d) | RSS setup MB | RSS peak MB | XLA out MB | XLA temp MB |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

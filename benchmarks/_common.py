@@ -1,0 +1,70 @@
+"""Helpers shared by the benchmark scripts: provenance, machine description, output files."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def package_version():
+    """Which numpyro_pc the numbers belong to: git HEAD, whether numpyro_pc/ has uncommitted
+    changes, and a hash of its sources."""
+    digest = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(ROOT, "numpyro_pc", "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    info = dict(source_sha1=digest.hexdigest()[:12])
+    try:
+        info["git_head"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True).stdout.strip()
+        info["uncommitted_changes"] = bool(subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "numpyro_pc"],
+                                                          capture_output=True, text=True).stdout.strip())
+    except OSError:
+        pass
+    return info
+
+
+def machine_info():
+    """CPU model, cores, library versions, backend and load average at the start of a run."""
+    import jax
+    import numpyro
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return dict(cpu=cpu, cores=os.cpu_count(), jax=jax.__version__, numpyro=numpyro.__version__,
+                backend=jax.default_backend(), python=platform.python_version(), platform=platform.platform(),
+                numpyro_pc=package_version(), loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+
+
+def quiet(fn, *args, **kwargs):
+    """Call ``fn`` with RuntimeWarnings (e.g. fallback notices) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(*args, **kwargs)
+
+
+def write_results(name, out, result, table, targets, plot_fn=None):
+    """Write ``<name>.json``, ``<name>.md`` (table + targets) and ``<name>.png``; print the table."""
+    os.makedirs(out, exist_ok=True)
+    table += "\n\nTargets:\n\n| target | measured | verdict |\n|---|---|---|\n" + "\n".join(
+        f"| {t['target']} | {t['measured']} | {'met' if t['met'] else 'missed'} |" for t in targets)
+    if plot_fn is not None:
+        plot_fn(os.path.join(out, f"{name}.png"))
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o))
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
+    print()
+    print(table)
+    return table
