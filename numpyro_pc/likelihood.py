@@ -24,7 +24,7 @@ per-example argument; evaluation over all examples is a ``vmap`` of that.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import jax
@@ -385,7 +385,7 @@ def _analyse_params(spec, data, z0):
 
         dep = _output_dependence(jax.make_jaxpr(leaves_of)(z0))
         masks.append(tuple(bool(d and f) for d, f in zip(dep, float_leaf)))
-    spec = _replace(spec, param_leaves=tuple(masks))
+    spec = replace(spec, param_leaves=tuple(masks))
     theta, _ = example_params(spec, z0, first, data.shared)
     k = int(theta.shape[0])
     affine = False
@@ -398,9 +398,5 @@ def _analyse_params(spec, data, z0):
         z1 = z0 + jax.random.normal(key, z0.shape, z0.dtype)
         j0, j1 = jac(probe, z0), jac(probe, z1)
         affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
-    return _replace(spec, num_params=k, affine=affine)
+    return replace(spec, num_params=k, affine=affine)
 
-
-def _replace(spec, **changes):
-    from dataclasses import replace
-    return replace(spec, **changes)

@@ -49,14 +49,14 @@ METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
 
 
 def _check_ids(post, ids):
+    """Unique ids to delete and their site rows (raises for deleted or unknown ids)."""
     ids = np.unique(np.asarray(ids, dtype=np.int64).ravel())
     if ids.size == 0:
         raise ValueError("no ids to delete")
     dead = sorted(set(ids.tolist()) & set(post.tombstones))
     if dead:
         raise UnknownExampleError(f"example id(s) {dead[:10]} were already deleted")
-    positions(post.sites.ids, ids)
-    return ids
+    return ids, positions(post.sites.ids, ids)
 
 
 def _delta_terms(post, rows):
@@ -112,9 +112,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     if method not in METHODS:
         raise ValueError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
-    ids = _check_ids(post, ids)
+    ids, site_rows = _check_ids(post, ids)
     family = post.family
-    site_rows = positions(post.sites.ids, ids)
     keep_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     retained = np.asarray(post.data_ids)
     data_keep = np.flatnonzero(~np.isin(retained, ids))
