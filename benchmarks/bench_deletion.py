@@ -32,6 +32,10 @@ Fairness rules
   methods; times are medians. ``remove_site`` and the oracle are both the package's code
   paths (``retrain`` = ``delete(method="retrain")``, jitted site computations inside).
 * KL and accuracy are not timed.
+* ``remove_site`` returns the new posterior (mean, precision, ids, tombstones) and defers
+  copying the remaining 16 000 sites and data rows until something reads them; the row
+  ``remove_site + gather`` times the same call followed by reading ``.sites`` and
+  ``.data``, so both the lazy and the fully materialised cost are reported.
 
 Usage::
 
@@ -85,11 +89,18 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def _gathered(post):
+    """Read the remaining sites and data (``remove_site`` defers copying them until first use)."""
+    jax.block_until_ready((post.sites, post.data))
+    return post
+
+
 def run_set(post, ids, X, y, reps, log):
     """Warm-up, then ``reps`` interleaved timed calls of every method (and the cold refit)."""
     keep = np.setdiff1d(np.arange(X.shape[0]), ids)
     Xk, yk = jnp.asarray(X[keep]), jnp.asarray(y[keep])
     calls = {m: (lambda m=m: _quiet(post.delete, ids, method=m)) for m in METHODS}
+    calls["remove_site + gather"] = lambda: _gathered(_quiet(post.delete, ids, method="remove_site"))
     calls["pc.fit from prior (cold)"] = lambda: _quiet(pc.fit, model, Xk, yk, family="full")
     first, times, results, errors = {}, {m: [] for m in calls}, {}, {}
     for m, fn in calls.items():
@@ -231,6 +242,9 @@ def main(argv=None):
         kl = s["methods"]["corrected"]["kl_to_retrain"]
         targets.append(dict(target=f"{set_name}: remove_site ≥ {TARGET_SPEEDUP:g}× faster than retrain",
                             measured=f"{sp:.3g}×", met=bool(sp >= TARGET_SPEEDUP)))
+        sp_gather = s["methods"]["remove_site + gather"]["speedup_vs_retrain"]
+        targets.append(dict(target=f"{set_name}: (same, including gathering the remaining sites and data)",
+                            measured=f"{sp_gather:.3g}×", met=bool(sp_gather >= TARGET_SPEEDUP)))
         targets.append(dict(target=f"{set_name}: corrected within KL {TARGET_KL:g} of retrain",
                             measured=f"KL {kl:.2e}", met=bool(kl <= TARGET_KL)))
     result["targets"] = targets

@@ -63,17 +63,19 @@ class DualPosterior:
         corrections), or ``None``: ``λ = offset + Σ_i λ̂_i``.
     """
 
-    __slots__ = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
-                 "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset")
+    _FIELDS = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
+               "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset")
+    __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS)
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
                  chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
                  offset=None):
         if data_ids is None:
-            data_ids = sites.ids
+            data_ids = _site_ids(sites)
         if next_id is None:
-            next_id = int(np.max(np.asarray(sites.ids))) + 1 if sites.num_examples else 0
-        for name, value in dict(spec=spec, data=data, family=family, state=state, sites=sites, rule=rule,
+            site_ids = _site_ids(sites)
+            next_id = int(np.max(site_ids)) + 1 if site_ids.size else 0
+        for name, value in dict(spec=spec, _data=data, family=family, state=state, _sites=sites, rule=rule,
                                 curvature=curvature, storage=storage, chunk_size=chunk_size,
                                 history=tuple(history), guide=guide, data_ids=jnp.asarray(data_ids),
                                 tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
@@ -84,6 +86,16 @@ class DualPosterior:
         raise AttributeError("DualPosterior is immutable; methods return new posteriors")
 
     # ------------------------------------------------------------------ views
+    @property
+    def sites(self):
+        """The :class:`~numpyro_pc.sites.Sites` (gathered on first use after a site removal)."""
+        return self._sites.value() if isinstance(self._sites, RowSelection) else self._sites
+
+    @property
+    def data(self):
+        """The retained data (gathered on first use after a deletion)."""
+        return self._data.value() if isinstance(self._data, RowSelection) else self._data
+
     @property
     def latent(self):
         """The :class:`~numpyro_pc.latent.LatentSpace` (site names, shapes, order)."""
@@ -97,12 +109,12 @@ class DualPosterior:
     @property
     def num_examples(self):
         """Number of examples ``N`` with a site."""
-        return self.sites.num_examples
+        return int(_site_ids(self._sites).size)
 
     @property
     def ids(self):
         """Stable integer ids of the examples, aligned with the sites."""
-        return self.sites.ids
+        return jnp.asarray(_site_ids(self._sites)) if isinstance(self._sites, RowSelection) else self._sites.ids
 
     @property
     def num_retained(self):
@@ -161,8 +173,14 @@ class DualPosterior:
         return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, storage,
                            self.chunk_size, self.data_ids, base, True)
 
+    def _take_sites(self, rows):
+        """Sites at positions ``rows`` without gathering the others."""
+        if isinstance(self._sites, RowSelection):
+            return self._sites.source.take(self._sites.rows[np.asarray(rows, dtype=np.int64)])
+        return self._sites.take(rows)
+
     def _replace(self, **changes):
-        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields = {name: getattr(self, f"_{name}" if name in ("sites", "data") else name) for name in self._FIELDS}
         fields.update(changes)
         return DualPosterior(**fields)
 
@@ -201,7 +219,7 @@ class DualPosterior:
 
     # ------------------------------------------------------------------ adaptation
     def update(self, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-               max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, **kwargs):
+               max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
         """Add a batch of examples: the corrected streaming update of DESIGN §2.
 
         New examples get the next free ids. ``correction`` chooses the past terms whose
@@ -211,7 +229,8 @@ class DualPosterior:
         ``"residual"``, ``"curvature"``, ``"leverage"``), ``"weighted"`` (the memory scaled
         to stand for all retained data, falling back to ``"memory"`` if that loses positive
         definiteness) or ``"stochastic"`` (the exact correction from a random
-        ``batch_fraction`` of the retained data per iteration, SAGA-style).
+        ``batch_fraction`` of the retained data per iteration, SAG-style; ``epochs`` caps
+        the passes over the retained data, trading accuracy for time).
 
         :param args: the new batch, passed to the model like the original data.
         :param keep: data retention: ``"all"``, ``"none"`` or a reservoir size (int);
@@ -223,7 +242,7 @@ class DualPosterior:
 
         return update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
                       tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
-                      batch_fraction=batch_fraction, **kwargs)
+                      batch_fraction=batch_fraction, epochs=epochs, **kwargs)
 
     @_in_own_precision
     def delete(self, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
@@ -318,6 +337,45 @@ class DualPosterior:
         return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
                 f"retained={self.num_retained}, rule={self.rule.kind}, storage={self.sites.storage}, "
                 f"residual={self.residual:.2e})")
+
+
+class RowSelection:
+    """Rows ``rows`` of ``source`` (:class:`~numpyro_pc.sites.Sites` or
+    :class:`~numpyro_pc.likelihood.ModelData`), gathered on first use.
+
+    Deleting examples by site removal touches only the removed sites; copying the
+    remaining ``N`` sites and data rows is deferred until something reads them, and
+    consecutive deletions compose their row lists instead of copying every time.
+    """
+
+    __slots__ = ("source", "rows", "_value")
+
+    def __init__(self, source, rows):
+        self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
+
+    @classmethod
+    def of(cls, current, rows):
+        """``rows`` of ``current`` (a value or a selection; selections compose)."""
+        if isinstance(current, RowSelection):
+            return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])
+        return cls(current, rows)
+
+    def value(self):
+        if self._value is None:
+            if hasattr(self.source, "take"):
+                self._value = self.source.take(self.rows)
+            else:
+                from .streaming import take_data
+
+                self._value = take_data(self.source, self.rows)
+        return self._value
+
+
+def _site_ids(sites):
+    """Ids of ``sites`` (or of a :class:`RowSelection` of sites) as a NumPy array."""
+    if isinstance(sites, RowSelection):
+        return np.asarray(sites.source.ids)[sites.rows]
+    return np.asarray(sites.ids)
 
 
 def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,

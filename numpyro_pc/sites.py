@@ -172,10 +172,11 @@ class Sites:
             curv = family.project_curvature(self.dense_curvature())
         return GaussianNatural(linear, curv)
 
-    def natural_sum(self, family):
-        """``Σ_{i=1..N}`` site natural parameters, in the family's format."""
-        linear = jnp.sum(self.curvature_matvec(self.refs()) - self.grad, 0)
-        return GaussianNatural(linear, self.example_curvature_sum(family))
+    def natural_sum(self, family, weights=None):
+        """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default)."""
+        linear = self.curvature_matvec(self.refs()) - self.grad
+        linear = jnp.sum(linear, 0) if weights is None else weights @ linear
+        return GaussianNatural(linear, self.example_curvature_sum(family, weights))
 
     def prior_natural(self, family):
         """Natural parameters of the prior site."""

@@ -40,15 +40,13 @@ import time
 import warnings
 from dataclasses import replace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
-from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, remove_site, scale_site
+from .families import add_site, remove_site, scale_site
 from .likelihood import ModelData, bind_model
-from .sites import compute_sites
-from .solvers import SiteProblem, default_tol, solve
+from .solvers import SiteProblem, solve
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
@@ -68,12 +66,22 @@ def take_data(data, rows):
 
 
 def positions(ids, wanted, what="example"):
-    """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`)."""
-    lookup = {int(i): k for k, i in enumerate(np.asarray(ids))}
-    missing = [int(i) for i in np.asarray(wanted).ravel() if int(i) not in lookup]
-    if missing:
+    """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`).
+
+    Vectorised: a binary search in ``ids`` (sorted once with ``argsort`` unless already
+    increasing, which is the usual case since ids are handed out in order).
+    """
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    wanted = np.asarray(wanted, dtype=np.int64).ravel()
+    increasing = ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
+    order = None if increasing else np.argsort(ids, kind="stable")
+    ordered = ids if order is None else ids[order]
+    slot = np.minimum(np.searchsorted(ordered, wanted), max(ids.size - 1, 0))
+    found = (ordered[slot] == wanted) if ids.size else np.zeros(wanted.shape, bool)
+    if not np.all(found):
+        missing = wanted[~found].tolist()
         raise UnknownExampleError(f"no {what} with id(s) {missing[:10]}{' …' if len(missing) > 10 else ''}")
-    return np.asarray([lookup[int(i)] for i in np.asarray(wanted).ravel()], dtype=np.int64)
+    return (slot if order is None else order[slot]).astype(np.int64)
 
 
 def _shared_names(spec):
@@ -156,7 +164,7 @@ def _reservoir(ids_old, ids_new, size, seen_before, seed):
 
 
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-           max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, **kwargs):
+           max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     if post.residual > 1e-6:
@@ -172,8 +180,10 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     solve_options = dict(tol=tol, max_iters=max_iters, progress=progress)
     fallback = None
     if correction == "stochastic":
-        q, fresh, history, touched = _stochastic(post, new_data, new_ids, corrected, batch_fraction, seed,
-                                                  solve_options, raise_on_failure)
+        from .stochastic import stochastic_update
+
+        q, fresh, history, touched = stochastic_update(post, new_data, new_ids, corrected, batch_fraction, seed,
+                                                       solve_options, raise_on_failure, epochs)
         offset = post.offset
     else:
         try:
@@ -262,93 +272,6 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
                          scale_site(stale.natural_sum(family), 1.0 - weight))
         offset = extra if offset is None else add_site(offset, extra)
     return q, fresh, history, offset
-
-
-def _stochastic(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure):
-    """SAG natural-gradient iteration for the exact correction, one random subset per step."""
-    family, dtype = post.family, post.state.mean.dtype
-    if not isinstance(family, FullGaussian):
-        raise ValueError(
-            f"correction='stochastic' needs the full family (found {family.name}): its table of sites gives the "
-            "full curvature that preconditions each step, which diagonal sites cannot; use correction='exact' "
-            "or 'memory' with this family"
-        )
-    tol = solve_options.get("tol") or default_tol(dtype)
-    max_iters = max(int(solve_options.get("max_iters") or 100), 1) * 10
-    n = int(corrected.size)
-    if n == 0:
-        q, fresh, history, _ = _solve_update(post, new_data, new_ids, corrected, True, 1.0, solve_options,
-                                             raise_on_failure)
-        return q, fresh, history, 0
-    batch = int(max(1, np.ceil(fraction * n)))
-    rng = np.random.default_rng(seed)
-    site_rows = positions(post.sites.ids, corrected)
-    data_rows = positions(post.data_ids, corrected)
-    past = take_data(post.data, data_rows)
-    table = post.sites.take(site_rows)
-    table = replace(table, ref_means=table.refs(), ref_index=jnp.arange(n, dtype=jnp.int32))
-    cavity = _cavity(post, site_rows, True, 1.0)
-    spec_new = replace(post.spec, num_examples=int(new_ids.size))
-    spec_past = replace(post.spec, num_examples=batch)
-    q, rho = post.state, 0.5
-    history, touched, start = [], 0, time.perf_counter()
-    for it in range(max_iters):
-        pick = np.sort(rng.choice(n, size=batch, replace=False))
-        fresh_new, _ = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
-                                            storage=post.sites.storage, chunk_size=post.chunk_size,
-                                            ids=jnp.asarray(new_ids))
-        fresh_b, _ = compute_sites(spec_past, take_data(past, pick), family, q, post.rule,
-                                        curvature=post.curvature, storage=post.sites.storage,
-                                        chunk_size=post.chunk_size, ids=jnp.asarray(corrected[pick]))
-        touched += batch
-        # SAG: refresh the subset's rows of the table, then step on the table sums
-        table = _set_rows(table, pick, fresh_b, q.mean)
-        grad = (jnp.sum(table.grad_at(q.mean), 0) + jnp.sum(fresh_new.grad, 0) + fresh_new.prior_grad)
-        curv = (table.example_curvature_sum(family) + fresh_new.example_curvature_sum(family)
-                + family.project_curvature(fresh_new.prior_curvature))
-        b_mean = family.natural(Gaussian(q.mean, cavity.precision)).linear
-        grad = grad + b_mean - cavity.linear
-        target = curv + cavity.precision
-        step = rho
-        precision = (1 - step) * q.precision + step * target
-        while not bool(family.is_positive_definite(precision)):
-            step *= 0.5
-            if step < 1e-6:
-                raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
-                                               "definite; use a larger batch_fraction or correction='exact'")
-            precision = (1 - step) * q.precision + step * target
-        chol = jnp.linalg.cholesky(precision)
-        mean = q.mean - step * jax.scipy.linalg.cho_solve((chol, True), grad)
-        q = Gaussian(mean, precision)
-        norm = float(jnp.linalg.norm(grad) / (jnp.linalg.norm(fresh_new.prior_grad) + jnp.sum(
-            jnp.linalg.norm(table.grad, axis=1)) + jnp.sum(jnp.linalg.norm(fresh_new.grad, axis=1))))
-        prec_res = 0.0 if isinstance(family, IsotropicGaussian) else float(
-            jnp.linalg.norm(family.dense_precision(q) - family.dense_precision(Gaussian(q.mean, target)))
-            / jnp.linalg.norm(family.dense_precision(q)))
-        history.append(dict(iteration=it + 1, residual=max(norm, prec_res), residual_mean=norm,
-                            residual_precision=prec_res, step=step, seconds=time.perf_counter() - start))
-        if it >= 2 * n // batch and max(norm, prec_res) < tol:
-            break
-    # final sites: the table (fresh within the last epoch) and the new examples at the final q
-    fresh_new, _ = compute_sites(spec_new, new_data, family, q, post.rule, curvature=post.curvature,
-                                 storage=post.sites.storage, chunk_size=post.chunk_size, ids=jnp.asarray(new_ids))
-    fresh = table.concat(fresh_new)
-    if history[-1]["residual"] > tol:
-        message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
-                   f"{len(history)} iterations")
-        if raise_on_failure:
-            raise ConvergenceError(message, posterior=(q, fresh), history=history)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-    history.insert(0, dict(iteration=0, residual=float("nan"), step=0.0, seconds=0.0))
-    return q, fresh, history, touched
-
-
-def _set_rows(table, rows, fresh, mean):
-    rows = jnp.asarray(rows, dtype=jnp.int32)
-    put = lambda a, b: None if a is None else a.at[rows].set(b)  # noqa: E731
-    return replace(table, grad=put(table.grad, fresh.grad), curvature=put(table.curvature, fresh.curvature),
-                   jac=put(table.jac, fresh.jac), lam=put(table.lam, fresh.lam), loss=put(table.loss, fresh.loss),
-                   ref_means=table.ref_means.at[rows].set(mean))
 
 
 def _retain(post, new_data, new_ids, keep, seed):

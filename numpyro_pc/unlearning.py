@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ import numpy as np
 
 from .errors import NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
+from .posterior import RowSelection, _site_ids
 from .solvers import SiteProblem, solve
 from .streaming import positions, take_data
 
@@ -56,7 +58,7 @@ def _check_ids(post, ids):
     dead = sorted(set(ids.tolist()) & set(post.tombstones))
     if dead:
         raise UnknownExampleError(f"example id(s) {dead[:10]} were already deleted")
-    return ids, positions(post.sites.ids, ids)
+    return ids, positions(_site_ids(post._sites), ids)
 
 
 def _delta_terms(post, rows):
@@ -77,6 +79,29 @@ def _delta_terms(post, rows):
                                   get_rule("delta"), **options)
     everything, sums = compute_sites(post.spec, post.data, DiagonalGaussian(), q, get_rule("delta"), **options)
     return jnp.sum(sub.grad, 0), sub_sums.hessian, sums.hessian + everything.prior_curvature
+
+
+@partial(jax.jit, static_argnums=0)
+def _selected_natural_sum(family, sites, rows, weights):
+    return sites.take(rows).natural_sum(family, weights)
+
+
+def _removed_natural(post, rows):
+    """``Σ_{j ∈ rows} λ̂_j`` gathered from the (possibly deferred) sites inside one jitted call.
+
+    ``rows`` is padded to a power of two with zero weights so that deleting different
+    numbers of examples reuses a few compiled shapes.
+    """
+    from .streaming import bucket_size
+
+    raw = post._sites
+    source, rows = (raw.source, raw.rows[rows]) if isinstance(raw, RowSelection) else (raw, np.asarray(rows))
+    size = bucket_size(rows.size)
+    padded = np.zeros(size, np.int64)
+    padded[:rows.size] = rows
+    weights = np.zeros(size, np.asarray(source.grad).dtype)
+    weights[:rows.size] = 1.0
+    return _selected_natural_sum(post.family, source, jnp.asarray(padded), jnp.asarray(weights))
 
 
 def _largest_safe_fraction(family, natural, removal, steps=40):
@@ -114,15 +139,15 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     start = time.perf_counter()
     ids, site_rows = _check_ids(post, ids)
     family = post.family
-    keep_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
+    keep_rows = np.delete(np.arange(post.num_examples), site_rows)
     retained = np.asarray(post.data_ids)
     data_keep = np.flatnonzero(~np.isin(retained, ids))
     alpha, history = 1.0, ()
 
     if method == "remove_site":
-        q, alpha = _remove(post, family.natural(post.state), post.sites.take(site_rows).natural_sum(family),
-                           damping, "site removal")
-        sites = post.sites.take(keep_rows)
+        q, alpha = _remove(post, family.natural(post.state), _removed_natural(post, site_rows), damping,
+                           "site removal")
+        sites = RowSelection.of(post._sites, keep_rows)
     elif method in ("influence", "tracin"):
         rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
         g, h_gone, h_all = _delta_terms(post, rows)
@@ -136,7 +161,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
             mean = post.state.mean + jax.scipy.linalg.cho_solve((chol, True), g)
             precision = post.state.precision if family.name == "isotropic" else family.project_curvature(h_rest)
             q = Gaussian(mean, precision)
-        sites = post.sites.take(keep_rows)
+        sites = RowSelection.of(post._sites, keep_rows)
     else:
         if method == "retrain":
             lacking = np.setdiff1d(np.asarray(post.sites.ids)[keep_rows], retained)
@@ -164,7 +189,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
                   seconds=time.perf_counter() - start, kl_to_previous=float(family.kl(q, post.state)))
     return post._replace(spec=replace(post.spec, num_examples=int(data_keep.size)),
-                         data=take_data(post.data, data_keep), data_ids=jnp.asarray(retained[data_keep]), state=q,
+                         data=RowSelection.of(post._data, data_keep), data_ids=jnp.asarray(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
                          record=record)
 

@@ -128,3 +128,32 @@ def test_a_stream_of_random_batch_sizes_does_not_recompile_every_batch(x64):
     assert traces <= 3, f"{traces} traces for 20 batches (sizes {sizes.tolist()})"  # buckets 8, 16, 32
     batch = pc.fit(logistic_model, X[:start], y[:start], family="full")
     assert np.all(np.isfinite(np.asarray(post.mean))) and float(post.kl(batch)) < 0.5
+
+
+def test_stochastic_with_an_epoch_budget_stops_there_and_beats_vcl(x64):
+    X, y = make_logistic(300, 3, seed=21)
+    first = pc.fit(logistic_model, X[:200], y[:200], family="full")
+    exact = first.update(X[200:], y[200:], correction="exact", tol=1e-12)
+    vcl = first.update(X[200:], y[200:], correction="none")
+    one = first.update(X[200:], y[200:], correction="stochastic", batch_fraction=0.1, epochs=1)
+    # 200 retained examples, 20 per step: one pass is 10 steps, and no ConvergenceError
+    assert one.record["iterations"] == 10
+    assert one.record["past_examples_touched"] == 200
+    assert one.history[-1]["residual"] > 1e-8
+    assert float(one.kl(exact)) < 0.1 * float(vcl.kl(exact))  # measured 0.07×
+    with pytest.raises(ValueError, match="epochs"):
+        first.update(X[200:], y[200:], correction="stochastic", epochs=0)
+
+
+def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
+    from numpyro_pc.stochastic import _sag_step, subset_bucket
+
+    assert [subset_bucket(n) for n in (1, 8, 9, 10, 11, 13, 16, 17, 100, 129)] == [8, 8, 10, 10, 12, 14, 16, 20,
+                                                                                   112, 160]
+    X, y = make_logistic(420, 3, seed=23)
+    post = pc.fit(logistic_model, X[:300], y[:300], family="full")
+    before = _sag_step._cache_size()
+    for lo, hi in [(300, 340), (340, 375), (375, 420)]:  # new batches of 40, 35, 45; retained 300..375
+        post = post.update(X[lo:hi], y[lo:hi], correction="stochastic", epochs=1)
+    # new batches pad to 64, tables to 512 and subsets (30..38 rows) to 32/40: at most 2 shapes
+    assert _sag_step._cache_size() - before <= 2

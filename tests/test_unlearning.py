@@ -80,3 +80,40 @@ def test_deleting_unknown_or_deleted_ids(x64):
     once = post.delete([1])
     with pytest.raises(pc.UnknownExampleError, match="already deleted"):
         once.delete([1])
+
+
+def test_chained_site_removals_equal_one_group_removal(x64, tmp_path):
+    """Deferred site gathering: three removals in a row give the same posterior, sites,
+    ids and data as removing the union at once (the natural parameters are summed in a
+    different order, so agreement is to rounding: 1e-12 relative)."""
+    X, y = make_logistic(150, 3, seed=9)
+    post = pc.fit(logistic_model, X, y, family="full", tol=1e-12)
+    chained = post.delete([140, 3]).delete([77]).delete([10, 11, 12])
+    at_once = post.delete([3, 10, 11, 12, 77, 140])
+    np.testing.assert_allclose(chained.mean, at_once.mean, rtol=1e-12)
+    np.testing.assert_allclose(chained.precision, at_once.precision, rtol=1e-12)
+    np.testing.assert_array_equal(chained.ids, at_once.ids)
+    np.testing.assert_array_equal(chained.sites.grad, at_once.sites.grad)
+    np.testing.assert_array_equal(chained.data.per_example[0], at_once.data.per_example[0])
+    assert chained.num_examples == at_once.num_examples == 144
+    # a deferred removal is saved and loaded like any posterior
+    chained.save(tmp_path / "chained")
+    loaded = pc.load(tmp_path / "chained", logistic_model)
+    np.testing.assert_array_equal(loaded.ids, chained.ids)
+    np.testing.assert_array_equal(loaded.sites.grad, chained.sites.grad)
+    assert sorted(loaded.tombstones) == [3, 10, 11, 12, 77, 140]
+    # the original is untouched
+    assert post.num_examples == 150 and post.tombstones == ()
+
+
+def test_positions_finds_rows_in_unsorted_ids():
+    from numpyro_pc.errors import UnknownExampleError
+    from numpyro_pc.streaming import positions
+
+    ids = np.array([7, 2, 9, 4, 11])
+    np.testing.assert_array_equal(positions(ids, [9, 7, 11]), [2, 0, 4])
+    np.testing.assert_array_equal(positions(np.sort(ids), [9, 2]), [3, 0])
+    with pytest.raises(UnknownExampleError, match=r"\[5\]"):
+        positions(ids, [2, 5])
+    with pytest.raises(UnknownExampleError):
+        positions(np.array([], np.int64), [1])
