@@ -102,8 +102,8 @@ POLICIES = [
     ("weighted 1%", dict(correction="weighted", frac=0.01)),
     ("weighted 10%", dict(correction="weighted", frac=0.10)),
     ("stochastic 10%", dict(correction="stochastic", batch_fraction=0.1)),
-    ("stochastic 10%, 1 pass", dict(correction="stochastic", batch_fraction=0.1, epochs=1)),
-    ("stochastic 10%, 1/2 pass", dict(correction="stochastic", batch_fraction=0.1, epochs=0.5)),
+    ("stochastic 10% 1 pass", dict(correction="stochastic", batch_fraction=0.1, epochs=1)),
+    ("stochastic 10% half pass", dict(correction="stochastic", batch_fraction=0.1, epochs=0.5)),
 ]
 
 
@@ -411,7 +411,7 @@ def main(argv=None):
                             met=bool(sp2 >= TARGET_EXACT_SPEEDUP)))
     if "none" in res_policies:
         none = res_policies["none"]
-        for name in ("weighted 10%", "stochastic 10%", "stochastic 10%, 1 pass", "stochastic 10%, 1/2 pass"):
+        for name in ("weighted 10%", "stochastic 10%", "stochastic 10% 1 pass", "stochastic 10% half pass"):
             if name in res_policies:
                 p = res_policies[name]
                 kl_ratio = none["kl"][-1] / max(p["kl"][-1], 1e-300)

@@ -2,24 +2,25 @@ r"""The ``"stochastic"`` correction of a streaming update: SAG over a table of s
 
 The exact correction needs the sites of every retained example at the new posterior.
 Stochastic average gradient (SAG) replaces that by a *table* holding the latest site of
-every retained example: each step recomputes the sites of a random subset ``B`` (a
-fraction of the retained data) and of the new batch at the current ``q``, writes them
-into the table, and takes a damped natural-gradient step with the table's sums
+every retained *and* new example, all computed at ``q_t`` to begin with: each step
+recomputes the sites of a random subset ``B`` (the same fraction of the past and of the
+new rows) at the current ``q``, writes them into the table, and takes a natural-gradient
+step with the table's sums
 
 .. math::
 
-    S \leftarrow (1-\rho) S + \rho\,\Big(\sum_{i} \hat H_i + H_{new} + \hat H_0 + S_{cav}\Big),
+    S \leftarrow (1-\rho) S + \rho\,\Big(\sum_{i} \hat H_i + \hat H_0 + S_{cav}\Big),
     \qquad
-    m \leftarrow m - \rho\, S^{-1} \Big(\sum_i \hat g_i(m) + g_{new} + \hat g_0
-        + S_{cav} m - \lambda_{cav}\Big),
+    m \leftarrow m - \rho\, S^{-1} \Big(\sum_i \hat g_i(m) + \hat g_0 + S_{cav} m - \lambda_{cav}\Big),
 
 with ``ĝ_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the quadratic site of row ``i`` (computed at
-``m_i``). Once every row has been refreshed at the current ``q`` the step is the exact
-update's fixed-point step, so the iteration converges to the ``"exact"`` answer while
-touching one subset per step. Subsets follow random reshuffling (a fresh permutation of
-the retained rows per pass, so one pass refreshes every row exactly once), and the step
-is ``ρ = 1`` unless it must be halved to keep ``S`` positive definite. Before any row
-is refreshed the table holds the sites at ``q_t``, so the first step is the VCL step.
+``m_i``) and ``ĥ_0`` the prior site at the current ``q``. Once every row has been
+refreshed at the current ``q`` the step is the exact update's fixed-point step, so the
+iteration converges to the ``"exact"`` answer while touching one subset per step.
+Subsets follow random reshuffling (a fresh permutation per pass, so one pass refreshes
+every row exactly once), and the step is ``ρ = 1`` unless it must be halved to keep
+``S`` positive definite. The first step, with every row still at ``q_t``, is the first
+step of the exact update.
 
 The table's natural-parameter sums are kept incrementally (the refreshed rows' new sites
 are added and their old ones subtracted), so a step costs ``O(|B| d²)`` besides the site
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import ConvergenceError, NotPositiveDefiniteError
-from .families import FullGaussian, Gaussian, GaussianNatural
+from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
 from .sites import compute_sites
 from .solvers import default_tol
 
@@ -82,27 +83,24 @@ def _write_rows(table, rows, fresh, mean):
                    ref_means=table.ref_means.at[rows].set(jnp.broadcast_to(mean, (rows.shape[0], mean.shape[0]))))
 
 
-@partial(jax.jit, static_argnums=0)
-def _sag_step(static, q, table, sums, table_weights, past, pick, pick_weights, new_data, new_weights, new_ids,
-              cavity, rho):
+@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _sag_step(static, q, table, sums, table_weights, data, pick, pick_weights, cavity, rho):
     """One SAG step (see the module docstring); returns the new state and the residuals."""
-    spec_new, spec_pick, family, rule, curvature, storage, chunk_size = static
-    options = dict(curvature=curvature, storage=storage, chunk_size=chunk_size)
-    fresh_new, _ = compute_sites(spec_new, new_data, family, q, rule, ids=new_ids, **options)
-    subset = type(past)(tuple(x[pick] for x in past.per_example), past.shared)
-    fresh_pick, _ = compute_sites(spec_pick, subset, family, q, rule, ids=table.ids[pick], **options)
-    old_pick = table.take(pick)
+    spec_pick, family, rule, curvature, storage, chunk_size = static
+    subset = type(data)(tuple(x[pick] for x in data.per_example), data.shared)
+    fresh, _ = compute_sites(spec_pick, subset, family, q, rule, ids=table.ids[pick], curvature=curvature,
+                             storage=storage, chunk_size=chunk_size)
     # duplicated (padding) rows carry weight 0 in the sums and write the same values twice
-    gained = fresh_pick.natural_sum(family, pick_weights)
-    lost = old_pick.natural_sum(family, pick_weights)
+    gained = fresh.natural_sum(family, pick_weights)
+    lost = table.take(pick).natural_sum(family, pick_weights)
     sums = GaussianNatural(sums.linear + gained.linear - lost.linear,
                            sums.precision + gained.precision - lost.precision)
-    table = _write_rows(table, pick, fresh_pick, q.mean)
+    table = _write_rows(table, pick, fresh, q.mean)
+    table = replace(table, prior_grad=fresh.prior_grad, prior_curvature=fresh.prior_curvature,
+                    prior_loss=fresh.prior_loss, prior_ref=fresh.prior_ref)
 
-    grad = (sums.precision @ q.mean - sums.linear + new_weights @ fresh_new.grad + fresh_new.prior_grad
-            + cavity.precision @ q.mean - cavity.linear)
-    target = (sums.precision + fresh_new.example_curvature_sum(family, new_weights)
-              + family.project_curvature(fresh_new.prior_curvature) + cavity.precision)
+    grad = sums.precision @ q.mean - sums.linear + fresh.prior_grad + cavity.precision @ q.mean - cavity.linear
+    target = sums.precision + family.project_curvature(fresh.prior_curvature) + cavity.precision
 
     def attempt(step):
         precision = (1.0 - step) * q.precision + step * target
@@ -116,26 +114,43 @@ def _sag_step(static, q, table, sums, table_weights, past, pick, pick_weights, n
     step, precision, chol, ok = jax.lax.while_loop(lambda c: (~c[3]) & (c[0] >= _MIN_STEP), halve,
                                                    (rho, *attempt(rho)))
     mean = q.mean - step * jax.scipy.linalg.cho_solve((chol, True), grad)
-    scale = (jnp.linalg.norm(fresh_new.prior_grad) + table_weights @ jnp.linalg.norm(table.grad, axis=1)
-             + new_weights @ jnp.linalg.norm(fresh_new.grad, axis=1))
+    scale = jnp.linalg.norm(fresh.prior_grad) + table_weights @ jnp.linalg.norm(table.grad, axis=1)
     mean_residual = jnp.linalg.norm(grad) / scale
     precision_residual = jnp.linalg.norm(precision - target) / jnp.linalg.norm(precision)
     return Gaussian(mean, precision), table, sums, mean_residual, precision_residual, step, ok
+
+
+class _Shuffler:
+    """Random reshuffling of ``n`` rows in subsets of ``size`` (a new permutation per pass)."""
+
+    def __init__(self, rng, n, size):
+        self.rng, self.n, self.size, self.order = rng, n, size, np.zeros(0, np.int64)
+
+    def next(self):
+        if self.order.size == 0:
+            self.order = self.rng.permutation(self.n)
+        chosen, self.order = np.sort(self.order[:self.size]), self.order[self.size:]
+        return chosen
 
 
 def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure,
                       epochs=None):
     """SAG iterations for :func:`numpyro_pc.streaming.update` with ``correction="stochastic"``.
 
-    Without ``epochs`` the iteration runs until the estimated residual is below ``tol``
-    (after at least two passes, so that nearly every row of the table has been
-    refreshed). With ``epochs`` it stops at ``tol`` or after ``ceil(epochs · n / |B|)``
-    steps, whichever comes first; stopping at the budget is the requested trade-off, not
-    a failure (``history[-1]["residual"]`` says how far from the exact answer it is).
+    The table holds the corrected (retained) examples and the new ones, all starting at
+    ``q_t``; every step refreshes ``⌈f·n_past⌉`` past and ``⌈f·n_new⌉`` new rows
+    (``f = batch_fraction``), so one pass takes about ``1/f`` steps. Without ``epochs``
+    the iteration runs until the estimated residual is below ``tol`` (after at least two
+    passes). With ``epochs`` it stops at ``tol`` or after ``epochs`` passes, whichever
+    comes first; stopping at the budget is the requested trade-off, not a failure
+    (``history[-1]["residual"]`` says how far from the exact answer it is).
 
-    :return: ``(q, fresh sites of corrected then new examples, history, rows touched)``.
+    With full steps the returned ``q`` is exactly the product of the returned sites and
+    the cavity (``λ = Σ_i λ̂_i``), converged or not.
+
+    :return: ``(q, sites of corrected then new examples, history, past rows touched)``.
     """
-    from .streaming import _cavity, _solve_update, pad_to_bucket, positions, take_data
+    from .streaming import _solve_update, bucket_size, concat_data, pad_to_bucket, positions, take_data
 
     family, dtype = post.family, post.state.mean.dtype
     if not isinstance(family, FullGaussian):
@@ -146,68 +161,69 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
         )
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"batch_fraction must be in (0, 1], got {fraction!r}")
+    if epochs is not None and not epochs > 0:
+        raise ValueError(f"epochs must be positive, got {epochs!r}")
     tol = solve_options.get("tol") or default_tol(dtype)
-    max_iters = max(int(solve_options.get("max_iters") or 100), 1) * 10
-    n = int(corrected.size)
+    n, num_new = int(corrected.size), int(new_ids.size)
     if n == 0:
         q, fresh, history, _ = _solve_update(post, new_data, new_ids, corrected, True, 1.0, solve_options,
                                              raise_on_failure)
         return q, fresh, history, 0
-    batch = int(max(1, np.ceil(fraction * n)))
-    min_iters = 2 * n // batch
+    past_batch, new_batch = (int(max(1, np.ceil(fraction * k))) for k in (n, num_new))
+    steps_per_pass = int(max(np.ceil(n / past_batch), np.ceil(num_new / new_batch)))
+    max_iters = max(int(solve_options.get("max_iters") or 100), 1) * 10
+    min_iters = 2 * steps_per_pass
     if epochs is not None:
-        if not epochs > 0:
-            raise ValueError(f"epochs must be positive, got {epochs!r}")
-        max_iters = max(1, int(np.ceil(epochs * n / batch)))
+        max_iters = max(1, int(np.ceil(epochs * steps_per_pass)))
         min_iters = min(min_iters, max_iters)
-    rng = np.random.default_rng(seed)
 
-    # the table and the retained data, padded to a power of two with rows that are never picked
-    from .streaming import bucket_size
-
-    site_rows, table_weights = _pad_rows(positions(post.sites.ids, corrected), bucket_size(n))
-    data_rows, _ = _pad_rows(positions(post.data_ids, corrected), bucket_size(n))
-    table_weights = jnp.asarray(table_weights, dtype)
-    table = post.sites.take(site_rows)
-    table = replace(table, ref_means=table.refs(), ref_index=jnp.arange(site_rows.size, dtype=jnp.int32))
-    sums = table.natural_sum(family, table_weights)
-    past = take_data(post.data, data_rows)
-    cavity = _cavity(post, site_rows[:n], True, 1.0)
-    num_new = int(new_ids.size)
+    # table = [past rows | padding | new rows | padding]; padding rows are never picked
+    past_size, new_size = bucket_size(n), bucket_size(num_new)
+    site_rows, past_weights = _pad_rows(positions(post.sites.ids, corrected), past_size)
+    data_rows, _ = _pad_rows(positions(post.data_ids, corrected), past_size)
+    past_sites = post.sites.take(site_rows)
     new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, jnp.ones(num_new, dtype), new_ids)
-    pick_size = subset_bucket(batch)
-    static = (replace(post.spec, num_examples=int(padded_new_ids.size)),
-              replace(post.spec, num_examples=pick_size), family, post.rule, post.curvature,
+    new_sites, _ = compute_sites(replace(post.spec, num_examples=new_size), new_data, family, post.state, post.rule,
+                                 curvature=post.curvature, storage=post.sites.storage, chunk_size=post.chunk_size,
+                                 ids=jnp.asarray(padded_new_ids))
+    table = past_sites.concat(new_sites)
+    table = replace(table, ref_means=table.refs(), ref_index=jnp.arange(past_size + new_size, dtype=jnp.int32))
+    past_weights = jnp.asarray(past_weights, dtype)
+    table_weights = jnp.concatenate([past_weights, new_weights])
+    past_sum = past_sites.natural_sum(family, past_weights)
+    sums = add_site(past_sum, new_sites.natural_sum(family, new_weights))
+    data = concat_data(take_data(post.data, data_rows), new_data)
+    # the old posterior with the past sites and the prior site divided out
+    cavity = remove_site(remove_site(family.natural(post.state), past_sum), post.sites.prior_natural(family))
+    pick_sizes = (subset_bucket(past_batch), subset_bucket(new_batch))
+    static = (replace(post.spec, num_examples=sum(pick_sizes)), family, post.rule, post.curvature,
               post.sites.storage, post.chunk_size)
-    new_ids_arr = jnp.asarray(padded_new_ids)
 
+    rng = np.random.default_rng(seed)
+    past_rows, new_rows = _Shuffler(rng, n, past_batch), _Shuffler(rng, num_new, new_batch)
     q, rho = post.state, jnp.asarray(1.0, dtype)
     history, touched, start = [], 0, time.perf_counter()
-    order = np.zeros(0, np.int64)
     for it in range(max_iters):
-        if order.size == 0:  # random reshuffling: every row is refreshed once per pass
-            order = rng.permutation(n)
-        chosen, order = np.sort(order[:batch]), order[batch:]
-        pick, pick_weights = _pad_rows(chosen, pick_size)
-        q, table, sums, res_mean, res_prec, step, ok = _sag_step(
-            static, q, table, sums, table_weights, past, jnp.asarray(pick, jnp.int32),
-            jnp.asarray(pick_weights, dtype), new_data, new_weights, new_ids_arr, cavity, rho)
-        touched += chosen.size
+        chosen_past, chosen_new = past_rows.next(), new_rows.next()
+        pick_past, w_past = _pad_rows(chosen_past, pick_sizes[0])
+        pick_new, w_new = _pad_rows(past_size + chosen_new, pick_sizes[1])
+        pick = jnp.asarray(np.concatenate([pick_past, pick_new]), jnp.int32)
+        pick_weights = jnp.asarray(np.concatenate([w_past, w_new]), dtype)
+        q, table, sums, res_mean, res_prec, step, ok = _sag_step(static, q, table, sums, table_weights, data, pick,
+                                                                 pick_weights, cavity, rho)
+        touched += chosen_past.size
         if not bool(ok):
             raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
                                            "definite; use a larger batch_fraction or correction='exact'")
         res_mean, res_prec = float(res_mean), float(res_prec)
         history.append(dict(iteration=it + 1, residual=max(res_mean, res_prec), residual_mean=res_mean,
                             residual_precision=res_prec, step=float(step), seconds=time.perf_counter() - start))
-        if it >= min_iters and max(res_mean, res_prec) < tol:
+        if it + 1 >= min_iters and max(res_mean, res_prec) < tol:
             break
 
-    # final sites: the table (fresh within the last passes) and the new examples at the final q
-    fresh_new, _ = compute_sites(static[0], new_data, family, q, post.rule, curvature=post.curvature,
-                                 storage=post.sites.storage, chunk_size=post.chunk_size, ids=new_ids_arr)
-    table = table.take(np.arange(n))
-    table = replace(table, ref_means=table.ref_means[:n])
-    fresh = table.concat(fresh_new.take(np.arange(num_new)))
+    keep = np.concatenate([np.arange(n), past_size + np.arange(num_new)])
+    fresh = table.take(keep)
+    fresh = replace(fresh, ref_means=fresh.refs(), ref_index=jnp.arange(keep.size, dtype=jnp.int32))
     if history[-1]["residual"] > tol and epochs is None:
         message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
                    f"{len(history)} iterations")
