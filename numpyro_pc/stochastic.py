@@ -76,31 +76,38 @@ def _pad_rows(rows, size):
     return padded, weights
 
 
+@partial(jax.jit, donate_argnums=0)
 def _write_rows(table, rows, fresh, mean):
+    """Write the refreshed rows (and the prior site) into the table, in place (the table is donated).
+
+    Kept apart from :func:`_sag_step`, which reads the table: a scatter into a buffer
+    that the same program also gathers from makes XLA copy the whole table first.
+    """
     put = lambda a, b: None if a is None else a.at[rows].set(b)  # noqa: E731
     return replace(table, grad=put(table.grad, fresh.grad), curvature=put(table.curvature, fresh.curvature),
                    jac=put(table.jac, fresh.jac), lam=put(table.lam, fresh.lam), loss=put(table.loss, fresh.loss),
-                   ref_means=table.ref_means.at[rows].set(jnp.broadcast_to(mean, (rows.shape[0], mean.shape[0]))))
+                   ref_means=table.ref_means.at[rows].set(jnp.broadcast_to(mean, (rows.shape[0], mean.shape[0]))),
+                   prior_grad=fresh.prior_grad, prior_curvature=fresh.prior_curvature, prior_loss=fresh.prior_loss,
+                   prior_ref=fresh.prior_ref)
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _sag_step(static, q, table, sums, table_weights, data, pick, pick_weights, cavity, rho):
+@partial(jax.jit, static_argnums=0)
+def _sag_step(static, q, table, sums, data, pick, pick_weights, cavity, rho):
     """One SAG step (see the module docstring); returns the new state and the residuals."""
     spec_pick, family, rule, curvature, storage, chunk_size = static
     subset = type(data)(tuple(x[pick] for x in data.per_example), data.shared)
     fresh, _ = compute_sites(spec_pick, subset, family, q, rule, ids=table.ids[pick], curvature=curvature,
                              storage=storage, chunk_size=chunk_size)
     # duplicated (padding) rows carry weight 0 in the sums and write the same values twice
-    gained = fresh.natural_sum(family, pick_weights)
-    lost = table.take(pick).natural_sum(family, pick_weights)
-    sums = GaussianNatural(sums.linear + gained.linear - lost.linear,
-                           sums.precision + gained.precision - lost.precision)
-    table = _write_rows(table, pick, fresh, q.mean)
-    table = replace(table, prior_grad=fresh.prior_grad, prior_curvature=fresh.prior_curvature,
-                    prior_loss=fresh.prior_loss, prior_ref=fresh.prior_ref)
+    old = table.take(pick)
+    gained, lost = fresh.natural_sum(family, pick_weights), old.natural_sum(family, pick_weights)
+    natural, grad_norms = sums
+    natural = GaussianNatural(natural.linear + gained.linear - lost.linear,
+                              natural.precision + gained.precision - lost.precision)
+    grad_norms = grad_norms + pick_weights @ (jnp.linalg.norm(fresh.grad, axis=1) - jnp.linalg.norm(old.grad, axis=1))
 
-    grad = sums.precision @ q.mean - sums.linear + fresh.prior_grad + cavity.precision @ q.mean - cavity.linear
-    target = sums.precision + family.project_curvature(fresh.prior_curvature) + cavity.precision
+    grad = natural.precision @ q.mean - natural.linear + fresh.prior_grad + cavity.precision @ q.mean - cavity.linear
+    target = natural.precision + family.project_curvature(fresh.prior_curvature) + cavity.precision
 
     def attempt(step):
         precision = (1.0 - step) * q.precision + step * target
@@ -114,10 +121,9 @@ def _sag_step(static, q, table, sums, table_weights, data, pick, pick_weights, c
     step, precision, chol, ok = jax.lax.while_loop(lambda c: (~c[3]) & (c[0] >= _MIN_STEP), halve,
                                                    (rho, *attempt(rho)))
     mean = q.mean - step * jax.scipy.linalg.cho_solve((chol, True), grad)
-    scale = jnp.linalg.norm(fresh.prior_grad) + table_weights @ jnp.linalg.norm(table.grad, axis=1)
-    mean_residual = jnp.linalg.norm(grad) / scale
+    mean_residual = jnp.linalg.norm(grad) / (jnp.linalg.norm(fresh.prior_grad) + grad_norms)
     precision_residual = jnp.linalg.norm(precision - target) / jnp.linalg.norm(precision)
-    return Gaussian(mean, precision), table, sums, mean_residual, precision_residual, step, ok
+    return Gaussian(mean, precision), fresh, (natural, grad_norms), mean_residual, precision_residual, step, ok
 
 
 class _Shuffler:
@@ -191,7 +197,8 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     past_weights = jnp.asarray(past_weights, dtype)
     table_weights = jnp.concatenate([past_weights, new_weights])
     past_sum = past_sites.natural_sum(family, past_weights)
-    sums = add_site(past_sum, new_sites.natural_sum(family, new_weights))
+    sums = (add_site(past_sum, new_sites.natural_sum(family, new_weights)),
+            table_weights @ jnp.linalg.norm(table.grad, axis=1))
     data = concat_data(take_data(post.data, data_rows), new_data)
     # the old posterior with the past sites and the prior site divided out
     cavity = remove_site(remove_site(family.natural(post.state), past_sum), post.sites.prior_natural(family))
@@ -209,8 +216,9 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
         pick_new, w_new = _pad_rows(past_size + chosen_new, pick_sizes[1])
         pick = jnp.asarray(np.concatenate([pick_past, pick_new]), jnp.int32)
         pick_weights = jnp.asarray(np.concatenate([w_past, w_new]), dtype)
-        q, table, sums, res_mean, res_prec, step, ok = _sag_step(static, q, table, sums, table_weights, data, pick,
-                                                                 pick_weights, cavity, rho)
+        q_next, fresh, sums, res_mean, res_prec, step, ok = _sag_step(static, q, table, sums, data, pick,
+                                                                      pick_weights, cavity, rho)
+        table, q = _write_rows(table, pick, fresh, q.mean), q_next
         touched += chosen_past.size
         if not bool(ok):
             raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
