@@ -44,6 +44,8 @@ posterior (retraining from the merged start).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,7 +231,8 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
 
             raise NonFiniteResultError(f"the {method} merge produced a non-finite mean")
         family.check_positive_definite(q.precision, what=f"{method}-merged precision")
-        post = _make(first.spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
+        spec = replace(first.spec, num_examples=int(data.per_example[0].shape[0]))
+        post = _make(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
                      first.storage, first.chunk_size, None, False, None, 0, False, True)
     return post._replace(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
                                  "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})
