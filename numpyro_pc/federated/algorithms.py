@@ -57,7 +57,7 @@ import numpy as np
 from ..errors import ConvergenceError
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import gaussian_prior, prior_natural
-from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
+from .core import (LocalConfig, bind_clients, check_rule, client_site, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes)
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
@@ -157,10 +157,15 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
     return eta, q_new, dict(kl_to_previous=kl, residual=residual, local_iterations=jnp.max(local.iterations), ok=ok)
 
 
+@partial(jax.jit, static_argnames=("cfg",))
+def _initial_sites(cfg, q, stack):
+    return jax.vmap(lambda ex, mk: client_site(cfg, q, ex, mk, stack.shared))(stack.per_example, stack.mask)
+
+
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
         local_tol=None, num_nodes=32, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
-        shared=(), callback=None):
+        shared=(), callback=None, init="prior"):
     """Run a federated algorithm over client shards in one process.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is
@@ -188,6 +193,10 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         (carrying the result as ``err.posterior``) when the run diverges or ends before the
         tolerances; otherwise warn.
     :param callback: called as ``callback(round_record)`` after every round.
+    :param str init: first guess of the sites: ``"prior"`` (each client's site at the prior,
+        so the first global posterior is one natural-gradient step from the prior) or
+        ``"zero"`` (sites equal to one, as in PVI; the first local step then starts from the
+        prior and, for a small ``ρ``, weights the client's loss by ``1/ρ``).
     :return: :class:`FederatedResult`.
     """
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
@@ -208,9 +217,17 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(family, IsotropicGaussian) else None
     prior_nat = prior_natural(family, prior, tau)
     q = global_state(family, prior, prior_nat, jax.tree.map(jnp.zeros_like, prior_nat))
-    eta = jax.tree.map(lambda x: jnp.zeros((num_clients,) + jnp.shape(x), dtype), prior_nat)
-    if isinstance(family, IsotropicGaussian):
-        eta = GaussianNatural(eta.linear, jnp.zeros(num_clients, dtype))
+    if init == "zero":
+        eta = jax.tree.map(lambda x: jnp.zeros((num_clients,) + jnp.shape(x), dtype), prior_nat)
+        if isinstance(family, IsotropicGaussian):
+            eta = GaussianNatural(eta.linear, jnp.zeros(num_clients, dtype))
+    elif init == "prior":
+        eta = _initial_sites(cfg, q, stack)
+    else:
+        raise ValueError(f"unknown init {init!r}; expected 'prior' or 'zero'")
+    if init == "prior":
+        q = global_state(family, prior, prior_nat, jax.tree.map(lambda e: jnp.sum(e, 0), eta))
+        family.check_positive_definite(q.precision, what="initial global precision")
     alpha = 1.0 / (1.0 + rho * num_participants) if admm_alpha is None else float(admm_alpha)
     ref_state = getattr(reference, "state", reference)
     message = natural_nbytes(family, spec.latent.dim, dtype)
