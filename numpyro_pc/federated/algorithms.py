@@ -272,7 +272,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                           None, 0, False, True)
     result = FederatedResult(posterior, q, eta, history, status == "converged", status, algorithm, rho)
     if status != "converged":
-        why = ("a local update or the global posterior lost finiteness or positive definiteness"
+        why = ("a local update or the global posterior lost finiteness or positive definiteness (for losses "
+               "growing slower than quadratically, e.g. logistic, the local problem is unbounded once the ρ-cavity "
+               "λ_jnt − η_k/ρ is indefinite: increase ρ)"
                if status == "diverged" else f"rounds={rounds} reached before the tolerances")
         msg = (f"federated {algorithm} (ρ={rho:g}, damping={damping:g}) stopped after {len(history)} round(s): {why}; "
                f"last KL to the previous round {history[-1]['kl_to_previous']:.3e}, residual "
