@@ -164,7 +164,7 @@ def _initial_sites(cfg, q, stack):
 
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
-        local_tol=None, num_nodes=32, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
+        local_tol=None, num_nodes=64, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
         shared=(), callback=None, init="prior"):
     """Run a federated algorithm over client shards in one process.
 
@@ -187,7 +187,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param bool keep_data: build ``result.posterior`` on the union of the shards.
     :param int local_iters: Newton iterations of each local update.
     :param float local_tol: relative change stopping a local update.
-    :param int num_nodes: Gauss–Hermite nodes.
+    :param int num_nodes: Gauss–Hermite nodes (64, as :func:`numpyro_pc.fit`).
     :param float admm_alpha: override of ``α`` in the ADMM server step.
     :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
         (carrying the result as ``err.posterior``) when the run diverges or ends before the

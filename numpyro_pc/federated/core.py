@@ -71,7 +71,7 @@ class LocalConfig:
     spec: object
     family: object
     rule: str = "delta"
-    num_nodes: int = 32
+    num_nodes: int = 64
     max_iters: int = 50
     tol: float = 1e-12
     chunk_size: int = 64
@@ -214,7 +214,8 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
 
     The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
     ``(b, B) = λ_jnt − η_k/ρ``; the precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the
-    isotropic family). Starting from ``q_jnt``, iterations stop once the relative change
+    isotropic family); a step that would leave an improper Gaussian is halved (at most 20
+    times). Starting from ``q_jnt``, iterations stop once the relative change
     is below ``cfg.tol`` or after ``cfg.max_iters``.
 
     :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or
@@ -227,13 +228,21 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
     b_prec = lam_jnt.precision - eta.precision / rho
     b_dense = family.dense_precision(Gaussian(q_jnt.mean, b_prec))
 
+    def valid(q):
+        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
+
     def step(q):
         grad, hess = client_terms(cfg, q, per_example, mask, shared)
         dense = b_dense + hess / rho
         chol = jnp.linalg.cholesky(dense)
         mean = q.mean - cho_solve((chol, True), b_dense @ q.mean - b_lin + grad / rho)
         prec = q_jnt.precision if iso else b_prec + family.project_curvature(hess) / rho
-        return Gaussian(mean, prec)
+        full = Gaussian(mean, prec)
+        # halve the step (in mean and precision) until the iterate is a proper Gaussian
+        shrink = lambda beta: jax.tree.map(lambda a, b: a + beta * (b - a), q, full)  # noqa: E731
+        beta = jax.lax.while_loop(lambda b: (b > 2.0**-20) & ~valid(shrink(b)), lambda b: 0.5 * b,
+                                  jnp.asarray(1.0, q.mean.dtype))
+        return shrink(beta)
 
     def change(new, old):
         dm = jnp.max(jnp.abs(new.mean - old.mean)) / (1.0 + jnp.max(jnp.abs(old.mean)))

@@ -115,7 +115,7 @@ class ServerLogic:
     """
 
     def __init__(self, num_clients, algorithm="fedpc", family="full", rho=None, damping=None, expectation="auto",
-                 fraction=1.0, num_nodes=32, local_iters=50, local_tol=None, x64=False):
+                 fraction=1.0, num_nodes=64, local_iters=50, local_tol=None, x64=False):
         self.num_clients = int(num_clients)
         self.algorithm = algorithm
         self.family_name = "isotropic" if algorithm == "ama" else family
