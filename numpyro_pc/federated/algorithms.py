@@ -165,7 +165,7 @@ def _initial_sites(cfg, q, stack):
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
         local_tol=None, num_nodes=64, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
-        shared=(), callback=None, init="prior"):
+        shared=(), callback=None, init="auto"):
     """Run a federated algorithm over client shards in one process.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is
@@ -194,9 +194,11 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         tolerances; otherwise warn.
     :param callback: called as ``callback(round_record)`` after every round.
     :param str init: first guess of the sites: ``"prior"`` (each client's site at the prior,
-        so the first global posterior is one natural-gradient step from the prior) or
+        so the first global posterior is one natural-gradient step from the prior),
         ``"zero"`` (sites equal to one, as in PVI; the first local step then starts from the
-        prior and, for a small ``ρ``, weights the client's loss by ``1/ρ``).
+        prior and, for a small ``ρ``, weights the client's loss by ``1/ρ``) or ``"auto"``:
+        ``"zero"`` for the isotropic family (whose step from the prior is a plain gradient
+        step of size ``1/τ`` and can land where a logistic loss saturates), else ``"prior"``.
     :return: :class:`FederatedResult`.
     """
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
@@ -217,6 +219,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(family, IsotropicGaussian) else None
     prior_nat = prior_natural(family, prior, tau)
     q = global_state(family, prior, prior_nat, jax.tree.map(jnp.zeros_like, prior_nat))
+    if init == "auto":
+        init = "zero" if isinstance(family, IsotropicGaussian) else "prior"
     if init == "zero":
         eta = jax.tree.map(lambda x: jnp.zeros((num_clients,) + jnp.shape(x), dtype), prior_nat)
         if isinstance(family, IsotropicGaussian):

@@ -8,8 +8,8 @@ global Gaussian (server → clients) and each client's site ``η_k`` (and, for A
 local natural parameters) back — never data.
 
 Round 1 is an initialisation round: every client sends the prior it derives from the
-model (the server checks they agree) and its site at the prior, matching
-``init="prior"`` of :func:`~numpyro_pc.federated.run`; rounds ``2 … R+1`` are the ``R``
+model (the server checks they agree) and its first site (at the prior; zero for the
+isotropic family), matching ``init="auto"`` of :func:`~numpyro_pc.federated.run`; rounds ``2 … R+1`` are the ``R``
 rounds of the algorithm. With every client taking part, the result equals the in-process
 run (up to the order of a sum).
 
@@ -84,14 +84,17 @@ class ClientLogic:
         return tuple(x[0] for x in self.stack.per_example), self.stack.mask[0], self.stack.shared
 
     def initial(self, config):
-        """Round 1: the prior ``(m_0, P_0)`` and this client's site at the prior."""
+        """Round 1: the prior ``(m_0, P_0)`` and this client's first site."""
         cfg = self._cfg(config)
         prior = gaussian_prior(self.spec, self.data)
         tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(cfg.family, IsotropicGaussian) else None
         q0 = global_state(cfg.family, prior, prior_natural(cfg.family, prior, tau),
                           jax.tree.map(jnp.zeros_like, prior_natural(cfg.family, prior, tau)))
         ex, mask, shared = self._ex()
-        self.site = jax.jit(client_site, static_argnums=0)(cfg, q0, ex, mask, shared)
+        if isinstance(cfg.family, IsotropicGaussian):  # init="auto" of the in-process run: sites start at one
+            self.site = GaussianNatural(jnp.zeros_like(q0.mean), jnp.zeros((), q0.mean.dtype))
+        else:
+            self.site = jax.jit(client_site, static_argnums=0)(cfg, q0, ex, mask, shared)
         return _arrays(self.site) + [np.asarray(prior.mean), np.asarray(prior.precision)]
 
     def update(self, arrays, config):
