@@ -40,3 +40,9 @@ __all__ = [
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
     "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError",
 ]
+
+from . import federated, merging  # noqa: E402
+from .errors import IncompatiblePosteriorsError  # noqa: E402
+from .merging import merge  # noqa: E402
+
+__all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError"]

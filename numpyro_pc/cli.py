@@ -28,6 +28,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
        writes ``dual_form.png``.
     2. Streaming: the data in 5 drifting batches with every correction policy, then a group
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
+    3. Merging and federated learning: two half-data posteriors merged with every method;
+       10 non-IID clients reaching the joint posterior; writes ``merging_federated.png``.
 
     :return: a dict of the measured numbers.
     """
@@ -96,8 +98,12 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         plt.close(figure)
         print(f"\nplot written to {path.resolve()}")
         streaming = _demo_streaming(X, y, out, plt, fast)
+        from .federated.demo import demo_merging_federated
+
+        merging = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
         return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
-                    timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming)
+                    timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming,
+                    merging_federated=merging)
 
 
 STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),

@@ -69,3 +69,7 @@ class UnknownExampleError(PosteriorCorrectionError, KeyError):
 
     def __str__(self):
         return str(self.args[0]) if self.args else ""
+
+
+class IncompatiblePosteriorsError(PosteriorCorrectionError, ValueError):
+    """Posteriors that cannot be combined (different models, latent sites, families or dtypes)."""

@@ -16,3 +16,8 @@ def test_demo_fast(tmp_path, capsys):
     deletion = {method: kl for method, kl, _ in result["streaming"]["delete"]}
     assert deletion["corrected"] < 1e-8 and deletion["remove_site"] < deletion["tracin"]
     assert (tmp_path / "streaming.png").stat().st_size > 10_000
+    merged = dict(result["merging_federated"]["merge"])
+    assert merged["bayesian"] < merged["task_arithmetic"]
+    fed = {name: kl for name, _, kl, _ in result["merging_federated"]["federated"]}
+    assert fed["fedpc ρ=0.8"] < 1e-8 and fed["pvi"] < 1e-8
+    assert (tmp_path / "merging_federated.png").stat().st_size > 10_000

@@ -1,0 +1,12 @@
+"""Federated posterior correction (paper §3.4, DESIGN §2 "Federated").
+
+:func:`run` runs FedPC, PVI, AMA or ADMM over client shards in one process (clients
+``vmap``-ed); :mod:`numpyro_pc.federated.flower` runs the same algorithm across processes
+or machines with Flower (optional extra ``numpyro-pc[federated]``, imported lazily).
+"""
+
+from .algorithms import ALGORITHMS, FederatedResult, run
+from .core import ClientStack, LocalConfig, bind_clients, global_state, local_update
+
+__all__ = ["ALGORITHMS", "FederatedResult", "run", "ClientStack", "LocalConfig", "bind_clients", "global_state",
+           "local_update"]

@@ -1,0 +1,238 @@
+r"""Model merging as posterior correction (paper §3.3, DESIGN §2 "Merging").
+
+Given a shared *base* posterior ``q_pre`` (a pre-trained model, or the prior) and task
+posteriors ``q_i`` obtained from it on separate data (``q_i ∝ q_pre · exp(−ℓ̂_i)``, e.g.
+``base.update(X_i, y_i, correction="none")``, or :func:`numpyro_pc.fit` on disjoint
+shards when the base is the prior), :func:`merge` combines them with weights ``α_i``:
+
+``"bayesian"`` — Bayesian arithmetic (paper eq. ``ba``) on natural parameters, the base
+    counted once:
+
+    .. math:: \lambda_{BA} = \lambda_{pre} + \textstyle\sum_i \alpha_i (\lambda_i - \lambda_{pre}).
+
+    With a Gaussian likelihood, the full family and ``α_i = 1`` this *is* the joint
+    posterior; otherwise the error is the sum of the task corrections
+    ``E_q[ℓ_i − ℓ̂_i]`` of paper eq. ``postcorr_merging``.
+
+``"task_arithmetic"`` — the isotropic case of Bayesian arithmetic on the means
+    (paper eq. ``ta``): ``m = m_pre + Σ α_i (m_i − m_pre)``. The merged precision is the
+    Bayesian-arithmetic one, so that comparisons between methods isolate the mean.
+
+``"hessian"`` — the corrections approximated to second order with the exact Hessians of
+    the losses at each model's mean (paper eq. ``ha``, appendix "Derivation of eq. ha"):
+
+    .. math::
+        m = m_{pre} + H^{-1} \textstyle\sum_i \alpha_i (K + H_i)(m_i - m_{pre}), \qquad
+        H = H_{pre} + \textstyle\sum_i \alpha_i H_i ,
+
+    with ``H_i = ∇²ℓ_i(m_i)`` summed over the examples task ``i`` added,
+    ``H_pre = ∇²(ℓ_0 + ℓ_pre)(m_pre)`` (prior included) and ``K`` the precision of the
+    fine-tuning regulariser ``KL(q ‖ q_pre)`` (the base precision; the paper's ``I``
+    comes from its isotropic unit-covariance family and its ``H_ha = I + H_llm + Σα_iH_i``
+    counts that prior inside ``H_pre`` here). It is exact for quadratic losses.
+
+``"precision"`` — the twin of ``"hessian"`` with posterior precisions instead of
+    Hessians: ``H_pre → S_pre`` and ``H_i → S_i − S_pre`` (the task's share of the
+    precision). For Gaussian posteriors this equals Bayesian arithmetic exactly — the
+    paper's remark that a richer family performs the reduction by itself.
+
+The result is a :class:`~numpyro_pc.posterior.DualPosterior` over the union of the data
+(base examples, then each task's own examples), its sites evaluated at the merged
+Gaussian; :meth:`~numpyro_pc.posterior.DualPosterior.refine` then reaches the joint
+posterior (retraining from the merged start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import IncompatiblePosteriorsError, UnsupportedModelError
+from .families import DiagonalGaussian, Gaussian, GaussianNatural, IsotropicGaussian
+from .likelihood import losses, prior_loss
+
+__all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
+
+METHODS = ("bayesian", "task_arithmetic", "hessian", "precision")
+
+
+def gaussian_prior(spec, data):
+    """The prior ``ℓ_0`` as a Gaussian ``(m_0, P_0)`` in unconstrained space.
+
+    ``ℓ_0`` must be quadratic in ``z`` (a Gaussian prior on unconstrained latents, e.g.
+    ``Normal`` priors on real-valued weights); the Hessian is compared at two points.
+
+    :raises UnsupportedModelError: when the prior is not Gaussian in ``z`` or not proper.
+    :return: :class:`~numpyro_pc.families.Gaussian` with a dense ``(d, d)`` precision.
+    """
+    d = spec.latent.dim
+    dtype = jnp.result_type(float)
+    zero = jnp.zeros(d, dtype)
+    other = zero + 0.37 + 0.1 * jnp.arange(d, dtype=dtype)
+    fn = lambda z: prior_loss(spec, z, data)  # noqa: E731
+    h0, h1 = jax.hessian(fn)(zero), jax.hessian(fn)(other)
+    if not bool(jnp.allclose(h0, h1, rtol=1e-6, atol=1e-9)):
+        raise UnsupportedModelError(
+            "this operation needs a Gaussian prior on the unconstrained latents (ℓ_0 quadratic in z); "
+            f"the prior Hessian changes with z (latent sites {spec.latent.names}). Fit the prior into a "
+            "posterior first and pass it as the base.")
+    prec = 0.5 * (h0 + h0.T)
+    chol = jnp.linalg.cholesky(prec)
+    if not bool(jnp.all(jnp.isfinite(chol))):
+        raise UnsupportedModelError("the prior on the unconstrained latents is not a proper Gaussian "
+                                    "(its precision is not positive definite)")
+    mean = jax.scipy.linalg.cho_solve((chol, True), -jax.grad(fn)(zero))
+    return Gaussian(mean, prec)
+
+
+def prior_natural(family, prior, tau=None):
+    """Natural parameters of a dense Gaussian ``prior`` in ``family``'s format.
+
+    The diagonal family needs a diagonal prior precision; the isotropic family keeps its
+    fixed precision ``tau`` (the prior's curvature enters through its base measure).
+    """
+    if isinstance(family, IsotropicGaussian):
+        tau = jnp.asarray(1.0 if tau is None else tau, prior.mean.dtype)
+        return GaussianNatural(tau * prior.mean, tau)
+    if isinstance(family, DiagonalGaussian):
+        off = prior.precision - jnp.diag(jnp.diag(prior.precision))
+        if bool(jnp.any(off != 0)):
+            raise UnsupportedModelError("the diagonal family needs a prior with independent coordinates "
+                                        "(a diagonal prior precision in unconstrained space)")
+    return family.natural(Gaussian(prior.mean, family.project_curvature(prior.precision)))
+
+
+def _check(base, posts, alphas, method):
+    if method not in METHODS:
+        raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
+    posts = list(posts)
+    if not posts:
+        raise ValueError("merge needs at least one task posterior, got an empty list")
+    alphas = [1.0] * len(posts) if alphas is None else [float(a) for a in np.ravel(alphas)]
+    if len(alphas) != len(posts):
+        raise ValueError(f"got {len(alphas)} alphas for {len(posts)} posteriors; expected one weight per posterior")
+    ref = posts[0]
+    for k, p in enumerate(posts + ([base] if base is not None else [])):
+        what = "base" if k == len(posts) else f"posterior {k}"
+        if p.latent.signature() != ref.latent.signature():
+            raise IncompatiblePosteriorsError(
+                f"{what} has latent sites {p.latent.signature()}, expected {ref.latent.signature()} "
+                "(merging needs posteriors of the same model)")
+        if p.family.name != ref.family.name:
+            raise IncompatiblePosteriorsError(f"{what} is in the {p.family.name} family, expected {ref.family.name}")
+        if p.mean.dtype != ref.mean.dtype:
+            raise IncompatiblePosteriorsError(f"{what} computes in {p.mean.dtype}, expected {ref.mean.dtype}")
+        if p.spec.observed != ref.spec.observed:
+            raise IncompatiblePosteriorsError(f"{what} observes {p.spec.observed}, expected {ref.spec.observed}")
+        if p.num_retained != p.num_examples:
+            raise IncompatiblePosteriorsError(
+                f"{what} dropped the data of {p.num_examples - p.num_retained} example(s); merging evaluates the "
+                "merged posterior's sites on every example and needs the data (keep='all')")
+    return posts, alphas
+
+
+def _task_rows(post, base):
+    """Rows of ``post``'s data that its task added on top of ``base`` (all rows without a base)."""
+    ids = np.asarray(post.data_ids)
+    if base is None:
+        return np.arange(ids.size)
+    return np.flatnonzero(~np.isin(ids, np.asarray(base.data_ids)))
+
+
+def _take(data, rows):
+    from .streaming import take_data
+
+    return take_data(data, rows)
+
+
+def _loss_hessian(post, data, at, with_prior):
+    fn = lambda z: jnp.sum(losses(post.spec, z, data)) if data.per_example[0].shape[0] else 0.0  # noqa: E731
+    total = (lambda z: fn(z) + prior_loss(post.spec, z, data)) if with_prior else fn
+    h = jax.hessian(total)(at)
+    return 0.5 * (h + h.T)
+
+
+def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian):
+    nats = [p.natural for p in posts]
+    ba = base_nat
+    for a, lam in zip(alphas, nats):
+        ba = jax.tree.map(lambda acc, x, b: acc + a * (x - b), ba, lam, base_nat)
+    if method == "bayesian":
+        return family.from_natural(ba)
+    if method == "task_arithmetic":
+        mean = base_q.mean + sum(a * (p.mean - base_q.mean) for a, p in zip(alphas, posts))
+        return Gaussian(mean, ba.precision)
+    dense = lambda prec: family.dense_precision(Gaussian(base_q.mean, prec))  # noqa: E731
+    k_reg = dense(base_q.precision)
+    if method == "precision":
+        h_pre = k_reg
+        h_tasks = [family.dense_precision(p.state) - k_reg for p in posts]
+    else:
+        h_pre = base_hessian
+        h_tasks = [_loss_hessian(p, data, p.mean, False) for p, data in zip(posts, task_data)]
+    h = h_pre + sum(a * ht for a, ht in zip(alphas, h_tasks))
+    rhs = sum(a * (k_reg + ht) @ (p.mean - base_q.mean) for a, ht, p in zip(alphas, h_tasks, posts))
+    chol = jnp.linalg.cholesky(h)
+    if not bool(jnp.all(jnp.isfinite(chol))):
+        from .errors import NotPositiveDefiniteError
+
+        raise NotPositiveDefiniteError(f"the {method} merge's precision H = H_pre + Σ α_i H_i is not positive "
+                                       "definite (negative α or non-convex losses at the task means)")
+    mean = base_q.mean + jax.scipy.linalg.cho_solve((chol, True), rhs)
+    if isinstance(family, IsotropicGaussian):
+        return Gaussian(mean, base_q.precision)
+    return Gaussian(mean, family.project_curvature(h))
+
+
+def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
+    """Merge task posteriors fitted from a shared base (see the module docstring).
+
+    :param base: the shared :class:`~numpyro_pc.posterior.DualPosterior` the tasks started
+        from, or ``None`` for the model's prior (which must then be Gaussian in
+        unconstrained space, see :func:`gaussian_prior`).
+    :param posteriors: task posteriors of the same model and family.
+    :param alphas: one weight per task (default all ``1``).
+    :param str method: ``"bayesian"``, ``"task_arithmetic"``, ``"hessian"`` or ``"precision"``.
+    :param rule: expectation rule of the merged posterior's sites (default: the first
+        task's).
+    :raises IncompatiblePosteriorsError: different latent sites, families, dtypes, or
+        posteriors without their data.
+    :return: a :class:`~numpyro_pc.posterior.DualPosterior` on the union of the data whose
+        ``record`` holds the method and weights.
+    """
+    from .posterior import _make
+    from .streaming import concat_data
+
+    posts, alphas = _check(base, posteriors, alphas, method)
+    first = posts[0]
+    family = first.family
+    with jax.enable_x64(first.mean.dtype == jnp.float64):
+        task_rows = [_task_rows(p, base) for p in posts]
+        task_data = [_take(p.data, rows) for p, rows in zip(posts, task_rows)]
+        if base is None:
+            prior = gaussian_prior(first.spec, first.data)
+            tau = first.state.precision if isinstance(family, IsotropicGaussian) else None
+            base_nat = prior_natural(family, prior, tau)
+            base_q = family.from_natural(base_nat)
+            base_hessian = prior.precision
+        else:
+            base_nat, base_q = base.natural, base.state
+            base_hessian = _loss_hessian(base, base.data, base.mean, True) if method == "hessian" else None
+        pieces = ([base.data] if base is not None else []) + [t for t in task_data if t.per_example[0].shape[0]]
+        data = pieces[0]
+        for extra in pieces[1:]:
+            data = concat_data(data, extra)
+        q = _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian)
+        if not bool(jnp.all(jnp.isfinite(q.mean))):
+            from .errors import NonFiniteResultError
+
+            raise NonFiniteResultError(f"the {method} merge produced a non-finite mean")
+        family.check_positive_definite(q.precision, what=f"{method}-merged precision")
+        spec = replace(first.spec, num_examples=int(data.per_example[0].shape[0]))
+        post = _make(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
+                     first.storage, first.chunk_size, None, False, None, 0, False, True)
+    return post._replace(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
+                                 "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})
