@@ -17,7 +17,7 @@ def package_version():
     """Which numpyro_pc the numbers belong to: git HEAD, whether numpyro_pc/ has uncommitted
     changes, and a hash of its sources."""
     digest = hashlib.sha1()
-    for path in sorted(glob.glob(os.path.join(ROOT, "numpyro_pc", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "numpyro_pc", "**", "*.py"), recursive=True)):
         with open(path, "rb") as f:
             digest.update(f.read())
     info = dict(source_sha1=digest.hexdigest()[:12])
