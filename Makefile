@@ -5,7 +5,7 @@ VENV        ?= .venv
 PY          ?= $(VENV)/bin/python
 SPHINXBUILD ?= $(VENV)/bin/sphinx-build
 BOOTSTRAP_PY := $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
-EXTRAS      ?= test,docs,gp
+EXTRAS      ?= test,docs,gp,federated
 STAMP       := $(VENV)/.installed
 
 .PHONY: help venv demo test unit notebooks docs bench clean distclean
@@ -22,11 +22,11 @@ help:
 
 venv: $(STAMP)
 
-# The stamp is newer than pyproject.toml once the install succeeded; editing
-# pyproject.toml (dependencies, extras) triggers a re-install.  The editable
+# The stamp is newer than pyproject.toml and this Makefile once the install
+# succeeded; editing either (dependencies, extras, EXTRAS) triggers a re-install.  The editable
 # install puts the repository root on sys.path (see package-dir in
 # pyproject.toml), so modules added later import without re-installing.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@if [ ! -x "$(VENV)/bin/python" ]; then \
 	  if [ -z "$(BOOTSTRAP_PY)" ]; then echo "error: neither python3.11 nor python3 found" >&2; exit 1; fi; \
 	  echo "creating $(VENV) with $(BOOTSTRAP_PY)"; \
