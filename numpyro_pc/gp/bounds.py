@@ -44,6 +44,7 @@ well-conditioned problems only.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -53,7 +54,7 @@ from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector
 
 __all__ = ["CollapsedFit", "collapsed_fit", "collapsed_bound", "paper_bound"]
 
-_LOG2PI = jnp.log(2.0 * jnp.pi)
+_LOG2PI = math.log(2.0 * math.pi)   # a Python float: module import may run with x64 off
 
 
 class CollapsedFit(NamedTuple):
