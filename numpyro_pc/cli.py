@@ -28,6 +28,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
        writes ``dual_form.png``.
     2. Streaming: the data in 5 drifting batches with every correction policy, then a group
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
+    3. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
+       hyperparameters and inducing inputs; writes ``streaming_gp.png``.
 
     :return: a dict of the measured numbers.
     """
@@ -96,7 +98,14 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         plt.close(figure)
         print(f"\nplot written to {path.resolve()}")
         streaming = _demo_streaming(X, y, out, plt, fast)
-        return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
+        try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
+            from .gp.demo import demo_streaming_gp
+        except ImportError:
+            streaming_gp = None
+            print("\nstreaming sparse GP section skipped (install the 'gp' extra for GPJax)")
+        else:
+            streaming_gp = demo_streaming_gp(out, plt, fast, seed)
+        return dict(streaming_gp=streaming_gp, residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
                     timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming)
 
 

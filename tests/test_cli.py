@@ -16,3 +16,4 @@ def test_demo_fast(tmp_path, capsys):
     deletion = {method: kl for method, kl, _ in result["streaming"]["delete"]}
     assert deletion["corrected"] < 1e-8 and deletion["remove_site"] < deletion["tracin"]
     assert (tmp_path / "streaming.png").stat().st_size > 10_000
+    assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section
