@@ -259,12 +259,7 @@ class StreamingSparseGP:
             if not np.isfinite(float(value)):
                 raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
             new._state = handover(hyper, mean, cov, self.jitter)
-            kl_step = None
-            if self._state is not None:
-                m_a, _ = predict_from_q(hyper, new._state.Z, new._state.mean, new._state.cov, new._state.chol_Kzz,
-                                        old.Z)
-                S_a = _full_cov(new._state, old.Z)
-                kl_step = float(gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0]), old.mean, old.chol_cov))
+            kl_step = None if self._state is None else float(_kl_to_previous(new._state, old))
             jax.block_until_ready(new._state.mean)
             new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
                                     iterations=int(iters), seconds=time.perf_counter() - t0, kl_to_previous=kl_step,
@@ -297,6 +292,14 @@ class StreamingSparseGP:
                     seconds=[h["seconds"] for h in self.history],
                     num_inducing=self.num_inducing, alpha=self.alpha, bound_type=self.bound,
                     jitter=self.jitter)
+
+
+@eqx.filter_jit
+def _kl_to_previous(new, old):
+    """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a``."""
+    m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
+    S_a = _full_cov(new, old.Z)
+    return gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0], dtype=S_a.dtype), old.mean, old.chol_cov)
 
 
 def _full_cov(state, Xs):
