@@ -25,7 +25,7 @@ resident memory after each batch, and total times.
 
 Usage::
 
-    python benchmarks/bench_gp_power.py            # B = 20 with refit baseline, then B = 100
+    python benchmarks/bench_gp_power.py            # B = 20, then B = 100, then the refit baseline (B = 20)
     python benchmarks/bench_gp_power.py --quick    # B = 20, fewer iterations, no refit baseline
 
 Outputs: ``benchmarks/_out/bench_gp_power.{json,md,png}``.
@@ -136,9 +136,20 @@ def main(argv=None):
     batch = dict(metrics(*gpjax_predict(q, D, Xt), yt), seconds=t_batch)
     res = dict(machine=info, N_train=len(y), N_test=len(yt), M=100, iters=args.iters,
                baseline_iters=args.baseline_iters, batch_sgpr=batch, runs={})
+    def save():
+        table, targets = render(res)
+        return write_results("bench_gp_power", args.out, res, table, targets, plot_fn=lambda p: plot(res, p))
+
+    print(f"batch SGPR: {batch}", flush=True)
     sgp, batches, run = stream(X, y, Xt, yt, 20, args.iters, args.seed)
     res["runs"]["20"] = run
+    print(f"streaming B=20: {run['final']} in {run['total_s']:.1f} s", flush=True)
+    save()
     if not args.quick:
+        _, _, run100 = stream(X, y, Xt, yt, 100, args.iters, args.seed)
+        res["runs"]["100"] = run100
+        print(f"streaming B=100: {run100['final']} in {run100['total_s']:.1f} s", flush=True)
+        save()
         refit_t, refit_curve, prev = [], [], None
         seen = np.zeros(0, int)
         for idx in batches:
@@ -146,11 +157,9 @@ def main(argv=None):
             prev, Dt, dt = gpjax_sgpr(X[seen], y[seen], Z0, args.baseline_iters, init=prev)
             refit_t.append(dt)
             refit_curve.append(metrics(*gpjax_predict(prev, Dt, Xt), yt))
+            print(f"refit {len(refit_t)}: {dt:.1f} s", flush=True)
         res["refit"] = dict(times=refit_t, total_s=float(sum(refit_t)), final=refit_curve[-1], curve=refit_curve)
-        _, _, run100 = stream(X, y, Xt, yt, 100, args.iters, args.seed)
-        res["runs"]["100"] = run100
-    table, targets = render(res)
-    return write_results("bench_gp_power", args.out, res, table, targets, plot_fn=lambda p: plot(res, p))
+    return save()
 
 
 def render(res):
