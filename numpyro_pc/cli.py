@@ -30,6 +30,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
     3. Merging and federated learning: two half-data posteriors merged with every method;
        10 non-IID clients reaching the joint posterior; writes ``merging_federated.png``.
+    4. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
+       hyperparameters and inducing inputs; writes ``streaming_gp.png``.
 
     :return: a dict of the measured numbers.
     """
@@ -101,9 +103,16 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         from .federated.demo import demo_merging_federated
 
         merging = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
+        try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
+            from .gp.demo import demo_streaming_gp
+        except ImportError:
+            streaming_gp = None
+            print("\nstreaming sparse GP section skipped (install the 'gp' extra for GPJax)")
+        else:
+            streaming_gp = demo_streaming_gp(out, plt, fast, seed)
         return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
                     timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming,
-                    merging_federated=merging)
+                    merging_federated=merging, streaming_gp=streaming_gp)
 
 
 STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),

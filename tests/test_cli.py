@@ -21,3 +21,4 @@ def test_demo_fast(tmp_path, capsys):
     fed = {name: kl for name, _, kl, _ in result["merging_federated"]["federated"]}
     assert fed["fedpc ρ=0.8"] < 1e-8 and fed["pvi"] < 1e-8
     assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
+    assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section

@@ -1,0 +1,19 @@
+"""Streaming sparse Gaussian processes on GPJax (Bui, Nguyen & Turner 2017) with posterior correction.
+
+This subpackage is the only part of :mod:`numpyro_pc` that imports GPJax (the ``gp``
+extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
+
+* :class:`StreamingSparseGP` — update / predict / predict_y / state / summary;
+* :mod:`~numpyro_pc.gp.bounds` — collapsed VFE and Power-EP bounds in the stable Cholesky form;
+* :mod:`~numpyro_pc.gp.uncollapsed` — the uncollapsed bound for non-Gaussian likelihoods;
+* :mod:`~numpyro_pc.gp.corrected` — the posterior-corrected variant with a memory;
+* :mod:`~numpyro_pc.gp.state`, :mod:`~numpyro_pc.gp.inducing`, :mod:`~numpyro_pc.gp.optim`.
+"""
+
+from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
+from .model import StreamingSparseGP, bucket_size
+from .state import GPState, Hyper, handover, prior_state
+from .uncollapsed import BernoulliLogit, uncollapsed_bound
+
+__all__ = ["StreamingSparseGP", "GPState", "Hyper", "handover", "prior_state", "collapsed_fit", "collapsed_bound",
+           "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "bucket_size"]

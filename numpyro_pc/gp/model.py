@@ -1,0 +1,327 @@
+"""``StreamingSparseGP``: the thin, immutable user-facing class over the functional core.
+
+Each :meth:`StreamingSparseGP.update` (1) initialises ``Z_b`` by the chosen policy, (2)
+pads the batch to a bucket (powers of two) with a mask, (3) maximises the online bound
+jointly over hyperparameters, noise / likelihood parameters and ``Z_b`` (and ``q(b)`` for
+the uncollapsed bound), warm-started from the previous batch, inside one jitted function
+whose shapes do not depend on the batch, and (4) hands the state over. All algebra runs
+in float64 inside ``jax.enable_x64(True)``; the global setting is left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError
+from . import bounds, corrected, inducing, uncollapsed
+from .optim import minimize
+from .state import Hyper, check_chol, chol, handover, kernel_matrix, predict_from_q, prior_state
+
+__all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl"]
+
+
+def bucket_size(n, minimum=16):
+    """Smallest power of two ``≥ max(n, minimum)``: batch sizes are padded to it."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _to64(tree):
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64) if eqx.is_inexact_array(x) else x, tree)
+
+
+def gaussian_kl(m1, S1, m0, L0):
+    """``KL[N(m1, S1) ‖ N(m0, L0 L0ᵀ)]``."""
+    from jax.scipy.linalg import cho_solve
+
+    d = m1 - m0
+    L1 = chol(S1)
+    return 0.5 * (jnp.trace(cho_solve((L0, True), S1)) + d @ cho_solve((L0, True), d) - m1.shape[0]
+                  + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
+
+
+def _filter(hyper, learn_hyper, learn_Z):
+    spec = jax.tree.map(lambda x: learn_hyper and eqx.is_inexact_array(x), hyper)
+    return eqx.tree_at(lambda h: h.Z, spec, learn_Z)
+
+
+@eqx.filter_jit
+def _collapsed_step(params, static, old, X, y, mask, alpha, method, max_iters, lr, gtol):
+    scale = jnp.maximum(jnp.sum(mask), 1.0)
+
+    def loss(p):
+        return -bounds.collapsed_bound(eqx.combine(p, static), old, X, y, mask, alpha) / scale
+
+    res = minimize(loss, params, method, max_iters, lr, gtol) if jax.tree.leaves(params) else None
+    p = res.params if res is not None else params
+    hyper = eqx.combine(p, static)
+    fit = bounds.collapsed_fit(hyper, old, X, y, mask, alpha)
+    return p, fit, (res.iterations if res is not None else jnp.asarray(0))
+
+
+def _q_from_raw(raw):
+    mean, P = raw
+    return uncollapsed.WhitenedQ(mean, jnp.tril(P, -1) + jnp.diag(jax.nn.softplus(jnp.diag(P))))
+
+
+def _q_to_raw(q):
+    d = jnp.diag(q.chol)
+    return q.mean, jnp.tril(q.chol, -1) + jnp.diag(jnp.log(jnp.expm1(jnp.maximum(d, 1e-12))))
+
+
+@eqx.filter_jit
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol):
+    scale = jnp.maximum(jnp.sum(mask), 1.0)
+
+    def objective(p, rq):
+        hyper = eqx.combine(p, static)
+        q = _q_from_raw(rq)
+        value = uncollapsed.uncollapsed_bound(hyper, old, X, y, mask, q)
+        if mem is not None:
+            Zb = hyper.Z
+            Lb = chol(kernel_matrix(hyper.kernel, Zb, Zb) + old.jitter * jnp.eye(Zb.shape[0], dtype=Zb.dtype))
+            value = value + corrected.correction_term(hyper, Lb, q, mem[0], mem[1], mem[2], sites)
+        return value
+
+    res = minimize(lambda pq: -objective(*pq) / scale, (params, raw_q), method, max_iters, lr, gtol)
+    p, rq = res.params
+    return p, rq, objective(p, rq), res.iterations
+
+
+class StreamingSparseGP:
+    """Streaming sparse GP (Bui, Nguyen & Turner 2017) with learned θ, noise and ``Z``.
+
+    :param kernel: any GPJax kernel (ARD lengthscales included).
+    :param int num_inducing: ``M``, fixed over the stream.
+    :param likelihood: ``None`` or ``gpx.likelihoods.Gaussian`` for regression (collapsed
+        bound), or a non-Gaussian GPJax likelihood (``Bernoulli``, ``Poisson``,
+        :class:`~numpyro_pc.gp.uncollapsed.BernoulliLogit`): uncollapsed bound.
+    :param mean_function: a GPJax mean function (default ``Zero``).
+    :param float noise_variance: initial ``σ²`` (Gaussian likelihood; a ``Gaussian``
+        likelihood passed in overrides it with its ``obs_stddev²``).
+    :param float alpha: 0 for VFE, α ∈ (0, 1] for Power-EP (collapsed only).
+    :param str bound: ``"collapsed"`` or ``"uncollapsed"`` (default: collapsed for Gaussian).
+    :param str inducing: initialisation policy per batch, see :mod:`numpyro_pc.gp.inducing`.
+    :param float keep_fraction: share of old ``Z`` kept by the ``"keep"`` policy.
+    :param Z_init: optional first-batch inducing inputs ``(M, D)``.
+    :param bool learn_hyperparameters: optimise θ, noise and likelihood parameters.
+    :param bool learn_inducing: optimise ``Z_b`` (forced off by ``inducing="fixed"``).
+    :param str optimizer: ``"lbfgs"`` (default) or ``"adam"``.
+    :param int max_iters: optimiser iterations per batch.
+    :param float learning_rate: Adam step size.
+    :param float jitter: ε added once to every ``K_ZZ``, recorded in the state.
+    :param int memory_size: > 0 enables the posterior-corrected variant
+        (:mod:`numpyro_pc.gp.corrected`) with a memory of that many past examples.
+    :param int seed: seed of the inducing policy and memory sampling.
+    """
+
+    def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=1.0, alpha=0.0,
+                 bound=None, inducing="keep", keep_fraction=0.7, Z_init=None, learn_hyperparameters=True,
+                 learn_inducing=True, optimizer="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6,
+                 jitter=1e-6, memory_size=0, seed=0):
+        import gpjax as gpx
+        from gpjax.parameters import PositiveReal
+
+        if not isinstance(num_inducing, int) or num_inducing < 1:
+            raise ValueError(f"num_inducing must be a positive int, got {num_inducing!r}")
+        gaussian = likelihood is None or isinstance(likelihood, gpx.likelihoods.Gaussian)
+        bound = bound or ("collapsed" if gaussian else "uncollapsed")
+        if bound not in ("collapsed", "uncollapsed"):
+            raise ValueError(f"bound must be 'collapsed' or 'uncollapsed', got {bound!r}")
+        if bound == "collapsed" and not gaussian:
+            raise ValueError(f"the collapsed bound needs a Gaussian likelihood, got {type(likelihood).__name__}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
+        if alpha > 0 and bound != "collapsed":
+            raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
+        if memory_size and gaussian:
+            raise ValueError("the posterior-corrected variant (memory_size > 0) is for non-Gaussian likelihoods")
+        if isinstance(likelihood, gpx.likelihoods.Gaussian):
+            from gpjax.parameters import val
+            noise_variance = float(val(likelihood.obs_stddev)) ** 2
+        with jax.enable_x64(True):
+            self._hyper = Hyper(kernel=_to64(kernel),
+                                mean_function=_to64(mean_function or gpx.mean_functions.Zero()),
+                                noise=PositiveReal(jnp.asarray(noise_variance, jnp.float64)) if gaussian else None,
+                                likelihood=None if gaussian else _to64(likelihood),
+                                Z=jnp.zeros((num_inducing, 1)))
+        self.num_inducing = num_inducing
+        self.alpha = float(alpha)
+        self.bound = bound
+        self.inducing = inducing
+        self.keep_fraction = keep_fraction
+        self.Z_init = None if Z_init is None else np.asarray(Z_init, float)
+        self.learn_hyperparameters = learn_hyperparameters
+        self.learn_inducing = learn_inducing and inducing != "fixed"
+        self.optimizer, self.max_iters, self.learning_rate, self.gtol = optimizer, max_iters, learning_rate, gtol
+        self.jitter = jitter
+        self.memory_size = memory_size
+        self._rng = np.random.default_rng(seed)
+        self._state = None
+        self._memory = None
+        self.history = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def state(self):
+        """The current :class:`~numpyro_pc.gp.state.GPState` (``None`` before the first batch)."""
+        return self._state
+
+    @property
+    def hyper(self):
+        """Current hyperparameters (:class:`~numpyro_pc.gp.state.Hyper`)."""
+        return self._state.hyper if self._state is not None else self._hyper
+
+    # ------------------------------------------------------------------ update
+    def _check(self, X, y):
+        X = np.asarray(X, float)
+        y = np.asarray(y, float).reshape(-1)
+        if X.ndim == 1:
+            X = X[:, None]
+        if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+            raise DataShapeError(f"expected X of shape (N, D) and y of shape (N,) with N ≥ 1, got {X.shape} "
+                                 f"and {y.shape}")
+        if self._state is not None and X.shape[1] != self._state.Z.shape[1]:
+            raise DataShapeError(f"X has {X.shape[1]} columns, the stream has {self._state.Z.shape[1]}")
+        if not (np.all(np.isfinite(X)) and np.all(np.isfinite(y))):
+            raise NonFiniteDataError("X or y contains NaN or infinite values")
+        return X, y
+
+    def update(self, X, y):
+        """Absorb one batch; returns a new :class:`StreamingSparseGP` (``self`` is unchanged).
+
+        :param X: inputs ``(N, D)``.
+        :param y: targets ``(N,)`` (0/1 for Bernoulli, counts for Poisson).
+        :return: the updated model.
+        """
+        X, y = self._check(X, y)
+        new = copy.copy(self)
+        new._rng = copy.deepcopy(self._rng)
+        new.history = list(self.history)
+        t0 = time.perf_counter()
+        with jax.enable_x64(True):
+            if self._state is None:
+                Z0 = self.Z_init if self.Z_init is not None else inducing.initial_inducing(
+                    X, self.num_inducing, new._rng, self.inducing)
+                if Z0.shape != (self.num_inducing, X.shape[1]):
+                    raise DataShapeError(f"Z_init must have shape {(self.num_inducing, X.shape[1])}, got {Z0.shape}")
+                hyper0 = eqx.tree_at(lambda h: h.Z, self._hyper, jnp.asarray(Z0))
+                old = prior_state(hyper0, self.jitter)
+            else:
+                old = self._state
+                Z0 = inducing.next_inducing(np.asarray(old.Z), X, new._rng, self.inducing, self.keep_fraction)
+                hyper0 = eqx.tree_at(lambda h: h.Z, old.hyper, jnp.asarray(Z0))
+            n = X.shape[0]
+            nb = bucket_size(n)
+            Xp = np.concatenate([X, np.repeat(X[:1], nb - n, 0)])
+            yp = np.concatenate([y, np.repeat(y[:1], nb - n)])
+            mask = np.concatenate([np.ones(n), np.zeros(nb - n)])
+            Xp, yp, mask = jnp.asarray(Xp), jnp.asarray(yp), jnp.asarray(mask)
+            params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters, self.learn_inducing))
+            if self.bound == "collapsed":
+                p, fit, iters = _collapsed_step(params, static, old, Xp, yp, mask, self.alpha, self.optimizer,
+                                                self.max_iters, self.learning_rate, self.gtol)
+                hyper = eqx.combine(p, static)
+                check_chol(fit.chol_D, "the collapsed bound's D matrix")
+                value, mean, cov = fit.bound, fit.mean, fit.cov
+            else:
+                Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
+                                      + self.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
+                m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
+                S0 = _full_cov(old, hyper0.Z)
+                q0 = uncollapsed.whiten(Lb0, m0, S0 + 1e-10 * jnp.eye(self.num_inducing))
+                mem, sites = None, None
+                if self.memory_size:
+                    memory = new._memory if new._memory is not None else corrected.empty_memory(
+                        self.memory_size, X.shape[1])
+                    mem = tuple(jnp.asarray(a) for a in memory[:3])
+                    sites = corrected.memory_sites(old, mem[0], mem[1]) if self._state is not None else \
+                        corrected.Sites(*(jnp.zeros(self.memory_size),) * 3)
+                    mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
+                p, rq, value, iters = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
+                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol)
+                hyper = eqx.combine(p, static)
+                Zb = hyper.Z
+                Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + self.jitter * jnp.eye(self.num_inducing)),
+                                "K(Z_b, Z_b) + jitter")
+                mean, cov = uncollapsed.unwhiten(Lb, _q_from_raw(rq))
+                if self.memory_size:
+                    new._memory = corrected.update_memory(
+                        new._memory if new._memory is not None else corrected.empty_memory(self.memory_size,
+                                                                                           X.shape[1]),
+                        X, y, new._rng)
+            if not np.isfinite(float(value)):
+                raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
+            new._state = handover(hyper, mean, cov, self.jitter)
+            kl_step = None if self._state is None else float(_kl_to_previous(new._state, old))
+            jax.block_until_ready(new._state.mean)
+            new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
+                                    iterations=int(iters), seconds=time.perf_counter() - t0, kl_to_previous=kl_step,
+                                    hyperparameters=hyperparameters(hyper)))
+        return new
+
+    # ------------------------------------------------------------------ prediction
+    def predict(self, Xs):
+        """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
+        if self._state is None:
+            raise RuntimeError("predict needs at least one update() first")
+        with jax.enable_x64(True):
+            s = self._state
+            mu, var = predict_from_q(s.hyper, s.Z, s.mean, s.cov, s.chol_Kzz, jnp.asarray(np.atleast_2d(Xs), float))
+            return np.asarray(mu), np.maximum(np.asarray(var), 0.0)
+
+    def predict_y(self, Xs):
+        """Predictive mean and variance of ``y`` (noise added; class-1 probability for Bernoulli)."""
+        mu, var = self.predict(Xs)
+        with jax.enable_x64(True):
+            m, v = uncollapsed.predict_y(self._state.hyper, jnp.asarray(mu), jnp.asarray(var))
+            return np.asarray(m), np.asarray(v)
+
+    def summary(self):
+        """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory."""
+        return dict(bound=[h["bound"] for h in self.history],
+                    kl_to_previous=[h["kl_to_previous"] for h in self.history],
+                    hyperparameters=[h["hyperparameters"] for h in self.history],
+                    iterations=[h["iterations"] for h in self.history],
+                    seconds=[h["seconds"] for h in self.history],
+                    num_inducing=self.num_inducing, alpha=self.alpha, bound_type=self.bound,
+                    jitter=self.jitter)
+
+
+@eqx.filter_jit
+def _kl_to_previous(new, old):
+    """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a``."""
+    m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
+    S_a = _full_cov(new, old.Z)
+    return gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0], dtype=S_a.dtype), old.mean, old.chol_cov)
+
+
+def _full_cov(state, Xs):
+    """Full covariance of ``q(f(Xs))`` under ``state`` (used for projections between inducing sets)."""
+    from jax.scipy.linalg import cho_solve, solve_triangular
+
+    h = state.hyper
+    Kzs = kernel_matrix(h.kernel, state.Z, Xs)
+    V = solve_triangular(state.chol_Kzz, Kzs, lower=True)
+    W = cho_solve((state.chol_Kzz, True), Kzs)
+    return kernel_matrix(h.kernel, Xs, Xs) - V.T @ V + W.T @ state.cov @ W
+
+
+def hyperparameters(hyper):
+    """Constrained hyperparameter values as ``{path: float or list}`` (``Z`` excluded)."""
+    import paramax
+
+    h = paramax.unwrap(eqx.tree_at(lambda t: t.Z, hyper, None))
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(h)[0]:
+        if eqx.is_inexact_array(leaf):
+            key = jax.tree_util.keystr(path).replace(".", "", 1)
+            v = np.asarray(leaf)
+            out[key] = float(v) if v.ndim == 0 else v.tolist()
+    return out

@@ -1,0 +1,140 @@
+"""StreamingSparseGP: learning, no retracing, scoped float64, typed errors, non-Gaussian likelihoods."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+gpx = pytest.importorskip("gpjax")
+
+from numpyro_pc.errors import DataShapeError, NonFiniteDataError  # noqa: E402
+from numpyro_pc.gp import BernoulliLogit, StreamingSparseGP, bounds  # noqa: E402
+from numpyro_pc.gp.inducing import next_inducing  # noqa: E402
+
+
+def _gp_draw(n, lengthscale, variance, noise, seed, length=10.0):
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(0, length, (n, 1))
+    K = variance * np.exp(-0.5 * (X - X.T) ** 2 / lengthscale ** 2)
+    f = np.linalg.cholesky(K + 1e-6 * np.eye(n)) @ rng.normal(size=n)
+    return X, f + np.sqrt(noise) * rng.normal(size=n)
+
+
+def test_learns_true_hyperparameters_in_10_batches():
+    # GP draw (lengthscale 1, variance 1.5, noise 0.04) on [0, 30], 5,000 points in 10 iid
+    # batches, M = 80. Sizes are chosen for identifiability, not tuned: the lengthscale needs
+    # many lengthscales of domain (on a fixed domain it is only weakly identified), and in
+    # Bui's bound the noise is informed by the *current* batch only (the old data enter
+    # through q_old(a), which carries no noise information), so its sampling error is
+    # ≈ sqrt(2 / 500) ≈ 6 % here; with 120-point batches it was 16 % off. 10 % is the issue's target.
+    X, y = _gp_draw(5000, 1.0, 1.5, 0.04, seed=0, length=30.0)
+    sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=2.0, variance=1.0), 80, noise_variance=0.2, max_iters=40)
+    for idx in np.array_split(np.random.default_rng(1).permutation(5000), 10):
+        sgp = sgp.update(X[idx], y[idx])
+    hp = sgp.summary()["hyperparameters"][-1]
+    assert abs(hp["kernel.lengthscale"] / 1.0 - 1) < 0.1
+    assert abs(hp["noise"] / 0.04 - 1) < 0.1
+
+
+def test_no_retrace_across_batches_of_one_bucket(monkeypatch):
+    traces = []
+    orig = bounds.collapsed_fit
+
+    def counting(*a, **k):
+        traces.append(1)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(bounds, "collapsed_fit", counting)
+    X, y = _gp_draw(200, 1.0, 1.0, 0.1, seed=2)
+    sgp = StreamingSparseGP(gpx.kernels.RBF(), 8, noise_variance=0.1, max_iters=5)
+    sizes = [40, 33, 37, 45, 45]                      # all in the 64 bucket
+    start = 0
+    counts = []
+    for n in sizes:
+        sgp = sgp.update(X[start:start + n], y[start:start + n])
+        start += n
+        counts.append(len(traces))
+    assert counts[-1] == counts[0]                    # traced once (first batch), never again
+    assert {h["bucket"] for h in sgp.history} == {64}
+
+
+def test_float64_is_scoped():
+    was = jax.config.jax_enable_x64
+    X, y = _gp_draw(50, 1.0, 1.0, 0.1, seed=3)
+    sgp = StreamingSparseGP(gpx.kernels.RBF(), 5, noise_variance=0.1, max_iters=5).update(X, y)
+    assert jax.config.jax_enable_x64 == was
+    assert sgp.state.cov.dtype == jnp.float64 and float(sgp.state.jitter) == 1e-6
+
+
+def test_update_is_functional_and_predict_y_adds_noise(x64):
+    X, y = _gp_draw(60, 1.0, 1.0, 0.1, seed=4)
+    sgp0 = StreamingSparseGP(gpx.kernels.RBF(), 6, noise_variance=0.1, max_iters=10)
+    sgp1 = sgp0.update(X[:30], y[:30])
+    sgp2 = sgp1.update(X[30:], y[30:])
+    assert sgp0.state is None and len(sgp1.history) == 1 and len(sgp2.history) == 2
+    mu, var = sgp2.predict(X[:5])
+    mu_y, var_y = sgp2.predict_y(X[:5])
+    np.testing.assert_allclose(mu_y, mu)
+    np.testing.assert_allclose(var_y - var, sgp2.summary()["hyperparameters"][-1]["noise"], rtol=1e-10)
+    assert sgp2.history[1]["kl_to_previous"] > 0
+
+
+def test_typed_errors():
+    sgp = StreamingSparseGP(gpx.kernels.RBF(), 5)
+    with pytest.raises(DataShapeError):
+        sgp.update(np.zeros((10, 1)), np.zeros(9))
+    with pytest.raises(NonFiniteDataError):
+        sgp.update(np.full((10, 1), np.nan), np.zeros(10))
+    with pytest.raises(ValueError):
+        StreamingSparseGP(gpx.kernels.RBF(), 5, likelihood=gpx.likelihoods.Bernoulli(), alpha=0.5)
+    with pytest.raises(ValueError):
+        next_inducing(np.zeros((3, 1)), np.zeros((4, 1)), np.random.default_rng(0), policy="nope")
+
+
+@pytest.mark.parametrize("policy", ["keep", "kmeans", "greedy", "fixed"])
+def test_inducing_policies_keep_M(policy):
+    rng = np.random.default_rng(0)
+    Z = next_inducing(rng.normal(size=(10, 2)), rng.normal(size=(7, 2)), rng, policy, keep_fraction=0.7)
+    assert Z.shape == (10, 2) and np.all(np.isfinite(Z))
+
+
+def _banana_like(n, seed):
+    rng = np.random.default_rng(seed)
+    X = rng.uniform(-2, 2, (n, 2))
+    y = (X[:, 1] > 0.5 * X[:, 0] ** 2 - 1).astype(float)
+    return X, y
+
+
+def test_bernoulli_logit_link():
+    f = jnp.linspace(-3, 3, 7)
+    lik = BernoulliLogit()
+    np.testing.assert_allclose(lik.link_function(f).log_prob(jnp.ones(7)), -np.log1p(np.exp(-np.asarray(f))),
+                               rtol=1e-6)
+
+
+def test_classification_stream_and_corrected_variant():
+    likelihood = gpx.likelihoods.Bernoulli()
+    X, y = _banana_like(240, 5)
+    Xt, yt = _banana_like(400, 6)
+    order = np.argsort(X[:, 0])
+    errs = {}
+    for mem in (0, 160):
+        sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=1.0), 12, likelihood=likelihood, memory_size=mem,
+                                max_iters=40, keep_fraction=0.8)
+        for idx in np.array_split(order, 3):
+            sgp = sgp.update(X[idx], y[idx])
+        p, _ = sgp.predict_y(Xt)
+        assert np.all(np.isfinite(p)) and np.all((p >= 0) & (p <= 1))
+        errs[mem] = np.mean((p > 0.5) != yt)
+    assert errs[0] < 0.2 and errs[160] < 0.2        # a quadratic boundary, 240 points: both learn it
+
+
+def test_poisson_stream():
+    rng = np.random.default_rng(7)
+    X = rng.uniform(0, 5, (150, 1))
+    y = rng.poisson(np.exp(np.sin(X[:, 0])))
+    sgp = StreamingSparseGP(gpx.kernels.RBF(), 8, likelihood=gpx.likelihoods.Poisson(), max_iters=60)
+    for idx in np.array_split(np.arange(150), 3):
+        sgp = sgp.update(X[idx], y[idx])
+    mu, _ = sgp.predict(np.linspace(0.5, 4.5, 9)[:, None])
+    np.testing.assert_allclose(mu, np.sin(np.linspace(0.5, 4.5, 9)), atol=0.5)
