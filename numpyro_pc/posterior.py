@@ -173,12 +173,6 @@ class DualPosterior:
         return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, storage,
                            self.chunk_size, self.data_ids, base, True)
 
-    def _take_sites(self, rows):
-        """Sites at positions ``rows`` without gathering the others."""
-        if isinstance(self._sites, RowSelection):
-            return self._sites.source.take(self._sites.rows[np.asarray(rows, dtype=np.int64)])
-        return self._sites.take(rows)
-
     def _replace(self, **changes):
         fields = {name: getattr(self, f"_{name}" if name in ("sites", "data") else name) for name in self._FIELDS}
         fields.update(changes)

@@ -41,7 +41,7 @@ import numpy as np
 
 from .errors import NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
-from .posterior import RowSelection, _site_ids
+from .posterior import RowSelection
 from .solvers import SiteProblem, solve
 from .streaming import positions, take_data
 
@@ -58,7 +58,7 @@ def _check_ids(post, ids):
     dead = sorted(set(ids.tolist()) & set(post.tombstones))
     if dead:
         raise UnknownExampleError(f"example id(s) {dead[:10]} were already deleted")
-    return ids, positions(_site_ids(post._sites), ids)
+    return ids, positions(post.ids, ids)
 
 
 def _delta_terms(post, rows):
