@@ -44,7 +44,8 @@ def machine_info():
         pass
     return dict(cpu=cpu, cores=os.cpu_count(), jax=jax.__version__, numpyro=numpyro.__version__,
                 backend=jax.default_backend(), python=platform.python_version(), platform=platform.platform(),
-                numpyro_pc=package_version(), loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None)
+                numpyro_pc=package_version(), loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None,
+                openblas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
 
 
 def quiet(fn, *args, **kwargs):

@@ -47,6 +47,9 @@ Fairness rules
   ``jax.block_until_ready`` on the result, outside-to-outside (``update`` also reports
   its own ``record["seconds"]``, which stops before its diagnostics; both are kept).
 * KL, accuracy and NLL are not timed.
+* ``OPENBLAS_NUM_THREADS=1`` unless set otherwise (recorded in the machine line): the
+  small LAPACK calls inside XLA programs are 10–100× slower on 2 cores with a threaded
+  OpenBLAS competing with XLA's own threads; every method runs under the same setting.
 
 Usage::
 
@@ -66,7 +69,13 @@ import statistics
 import sys
 import time
 
-import jax
+# One OpenBLAS thread: XLA runs its own thread pool, and a multi-threaded OpenBLAS inside
+# its LAPACK calls oversubscribes a small machine (on 2 cores a 124 × 124 triangular solve
+# took 8 ms instead of 0.2 ms). Applies to every method of the run alike; set the variable
+# yourself to override.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -221,7 +230,8 @@ class SVIStream:
 def render(res):
     info = res["machine"]
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), "
-             f"NumPyro {info['numpyro']}; numpyro_pc {info['numpyro_pc']}; load average at start "
+             f"NumPyro {info['numpyro']}, OPENBLAS_NUM_THREADS={info.get('openblas_threads')}; "
+             f"numpyro_pc {info['numpyro_pc']}; load average at start "
              f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}; peak RSS {res['peak_rss_mb']:.0f} MB. "
              f"Data: a7a train N={res['N']} in {res['num_batches']} batches of ~{res['N'] // res['num_batches']}, "
              f"test {res['N_test']}, d={res['d']}. Timed passes: {res['reps']} (medians) after one warm-up "

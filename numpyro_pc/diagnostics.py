@@ -26,6 +26,7 @@ deviation under ``q`` of the log-ratio of the two site factors:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -112,29 +113,38 @@ def information_gain(old, new):
                 identity_error=parts - total)
 
 
-def site_mismatch(stale, fresh, q, family):
+@partial(jax.jit, static_argnames=("family", "shared_jacobian"))
+def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
     """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows).
 
     Never forms per-example ``d × d`` matrices for factorised or diagonal sites:
     ``tr((δH Σ)²)`` is ``tr((C G)²)`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and
     ``G = U Σ Uᵀ`` (factorised), or ``δhᵀ (Σ∘Σ) δh`` (diagonal).
+
+    :param bool shared_jacobian: the factorised sites share their Jacobians (models whose
+        distribution parameters are affine in ``z``), so ``U = J`` and ``C = Λ_f − Λ_s``:
+        half the work.
     """
     cov = family.dense_covariance(q)
     dg = fresh.grad - stale.grad_at(q.mean)
-    grad_part = jnp.einsum("nd,de,ne->n", dg, cov, dg)
+    grad_part = jnp.sum((dg @ cov) * dg, 1)
     if fresh.storage == "none" or stale.storage == "none":
         curv_part = jnp.zeros_like(grad_part)
     elif fresh.storage == "factor" and stale.storage == "factor":
-        stacked = jnp.concatenate([fresh.jac, stale.jac], 1)  # (n, 2k, d)
-        gram = jnp.einsum("nad,de,nbe->nab", stacked, cov, stacked)
-        zeros = jnp.zeros_like(fresh.lam)
-        signed = jnp.concatenate([jnp.concatenate([fresh.lam, zeros], 2),
-                                  jnp.concatenate([zeros, -stale.lam], 2)], 1)  # blockdiag(Λ_f, −Λ_s)
-        cg = jnp.einsum("nab,nbc->nac", signed, gram)
-        curv_part = 0.5 * jnp.einsum("nab,nba->n", cg, cg)
+        if shared_jacobian:
+            stacked, signed = fresh.jac, fresh.lam - stale.lam
+        else:
+            stacked = jnp.concatenate([fresh.jac, stale.jac], 1)  # (n, 2k, d)
+            zeros = jnp.zeros_like(fresh.lam)
+            signed = jnp.concatenate([jnp.concatenate([fresh.lam, zeros], 2),
+                                      jnp.concatenate([zeros, -stale.lam], 2)], 1)  # blockdiag(Λ_f, −Λ_s)
+        projected = jnp.reshape(jnp.reshape(stacked, (-1, stacked.shape[-1])) @ cov, stacked.shape)
+        gram = jnp.sum(projected[:, :, None, :] * stacked[:, None, :, :], -1)  # U Σ Uᵀ per example
+        cg = jnp.sum(signed[:, :, :, None] * gram[:, None, :, :], 2)
+        curv_part = 0.5 * jnp.sum(cg * jnp.swapaxes(cg, 1, 2), (1, 2))
     elif fresh.storage == "diag" and stale.storage == "diag":
         dh = fresh.curvature - stale.curvature
-        curv_part = 0.5 * jnp.einsum("nd,de,ne->n", dh, cov * cov, dh)
+        curv_part = 0.5 * jnp.sum((dh @ (cov * cov)) * dh, 1)
     else:
         dh = fresh.dense_curvature() - stale.dense_curvature()
         m = jnp.einsum("nde,ef->ndf", dh, cov)
@@ -159,7 +169,7 @@ def correction_magnitude(post, *args, **kwargs):
         stale = post.sites.take(positions(post.sites.ids, ids))
         fresh, _ = compute_sites(post.spec, post.data, post.family, vcl.state, post.rule, curvature=post.curvature,
                                  storage=post.sites.storage, chunk_size=post.chunk_size, ids=jnp.asarray(ids))
-        total, grad, curv = site_mismatch(stale, fresh, vcl.state, post.family)
+        total, grad, curv = site_mismatch(stale, fresh, vcl.state, post.family, post.spec.affine)
     return dict(ids=ids, magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv),
                 total=float(jnp.sum(total)))
 

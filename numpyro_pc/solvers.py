@@ -40,7 +40,7 @@ from .sites import compute_sites
 __all__ = ["SiteProblem", "dual_residual", "solve", "default_tol"]
 
 _WATCH = 3  # residuals remembered by the non-monotone acceptance rule
-_LINEAR = 0.1  # accelerate only while the residual shrinks by less than this factor per step
+_LINEAR = 1e-2  # accelerate only while the residual shrinks by less than 100× per step
 _LOCAL = 1e-2  # below this residual, progress may also be judged by the residual itself
 
 
@@ -131,7 +131,11 @@ def dual_residual(family, q, sites, base=None, include_prior=True, weights=None)
     :return: ``(residual, {"mean": ..., "precision": ...})`` with ``residual`` the larger.
     """
     problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior, weights)
-    grad, norms, curv, _, _ = _totals(problem, q, sites)
+    return _residual_from_totals(family, q, _totals(problem, q, sites))
+
+
+def _residual_from_totals(family, q, totals):
+    grad, norms, curv = totals[:3]
     r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
     if isinstance(family, IsotropicGaussian):
         r_prec = 0.0
@@ -140,9 +144,28 @@ def dual_residual(family, q, sites, base=None, include_prior=True, weights=None)
     return max(r_mean, r_prec), {"mean": r_mean, "precision": r_prec}
 
 
-def _objective(problem, q, sites, sums):
+class _Point(NamedTuple):
+    """An evaluated iterate: its sites, their sums over the live terms, residual and objective."""
+
+    q: object
+    sites: object
+    sums: object
+    totals: tuple
+    residual: float
+    parts: dict
+    objective: float
+
+
+def _evaluate(problem, q, sites, sums):
+    """Residual and objective of ``q`` from one pass over its sites' totals."""
+    totals = _totals(problem, q, sites, sums)
+    res, parts = _residual_from_totals(problem.family, q, totals)
+    return _Point(q, sites, sums, totals, res, parts, _objective_from_totals(problem, q, totals))
+
+
+def _objective_from_totals(problem, q, totals):
     """Variational objective ``Σ E_q[live losses] − H(q)`` (the MAP loss for the delta rule)."""
-    value = _totals(problem, q, sites, sums)[4]
+    value = totals[4]
     if problem.rule.kind != "delta":
         value = value - problem.family.entropy(q)
     return float(value)
@@ -176,12 +199,12 @@ def _check_finite(sites):
         )
 
 
-def _fixed_point_map(problem, q, sites, sums):
+def _fixed_point_map(problem, point):
     """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
     family = problem.family
-    grad, _, target, dense, _ = _totals(problem, q, sites, sums)
+    grad, _, target, dense, _ = point.totals
     if isinstance(family, IsotropicGaussian):
-        target = q.precision
+        target = point.q.precision
     pre = target if isinstance(family, FullGaussian) else dense
     chol, _ = _regularised_chol(pre)
     return -cho_solve((chol, True), grad), target
@@ -205,10 +228,10 @@ def _anderson(xs, fs):
 
 
 def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
-          progress=False, sites=None, sums=None, memory=5):
+          progress=False, sites=None, sums=None, memory=3):
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
 
-    While convergence is linear (the residual shrinks by less than 10× per step), an
+    While convergence is linear (the residual shrinks by less than 100× per step), an
     iteration first tries an Anderson-accelerated step built from the last ``memory``
     undamped steps, which removes the slow modes; when that trial is not positive definite or makes no
     progress, it falls back to the damped step with backtracking.
@@ -232,10 +255,8 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     if sites is None or sums is None:
         sites, sums = problem.sites(q, need_hessian_sum=need_sum)
     _check_finite(sites)
-    res, parts = dual_residual(family, q, sites, problem.base, problem.include_prior, problem.weights)
-    obj = _objective(problem, q, sites, sums)
-    history = [dict(iteration=0, residual=res, residual_mean=parts["mean"], residual_precision=parts["precision"],
-                    objective=obj, step=0.0, accelerated=False, seconds=time.perf_counter() - start)]
+    point = _evaluate(problem, q, sites, sums)
+    history = [_history_entry(0, point, 0.0, False, start)]
     bar = _progress(progress, max_iters)
     xs, fs = [], []
     it = 0
@@ -246,21 +267,21 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         t_sites, t_sums = problem.sites(trial, need_hessian_sum=need_sum)
         if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
             return None
-        t_res, t_parts = dual_residual(family, trial, t_sites, problem.base, problem.include_prior,
-                                       problem.weights)
-        t_obj = _objective(problem, trial, t_sites, t_sums)
+        candidate = _evaluate(problem, trial, t_sites, t_sums)
         reference = max(h["residual"] for h in history[-_WATCH:])
-        slack = 1e-12 * (1.0 + abs(obj))
+        slack = 1e-12 * (1.0 + abs(point.objective))
         # far from the fixed point only a lower objective counts: a falling residual ratio
         # there can come from running away (non-log-concave models)
-        local = t_res < _LOCAL or permissive
-        if np.isfinite(t_res) and ((local and t_res < reference) or t_obj <= obj + slack):
-            return trial, t_sites, t_sums, t_res, t_parts, t_obj
+        local = candidate.residual < _LOCAL or permissive
+        if np.isfinite(candidate.residual) and ((local and candidate.residual < reference)
+                                                or candidate.objective <= point.objective + slack):
+            return candidate
         return None
 
-    while res > tol and it < max_iters:
+    while point.residual > tol and it < max_iters:
         it += 1
-        direction, target = _fixed_point_map(problem, q, sites, sums)
+        q = point.q
+        direction, target = _fixed_point_map(problem, point)
         x = _pack(q)
         xs.append(x)
         fs.append(_pack(Gaussian(q.mean + direction, target)) - x)
@@ -283,24 +304,28 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
                     break
         if outcome is None:
             break
-        q, sites, sums, res, parts, obj = outcome
-        history.append(dict(iteration=it, residual=res, residual_mean=parts["mean"],
-                            residual_precision=parts["precision"], objective=obj, step=rho,
-                            accelerated=accelerated, seconds=time.perf_counter() - start))
+        point = outcome
+        history.append(_history_entry(it, point, rho, accelerated, start))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(residual=f"{res:.2e}")
+            bar.set_postfix(residual=f"{point.residual:.2e}")
     if bar is not None:
         bar.close()
-    if res > tol:
+    if point.residual > tol:
         why = "no step size made progress" if it < max_iters else f"max_iters={max_iters} reached"
-        message = (f"refinement stopped at residual {res:.3e} > tol {tol:.1e} after {it} iteration(s) ({why}); "
-                   f"mean part {parts['mean']:.2e}, precision part {parts['precision']:.2e}.")
+        message = (f"refinement stopped at residual {point.residual:.3e} > tol {tol:.1e} after {it} iteration(s) "
+                   f"({why}); mean part {point.parts['mean']:.2e}, precision part {point.parts['precision']:.2e}.")
         if raise_on_failure:
-            raise ConvergenceError(message, posterior=(q, sites), history=history)
+            raise ConvergenceError(message, posterior=(point.q, point.sites), history=history)
         import warnings
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return q, sites, history
+    return point.q, point.sites, history
+
+
+def _history_entry(iteration, point, step, accelerated, start):
+    return dict(iteration=iteration, residual=point.residual, residual_mean=point.parts["mean"],
+                residual_precision=point.parts["precision"], objective=point.objective, step=step,
+                accelerated=accelerated, seconds=time.perf_counter() - start)
 
 
 def _progress(enabled, total):

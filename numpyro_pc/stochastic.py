@@ -51,20 +51,14 @@ _MIN_STEP = 1e-6
 
 
 def subset_bucket(num):
-    """Padded size of a subset of ``num`` rows: the next ``m·2^k`` with ``m ∈ {4, 5, 6, 7}``.
+    """Padded size of a subset of ``num`` rows: the next ``m·2^k`` with ``m ∈ {4, 5, 6, 7}`` (≥ 8).
 
     Four sizes per octave keep the padding (wasted site computations) below 25 % while a
     stream whose memory grows reuses a handful of compiled steps.
     """
-    num = max(int(num), 1)
-    if num <= 8:
-        return 8
-    octave = 2 ** int(np.floor(np.log2(num)))
-    for m in (4, 5, 6, 7, 8):
-        size = m * octave // 4
-        if size >= num:
-            return int(size)
-    return int(2 * octave)
+    from .streaming import bucket_size
+
+    return bucket_size(num, fine_from=8)
 
 
 def _pad_rows(rows, size):

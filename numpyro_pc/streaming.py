@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
-from .families import add_site, remove_site, scale_site
+from .families import FullGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, bind_model
+from .sites import SiteSums, compute_sites
 from .solvers import SiteProblem, solve
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
@@ -61,6 +62,9 @@ def concat_data(a, b):
 
 def take_data(data, rows):
     """The examples at ``rows``."""
+    num = int(data.per_example[0].shape[0])
+    if isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num)):
+        return data  # every row, in order: no copy
     rows = jnp.asarray(rows, dtype=jnp.int32)
     return ModelData(tuple(x[rows] for x in data.per_example), data.shared)
 
@@ -204,12 +208,14 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     data, data_ids = _retain(post, new_data, new_ids, keep, seed)
     record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
                   iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
-                  weight=weight, fallback=fallback, past_examples_touched=int(touched))
+                  weight=weight, fallback=fallback, past_examples_touched=int(touched),
+                  reused_sites=int(history[0].get("reused_sites", 0)))
     if corrected.size and correction != "stochastic":
         from .diagnostics import site_mismatch
 
         stale = post.sites.take(site_rows)
-        magnitude = site_mismatch(stale, fresh.take(np.arange(corrected.size)), q, post.family)[0]
+        magnitude = site_mismatch(stale, fresh.take(np.arange(corrected.size)), q, post.family,
+                                  post.spec.affine)[0]
         record["correction_magnitude"] = dict(ids=corrected, magnitude=np.asarray(magnitude),
                                               total=float(jnp.sum(magnitude)))
     record["seconds"] = time.perf_counter() - start
@@ -218,9 +224,20 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                          next_id=post.next_id + num_new, record=record, offset=offset)
 
 
-def bucket_size(num, smallest=8):
-    """The bucket a batch of ``num`` examples is padded to: the next power of two (≥ ``smallest``)."""
-    return int(max(smallest, 2 ** int(np.ceil(np.log2(max(num, 1))))))
+def bucket_size(num, smallest=8, fine_from=2048):
+    """The size a set of ``num`` examples is padded to, so that varying sizes reuse a few compilations.
+
+    Up to ``fine_from`` examples: the next power of two (≥ ``smallest``). Beyond it a
+    compilation costs less than the padded work it would save, so the buckets are the next
+    ``m·2^k`` with ``m ∈ {4, 5, 6, 7}`` — four sizes per octave, at most 25 % padding (a
+    stream whose corrected set grows by 10 % per batch pads by ~7 % on average instead of
+    ~30 %).
+    """
+    num = max(int(num), 1)
+    if num <= fine_from:
+        return int(max(smallest, 2 ** int(np.ceil(np.log2(num)))))
+    octave = 2 ** int(np.floor(np.log2(num)))
+    return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
 
 
 def pad_to_bucket(data, weights, ids):
@@ -263,7 +280,10 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
     spec = replace(post.spec, num_examples=int(padded_ids.size))
     problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                           jnp.asarray(padded_ids), cavity, correct_prior, weights)
-    q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure, **solve_options)
+    start_sites, start_sums = _sites_at_start(post, problem, site_rows, new_data, new_ids, weights)
+    q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure, sites=start_sites,
+                              sums=start_sums, **solve_options)
+    history[0]["reused_sites"] = 0 if start_sites is None else len(site_rows)
     fresh = fresh.take(np.arange(num_active))
     offset = post.offset
     if weight != 1.0:  # λ_{t+1} − Σ sites: the part of the scaled correction no single site holds
@@ -272,6 +292,40 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
                          scale_site(stale.natural_sum(family), 1.0 - weight))
         offset = extra if offset is None else add_site(offset, extra)
     return q, fresh, history, offset
+
+
+def _sites_at_start(post, problem, site_rows, new_data, new_ids, weights):
+    """The problem's sites at ``q_t`` without recomputing the corrected ones, when their cache is fresh.
+
+    Sites of corrected examples that were computed at ``q_t`` itself (the usual case after
+    an exact or memory update, or a fit) are taken from the posterior; only the new batch is
+    evaluated. This saves one pass over the corrected data per update and does not change
+    the answer: the solver recomputes every site at each trial point, and its residual test
+    uses those. Returns ``(None, None)`` — compute everything — when a cached site was
+    computed at another mean, or when the solver needs a dense curvature sum the stored
+    sites cannot give (diagonal storage).
+    """
+    sites = post.sites
+    mean = post.state.mean
+    dense_sum = not isinstance(problem.family, FullGaussian)
+    if dense_sum and sites.storage not in ("factor", "dense"):
+        return None, None
+    cached = sites.take(site_rows)
+    if not bool(jnp.all(cached.refs() == mean[None, :])):
+        return None, None
+    new_weights = jnp.ones(new_ids.size, mean.dtype)
+    padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, new_weights, new_ids)
+    new_sites, _ = compute_sites(replace(post.spec, num_examples=int(padded_new_ids.size)), padded_new,
+                                 problem.family, post.state, problem.rule, curvature=problem.curvature,
+                                 storage=sites.storage, chunk_size=problem.chunk_size,
+                                 ids=jnp.asarray(padded_new_ids), weights=new_weights)
+    num_pad = int(problem.ids.shape[0]) - len(site_rows) - new_ids.size
+    rows = np.concatenate([np.arange(new_ids.size), np.full(num_pad, new_ids.size - 1)])
+    start = cached.concat(new_sites.take(rows), prior_from="other")
+    start = replace(start, ids=problem.ids)
+    hessian = (start.example_curvature_sum(FullGaussian(), weights) if dense_sum
+               else jnp.zeros(2 * mean.shape, mean.dtype))
+    return start, SiteSums(hessian=hessian, loss=weights @ start.loss)
 
 
 def _retain(post, new_data, new_ids, keep, seed):

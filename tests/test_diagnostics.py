@@ -50,8 +50,9 @@ def test_correction_magnitude_finds_interfering_examples(x64):
     assert kl_top < kl_rand
 
 
+@pytest.mark.parametrize("shared_jacobian", [False, True])
 @pytest.mark.parametrize("family", ["full", "diagonal"])
-def test_factorised_mismatch_equals_the_dense_formula(x64, family):
+def test_factorised_mismatch_equals_the_dense_formula(x64, family, shared_jacobian):
     from numpyro_pc.diagnostics import site_mismatch
 
     X, y = make_logistic(60, 3, seed=24)
@@ -59,7 +60,8 @@ def test_factorised_mismatch_equals_the_dense_formula(x64, family):
     new = post.update(X[40:], y[40:], correction="exact")
     stale = post.sites
     fresh = new.sites.take(np.arange(40))
-    fast = site_mismatch(stale, fresh, new.state, new.family)
+    assert post.spec.affine  # logistic regression: J_i = x_i at every z, so the fast path applies
+    fast = site_mismatch(stale, fresh, new.state, new.family, shared_jacobian)
     cov = np.asarray(new.family.dense_covariance(new.state))
     dh = np.asarray(fresh.dense_curvature() - stale.dense_curvature())
     dg = np.asarray(fresh.grad - stale.grad_at(new.state.mean))

@@ -29,6 +29,35 @@ def test_exact_streaming_equals_the_batch_posterior(x64, family, k):
     np.testing.assert_array_equal(np.sort(np.asarray(post.ids)), np.arange(150))
 
 
+def test_exact_update_reuses_sites_computed_at_the_current_posterior(x64):
+    X, y = make_logistic(160, 4, seed=31)
+    first = pc.fit(logistic_model, X[:100], y[:100], family="full")
+    batch = pc.fit(logistic_model, X, y, family="full", tol=1e-12)
+    warm = first.update(X[100:130], y[100:130], correction="exact")
+    assert warm.record["reused_sites"] == 100  # fitted sites sit at the fitted posterior
+    warm = warm.update(X[130:], y[130:], correction="exact")
+    assert warm.record["reused_sites"] == 130
+    # after VCL the old sites belong to an older posterior: everything is recomputed
+    cold = first.update(X[100:130], y[100:130], correction="none")
+    cold = cold.update(X[130:], y[130:], correction="exact")
+    assert cold.record["reused_sites"] == 0
+    # reusing only saves the first pass; the answer is the batch posterior either way
+    assert float(warm.kl(batch)) < 1e-10 and float(cold.kl(batch)) < 1e-10
+    assert float(warm.kl(cold)) < 1e-10
+
+
+def test_buckets_pad_by_at_most_a_quarter_above_2048_with_four_sizes_per_octave():
+    from numpyro_pc.streaming import bucket_size
+
+    sizes = np.arange(1, 70000)
+    buckets = np.array([bucket_size(n) for n in sizes])
+    assert np.all(buckets >= sizes)
+    small, large = sizes <= 2048, sizes > 2048
+    assert set(buckets[small]) == {8, 16, 32, 64, 128, 256, 512, 1024, 2048}
+    assert np.max(buckets[large] / sizes[large]) <= 1.25
+    assert len(set(buckets[(sizes > 8192) & (sizes <= 16384)])) == 4
+
+
 def test_vcl_is_exact_for_full_gaussian_linear_regression_but_not_diagonal(x64):
     X, y = make_linear(90, 3, seed=2)
     parts = batches(X, y, 3)
