@@ -8,6 +8,10 @@ BOOTSTRAP_PY := $(shell command -v python3.11 2>/dev/null || command -v python3 
 EXTRAS      ?= test,docs,gp,federated
 STAMP       := $(VENV)/.installed
 
+# One OpenBLAS thread: XLA runs its own thread pool, and a threaded OpenBLAS beside it
+# makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
+export OPENBLAS_NUM_THREADS ?= 1
+
 .PHONY: help venv demo test unit notebooks docs bench clean distclean
 
 help:

@@ -55,7 +55,9 @@ import statistics
 import sys
 import time
 
-import jax
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in bench_continual.py: no BLAS/XLA oversubscription
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -122,7 +124,8 @@ def run_set(post, ids, X, y, reps, log):
 def render(res):
     info = res["machine"]
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), "
-             f"NumPyro {info['numpyro']}; numpyro_pc {info['numpyro_pc']}; load average at start "
+             f"NumPyro {info['numpyro']}, OPENBLAS_NUM_THREADS={info.get('openblas_threads')}; "
+             f"numpyro_pc {info['numpyro_pc']}; load average at start "
              f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}; peak RSS {res['peak_rss_mb']:.0f} MB. "
              f"Data: a7a train N={res['N']}, test {res['N_test']}, d={res['d']}; fit: {res['fit_iterations']} "
              f"iterations, residual {res['fit_residual']:.1e}, {res['fit_s']:.2f} s (incl. compile); test "
