@@ -22,9 +22,12 @@ import numpy as np
 from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError
 from . import bounds, corrected, inducing, uncollapsed
 from .optim import minimize
-from .state import Hyper, check_chol, chol, handover, kernel_matrix, predict_from_q, prior_state
+from .state import (Hyper, check_chol, chol, handover, kernel_matrix, noise_variance, predict_from_q,
+                    prior_state)
 
-__all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl"]
+__all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
+
+_LOG2PI = math.log(2.0 * math.pi)
 
 
 def bucket_size(n, minimum=16):
@@ -46,17 +49,48 @@ def gaussian_kl(m1, S1, m0, L0):
                   + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
 
 
+def noise_memory_term(hyper, stats):
+    r"""σ²-dependence of the old batches' expected log-likelihood, from two running sums.
+
+    The batch VFE bound contains ``Σ_n E_q[log N(y_n | f_n, σ²)] = −½ Σ_n [log 2πσ² +
+    ((y_n − μ_n)² + v_n) / σ²]``. Bui's online bound keeps this term for the current batch
+    only: the old data enter through ``q_old(a)``, whose pseudo-noise is fixed, so nothing
+    in it depends on σ². With ``q(f_n) = N(μ_n, v_n)`` frozen at the posterior fitted to
+    each old batch, the old terms reduce to ``n_old`` (rows seen) and ``ss_old =
+    Σ (y_n − μ_n)² + v_n`` (accumulated after each batch):
+    ``−½ n_old log 2πσ² − ss_old / (2σ²)``.
+
+    :param Hyper hyper: current hyperparameters (Gaussian noise).
+    :param stats: ``(n_old, ss_old)`` scalars.
+    :return: scalar.
+    """
+    n_old, ss_old = stats
+    s2 = noise_variance(hyper)
+    return -0.5 * n_old * (_LOG2PI + jnp.log(s2)) - 0.5 * ss_old / s2
+
+
+@eqx.filter_jit
+def _residual_stats(state, X, y, mask):
+    """``(Σ mask, Σ mask·((y − μ)² + v))`` with ``N(μ, v)`` the latent marginals under ``state``."""
+    mu, var = predict_from_q(state.hyper, state.Z, state.mean, state.cov, state.chol_Kzz, X)
+    return jnp.sum(mask), jnp.sum(mask * ((y - mu) ** 2 + jnp.maximum(var, 0.0)))
+
+
 def _filter(hyper, learn_hyper, learn_Z):
     spec = jax.tree.map(lambda x: learn_hyper and eqx.is_inexact_array(x), hyper)
     return eqx.tree_at(lambda h: h.Z, spec, learn_Z)
 
 
 @eqx.filter_jit
-def _collapsed_step(params, static, old, X, y, mask, alpha, method, max_iters, lr, gtol):
+def _collapsed_step(params, static, old, X, y, mask, alpha, method, max_iters, lr, gtol, noise_stats):
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
     def loss(p):
-        return -bounds.collapsed_bound(eqx.combine(p, static), old, X, y, mask, alpha) / scale
+        hyper = eqx.combine(p, static)
+        value = bounds.collapsed_bound(hyper, old, X, y, mask, alpha)
+        if noise_stats is not None:
+            value = value + noise_memory_term(hyper, noise_stats)
+        return -value / scale
 
     res = minimize(loss, params, method, max_iters, lr, gtol) if jax.tree.leaves(params) else None
     p = res.params if res is not None else params
@@ -76,7 +110,7 @@ def _q_to_raw(q):
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol):
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, noise_stats):
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
     def objective(p, rq):
@@ -89,7 +123,13 @@ def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method
             value = value + corrected.correction_term(hyper, Lb, q, mem[0], mem[1], mem[2], sites)
         return value
 
-    res = minimize(lambda pq: -objective(*pq) / scale, (params, raw_q), method, max_iters, lr, gtol)
+    def loss(pq):
+        value = objective(*pq)
+        if noise_stats is not None:
+            value = value + noise_memory_term(eqx.combine(pq[0], static), noise_stats)
+        return -value / scale
+
+    res = minimize(loss, (params, raw_q), method, max_iters, lr, gtol)
     p, rq = res.params
     return p, rq, objective(p, rq), res.iterations
 
@@ -119,12 +159,19 @@ class StreamingSparseGP:
     :param int memory_size: > 0 enables the posterior-corrected variant
         (:mod:`numpyro_pc.gp.corrected`) with a memory of that many past examples.
     :param int seed: seed of the inducing policy and memory sampling.
+    :param bool noise_memory: learn the Gaussian noise variance from every batch seen, not
+        from the current batch alone: the old batches' expected log-likelihood, which is
+        all of their σ²-dependence in the batch VFE bound, is carried as two running sums
+        (:func:`noise_memory_term`) and added to the objective. ``None`` (default) turns it
+        on for VFE with a Gaussian likelihood (α = 0) and off otherwise; ``False`` is Bui et
+        al.'s original update. Only active while hyperparameters are learned; the bound
+        recorded in :attr:`history` is always the online bound alone.
     """
 
     def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=1.0, alpha=0.0,
                  bound=None, inducing="keep", keep_fraction=0.7, Z_init=None, learn_hyperparameters=True,
                  learn_inducing=True, optimizer="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6,
-                 jitter=1e-6, memory_size=0, seed=0):
+                 jitter=1e-6, memory_size=0, seed=0, noise_memory=None):
         import gpjax as gpx
         from gpjax.parameters import PositiveReal
 
@@ -142,6 +189,10 @@ class StreamingSparseGP:
             raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
         if memory_size and gaussian:
             raise ValueError("the posterior-corrected variant (memory_size > 0) is for non-Gaussian likelihoods")
+        if noise_memory is None:
+            noise_memory = gaussian and alpha == 0.0
+        if noise_memory and not (gaussian and alpha == 0.0):
+            raise ValueError("noise_memory needs a Gaussian likelihood and the VFE bound (alpha = 0)")
         if isinstance(likelihood, gpx.likelihoods.Gaussian):
             from gpjax.parameters import val
             noise_variance = float(val(likelihood.obs_stddev)) ** 2
@@ -162,6 +213,8 @@ class StreamingSparseGP:
         self.optimizer, self.max_iters, self.learning_rate, self.gtol = optimizer, max_iters, learning_rate, gtol
         self.jitter = jitter
         self.memory_size = memory_size
+        self.noise_memory = bool(noise_memory)
+        self._noise_stats = (0.0, 0.0)
         self._rng = np.random.default_rng(seed)
         self._state = None
         self._memory = None
@@ -224,9 +277,11 @@ class StreamingSparseGP:
             mask = np.concatenate([np.ones(n), np.zeros(nb - n)])
             Xp, yp, mask = jnp.asarray(Xp), jnp.asarray(yp), jnp.asarray(mask)
             params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters, self.learn_inducing))
+            use_stats = self.noise_memory and self.learn_hyperparameters
+            noise_stats = tuple(jnp.asarray(v, jnp.float64) for v in self._noise_stats) if use_stats else None
             if self.bound == "collapsed":
                 p, fit, iters = _collapsed_step(params, static, old, Xp, yp, mask, self.alpha, self.optimizer,
-                                                self.max_iters, self.learning_rate, self.gtol)
+                                                self.max_iters, self.learning_rate, self.gtol, noise_stats)
                 hyper = eqx.combine(p, static)
                 check_chol(fit.chol_D, "the collapsed bound's D matrix")
                 value, mean, cov = fit.bound, fit.mean, fit.cov
@@ -245,7 +300,8 @@ class StreamingSparseGP:
                         corrected.Sites(*(jnp.zeros(self.memory_size),) * 3)
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
-                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol)
+                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol,
+                                                        noise_stats)
                 hyper = eqx.combine(p, static)
                 Zb = hyper.Z
                 Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + self.jitter * jnp.eye(self.num_inducing)),
@@ -259,6 +315,9 @@ class StreamingSparseGP:
             if not np.isfinite(float(value)):
                 raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
             new._state = handover(hyper, mean, cov, self.jitter)
+            if self.noise_memory:
+                n_b, ss_b = _residual_stats(new._state, Xp, yp, mask)
+                new._noise_stats = (self._noise_stats[0] + float(n_b), self._noise_stats[1] + float(ss_b))
             kl_step = None if self._state is None else float(_kl_to_previous(new._state, old))
             jax.block_until_ready(new._state.mean)
             new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
