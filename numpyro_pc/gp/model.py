@@ -162,7 +162,7 @@ class StreamingSparseGP:
     :param bool noise_memory: learn the Gaussian noise variance from every batch seen, not
         from the current batch alone: the old batches' expected log-likelihood, which is
         all of their σ²-dependence in the batch VFE bound, is carried as two running sums
-        (:func:`noise_memory_term`) and added to the objective. ``None`` (default) turns it
+        (:func:`~numpyro_pc.gp.model.noise_memory_term`) and added to the objective. ``None`` (default) turns it
         on for VFE with a Gaussian likelihood (α = 0) and off otherwise; ``False`` is Bui et
         al.'s original update. Only active while hyperparameters are learned; the bound
         recorded in :attr:`history` is always the online bound alone.
@@ -343,14 +343,16 @@ class StreamingSparseGP:
             return np.asarray(m), np.asarray(v)
 
     def summary(self):
-        """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory."""
+        """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory,
+        and the running noise statistics of ``noise_memory`` (rows seen, sum of expected squared residuals)."""
         return dict(bound=[h["bound"] for h in self.history],
                     kl_to_previous=[h["kl_to_previous"] for h in self.history],
                     hyperparameters=[h["hyperparameters"] for h in self.history],
                     iterations=[h["iterations"] for h in self.history],
                     seconds=[h["seconds"] for h in self.history],
                     num_inducing=self.num_inducing, alpha=self.alpha, bound_type=self.bound,
-                    jitter=self.jitter)
+                    jitter=self.jitter, noise_memory=self.noise_memory,
+                    noise_statistics=dict(rows=self._noise_stats[0], sum_sq=self._noise_stats[1]))
 
 
 @eqx.filter_jit
