@@ -110,7 +110,7 @@ def _q_to_raw(q):
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, noise_stats):
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol):
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
     def objective(p, rq):
@@ -123,13 +123,7 @@ def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method
             value = value + corrected.correction_term(hyper, Lb, q, mem[0], mem[1], mem[2], sites)
         return value
 
-    def loss(pq):
-        value = objective(*pq)
-        if noise_stats is not None:
-            value = value + noise_memory_term(eqx.combine(pq[0], static), noise_stats)
-        return -value / scale
-
-    res = minimize(loss, (params, raw_q), method, max_iters, lr, gtol)
+    res = minimize(lambda pq: -objective(*pq) / scale, (params, raw_q), method, max_iters, lr, gtol)
     p, rq = res.params
     return p, rq, objective(p, rq), res.iterations
 
@@ -162,10 +156,11 @@ class StreamingSparseGP:
     :param bool noise_memory: learn the Gaussian noise variance from every batch seen, not
         from the current batch alone: the old batches' expected log-likelihood, which is
         all of their σ²-dependence in the batch VFE bound, is carried as two running sums
-        (:func:`~numpyro_pc.gp.model.noise_memory_term`) and added to the objective. ``None`` (default) turns it
-        on for VFE with a Gaussian likelihood (α = 0) and off otherwise; ``False`` is Bui et
-        al.'s original update. Only active while hyperparameters are learned; the bound
-        recorded in :attr:`history` is always the online bound alone.
+        (:func:`~numpyro_pc.gp.model.noise_memory_term`) and added to the objective.
+        ``None`` (default) turns it on for the collapsed VFE bound (Gaussian likelihood,
+        α = 0) and off otherwise; other bounds raise ``ValueError`` if it is asked for;
+        ``False`` is Bui et al.'s original update. Only active while hyperparameters are
+        learned; the bound recorded in :attr:`history` is always the online bound alone.
     """
 
     def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=1.0, alpha=0.0,
@@ -189,10 +184,11 @@ class StreamingSparseGP:
             raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
         if memory_size and gaussian:
             raise ValueError("the posterior-corrected variant (memory_size > 0) is for non-Gaussian likelihoods")
+        vfe = bound == "collapsed" and alpha == 0.0
         if noise_memory is None:
-            noise_memory = gaussian and alpha == 0.0
-        if noise_memory and not (gaussian and alpha == 0.0):
-            raise ValueError("noise_memory needs a Gaussian likelihood and the VFE bound (alpha = 0)")
+            noise_memory = vfe
+        if noise_memory and not vfe:
+            raise ValueError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
         if isinstance(likelihood, gpx.likelihoods.Gaussian):
             from gpjax.parameters import val
             noise_variance = float(val(likelihood.obs_stddev)) ** 2
@@ -300,8 +296,7 @@ class StreamingSparseGP:
                         corrected.Sites(*(jnp.zeros(self.memory_size),) * 3)
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
-                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol,
-                                                        noise_stats)
+                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol)
                 hyper = eqx.combine(p, static)
                 Zb = hyper.Z
                 Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + self.jitter * jnp.eye(self.num_inducing)),

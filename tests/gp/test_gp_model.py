@@ -93,6 +93,9 @@ def test_typed_errors():
     with pytest.raises(ValueError):
         StreamingSparseGP(gpx.kernels.RBF(), 5, likelihood=gpx.likelihoods.Bernoulli(), noise_memory=True)
     with pytest.raises(ValueError):
+        StreamingSparseGP(gpx.kernels.RBF(), 5, bound="uncollapsed", noise_memory=True)
+    assert not StreamingSparseGP(gpx.kernels.RBF(), 5, bound="uncollapsed").noise_memory
+    with pytest.raises(ValueError):
         next_inducing(np.zeros((3, 1)), np.zeros((4, 1)), np.random.default_rng(0), policy="nope")
 
 
