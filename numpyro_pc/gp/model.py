@@ -87,10 +87,7 @@ def _collapsed_step(params, static, old, X, y, mask, alpha, method, max_iters, l
 
     def loss(p):
         hyper = eqx.combine(p, static)
-        value = bounds.collapsed_bound(hyper, old, X, y, mask, alpha)
-        if noise_stats is not None:
-            value = value + noise_memory_term(hyper, noise_stats)
-        return -value / scale
+        return -(bounds.collapsed_bound(hyper, old, X, y, mask, alpha) + noise_memory_term(hyper, noise_stats)) / scale
 
     res = minimize(loss, params, method, max_iters, lr, gtol) if jax.tree.leaves(params) else None
     p = res.params if res is not None else params
@@ -273,8 +270,9 @@ class StreamingSparseGP:
             mask = np.concatenate([np.ones(n), np.zeros(nb - n)])
             Xp, yp, mask = jnp.asarray(Xp), jnp.asarray(yp), jnp.asarray(mask)
             params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters, self.learn_inducing))
+            # zeros when off: the term vanishes and both settings share one compiled step
             use_stats = self.noise_memory and self.learn_hyperparameters
-            noise_stats = tuple(jnp.asarray(v, jnp.float64) for v in self._noise_stats) if use_stats else None
+            noise_stats = tuple(jnp.asarray(v, jnp.float64) for v in (self._noise_stats if use_stats else (0, 0)))
             if self.bound == "collapsed":
                 p, fit, iters = _collapsed_step(params, static, old, Xp, yp, mask, self.alpha, self.optimizer,
                                                 self.max_iters, self.learning_rate, self.gtol, noise_stats)
