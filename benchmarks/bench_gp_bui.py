@@ -7,7 +7,8 @@ reference's ``iid=False`` runs, 3 batches, M = 10, RBF initialised at variance 1
 lengthscale 0.8, noise 1e-3, keep 70 % of the old Z + new inputs): predictive mean ± 2 sd
 and the inducing inputs after each batch, for VFE and Power-EP α = 0.5, beside batch
 SGPR (the same code with one batch = Titsias' SGPR). Hyperparameters, noise and Z are
-learned at every batch (L-BFGS, ≤ ``--iters`` iterations). Output: one PNG panel row per
+learned at every batch (L-BFGS, ≤ ``--iters`` iterations); the noise by Bui's original
+update (``noise_memory=False``: from the current batch only). Output: one PNG panel row per
 method, plus the final test-free summary (bound, hyperparameters).
 
 **Banana** (400 train / 4,900 test, M = 30, 3 batches, keep 80 % of the old Z; Bernoulli
@@ -61,7 +62,7 @@ def toy(iters, seed):
     out = {}
     for name, alpha in (("VFE", 0.0), ("Power-EP α=0.5", 0.5)):
         sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=0.8, variance=1.0), 10, noise_variance=1e-3, alpha=alpha,
-                                keep_fraction=0.7, max_iters=iters, seed=seed)
+                                keep_fraction=0.7, max_iters=iters, seed=seed, noise_memory=False)
         panels = []
         for idx in np.array_split(np.arange(150), 3):
             sgp = sgp.update(X[idx], y[idx])

@@ -9,7 +9,9 @@ M = 100, float64 throughout (``jax_enable_x64``).
 * **streaming** (ours): ``StreamingSparseGP`` over the training split in ``B`` batches
   (random order), L-BFGS warm-started from the previous batch, ``--iters`` iterations
   per batch (``gtol = 0``: every batch runs the same number of iterations, so per-batch
-  times are comparable), default inducing policy (keep 70 % of the old Z + 30 % new inputs);
+  times are comparable), default inducing policy (keep 70 % of the old Z + 30 % new inputs),
+  noise learned from every batch seen (``noise_memory``, the default for VFE;
+  ``--bui-noise`` gives Bui et al.'s original update, noise from the current batch only);
 * **batch SGPR** (GPJax): ``CollapsedVariationalGaussian`` + ``collapsed_elbo`` fitted with
   ``gpx.fit_lbfgs`` (the fastest documented path, DESIGN §6) on all training data at
   once, the same M (initial Z: random training inputs), ``--baseline-iters`` iterations;
@@ -27,6 +29,7 @@ Usage::
 
     python benchmarks/bench_gp_power.py            # B = 20, then B = 100, then the refit baseline (B = 20)
     python benchmarks/bench_gp_power.py --quick    # B = 20, fewer iterations, no refit baseline
+    python benchmarks/bench_gp_power.py --bui-noise  # streaming runs with noise_memory=False
 
 Outputs: ``benchmarks/_out/bench_gp_power.{json,md,png}``.
 """
@@ -98,9 +101,9 @@ def gpjax_predict(q, D, Xt):
     return mu, var + noise
 
 
-def stream(X, y, Xt, yt, B, iters, seed, gtol=0.0):
+def stream(X, y, Xt, yt, B, iters, seed, gtol=0.0, noise_memory=True):
     sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=jnp.ones(X.shape[1]), variance=1.0), 100, noise_variance=0.1,
-                            max_iters=iters, gtol=gtol, seed=seed)
+                            max_iters=iters, gtol=gtol, seed=seed, noise_memory=noise_memory)
     times, mem, curve = [], [], []
     order = np.random.default_rng(seed).permutation(len(y))
     batches = np.array_split(order, B)
@@ -116,7 +119,8 @@ def stream(X, y, Xt, yt, B, iters, seed, gtol=0.0):
                               steady_max_over_min=float(max(steady) / min(steady)),
                               rss_growth_mb=float(mem[-1] - mem[1]), final=curve[-1],
                               bucket=sgp.history[-1]["bucket"],
-                              iterations=[h["iterations"] for h in sgp.history])
+                              iterations=[h["iterations"] for h in sgp.history],
+                              noise=[h["hyperparameters"]["noise"] for h in sgp.history])
 
 
 def main(argv=None):
@@ -126,6 +130,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--baseline-iters", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bui-noise", action="store_true", help="noise_memory=False (noise from the current batch)")
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.baseline_iters = 50, 150
@@ -135,18 +140,19 @@ def main(argv=None):
     q, D, t_batch = gpjax_sgpr(X, y, Z0, args.baseline_iters)
     batch = dict(metrics(*gpjax_predict(q, D, Xt), yt), seconds=t_batch)
     res = dict(machine=info, N_train=len(y), N_test=len(yt), M=100, iters=args.iters,
+               noise_memory=not args.bui_noise,
                baseline_iters=args.baseline_iters, batch_sgpr=batch, runs={})
     def save():
         table, targets = render(res)
         return write_results("bench_gp_power", args.out, res, table, targets, plot_fn=lambda p: plot(res, p))
 
     print(f"batch SGPR: {batch}", flush=True)
-    sgp, batches, run = stream(X, y, Xt, yt, 20, args.iters, args.seed)
+    sgp, batches, run = stream(X, y, Xt, yt, 20, args.iters, args.seed, noise_memory=not args.bui_noise)
     res["runs"]["20"] = run
     print(f"streaming B=20: {run['final']} in {run['total_s']:.1f} s", flush=True)
     save()
     if not args.quick:
-        _, _, run100 = stream(X, y, Xt, yt, 100, args.iters, args.seed)
+        _, _, run100 = stream(X, y, Xt, yt, 100, args.iters, args.seed, noise_memory=not args.bui_noise)
         res["runs"]["100"] = run100
         print(f"streaming B=100: {run100['final']} in {run100['total_s']:.1f} s", flush=True)
         save()
@@ -168,8 +174,8 @@ def render(res):
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}); numpyro_pc "
              f"{info['numpyro_pc']}; load average at start {', '.join(f'{x:.1f}' for x in info['loadavg'])}. "
              f"power-plant standardised, train {res['N_train']} / test {res['N_test']}, M = {res['M']}, ARD RBF, "
-             f"float64; ours ≤ {res['iters']} L-BFGS iterations per batch, GPJax fit_lbfgs "
-             f"{res['baseline_iters']} iterations.", "",
+             f"float64; ours ≤ {res['iters']} L-BFGS iterations per batch, noise_memory "
+             f"{res.get('noise_memory', False)}, GPJax fit_lbfgs {res['baseline_iters']} iterations.", "",
              "| method | batches | final test RMSE | final test NLPD | total s | steady s/batch (median) "
              "| steady max/min | RSS growth MB (batch 1 → last) |", "|---|---|---|---|---|---|---|---|",
              f"| GPJax batch SGPR (all data once) | 1 | {b['rmse']:.4f} | {b['nlpd']:.4f} | {b['seconds']:.1f} | "
