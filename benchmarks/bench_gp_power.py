@@ -41,7 +41,9 @@ import os
 import sys
 import time
 
-import jax
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as in bench_continual.py: no BLAS/XLA oversubscription
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -171,7 +173,8 @@ def main(argv=None):
 def render(res):
     info = res["machine"]
     b = res["batch_sgpr"]
-    lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}); numpyro_pc "
+    lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), "
+             f"OPENBLAS_NUM_THREADS={info.get('openblas_threads')}; numpyro_pc "
              f"{info['numpyro_pc']}; load average at start {', '.join(f'{x:.1f}' for x in info['loadavg'])}. "
              f"power-plant standardised, train {res['N_train']} / test {res['N_test']}, M = {res['M']}, ARD RBF, "
              f"float64; ours ≤ {res['iters']} L-BFGS iterations per batch, noise_memory "
