@@ -89,8 +89,8 @@ def _selected_natural_sum(family, sites, rows, weights):
 def _removed_natural(post, rows):
     """``Σ_{j ∈ rows} λ̂_j`` gathered from the (possibly deferred) sites inside one jitted call.
 
-    ``rows`` is padded to a power of two with zero weights so that deleting different
-    numbers of examples reuses a few compiled shapes.
+    ``rows`` is padded to a bucket (:func:`~numpyro_pc.streaming.bucket_size`) with zero
+    weights so that deleting different numbers of examples reuses a few compiled shapes.
     """
     from .streaming import bucket_size
 
