@@ -301,14 +301,14 @@ def _sites_at_start(post, problem, site_rows, new_data, new_ids, weights):
     an exact or memory update, or a fit) are taken from the posterior; only the new batch is
     evaluated. This saves one pass over the corrected data per update and does not change
     the answer: the solver recomputes every site at each trial point, and its residual test
-    uses those. Returns ``(None, None)`` — compute everything — when a cached site was
-    computed at another mean, or when the solver needs a dense curvature sum the stored
-    sites cannot give (diagonal storage).
+    uses those. Returns ``(None, None)`` — compute everything — when nothing is corrected,
+    when a cached site was computed at another mean, or when the solver needs a dense
+    curvature sum the stored sites cannot give (diagonal storage).
     """
     sites = post.sites
     mean = post.state.mean
     dense_sum = not isinstance(problem.family, FullGaussian)
-    if dense_sum and sites.storage not in ("factor", "dense"):
+    if len(site_rows) == 0 or (dense_sum and sites.storage not in ("factor", "dense")):
         return None, None
     cached = sites.take(site_rows)
     if not bool(jnp.all(cached.refs() == mean[None, :])):
@@ -322,7 +322,10 @@ def _sites_at_start(post, problem, site_rows, new_data, new_ids, weights):
     num_pad = int(problem.ids.shape[0]) - len(site_rows) - new_ids.size
     rows = np.concatenate([np.arange(new_ids.size), np.full(num_pad, new_ids.size - 1)])
     start = cached.concat(new_sites.take(rows), prior_from="other")
-    start = replace(start, ids=problem.ids)
+    # every row was computed at ``mean``: one reference row, so the solver's compiled sums
+    # see the same shapes as for the sites it computes itself (no recompilation per update)
+    start = replace(start, ids=problem.ids, ref_means=mean[None, :],
+                    ref_index=jnp.zeros(start.num_examples, start.ref_index.dtype))
     hessian = (start.example_curvature_sum(FullGaussian(), weights) if dense_sum
                else jnp.zeros(2 * mean.shape, mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)
