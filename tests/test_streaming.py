@@ -109,6 +109,10 @@ def test_bad_batches_are_rejected(x64):
     post = pc.fit(logistic_model, X, y, family="full")
     with pytest.raises(pc.DataShapeError):
         post.update(X[:, :2], y)
+    with pytest.raises(pc.DataShapeError):  # per-example arguments of different lengths
+        post.update(X[:10], y[:9])
+    with pytest.raises(pc.NonFiniteDataError):
+        post.update(X[:10].at[3, 1].set(np.nan), y[:10])
     with pytest.raises(ValueError, match="correction"):
         post.update(X, y, correction="sometimes")
     with pytest.raises(ValueError, match="memory="):
@@ -186,3 +190,23 @@ def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
         post = post.update(X[lo:hi], y[lo:hi], correction="stochastic", epochs=1)
     # new batches pad to 64, tables to 512 and subsets (30..38 rows) to 32/40: at most 2 shapes
     assert _sag_step._cache_size() - before <= 2
+
+
+def test_a_batch_shaped_like_the_fitted_data_binds_without_tracing_the_model(x64):
+    from numpyro_pc.likelihood import bind_model
+    from numpyro_pc.streaming import bind_batch
+
+    X, y = make_logistic(60, 3, seed=32)
+    post = pc.fit(logistic_model, X[:40], y[:40], family="full")
+    fast = bind_batch(post, (X[40:55], y[40:55]), {})
+    full = bind_model(logistic_model, (X[40:55], y[40:55]))[1]
+    assert len(fast.per_example) == len(full.per_example) == 2 and fast.shared == full.shared == ()
+    for a, b in zip(fast.per_example, full.per_example):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.dtype == b.dtype
+    calls = []
+    counting = lambda X, y=None: (calls.append(1), logistic_model(X, y))[1]  # noqa: E731
+    post = pc.fit(counting, X[:40], y[:40], family="full")
+    traced = len(calls)
+    bind_batch(post, (X[40:55], y[40:55]), {})
+    assert len(calls) == traced  # the fast path ran no model code
