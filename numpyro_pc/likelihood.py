@@ -236,6 +236,15 @@ def _describe_leading_sizes(names, leaves):
     return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if _is_array(x))
 
 
+def check_finite_argument(name, leaf):
+    """Raise :class:`NonFiniteDataError` if a floating array argument holds NaN or infinite values."""
+    if _is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        if not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
+            bad = int(np.sum(~np.isfinite(np.asarray(leaf))))
+            raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
+                                     "clean or mask the data before fitting.")
+
+
 def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
     """Inspect a model with its data and return ``(spec, data)``.
 
@@ -262,11 +271,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
     leaf_names = _leaf_names(args, kwargs, names_by_position)
 
     for name, leaf in zip(leaf_names, leaves):
-        if _is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            if not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
-                bad = int(np.sum(~np.isfinite(np.asarray(leaf))))
-                raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
-                                         "clean or mask the data before fitting.")
+        check_finite_argument(name, leaf)
     try:
         with handlers.block():
             trace = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)

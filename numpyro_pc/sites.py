@@ -53,6 +53,11 @@ def trace_count():
     return _TRACES["compute"]
 
 
+def is_every_row(rows, num):
+    """Whether host-side ``rows`` select all ``num`` rows in order (a take that need not copy)."""
+    return isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num))
+
+
 @partial(jax.tree_util.register_dataclass,
          data_fields=["grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
                       "prior_curvature", "prior_loss", "prior_ref"],
@@ -184,9 +189,8 @@ class Sites:
 
     def take(self, index):
         """The sites of the examples at positions ``index`` (the prior site is kept)."""
-        if isinstance(index, np.ndarray) and index.size == self.num_examples and np.array_equal(
-                index, np.arange(index.size)):
-            return self  # every row, in order: no copy
+        if is_every_row(index, self.num_examples):
+            return self  # no copy
         index = jnp.asarray(index, dtype=jnp.int32)
         pick = lambda x: None if x is None else x[index]  # noqa: E731
         return Sites(grad=self.grad[index], curvature=pick(self.curvature), jac=pick(self.jac), lam=pick(self.lam),

@@ -149,7 +149,6 @@ class _Point(NamedTuple):
 
     q: object
     sites: object
-    sums: object
     totals: tuple
     residual: float
     parts: dict
@@ -160,7 +159,7 @@ def _evaluate(problem, q, sites, sums):
     """Residual and objective of ``q`` from one pass over its sites' totals."""
     totals = _totals(problem, q, sites, sums)
     res, parts = _residual_from_totals(problem.family, q, totals)
-    return _Point(q, sites, sums, totals, res, parts, _objective_from_totals(problem, q, totals))
+    return _Point(q, sites, totals, res, parts, _objective_from_totals(problem, q, totals))
 
 
 def _objective_from_totals(problem, q, totals):

@@ -44,11 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import (ConvergenceError, DataShapeError, NonFiniteDataError, NotPositiveDefiniteError,
-                     UnknownExampleError)
+from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
 from .families import FullGaussian, add_site, remove_site, scale_site
-from .likelihood import ModelData, _is_array, bind_model
-from .sites import SiteSums, compute_sites
+from .likelihood import ModelData, _is_array, bind_model, check_finite_argument
+from .sites import SiteSums, compute_sites, is_every_row
 from .solvers import SiteProblem, solve
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
@@ -64,9 +63,8 @@ def concat_data(a, b):
 
 def take_data(data, rows):
     """The examples at ``rows``."""
-    num = int(data.per_example[0].shape[0])
-    if isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num)):
-        return data  # every row, in order: no copy
+    if is_every_row(rows, int(data.per_example[0].shape[0])):
+        return data  # no copy
     rows = jnp.asarray(rows, dtype=jnp.int32)
     return ModelData(tuple(x[rows] for x in data.per_example), data.shared)
 
@@ -126,10 +124,7 @@ def _bind_like_fitted(post, args, kwargs):
                 return None
             shared.append(old)
             continue
-        if jnp.issubdtype(array.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(array))):
-            bad = int(np.sum(~np.isfinite(np.asarray(array))))
-            raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
-                                     "clean or mask the data before fitting.")
+        check_finite_argument(name, array)
         sizes.add(int(array.shape[0]))
         per_example.append(array)
     if len(sizes) != 1 or 0 in sizes:
@@ -315,12 +310,12 @@ def pad_to_bucket(data, weights, ids):
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
 
 
-def _cavity(post, rows, correct_prior, weight):
-    """``λ_t − w Σ_rows λ̂_i [− λ̂_0]``: the old posterior with the corrected sites divided out."""
+def _cavity(post, corrected_sum, correct_prior, weight):
+    """``λ_t − w Σ_C λ̂_i [− λ̂_0]``: the old posterior with the corrected sites divided out."""
     family = post.family
     cavity = family.natural(post.state)
-    if len(rows):
-        cavity = remove_site(cavity, post.sites.take(rows).natural_sum(family), weight)
+    if corrected_sum is not None:
+        cavity = remove_site(cavity, corrected_sum, weight)
     if correct_prior:
         cavity = remove_site(cavity, post.sites.prior_natural(family))
     return cavity
@@ -328,8 +323,9 @@ def _cavity(post, rows, correct_prior, weight):
 
 def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure):
     family = post.family
-    site_rows = positions(post.sites.ids, corrected)
-    cavity = _cavity(post, site_rows, correct_prior, weight)
+    stale = post.sites.take(positions(post.sites.ids, corrected))
+    stale_sum = stale.natural_sum(family) if corrected.size else None
+    cavity = _cavity(post, stale_sum, correct_prior, weight)
     data_rows = positions(post.data_ids, corrected)
     active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
     active_ids = np.concatenate([corrected, new_ids])
@@ -340,21 +336,20 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
     spec = replace(post.spec, num_examples=int(padded_ids.size))
     problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                           jnp.asarray(padded_ids), cavity, correct_prior, weights)
-    start_sites, start_sums = _sites_at_start(post, problem, site_rows, new_data, new_ids, weights)
+    start_sites, start_sums = _sites_at_start(post, problem, stale, new_data, new_ids, weights)
     q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure, sites=start_sites,
                               sums=start_sums, **solve_options)
-    history[0]["reused_sites"] = 0 if start_sites is None else len(site_rows)
+    history[0]["reused_sites"] = 0 if start_sites is None else int(corrected.size)
     fresh = fresh.take(np.arange(num_active))
     offset = post.offset
     if weight != 1.0:  # λ_{t+1} − Σ sites: the part of the scaled correction no single site holds
-        stale, new_fresh = post.sites.take(site_rows), fresh.take(np.arange(corrected.size))
-        extra = add_site(scale_site(new_fresh.natural_sum(family), weight - 1.0),
-                         scale_site(stale.natural_sum(family), 1.0 - weight))
+        new_fresh = fresh.take(np.arange(corrected.size))
+        extra = add_site(scale_site(new_fresh.natural_sum(family), weight - 1.0), scale_site(stale_sum, 1.0 - weight))
         offset = extra if offset is None else add_site(offset, extra)
     return q, fresh, history, offset
 
 
-def _sites_at_start(post, problem, site_rows, new_data, new_ids, weights):
+def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     """The problem's sites at ``q_t`` without recomputing the corrected ones, when their cache is fresh.
 
     Sites of corrected examples that were computed at ``q_t`` itself (the usual case after
@@ -365,21 +360,19 @@ def _sites_at_start(post, problem, site_rows, new_data, new_ids, weights):
     when a cached site was computed at another mean, or when the solver needs a dense
     curvature sum the stored sites cannot give (diagonal storage).
     """
-    sites = post.sites
     mean = post.state.mean
     dense_sum = not isinstance(problem.family, FullGaussian)
-    if len(site_rows) == 0 or (dense_sum and sites.storage not in ("factor", "dense")):
+    if cached.num_examples == 0 or (dense_sum and cached.storage not in ("factor", "dense")):
         return None, None
-    cached = sites.take(site_rows)
     if not bool(jnp.all(cached.refs() == mean[None, :])):
         return None, None
     new_weights = jnp.ones(new_ids.size, mean.dtype)
     padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, new_weights, new_ids)
     new_sites, _ = compute_sites(replace(post.spec, num_examples=int(padded_new_ids.size)), padded_new,
                                  problem.family, post.state, problem.rule, curvature=problem.curvature,
-                                 storage=sites.storage, chunk_size=problem.chunk_size,
+                                 storage=cached.storage, chunk_size=problem.chunk_size,
                                  ids=jnp.asarray(padded_new_ids), weights=new_weights)
-    num_pad = int(problem.ids.shape[0]) - len(site_rows) - new_ids.size
+    num_pad = int(problem.ids.shape[0]) - cached.num_examples - new_ids.size
     rows = np.concatenate([np.arange(new_ids.size), np.full(num_pad, new_ids.size - 1)])
     start = cached.concat(new_sites.take(rows), prior_from="other")
     # every row was computed at ``mean``: one reference row, so the solver's compiled sums
