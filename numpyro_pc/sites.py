@@ -27,7 +27,7 @@ accumulated with ``lax.scan``; ``samples × N × d × d`` is never formed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -40,12 +40,19 @@ from .errors import SiteStorageError
 from .expectations import hermite_nodes
 from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import example_loss, example_params, prior_loss
+from .rowops import bucket_size, filled, join_rows, pad_last_row, shifted, take_rows
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]
 
 _DENSE_AUTO_LIMIT = 2**22  # numbers: automatic dense storage only below ~32 MB in float64
 _CHUNK_BUDGET = 2**23  # numbers per chunk of transient per-example curvature
 _TRACES = {"compute": 0}
+
+
+@partial(jax.jit, static_argnums=0)
+def _natural_sum(family, sites, weights):
+    linear = weights @ (sites.curvature_matvec(sites.refs()) - sites.grad)
+    return GaussianNatural(linear, sites.example_curvature_sum(family, weights))
 
 
 def trace_count():
@@ -146,7 +153,7 @@ class Sites:
 
     def refs(self):
         """``(N, d)`` the mean each example's site was computed at."""
-        return self.ref_means[self.ref_index]
+        return take_rows(self.ref_means, self.ref_index)
 
     def curvature_matvec(self, v):
         """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
@@ -178,10 +185,18 @@ class Sites:
         return GaussianNatural(linear, curv)
 
     def natural_sum(self, family, weights=None):
-        """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default)."""
-        linear = self.curvature_matvec(self.refs()) - self.grad
-        linear = jnp.sum(linear, 0) if weights is None else weights @ linear
-        return GaussianNatural(linear, self.example_curvature_sum(family, weights))
+        """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
+
+        Computed on bucket-padded sites (copies weighted 0), so sums over a growing or
+        shrinking set of sites reuse a few compilations.
+        """
+        num, dtype = self.num_examples, self.grad.dtype
+        if num == 0:
+            return _natural_sum(family, self, jnp.zeros(0, dtype))
+        size = bucket_size(num)
+        weights = (filled([(num, 1.0), (size - num, 0.0)], dtype) if weights is None
+                   else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
+        return _natural_sum(family, self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights)
 
     def prior_natural(self, family):
         """Natural parameters of the prior site."""
@@ -191,23 +206,36 @@ class Sites:
         """The sites of the examples at positions ``index`` (the prior site is kept)."""
         if is_every_row(index, self.num_examples):
             return self  # no copy
-        index = jnp.asarray(index, dtype=jnp.int32)
-        pick = lambda x: None if x is None else x[index]  # noqa: E731
-        return Sites(grad=self.grad[index], curvature=pick(self.curvature), jac=pick(self.jac), lam=pick(self.lam),
-                     loss=self.loss[index], ids=self.ids[index], ref_index=self.ref_index[index],
+        pick = lambda x: take_rows(x, index)  # noqa: E731
+        return Sites(grad=pick(self.grad), curvature=pick(self.curvature), jac=pick(self.jac), lam=pick(self.lam),
+                     loss=pick(self.loss), ids=pick(self.ids), ref_index=pick(self.ref_index),
                      ref_means=self.ref_means, prior_grad=self.prior_grad, prior_curvature=self.prior_curvature,
                      prior_loss=self.prior_loss, prior_ref=self.prior_ref, storage=self.storage)
+
+    def padded(self, num, num_refs):
+        """The sites followed by copies of the last one up to ``num`` rows, and ``ref_means``
+        extended the same way to ``num_refs`` rows.
+
+        Sums over padded sites must give the copies weight 0; in exchange, compiled sums see
+        a few bucket shapes instead of one shape per stream length.
+        """
+        pad = lambda x, n: None if x is None else pad_last_row(x, n)  # noqa: E731
+        extra = num - self.num_examples
+        return replace(self, grad=pad(self.grad, extra), curvature=pad(self.curvature, extra), jac=pad(self.jac, extra),
+                       lam=pad(self.lam, extra), loss=pad(self.loss, extra), ids=pad(self.ids, extra),
+                       ref_index=pad(self.ref_index, extra),
+                       ref_means=pad(self.ref_means, num_refs - self.ref_means.shape[0]))
 
     def concat(self, other, prior_from="other"):
         """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
         if other.storage != self.storage:
             raise SiteStorageError(f"cannot join sites stored as {self.storage!r} and {other.storage!r}")
-        join = lambda a, b: None if a is None else jnp.concatenate([a, b], 0)  # noqa: E731
+        join = join_rows
         prior = other if prior_from == "other" else self
         return Sites(grad=join(self.grad, other.grad), curvature=join(self.curvature, other.curvature),
                      jac=join(self.jac, other.jac), lam=join(self.lam, other.lam), loss=join(self.loss, other.loss),
                      ids=join(self.ids, other.ids),
-                     ref_index=join(self.ref_index, other.ref_index + self.ref_means.shape[0]),
+                     ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
                      ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
                      prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref,
                      storage=self.storage)

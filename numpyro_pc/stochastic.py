@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import ConvergenceError, NotPositiveDefiniteError
 from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
+from .rowops import filled, join_rows, to_device
 from .sites import compute_sites
 from .solvers import default_tol
 
@@ -182,14 +183,14 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     site_rows, past_weights = _pad_rows(positions(post.sites.ids, corrected), past_size)
     data_rows, _ = _pad_rows(positions(post.data_ids, corrected), past_size)
     past_sites = post.sites.take(site_rows)
-    new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, jnp.ones(num_new, dtype), new_ids)
+    new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, filled([(num_new, 1.0)], dtype), new_ids)
     new_sites, _ = compute_sites(replace(post.spec, num_examples=new_size), new_data, family, post.state, post.rule,
                                  curvature=post.curvature, storage=post.sites.storage, chunk_size=post.chunk_size,
                                  ids=jnp.asarray(padded_new_ids))
     table = past_sites.concat(new_sites)
-    table = replace(table, ref_means=table.refs(), ref_index=jnp.arange(past_size + new_size, dtype=jnp.int32))
-    past_weights = jnp.asarray(past_weights, dtype)
-    table_weights = jnp.concatenate([past_weights, new_weights])
+    table = replace(table, ref_means=table.refs(), ref_index=to_device(np.arange(past_size + new_size, dtype=np.int32)))
+    past_weights = to_device(np.asarray(past_weights, dtype))
+    table_weights = join_rows(past_weights, new_weights)
     past_sum = past_sites.natural_sum(family, past_weights)
     sums = (add_site(past_sum, new_sites.natural_sum(family, new_weights)),
             table_weights @ jnp.linalg.norm(table.grad, axis=1))
@@ -225,7 +226,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     keep = np.concatenate([np.arange(n), past_size + np.arange(num_new)])
     fresh = table.take(keep)
-    fresh = replace(fresh, ref_means=fresh.refs(), ref_index=jnp.arange(keep.size, dtype=jnp.int32))
+    fresh = replace(fresh, ref_means=fresh.refs(), ref_index=to_device(np.arange(keep.size, dtype=np.int32)))
     if history[-1]["residual"] > tol and epochs is None:
         message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
                    f"{len(history)} iterations")

@@ -47,6 +47,7 @@ import numpy as np
 from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
 from .families import FullGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, _is_array, bind_model, check_finite_argument
+from .rowops import bucket_size, filled, join_rows, pad_last_row, take_rows, to_device
 from .sites import SiteSums, compute_sites, is_every_row
 from .solvers import SiteProblem, solve
 
@@ -58,15 +59,14 @@ SELECTIONS = ("random", "residual", "curvature", "leverage")
 
 def concat_data(a, b):
     """Examples of ``a`` followed by those of ``b`` (shared arguments from ``a``)."""
-    return ModelData(tuple(jnp.concatenate([x, y], 0) for x, y in zip(a.per_example, b.per_example)), a.shared)
+    return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
 
 def take_data(data, rows):
     """The examples at ``rows``."""
     if is_every_row(rows, int(data.per_example[0].shape[0])):
         return data  # no copy
-    rows = jnp.asarray(rows, dtype=jnp.int32)
-    return ModelData(tuple(x[rows] for x in data.per_example), data.shared)
+    return ModelData(tuple(take_rows(x, rows) for x in data.per_example), data.shared)
 
 
 def positions(ids, wanted, what="example"):
@@ -114,7 +114,7 @@ def _bind_like_fitted(post, args, kwargs):
             continue
         if not _is_array(leaf) and not np.isscalar(leaf):
             return None
-        array = jnp.asarray(leaf)
+        array = to_device(leaf)
         old = next(old_shared) if kind == "shared" else next(old_examples)
         if array.dtype != old.dtype or (kind == "example" and (array.ndim != old.ndim or array.ndim == 0
                                                                  or array.shape[1:] != old.shape[1:])):
@@ -268,31 +268,16 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     if corrected.size and correction != "stochastic":
         from .diagnostics import site_mismatch
 
-        stale = post.sites.take(site_rows)
-        magnitude = site_mismatch(stale, fresh.take(np.arange(corrected.size)), q, post.family,
-                                  post.spec.affine)[0]
-        record["correction_magnitude"] = dict(ids=corrected, magnitude=np.asarray(magnitude),
-                                              total=float(jnp.sum(magnitude)))
+        size = bucket_size(corrected.size)  # padded: the jitted diagnostic compiles once per bucket
+        pad = lambda s: s.padded(size, bucket_size(s.ref_means.shape[0], smallest=1))  # noqa: E731
+        magnitude = site_mismatch(pad(post.sites.take(site_rows)), pad(fresh.take(np.arange(corrected.size))), q,
+                                  post.family, post.spec.affine)[0]
+        magnitude = np.asarray(magnitude)[:corrected.size]
+        record["correction_magnitude"] = dict(ids=corrected, magnitude=magnitude, total=float(np.sum(magnitude)))
     record["seconds"] = time.perf_counter() - start
     return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
-                         data_ids=jnp.asarray(data_ids), state=q, sites=sites, history=history,
+                         data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset)
-
-
-def bucket_size(num, smallest=8, fine_from=2048):
-    """The size a set of ``num`` examples is padded to, so that varying sizes reuse a few compilations.
-
-    Up to ``fine_from`` examples: the next power of two (≥ ``smallest``). Beyond it a
-    compilation costs less than the padded work it would save, so the buckets are the next
-    ``m·2^k`` with ``m ∈ {4, 5, 6, 7}`` — four sizes per octave, at most 25 % padding (a
-    stream whose corrected set grows by 10 % per batch pads by ~7 % on average instead of
-    ~30 %).
-    """
-    num = max(int(num), 1)
-    if num <= fine_from:
-        return int(max(smallest, 2 ** int(np.ceil(np.log2(num)))))
-    octave = 2 ** int(np.floor(np.log2(num)))
-    return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
 
 
 def pad_to_bucket(data, weights, ids):
@@ -305,8 +290,8 @@ def pad_to_bucket(data, weights, ids):
     pad = bucket_size(num) - num
     if pad == 0:
         return data, weights, np.asarray(ids)
-    per_example = tuple(jnp.concatenate([x, jnp.repeat(x[-1:], pad, 0)], 0) for x in data.per_example)
-    weights = jnp.concatenate([weights, jnp.zeros(pad, weights.dtype)])
+    per_example = tuple(pad_last_row(x, pad) for x in data.per_example)
+    weights = join_rows(weights, filled([(pad, 0.0)], weights.dtype))
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
 
 
@@ -330,7 +315,7 @@ def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, sol
     active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
     active_ids = np.concatenate([corrected, new_ids])
     dtype = post.state.mean.dtype
-    weights = jnp.concatenate([jnp.full(corrected.size, weight, dtype), jnp.ones(new_ids.size, dtype)])
+    weights = filled([(corrected.size, weight), (new_ids.size, 1.0)], dtype)
     num_active = int(active_ids.size)
     active, weights, padded_ids = pad_to_bucket(active, weights, active_ids)
     spec = replace(post.spec, num_examples=int(padded_ids.size))
@@ -364,9 +349,10 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     dense_sum = not isinstance(problem.family, FullGaussian)
     if cached.num_examples == 0 or (dense_sum and cached.storage not in ("factor", "dense")):
         return None, None
-    if not bool(jnp.all(cached.refs() == mean[None, :])):
+    used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
+    if not np.all(used_refs == np.asarray(mean)[None, :]):
         return None, None
-    new_weights = jnp.ones(new_ids.size, mean.dtype)
+    new_weights = filled([(new_ids.size, 1.0)], mean.dtype)
     padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, new_weights, new_ids)
     new_sites, _ = compute_sites(replace(post.spec, num_examples=int(padded_new_ids.size)), padded_new,
                                  problem.family, post.state, problem.rule, curvature=problem.curvature,
@@ -378,7 +364,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     # every row was computed at ``mean``: one reference row, so the solver's compiled sums
     # see the same shapes as for the sites it computes itself (no recompilation per update)
     start = replace(start, ids=problem.ids, ref_means=mean[None, :],
-                    ref_index=jnp.zeros(start.num_examples, start.ref_index.dtype))
+                    ref_index=filled([(start.num_examples, 0)], start.ref_index.dtype))
     hessian = (start.example_curvature_sum(FullGaussian(), weights) if dense_sum
                else jnp.zeros(2 * mean.shape, mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)
