@@ -25,6 +25,7 @@ from .errors import ConvergenceError
 from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
+from .rowops import to_device
 from .solvers import SiteProblem, dual_residual, solve
 
 __all__ = ["DualPosterior", "dual_form", "fit"]
@@ -114,7 +115,7 @@ class DualPosterior:
     @property
     def ids(self):
         """Stable integer ids of the examples, aligned with the sites."""
-        return jnp.asarray(_site_ids(self._sites)) if isinstance(self._sites, RowSelection) else self._sites.ids
+        return to_device(_site_ids(self._sites)) if isinstance(self._sites, RowSelection) else self._sites.ids
 
     @property
     def num_retained(self):

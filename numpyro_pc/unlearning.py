@@ -43,7 +43,8 @@ from .errors import NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
 from .posterior import RowSelection
 from .solvers import SiteProblem, solve
-from .streaming import positions, take_data
+from .rowops import filled, to_device
+from .streaming import pad_to_bucket, positions, take_data
 
 __all__ = ["METHODS", "delete"]
 
@@ -177,11 +178,15 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
             base = remove_site(natural, post.sites.prior_natural(family))
         else:
             base = post.sites.take(frozen_rows).natural_sum(family) if frozen_rows.size else None
-        spec = replace(post.spec, num_examples=int(live.size))
-        problem = SiteProblem(spec, take_data(post.data, data_keep), family, post.rule, post.curvature,
-                              post.sites.storage, post.chunk_size, jnp.asarray(live), base, True)
+        data, weights, padded_ids = take_data(post.data, data_keep), None, live
+        if live.size:  # padded to a bucket (weight 0): deletions one by one reuse the compiled solver
+            data, weights, padded_ids = pad_to_bucket(data, filled([(live.size, 1.0)], post.state.mean.dtype), live)
+        spec = replace(post.spec, num_examples=int(padded_ids.size))
+        problem = SiteProblem(spec, data, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
+                              jnp.asarray(padded_ids), base, True, weights)
         # the oracle starts from q_t too: the fixed point does not depend on the start
         q, fresh, history = solve(problem, post.state, tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure)
+        fresh = fresh.take(np.arange(live.size))
         sites = post.sites.take(frozen_rows).concat(fresh) if frozen_rows.size else fresh
     family.check_positive_definite(q.precision, f"posterior after deletion ({method})")
     if not bool(jnp.all(jnp.isfinite(q.mean))):
@@ -189,7 +194,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
                   seconds=time.perf_counter() - start, kl_to_previous=float(family.kl(q, post.state)))
     return post._replace(spec=replace(post.spec, num_examples=int(data_keep.size)),
-                         data=RowSelection.of(post._data, data_keep), data_ids=jnp.asarray(retained[data_keep]), state=q,
+                         data=RowSelection.of(post._data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
                          record=record)
 

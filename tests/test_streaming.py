@@ -5,7 +5,7 @@ import pytest
 
 import numpyro_pc as pc
 
-from conftest import linear_model, logistic_model, make_linear, make_logistic
+from conftest import count_compilations, linear_model, logistic_model, make_linear, make_logistic
 
 
 def batches(X, y, k, order=None):
@@ -169,8 +169,6 @@ def test_a_stream_in_warm_buckets_compiles_no_xla_program(x64, correction):
     # host and the compiled sums see bucket shapes, so once a stream's buckets have been
     # compiled, updates with new totals and new batch sizes compile nothing. (Before, each
     # update compiled ~40 small programs for concatenations and gathers of the new shapes.)
-    import jax
-
     X, y = (np.asarray(a) for a in make_logistic(400, 3, seed=29))  # NumPy: slicing it compiles nothing
     fit = lambda n: pc.fit(logistic_model, X[:n], y[:n], family="full")  # noqa: E731
 
@@ -181,14 +179,10 @@ def test_a_stream_in_warm_buckets_compiles_no_xla_program(x64, correction):
         return post
 
     stream(fit(40), 40, [5] * 16)  # totals 45..120: site buckets 64 and 128, batch bucket 8
-    post, compiles = fit(43), []
-    listener = lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    post = fit(43)
+    with count_compilations() as compiled:
         post = stream(post, 43, [6, 7] * 5)  # totals 49..108, none of them seen before
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert len(compiles) == 0, f"{len(compiles)} compilations in 10 updates inside warm buckets"
+    assert compiled.count == 0, f"{compiled.count} compilations in 10 updates inside warm buckets"
     assert post.num_examples == 108
     if correction == "exact":  # host bookkeeping changed nothing: still the batch posterior (solver tol 1e-8)
         assert float(post.kl(pc.fit(logistic_model, X[:108], y[:108], family="full", tol=1e-12))) < 1e-10
