@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from .plotting import save_figure
+
 __all__ = ["main", "demo"]
 
 
@@ -95,10 +97,7 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         print(f"KL(fit from prior ‖ refined posterior) = {kl_fit:.3e}")
 
         figure = _plot(post, raw, X, y, names, plt)
-        path = out / "dual_form.png"
-        figure.savefig(path, dpi=120, bbox_inches="tight")
-        plt.close(figure)
-        print(f"\nplot written to {path.resolve()}")
+        path = save_figure(figure, out, "dual_form.png")
         streaming = _demo_streaming(X, y, out, plt, fast)
         from .federated.demo import demo_merging_federated
 
@@ -185,10 +184,7 @@ def _demo_streaming(X, y, out, plt, fast, num_batches=5):
     ax.set_ylabel("KL(method ‖ retrain)")
     ax.set_title("Deleting 20 high-curvature examples")
     fig.tight_layout()
-    path = Path(out) / "streaming.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    print(f"\nplot written to {path.resolve()}")
+    path = save_figure(fig, out, "streaming.png")
     return dict(stream=rows, delete=del_rows, plot=str(path))
 
 

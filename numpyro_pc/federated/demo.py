@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
+
+from ..plotting import save_figure
 
 __all__ = ["demo_merging_federated"]
 
@@ -77,8 +78,5 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
     ax.set_title(f"{num_clients} non-IID clients")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(out) / "merging_federated.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    print(f"\nplot written to {path.resolve()}")
+    path = save_figure(fig, out, "merging_federated.png")
     return dict(merge=merge_rows, federated=fed_rows, plot=str(path))

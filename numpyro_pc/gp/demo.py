@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
+
+from ..plotting import save_figure
 
 __all__ = ["demo_streaming_gp"]
 
@@ -54,9 +55,5 @@ def demo_streaming_gp(out, plt, fast=False, seed=0):
         ax.plot(Z[:, 0], sgp.predict(Z)[0], "o", color="C3", ms=4)
         ax.set_title(f"after batch {b + 1}", fontsize=9)
     fig.tight_layout()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    path = Path(out) / "streaming_gp.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {path.resolve()}")
+    path = save_figure(fig, out, "streaming_gp.png", dpi=110)
     return dict(summary=sgp.summary(), plot=str(path))
