@@ -55,6 +55,7 @@ sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
 from numpyro_pc.datasets import load_breast_cancer  # noqa: E402
+from numpyro_pc.diagnostics import count_compilations  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 POLICIES = ("none", "exact")
@@ -69,24 +70,6 @@ def demo_model(X, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
-
-
-class CompileCounter:
-    """Counts XLA backend compilations while active."""
-
-    def __init__(self):
-        self.count = 0
-
-    def _listen(self, event, seconds, **kwargs):
-        if "backend_compile" in event:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
 
 
 def stream(X, y, first, sizes, policy, counter):
@@ -139,7 +122,7 @@ def main():
         sizes.append(int(min(rng.integers(1, 21), n - first - sum(sizes))))
     info = machine_info()
     result = dict(machine=info, N=n, first=first, sizes=sizes, policies={})
-    with CompileCounter() as counter:
+    with count_compilations() as counter:
         batch = pc.fit(demo_model, X[:n], y[:n], family="full", tol=1e-12)
         for policy in POLICIES:
             post, times, compiles = stream(X, y, first, sizes, policy, counter)

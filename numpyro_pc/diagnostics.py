@@ -37,7 +37,7 @@ from .sites import compute_sites
 from .streaming import bind_batch, positions
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
-           "log_normaliser"]
+           "log_normaliser", "count_compilations"]
 
 
 def kl(q, p):
@@ -173,3 +173,30 @@ def correction_magnitude(post, *args, **kwargs):
     return dict(ids=ids, magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv),
                 total=float(jnp.sum(total)))
 
+
+class count_compilations:
+    """Context manager counting the XLA programs compiled inside it.
+
+    A stream of updates whose batches stay inside warm buckets should compile nothing;
+    use this to check that your own loop (data slicing included) does not recompile::
+
+        with pc.diagnostics.count_compilations() as compiled:
+            post = post.update(X_new, y_new)
+        print(compiled.count)
+
+    :ivar int count: compilations seen so far.
+    """
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event, seconds, **kwargs):
+        if "backend_compile" in event:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)

@@ -15,24 +15,6 @@ def x64():
         yield
 
 
-class count_compilations:
-    """Context manager counting XLA backend compilations (``with count_compilations() as c: ...; c.count``)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def _listen(self, event, seconds, **kwargs):
-        if "backend_compile" in event:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
 def logistic_model(X, y=None):
     """Bayesian logistic regression with an intercept: b ~ N(0,1), w ~ N(0, I)."""
     b = numpyro.sample("b", dist.Normal(0.0, 1.0))

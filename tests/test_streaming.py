@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
+from numpyro_pc.diagnostics import count_compilations
 
-from conftest import count_compilations, linear_model, logistic_model, make_linear, make_logistic
+from conftest import linear_model, logistic_model, make_linear, make_logistic
 
 
 def batches(X, y, k, order=None):
