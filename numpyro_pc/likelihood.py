@@ -38,7 +38,7 @@ import numpyro
 
 from .errors import DataShapeError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
-from .rowops import on_host
+from .rowops import on_host, take_rows, to_device
 
 __all__ = ["ModelSpec", "ModelData", "bind_model", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain"]
@@ -324,8 +324,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
                      kinds=tuple(kinds), statics=tuple(statics), observed=observed,
                      arg_names=tuple(leaf_names))
     data = ModelData(
-        per_example=tuple(jnp.asarray(l) for l, k in zip(leaves, kinds) if k == "example"),
-        shared=tuple(jnp.asarray(l) for l, k in zip(leaves, kinds) if k == "shared"),
+        per_example=tuple(to_device(l) for l, k in zip(leaves, kinds) if k == "example"),
+        shared=tuple(to_device(l) for l, k in zip(leaves, kinds) if k == "shared"),
     )
     z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
     return _analyse_params(spec, data, z0), data
@@ -382,7 +382,7 @@ def _find_data_plate(trace, data_plate):
 
 def _analyse_params(spec, data, z0):
     """Find which distribution leaves depend on ``z``, their count and whether affine."""
-    first = tuple(x[0] for x in data.per_example)
+    first = tuple(take_rows(x, 0) for x in data.per_example)
     trace = _trace_at(spec, z0, _example_args(first), data.shared)
     masks = []
     for name in spec.observed:
@@ -401,7 +401,7 @@ def _analyse_params(spec, data, z0):
     affine = False
     if k > 0:
         n_probe = min(8, spec.num_examples)
-        probe = tuple(x[:n_probe] for x in data.per_example)
+        probe = tuple(take_rows(x, np.arange(n_probe)) for x in data.per_example)
         jac = jax.vmap(lambda ex, z: jax.jacfwd(lambda zz: example_params(spec, zz, ex, data.shared)[0])(z),
                        in_axes=(0, None))
         key = jax.random.PRNGKey(17)

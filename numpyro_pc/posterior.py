@@ -15,6 +15,7 @@ the prior without SVI.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from .errors import ConvergenceError
 from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
-from .rowops import to_device
+from .rowops import filled, to_device
 from .solvers import SiteProblem, dual_residual, solve
 
 __all__ = ["DualPosterior", "dual_form", "fit"]
@@ -78,7 +79,7 @@ class DualPosterior:
             next_id = int(np.max(site_ids)) + 1 if site_ids.size else 0
         for name, value in dict(spec=spec, _data=data, family=family, state=state, _sites=sites, rule=rule,
                                 curvature=curvature, storage=storage, chunk_size=chunk_size,
-                                history=tuple(history), guide=guide, data_ids=jnp.asarray(data_ids),
+                                history=tuple(history), guide=guide, data_ids=to_device(data_ids),
                                 tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
                                 record=record, offset=offset).items():
             object.__setattr__(self, name, value)
@@ -169,10 +170,13 @@ class DualPosterior:
         return live, frozen, base
 
     def _problem(self):
+        """The refinement problem over the retained data, padded to a bucket (weight-0 copies of
+        the last example), and the number of real examples."""
         _, _, base = self._split_frozen()
-        storage = self.sites.storage
-        return SiteProblem(self.spec, self.data, self.family, self.rule, self.curvature, storage,
-                           self.chunk_size, self.data_ids, base, True)
+        (data, weights), (num, ids) = _bucketed(self.data, np.asarray(self.data_ids), self.state.mean.dtype)
+        problem = SiteProblem(replace(self.spec, num_examples=int(ids.size)), data, self.family, self.rule,
+                              self.curvature, self.sites.storage, self.chunk_size, to_device(ids), base, True, weights)
+        return problem, num
 
     def _replace(self, **changes):
         fields = {name: getattr(self, f"_{name}" if name in ("sites", "data") else name) for name in self._FIELDS}
@@ -194,13 +198,17 @@ class DualPosterior:
         :return: a new :class:`DualPosterior` whose ``history`` records every step.
         """
         _, frozen, _ = self._split_frozen()
+        problem, num_live = self._problem()
 
         def assemble(fresh):
+            fresh = fresh.take(np.arange(num_live))  # drop the bucket padding
             return self.sites.take(frozen).concat(fresh) if frozen.size else fresh
 
         try:
             start_sites, start_sums = _start if _start is not None else (None, None)
-            q, sites, history = solve(self._problem(), self.state, tol=tol, max_iters=max_iters,
+            if start_sites is not None and start_sites.num_examples != problem.spec.num_examples:
+                start_sites = start_sites.padded(problem.spec.num_examples, start_sites.ref_means.shape[0])
+            q, sites, history = solve(problem, self.state, tol=tol, max_iters=max_iters,
                                       step_size=step_size, raise_on_failure=True, progress=progress,
                                       sites=start_sites, sums=start_sums)
         except ConvergenceError as err:
@@ -376,9 +384,12 @@ def _site_ids(sites):
 def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
           progress, raise_on_failure):
     rule = prepare_rule(rule, spec, data, q.mean)
-    problem = SiteProblem(spec, data, family, rule, curvature, storage, chunk_size, jnp.arange(spec.num_examples))
+    (padded, weights), (num, ids) = _bucketed(data, np.arange(spec.num_examples), q.mean.dtype)
+    problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
+                          chunk_size, to_device(ids), None, True, weights)
     sites, sums = problem.sites(q, need_hessian_sum=not isinstance(family, FullGaussian))
-    post = DualPosterior(spec, data, family, q, sites, rule, curvature, storage, chunk_size, (), guide)
+    post = DualPosterior(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (),
+                         guide)
     if refine:  # the solver starts from the sites just computed
         post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                            _start=(sites, sums))
@@ -427,7 +438,10 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 
     The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
-    there as precision (the identity where that is not positive definite).
+    there as precision (the identity where that is not positive definite). The data are
+    padded internally to a bucket size with weight-0 copies of the last example, so fits
+    at nearby sizes (cross-validation folds, refits of growing data) reuse the compiled
+    site computation; the posterior holds exactly one site per real example.
 
     :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
         the delta rule is MAP / ERM).
@@ -454,6 +468,18 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     return _make(spec, data, fam, Gaussian(mean, precision), rule, curvature, storage, chunk_size, None, True, tol,
                  max_iters, progress, raise_on_failure)
+
+
+def _bucketed(data, ids, dtype):
+    """``((data, weights), (num, ids))`` padded to :func:`~numpyro_pc.rowops.bucket_size` with weight-0
+    copies of the last example, so fits and refinements at nearby sizes reuse compiled programs."""
+    from .streaming import pad_to_bucket
+
+    num = int(ids.size)
+    if num == 0:
+        return (data, None), (0, ids)
+    padded, weights, padded_ids = pad_to_bucket(data, filled([(num, 1.0)], dtype), ids)
+    return (padded, weights), (num, padded_ids)
 
 
 def _float_dtype():

@@ -261,3 +261,25 @@ def test_non_log_concave_fit_converges_from_the_default_start(x64):
     assert default.residual < 1e-8 and started.residual < 1e-8
     assert float(default.kl(started)) < 1e-8
     assert 0.5 < float(default.mean[0]) < 1.5  # worst radius grows with mean radius
+
+
+def test_fits_at_sizes_in_one_bucket_reuse_the_compiled_site_computation(x64):
+    # fit and refine pad the data to a bucket with weight-0 copies: cross-validation folds or
+    # refits of growing data do not recompile the site computation for every N, and the
+    # padding never reaches the posterior (N sites, ids 0..N-1, the same fixed point).
+    from numpyro_pc.sites import trace_count
+
+    X, y = (np.asarray(a) for a in make_logistic(130, 3, seed=41))
+    pc.fit(logistic_model, X[:100], y[:100], family="full")  # bucket 128
+    before = trace_count()
+    posts = {n: pc.fit(logistic_model, X[:n], y[:n], family="full") for n in (103, 117, 128)}
+    assert trace_count() == before
+    for n, post in posts.items():
+        assert post.num_examples == n and post.sites.num_examples == n
+        np.testing.assert_array_equal(np.asarray(post.ids), np.arange(n))
+        assert post.residual < 1e-8  # the dual-form identities over the n real sites alone
+    # padded rows carry weight 0: a conjugate fit at a padded size is the closed form
+    Xl, yl = (np.asarray(a) for a in make_linear(103, 4, seed=5))
+    exact = closed_form_linear(Xl, yl)
+    linear = pc.fit(linear_model, Xl, yl, family="full", tol=1e-12)
+    assert linear.num_examples == 103 and float(FullGaussian().kl(linear.state, exact)) < 1e-12
