@@ -191,8 +191,8 @@ class Sites:
         shrinking set of sites reuse a few compilations.
         """
         num, dtype = self.num_examples, self.grad.dtype
-        if num == 0:
-            return _natural_sum(family, self, jnp.zeros(0, dtype))
+        if num == 0 or isinstance(self.grad, jax.core.Tracer):  # inside a trace the shapes are fixed anyway
+            return _natural_sum(family, self, jnp.ones(num, dtype) if weights is None else weights)
         size = bucket_size(num)
         weights = (filled([(num, 1.0), (size - num, 0.0)], dtype) if weights is None
                    else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
