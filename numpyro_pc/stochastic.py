@@ -201,6 +201,11 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     static = (replace(post.spec, num_examples=sum(pick_sizes)), family, post.rule, post.curvature,
               post.sites.storage, post.chunk_size)
 
+    # the mean each row's site was computed at, tracked on the host: the returned sites get one
+    # reference row per mean used (a few per step) instead of the table's one per example
+    ref_pool = [np.asarray(past_sites.ref_means), np.asarray(post.state.mean)[None, :]]
+    row_ref = np.concatenate([np.asarray(past_sites.ref_index), np.full(new_size, ref_pool[0].shape[0])])
+    num_refs = ref_pool[0].shape[0] + 1
     rng = np.random.default_rng(seed)
     past_rows, new_rows = _Shuffler(rng, n, past_batch), _Shuffler(rng, num_new, new_batch)
     q, rho = post.state, jnp.asarray(1.0, dtype)
@@ -209,10 +214,13 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
         chosen_past, chosen_new = past_rows.next(), new_rows.next()
         pick_past, w_past = _pad_rows(chosen_past, pick_sizes[0])
         pick_new, w_new = _pad_rows(past_size + chosen_new, pick_sizes[1])
-        pick = jnp.asarray(np.concatenate([pick_past, pick_new]), jnp.int32)
+        pick_host = np.concatenate([pick_past, pick_new])
+        pick = to_device(pick_host.astype(np.int32))
         pick_weights = jnp.asarray(np.concatenate([w_past, w_new]), dtype)
         q_next, fresh, sums, res_mean, res_prec, step, ok = _sag_step(static, q, table, sums, data, pick,
                                                                       pick_weights, cavity, rho)
+        row_ref[pick_host], num_refs = num_refs, num_refs + 1
+        ref_pool.append(np.asarray(q.mean)[None, :])
         table, q = _write_rows(table, pick, fresh, q.mean), q_next
         touched += chosen_past.size
         if not bool(ok):
@@ -225,8 +233,9 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
             break
 
     keep = np.concatenate([np.arange(n), past_size + np.arange(num_new)])
-    fresh = table.take(keep)
-    fresh = replace(fresh, ref_means=fresh.refs(), ref_index=to_device(np.arange(keep.size, dtype=np.int32)))
+    used, ref_index = np.unique(row_ref[keep], return_inverse=True)
+    fresh = replace(table.take(keep), ref_means=to_device(np.concatenate(ref_pool)[used]),
+                    ref_index=to_device(ref_index.astype(np.int32)))
     if history[-1]["residual"] > tol and epochs is None:
         message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
                    f"{len(history)} iterations")

@@ -200,6 +200,11 @@ def test_stochastic_with_an_epoch_budget_stops_there_and_beats_vcl(x64):
     assert one.record["past_examples_touched"] == 200
     assert one.history[-1]["residual"] > 1e-8
     assert float(one.kl(exact)) < 0.1 * float(vcl.kl(exact))  # measured 0.07×
+    # the returned sites keep one reference mean per step (≤ 10 + q_t + the fit's), not one per
+    # example, and still represent q: λ = Σ sites (full steps) up to the rounding of the step's
+    # incremental sums (measured 2.7e-10, the same as with one reference row per example)
+    assert one.sites.ref_means.shape[0] <= 12
+    assert one.residual_parts["precision"] < 1e-8
     with pytest.raises(ValueError, match="epochs"):
         first.update(X[200:], y[200:], correction="stochastic", epochs=0)
 
