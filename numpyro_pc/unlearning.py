@@ -117,20 +117,35 @@ def _largest_safe_fraction(family, natural, removal, steps=40):
     return 0.99 * lo
 
 
-def _remove(post, natural, removal, damping, what):
+@partial(jax.jit, static_argnums=0)
+def _removed(family, state, removal, alpha):
+    """``q`` with ``α·removal`` taken out of its natural parameters, and whether that is positive definite."""
+    natural = remove_site(family.natural(state), removal, alpha)
+    return family.is_positive_definite(natural.precision), family.from_natural(natural)
+
+
+@partial(jax.jit, static_argnums=0)
+def _assess(family, q, previous):
+    """Positive definiteness, finiteness of the mean, and ``KL(q ‖ previous)`` in one compiled call."""
+    return family.is_positive_definite(q.precision), jnp.all(jnp.isfinite(q.mean)), family.kl(q, previous)
+
+
+def _remove(post, removal, damping, what):
     family = post.family
     alpha = 1.0
-    if not bool(family.is_positive_definite(remove_site(natural, removal).precision)):
+    positive, q = _removed(family, post.state, removal, alpha)
+    if not bool(positive):
         if not damping:
             raise NotPositiveDefiniteError(
                 f"{what} leaves a precision that is not positive definite (the removed sites carry more "
                 "curvature than the posterior can lose); pass damping=True to shrink the removal, or use "
                 "method='corrected'/'retrain'."
             )
-        alpha = _largest_safe_fraction(family, natural, removal)
+        alpha = _largest_safe_fraction(family, family.natural(post.state), removal)
         if alpha <= 0.0:
             raise NotPositiveDefiniteError(f"{what}: no damping keeps the precision positive definite")
-    return family.from_natural(remove_site(natural, removal, alpha)), alpha
+        _, q = _removed(family, post.state, removal, alpha)
+    return q, alpha
 
 
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
@@ -146,8 +161,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     alpha, history = 1.0, ()
 
     if method == "remove_site":
-        q, alpha = _remove(post, family.natural(post.state), _removed_natural(post, site_rows), damping,
-                           "site removal")
+        q, alpha = _remove(post, _removed_natural(post, site_rows), damping, "site removal")
         sites = RowSelection.of(post._sites, keep_rows)
     elif method in ("influence", "tracin"):
         rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
@@ -188,11 +202,13 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
         q, fresh, history = solve(problem, post.state, tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure)
         fresh = fresh.take(np.arange(live.size))
         sites = post.sites.take(frozen_rows).concat(fresh) if frozen_rows.size else fresh
-    family.check_positive_definite(q.precision, f"posterior after deletion ({method})")
-    if not bool(jnp.all(jnp.isfinite(q.mean))):
+    positive, finite, kl_to_previous = _assess(family, q, post.state)
+    if not bool(positive):
+        family.check_positive_definite(q.precision, f"posterior after deletion ({method})")  # raises
+    if not bool(finite):
         raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
-                  seconds=time.perf_counter() - start, kl_to_previous=float(family.kl(q, post.state)))
+                  seconds=time.perf_counter() - start, kl_to_previous=float(kl_to_previous))
     return post._replace(spec=replace(post.spec, num_examples=int(data_keep.size)),
                          data=RowSelection.of(post._data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
