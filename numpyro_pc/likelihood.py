@@ -38,7 +38,7 @@ import numpyro
 
 from .errors import DataShapeError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
-from .rowops import on_host, take_rows, to_device
+from .rowops import all_finite, take_rows, to_device
 
 __all__ = ["ModelSpec", "ModelData", "bind_model", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain"]
@@ -240,11 +240,7 @@ def _describe_leading_sizes(names, leaves):
 def check_finite_argument(name, leaf):
     """Raise :class:`NonFiniteDataError` if a floating array argument holds NaN or infinite values."""
     if _is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-        if on_host(leaf):  # no compilation per shape
-            finite = bool(np.all(np.isfinite(np.asarray(leaf))))
-        else:
-            finite = bool(jnp.all(jnp.isfinite(jnp.asarray(leaf))))
-        if not finite:
+        if not all_finite(leaf):
             bad = int(np.sum(~np.isfinite(np.asarray(leaf))))
             raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
                                      "clean or mask the data before fitting.")

@@ -26,7 +26,7 @@ from .errors import ConvergenceError
 from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
-from .rowops import filled, to_device
+from .rowops import to_device
 from .solvers import SiteProblem, dual_residual, solve
 
 __all__ = ["DualPosterior", "dual_form", "fit"]
@@ -173,7 +173,11 @@ class DualPosterior:
         """The refinement problem over the retained data, padded to a bucket (weight-0 copies of
         the last example), and the number of real examples."""
         _, _, base = self._split_frozen()
-        (data, weights), (num, ids) = _bucketed(self.data, np.asarray(self.data_ids), self.state.mean.dtype)
+        from .streaming import pad_to_bucket
+
+        ids = np.asarray(self.data_ids)
+        num = int(ids.size)
+        data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
         problem = SiteProblem(replace(self.spec, num_examples=int(ids.size)), data, self.family, self.rule,
                               self.curvature, self.sites.storage, self.chunk_size, to_device(ids), base, True, weights)
         return problem, num
@@ -384,7 +388,10 @@ def _site_ids(sites):
 def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
           progress, raise_on_failure):
     rule = prepare_rule(rule, spec, data, q.mean)
-    (padded, weights), (num, ids) = _bucketed(data, np.arange(spec.num_examples), q.mean.dtype)
+    from .streaming import pad_to_bucket
+
+    num = spec.num_examples
+    padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
                           chunk_size, to_device(ids), None, True, weights)
     sites, sums = problem.sites(q, need_hessian_sum=not isinstance(family, FullGaussian))
@@ -468,18 +475,6 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     return _make(spec, data, fam, Gaussian(mean, precision), rule, curvature, storage, chunk_size, None, True, tol,
                  max_iters, progress, raise_on_failure)
-
-
-def _bucketed(data, ids, dtype):
-    """``((data, weights), (num, ids))`` padded to :func:`~numpyro_pc.rowops.bucket_size` with weight-0
-    copies of the last example, so fits and refinements at nearby sizes reuse compiled programs."""
-    from .streaming import pad_to_bucket
-
-    num = int(ids.size)
-    if num == 0:
-        return (data, None), (0, ids)
-    padded, weights, padded_ids = pad_to_bucket(data, filled([(num, 1.0)], dtype), ids)
-    return (padded, weights), (num, padded_ids)
 
 
 def _float_dtype():

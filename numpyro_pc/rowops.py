@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted", "filled"]
+__all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted", "filled"]
 
 
 def on_host(x):
@@ -48,6 +48,13 @@ def to_device(x):
     if _representable(host.dtype):
         return jax.device_put(host)
     return jnp.asarray(host)
+
+
+def all_finite(x):
+    """Whether every value of ``x`` is finite, checked with NumPy for host data (nothing compiled)."""
+    if on_host(x) or not isinstance(x, jax.Array):
+        return bool(np.all(np.isfinite(np.asarray(x))))
+    return bool(jnp.all(jnp.isfinite(x)))
 
 
 def take_rows(x, rows):

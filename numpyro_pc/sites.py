@@ -190,13 +190,10 @@ class Sites:
         Computed on bucket-padded sites (copies weighted 0), so sums over a growing or
         shrinking set of sites reuse a few compilations.
         """
-        num, dtype = self.num_examples, self.grad.dtype
-        if num == 0 or isinstance(self.grad, jax.core.Tracer):  # inside a trace the shapes are fixed anyway
-            return _natural_sum(family, self, jnp.ones(num, dtype) if weights is None else weights)
-        size = bucket_size(num)
-        weights = (filled([(num, 1.0), (size - num, 0.0)], dtype) if weights is None
-                   else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
-        return _natural_sum(family, self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights)
+        if isinstance(self.grad, jax.core.Tracer):  # inside a trace the shapes are fixed anyway
+            return _natural_sum(family, self, jnp.ones(self.num_examples, self.grad.dtype) if weights is None
+                                else weights)
+        return _natural_sum(family, *self.bucketed(weights))
 
     def prior_natural(self, family):
         """Natural parameters of the prior site."""
@@ -211,6 +208,20 @@ class Sites:
                      loss=pick(self.loss), ids=pick(self.ids), ref_index=pick(self.ref_index),
                      ref_means=self.ref_means, prior_grad=self.prior_grad, prior_curvature=self.prior_curvature,
                      prior_loss=self.prior_loss, prior_ref=self.prior_ref, storage=self.storage)
+
+    def bucketed(self, weights=None):
+        """``(sites, weights)`` padded to :func:`~numpyro_pc.rowops.bucket_size` rows (and reference
+        rows), the copies weighted 0 (``weights=None``: 1 for every real site).
+
+        Compiled sums over the result see a few bucket shapes instead of one per stream length.
+        """
+        num, dtype = self.num_examples, self.grad.dtype
+        if num == 0:
+            return self, jnp.zeros(0, dtype) if weights is None else weights
+        size = bucket_size(num)
+        weights = (filled([(num, 1.0), (size - num, 0.0)], dtype) if weights is None
+                   else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
+        return self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights
 
     def padded(self, num, num_refs):
         """The sites followed by copies of the last one up to ``num`` rows, and ``ref_means``

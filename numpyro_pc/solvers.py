@@ -35,7 +35,7 @@ from jax.scipy.linalg import cho_solve
 
 from .errors import ConvergenceError, NonFiniteResultError
 from .families import FullGaussian, Gaussian, IsotropicGaussian
-from .rowops import bucket_size, filled, join_rows, on_host
+from .rowops import all_finite
 from .sites import compute_sites
 
 __all__ = ["SiteProblem", "dual_residual", "solve", "default_tol"]
@@ -131,13 +131,8 @@ def dual_residual(family, q, sites, base=None, include_prior=True, weights=None)
 
     :return: ``(residual, {"mean": ..., "precision": ...})`` with ``residual`` the larger.
     """
-    num = sites.num_examples
-    if num:  # bucket-padded with weight-0 copies: a growing stream reuses a few compilations
-        size = bucket_size(num)
-        padding = filled([(size - num, 0.0)], q.mean.dtype)
-        weights = filled([(num, 1.0), (size - num, 0.0)], q.mean.dtype) if weights is None else join_rows(
-            jnp.asarray(weights, q.mean.dtype), padding)
-        sites = sites.padded(size, bucket_size(sites.ref_means.shape[0], smallest=1))
+    if sites.num_examples:  # bucket-padded with weight-0 copies: a growing stream reuses a few compilations
+        sites, weights = sites.bucketed(weights)
     problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior, weights)
     return _residual_from_totals(family, q, _totals(problem, q, sites))
 
@@ -199,8 +194,7 @@ def _regularised_chol(matrix):
 
 
 def _check_finite(sites):
-    finite = lambda x: bool(np.all(np.isfinite(np.asarray(x)))) if on_host(x) else bool(jnp.all(jnp.isfinite(x)))  # noqa: E731
-    if not (finite(sites.grad) and finite(sites.prior_grad)):
+    if not (all_finite(sites.grad) and all_finite(sites.prior_grad)):
         raise NonFiniteResultError(
             "site gradients are not finite at the current posterior; the model's log density is NaN/inf "
             "somewhere the posterior puts mass (check priors, constraints and the data)."

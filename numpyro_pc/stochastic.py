@@ -42,7 +42,7 @@ import numpy as np
 
 from .errors import ConvergenceError, NotPositiveDefiniteError
 from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
-from .rowops import filled, join_rows, to_device
+from .rowops import bucket_size, join_rows, to_device
 from .sites import compute_sites
 from .solvers import default_tol
 
@@ -57,8 +57,6 @@ def subset_bucket(num):
     Four sizes per octave keep the padding (wasted site computations) below 25 % while a
     stream whose memory grows reuses a handful of compiled steps.
     """
-    from .streaming import bucket_size
-
     return bucket_size(num, fine_from=8)
 
 
@@ -151,7 +149,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     :return: ``(q, sites of corrected then new examples, history, past rows touched)``.
     """
-    from .streaming import _solve_update, bucket_size, concat_data, pad_to_bucket, positions, take_data
+    from .streaming import _solve_update, concat_data, pad_to_bucket, positions, take_data
 
     family, dtype = post.family, post.state.mean.dtype
     if not isinstance(family, FullGaussian):
@@ -183,7 +181,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     site_rows, past_weights = _pad_rows(positions(post.sites.ids, corrected), past_size)
     data_rows, _ = _pad_rows(positions(post.data_ids, corrected), past_size)
     past_sites = post.sites.take(site_rows)
-    new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, filled([(num_new, 1.0)], dtype), new_ids)
+    new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, None, new_ids, dtype)
     new_sites, _ = compute_sites(replace(post.spec, num_examples=new_size), new_data, family, post.state, post.rule,
                                  curvature=post.curvature, storage=post.sites.storage, chunk_size=post.chunk_size,
                                  ids=jnp.asarray(padded_new_ids))

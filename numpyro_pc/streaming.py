@@ -226,13 +226,15 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
            max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
-    if post.residual > 1e-6:
-        warnings.warn(f"updating a posterior whose dual-form residual is {post.residual:.1e}; refine() it first "
+    residual = post.residual
+    if residual > 1e-6:
+        warnings.warn(f"updating a posterior whose dual-form residual is {residual:.1e}; refine() it first "
                       "so that its sites represent it", RuntimeWarning, stacklevel=3)
     new_data = bind_batch(post, args, kwargs)
     num_new = int(new_data.per_example[0].shape[0])
     new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
     corrected, correct_prior = _corrected_ids(post, correction, memory, selection, seed)
+    site_rows = positions(post.sites.ids, corrected)
     weight = 1.0
     if correction == "weighted":
         weight = post.num_retained / max(corrected.size, 1)
@@ -245,19 +247,19 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                                                        solve_options, raise_on_failure, epochs)
         offset = post.offset
     else:
+        stale = post.sites.take(site_rows)
         try:
             q, fresh, history, offset = _solve_update(post, new_data, new_ids, corrected, correct_prior, weight,
-                                                      solve_options, raise_on_failure or weight != 1.0)
+                                                      solve_options, raise_on_failure or weight != 1.0, stale)
         except (ConvergenceError, NotPositiveDefiniteError) as err:
             if weight == 1.0:
                 raise
             fallback = f"weighted correction failed ({type(err).__name__}); fell back to the unweighted memory"
             warnings.warn(fallback, RuntimeWarning, stacklevel=3)
             q, fresh, history, offset = _solve_update(post, new_data, new_ids, corrected, correct_prior, 1.0,
-                                                      solve_options, raise_on_failure)
+                                                      solve_options, raise_on_failure, stale)
         touched = corrected.size * (len(history) - 1)
 
-    site_rows = positions(post.sites.ids, corrected)
     stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
     data, data_ids = _retain(post, new_data, new_ids, keep, seed)
@@ -268,9 +270,8 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     if corrected.size and correction != "stochastic":
         from .diagnostics import site_mismatch
 
-        size = bucket_size(corrected.size)  # padded: the jitted diagnostic compiles once per bucket
-        pad = lambda s: s.padded(size, bucket_size(s.ref_means.shape[0], smallest=1))  # noqa: E731
-        magnitude = site_mismatch(pad(post.sites.take(site_rows)), pad(fresh.take(np.arange(corrected.size))), q,
+        # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
+        magnitude = site_mismatch(stale.bucketed()[0], fresh.take(np.arange(corrected.size)).bucketed()[0], q,
                                   post.family, post.spec.affine)[0]
         magnitude = np.asarray(magnitude)[:corrected.size]
         record["correction_magnitude"] = dict(ids=corrected, magnitude=magnitude, total=float(np.sum(magnitude)))
@@ -280,13 +281,18 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                          next_id=post.next_id + num_new, record=record, offset=offset)
 
 
-def pad_to_bucket(data, weights, ids):
+def pad_to_bucket(data, weights, ids, dtype=None):
     """Pad examples to :func:`bucket_size` by repeating the last one with weight 0 and id −1.
 
     Batches of varying size then reuse a few compiled site computations instead of
-    recompiling for every size.
+    recompiling for every size. ``weights=None`` gives every example weight 1 (in
+    ``dtype``); an empty set is returned unpadded.
     """
     num = int(np.asarray(ids).size)
+    if num == 0:
+        return data, weights, np.asarray(ids)
+    if weights is None:
+        weights = filled([(num, 1.0)], dtype)
     pad = bucket_size(num) - num
     if pad == 0:
         return data, weights, np.asarray(ids)
@@ -306,9 +312,12 @@ def _cavity(post, corrected_sum, correct_prior, weight):
     return cavity
 
 
-def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure):
+def _solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure,
+                  stale=None):
+    """Solve the corrected update; ``stale`` are the corrected examples' current sites (taken here if not given)."""
     family = post.family
-    stale = post.sites.take(positions(post.sites.ids, corrected))
+    if stale is None:
+        stale = post.sites.take(positions(post.sites.ids, corrected))
     stale_sum = stale.natural_sum(family) if corrected.size else None
     cavity = _cavity(post, stale_sum, correct_prior, weight)
     data_rows = positions(post.data_ids, corrected)
@@ -352,8 +361,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
     if not np.all(used_refs == np.asarray(mean)[None, :]):
         return None, None
-    new_weights = filled([(new_ids.size, 1.0)], mean.dtype)
-    padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, new_weights, new_ids)
+    padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, None, new_ids, mean.dtype)
     new_sites, _ = compute_sites(replace(post.spec, num_examples=int(padded_new_ids.size)), padded_new,
                                  problem.family, post.state, problem.rule, curvature=problem.curvature,
                                  storage=cached.storage, chunk_size=problem.chunk_size,

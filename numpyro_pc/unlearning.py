@@ -43,7 +43,7 @@ from .errors import NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
 from .posterior import RowSelection
 from .solvers import SiteProblem, solve
-from .rowops import filled, to_device
+from .rowops import bucket_size, to_device
 from .streaming import pad_to_bucket, positions, take_data
 
 __all__ = ["METHODS", "delete"]
@@ -93,8 +93,6 @@ def _removed_natural(post, rows):
     ``rows`` is padded to a bucket (:func:`~numpyro_pc.streaming.bucket_size`) with zero
     weights so that deleting different numbers of examples reuses a few compiled shapes.
     """
-    from .streaming import bucket_size
-
     raw = post._sites
     source, rows = (raw.source, raw.rows[rows]) if isinstance(raw, RowSelection) else (raw, np.asarray(rows))
     size = bucket_size(rows.size)
@@ -192,9 +190,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
             base = remove_site(natural, post.sites.prior_natural(family))
         else:
             base = post.sites.take(frozen_rows).natural_sum(family) if frozen_rows.size else None
-        data, weights, padded_ids = take_data(post.data, data_keep), None, live
-        if live.size:  # padded to a bucket (weight 0): deletions one by one reuse the compiled solver
-            data, weights, padded_ids = pad_to_bucket(data, filled([(live.size, 1.0)], post.state.mean.dtype), live)
+        # padded to a bucket (weight 0): deletions one by one reuse the compiled solver
+        data, weights, padded_ids = pad_to_bucket(take_data(post.data, data_keep), None, live, post.state.mean.dtype)
         spec = replace(post.spec, num_examples=int(padded_ids.size))
         problem = SiteProblem(spec, data, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                               jnp.asarray(padded_ids), base, True, weights)
