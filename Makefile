@@ -7,6 +7,8 @@ SPHINXBUILD ?= $(VENV)/bin/sphinx-build
 BOOTSTRAP_PY := $(shell command -v python3.11 2>/dev/null || command -v python3 2>/dev/null)
 EXTRAS      ?= test,docs,gp,federated
 STAMP       := $(VENV)/.installed
+# pytest-xdist workers: CI and the project's machines have 2 cores.
+PYTEST_WORKERS ?= 2
 
 # One OpenBLAS thread: XLA runs its own thread pool, and a threaded OpenBLAS beside it
 # makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
@@ -49,7 +51,7 @@ test: venv
 	$(MAKE) --no-print-directory docs
 
 unit: venv
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --durations=15 tests
 
 notebooks: venv
 	NUMPYRO_PC_FAST=1 $(PY) scripts/run_notebooks.py notebooks

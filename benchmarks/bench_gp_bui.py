@@ -8,7 +8,8 @@ lengthscale 0.8, noise 1e-3, keep 70 % of the old Z + new inputs): predictive me
 and the inducing inputs after each batch, for VFE and Power-EP α = 0.5, beside batch
 SGPR (the same code with one batch = Titsias' SGPR). Hyperparameters, noise and Z are
 learned at every batch (L-BFGS, ≤ ``--iters`` iterations); the noise by Bui's original
-update (``noise_memory=False``: from the current batch only). Output: one PNG panel row per
+update (``noise_memory=False``: from the current batch only; ``memory_size=0``: no
+correction memory; ``ftol=0``: L-BFGS runs to ``gtol`` or the iteration cap as in the reference). Output: one PNG panel row per
 method, plus the final test-free summary (bound, hyperparameters).
 
 **Banana** (400 train / 4,900 test, M = 30, 3 batches, keep 80 % of the old Z; Bernoulli
@@ -62,7 +63,8 @@ def toy(iters, seed):
     out = {}
     for name, alpha in (("VFE", 0.0), ("Power-EP α=0.5", 0.5)):
         sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=0.8, variance=1.0), 10, noise_variance=1e-3, alpha=alpha,
-                                keep_fraction=0.7, max_iters=iters, seed=seed, noise_memory=False)
+                                keep_fraction=0.7, max_iters=iters, seed=seed, noise_memory=False,
+                                memory_size=0, ftol=0.0)
         panels = []
         for idx in np.array_split(np.arange(150), 3):
             sgp = sgp.update(X[idx], y[idx])
@@ -70,7 +72,7 @@ def toy(iters, seed):
             panels.append(dict(seen=int(idx[-1]) + 1, mu=mu, sd=np.sqrt(var), Z=np.asarray(sgp.state.Z)[:, 0],
                                Zmu=sgp.predict(np.asarray(sgp.state.Z))[0]))
         batch = StreamingSparseGP(gpx.kernels.RBF(lengthscale=0.8, variance=1.0), 10, noise_variance=1e-3,
-                                  alpha=alpha, max_iters=3 * iters, seed=seed).update(X, y)
+                                  alpha=alpha, max_iters=3 * iters, seed=seed, ftol=0.0).update(X, y)
         mu, var = batch.predict_y(grid)
         panels.append(dict(seen=150, mu=mu, sd=np.sqrt(var), Z=np.asarray(batch.state.Z)[:, 0],
                            Zmu=batch.predict(np.asarray(batch.state.Z))[0]))

@@ -13,9 +13,11 @@ from .errors import (
     DataShapeError,
     ExpectationRuleError,
     GuideParamsError,
+    ModelMismatchError,
     NonFiniteDataError,
     NonFiniteResultError,
     NotPositiveDefiniteError,
+    PersistenceError,
     PosteriorCorrectionError,
     SiteStorageError,
     UnsupportedGuideError,
@@ -38,11 +40,12 @@ __all__ = [
     "errors", "families", "guides", "handlers", "diagnostics", "kl", "information_gain", "correction_magnitude", "load",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
-    "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError",
+    "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError", "ModelMismatchError",
+    "PersistenceError",
 ]
 
 from . import federated, merging  # noqa: E402
-from .errors import IncompatiblePosteriorsError  # noqa: E402
+from .errors import ClientMessageError, IncompatiblePosteriorsError, TooFewClientsError  # noqa: E402
 from .merging import merge  # noqa: E402
 
-__all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError"]
+__all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "TooFewClientsError"]

@@ -28,11 +28,14 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
     1. Dual form: SVI → ``dual_form`` → ``refine``; prints the residual before and after,
        the KL between the SVI guide and the refined posterior and the time of each step;
        writes ``dual_form.png``.
-    2. Streaming: the data in 5 drifting batches with every correction policy, then a group
+    2. Right or refused: a regression on scikit-learn's *unscaled* diabetes data with a
+       weakly-informative ``HalfNormal(100)`` noise prior fitted from the default start, and
+       a model whose plate size is not tied to the data refused with a typed error.
+    3. Streaming: the data in 5 drifting batches with every correction policy, then a group
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
-    3. Merging and federated learning: two half-data posteriors merged with every method;
+    4. Merging and federated learning: two half-data posteriors merged with every method;
        10 non-IID clients reaching the joint posterior; writes ``merging_federated.png``.
-    4. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
+    5. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
        hyperparameters and inducing inputs; writes ``streaming_gp.png``.
 
     :return: a dict of the measured numbers.
@@ -98,6 +101,7 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
 
         figure = _plot(post, raw, X, y, names, plt)
         path = save_figure(figure, out, "dual_form.png")
+        trust = _demo_trust()
         streaming = _demo_streaming(X, y, out, plt, fast)
         from .federated.demo import demo_merging_federated
 
@@ -111,7 +115,57 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
             streaming_gp = demo_streaming_gp(out, plt, fast, seed)
         return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
                     timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming,
-                    merging_federated=merging, streaming_gp=streaming_gp)
+                    merging_federated=merging, streaming_gp=streaming_gp, trust=trust)
+
+
+def _raw_diabetes_regression(bmi, bp, y=None, noise_scale=100.0):
+    import numpyro
+    import numpyro.distributions as dist
+
+    a = numpyro.sample("a", dist.Normal(0.0, 100.0))
+    b = numpyro.sample("b", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
+    sigma = numpyro.sample("sigma", dist.HalfNormal(noise_scale))
+    with numpyro.plate("data", bmi.shape[0]):
+        numpyro.sample("y", dist.Normal(a + b[0] * bmi + b[1] * bp, sigma), obs=y)
+
+
+def _plate_from_argument(n, bmi, y=None):
+    import numpyro
+    import numpyro.distributions as dist
+
+    a = numpyro.sample("a", dist.Normal(0.0, 100.0))
+    with numpyro.plate("data", n):
+        numpyro.sample("y", dist.Normal(a + bmi, 50.0), obs=y)
+
+
+def _demo_trust():
+    """Right or refused: an unscaled regression from the default start, and a mis-bound model refused."""
+    import jax.numpy as jnp
+    from sklearn.datasets import load_diabetes
+
+    import numpyro_pc as pc
+
+    raw = load_diabetes(scaled=False)
+    bmi, bp = (jnp.asarray(raw.data[:, raw.feature_names.index(c)]) for c in ("bmi", "bp"))
+    y = jnp.asarray(raw.target)
+    print(f"\nRight or refused: diabetes, unscaled (bmi, bp, disease progression up to {float(y.max()):.0f}), "
+          "sigma ~ HalfNormal(100)")
+    t0 = time.perf_counter()
+    post = pc.fit(_raw_diabetes_regression, bmi, bp, y)
+    seconds = time.perf_counter() - t0
+    start = post.record["start"]
+    sd = jnp.sqrt(jnp.diag(post.covariance))
+    print(f"  start: MAP by L-BFGS ({start['iterations']} it.) + Laplace precision; rule "
+          f"'{post.rule.kind}' over a {post.rule.subspace_dim}-dimensional subspace per example")
+    print(f"  converged: residual {post.residual:.1e} in {len(post.history) - 1} iterations, {seconds:.1f} s; "
+          f"slope of bmi {float(post.mean[1]):.2f} ± {float(sd[1]):.2f}")
+    try:
+        pc.fit(_plate_from_argument, int(bmi.shape[0]), bmi, y)
+        refused = None
+    except pc.errors.ModelBindingError as err:
+        refused = str(err)
+        print(f"  plate('data', n) with n an argument: refused with ModelBindingError — {refused.split('. ')[0]}.")
+    return dict(residual=post.residual, iterations=len(post.history) - 1, seconds=seconds, refused=refused)
 
 
 STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InvalidOptionError
 from .families import IsotropicGaussian
 from .sites import compute_sites
 from .streaming import bind_batch, positions
@@ -94,7 +95,7 @@ def information_gain(old, new):
     :raises ValueError: for the isotropic family, whose sites carry no curvature.
     """
     if isinstance(new.family, IsotropicGaussian):
-        raise ValueError("information_gain needs sites with curvature (full or diagonal family)")
+        raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
         mean, cov = new.state.mean, new.covariance
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)

@@ -56,6 +56,23 @@ class ConvergenceError(PosteriorCorrectionError, RuntimeError):
         self.history = history
 
 
+class StagnationError(ConvergenceError):
+    """The solver stopped early because its residual stopped falling.
+
+    Raised long before ``max_iters`` when the residual has not improved by a useful factor
+    over a window of iterations, or when only tiny damped steps are accepted; the message
+    names the likely cause and what to try.
+    """
+
+
+class ModelBindingError(UnsupportedModelError):
+    """The per-example evaluation of the model does not reproduce the model's log density.
+
+    Binding checks at probe points that ``ℓ_0(z) + Σ_i ℓ_i(z)`` equals the model's full
+    negative log joint; this error says which plate or argument is not tied to the data.
+    """
+
+
 class ExpectationRuleError(PosteriorCorrectionError, ValueError):
     """The requested expectation rule does not apply to this model."""
 
@@ -71,5 +88,101 @@ class UnknownExampleError(PosteriorCorrectionError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class InvalidOptionError(PosteriorCorrectionError, ValueError):
+    """An option has a value outside its documented choices (e.g. a misspelt ``method``)."""
+
+
+class InvalidIdsError(PosteriorCorrectionError, TypeError):
+    """Example ids that are not integers (ids are never rounded or truncated)."""
+
+
+class PrecisionLossError(PosteriorCorrectionError, FloatingPointError):
+    """The computation lost the accuracy its result needs in the current floating dtype.
+
+    Raised, for example, for a float32 posterior whose precision matrix is too badly
+    conditioned for float32 to represent its covariance; enable float64.
+    """
+
+
 class IncompatiblePosteriorsError(PosteriorCorrectionError, ValueError):
     """Posteriors that cannot be combined (different models, latent sites, families or dtypes)."""
+
+
+class MonteCarloErrorWarning(UserWarning):
+    """A Monte Carlo fixed point whose residual under independent draws is well above the
+    tolerance: the answer is only as accurate as the Monte Carlo error."""
+
+
+class PointEstimateWarning(UserWarning):
+    """Samples of a point-estimate posterior (``AutoDelta``, the isotropic family with the
+    delta rule) are the point itself: it carries no posterior uncertainty."""
+
+
+class ModelMismatchError(PosteriorCorrectionError, ValueError):
+    """A model differs from the one a posterior was built with (see :mod:`numpyro_pc.fingerprint`).
+
+    :ivar differences: human-readable list of what differs.
+    """
+
+    def __init__(self, message, differences=()):
+        super().__init__(message)
+        self.differences = tuple(differences)
+
+
+class PersistenceError(PosteriorCorrectionError, OSError):
+    """A saved posterior cannot be written, or read back as it was written."""
+
+
+class MissingFileError(PersistenceError, FileNotFoundError):
+    """No saved posterior exists at the given path."""
+
+
+class CorruptFileError(PersistenceError):
+    """The file is truncated, not an archive, malformed, or an array fails its checksum."""
+
+
+class OversizedFileError(CorruptFileError):
+    """A member is compressed, larger than declared, or the archive declares more than it holds."""
+
+
+class InconsistentFileError(CorruptFileError):
+    """The arrays and manifest are each well formed but disagree with each other (shapes, ids,
+    non-finite values, a precision that is not positive definite, a residual that differs)."""
+
+
+class IntegrityError(CorruptFileError):
+    """The keyed signature (HMAC) is missing or does not match: the file was altered or the key is wrong."""
+
+
+class FormatVersionError(PersistenceError):
+    """The file was written by an incompatible format version."""
+
+
+class DtypeMismatchError(PersistenceError):
+    """The arrays' dtype disagrees with the manifest or cannot be represented now (x64 off)."""
+
+
+class SavedModelMismatchError(PersistenceError, ModelMismatchError):
+    """The model given to :func:`numpyro_pc.io.load` is not the one the posterior was saved with."""
+
+
+class ClientMessageError(PosteriorCorrectionError, ValueError):
+    """A federated client's message failed the server's checks (shape, dtype, finiteness, PSD, size).
+
+    :ivar client: the sender's id as the transport (not the message) gives it.
+    """
+
+    def __init__(self, message, client=None):
+        super().__init__(message)
+        self.client = client
+
+
+class TooFewClientsError(PosteriorCorrectionError, RuntimeError):
+    """Fewer federated clients than the stated minimum answered a round with a valid message.
+
+    :ivar result: the partial result (last good posterior, history, reason), when there is one.
+    """
+
+    def __init__(self, message, result=None):
+        super().__init__(message)
+        self.result = result

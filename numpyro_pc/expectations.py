@@ -9,28 +9,49 @@ for its refinement, so the dual-form identities hold for that rule exactly:
     average over ``num_samples`` reparameterised draws ``z_s = m + L⁻ᵀε_s`` with fixed
     noise ``ε_s`` (common random numbers, so the fixed point is deterministic);
 ``gh``
-    Gauss–Hermite quadrature over each example's distribution parameter
-    ``θ_i = a_iᵀz + b_i`` (one affine parameter per example: a GLM). By Bonnet's and
-    Price's theorems ``E_q[∇ℓ_i] = a_i E[φ_i'(θ)]`` and ``E_q[∇²ℓ_i] = a_i a_iᵀ E[φ_i''(θ)]``
-    with ``θ ~ N(a_iᵀm + b_i, a_iᵀΣa_i)`` — exact up to quadrature error. The prior term
-    uses per-coordinate quadrature when ``ℓ_0`` is separable and the closed form when it
-    is quadratic.
+    Gauss–Hermite quadrature over each example's low-dimensional *dependence subspace*.
+    When ``ℓ_i`` depends on ``z`` only through ``u = P_i z`` with ``P_i`` an ``r × d``
+    orthonormal basis that does not change with ``z`` (the span of the Jacobians of the
+    example's distribution parameters ``θ_i(z)``), Bonnet's and Price's theorems give
+
+    .. math::
+
+        E_q[∇ℓ_i] = P_iᵀ E[∇_u φ_i], \qquad E_q[∇²ℓ_i] = P_iᵀ E[∇²_u φ_i] P_i,
+        \qquad u \sim N(P_i m, P_i Σ P_iᵀ),
+
+    an ``r``-dimensional integral computed by a tensor Gauss–Hermite rule — exact up to
+    quadrature error, and stored exactly in the factorised form ``(P_i, E[∇²_u φ_i])``.
+    A GLM (one affine parameter, ``θ_i = a_iᵀz + b_i``) is the case ``r = 1``,
+    ``P_i ∝ a_iᵀ``; a regression with a learned noise scale has ``r = 2``; a
+    non-centred hierarchical example (``μ + τ θ̃_j``) has ``r = 3``. The prior term uses
+    per-coordinate quadrature when ``ℓ_0`` is separable, the closed form when it is
+    quadratic, and otherwise a scrambled Sobol (quasi-Monte Carlo) rule of
+    ``num_prior_points`` points.
+``auto``
+    the default: ``gh`` where the model has a constant dependence subspace of dimension
+    at most :data:`MAX_SUBSPACE_DIM`, else ``mc`` — whose error is then estimated at the
+    fixed point and reported (:func:`numpyro_pc.posterior.fit` records it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ExpectationRuleError
-from .likelihood import prior_loss
+from .errors import ExpectationRuleError, InvalidOptionError
+from .likelihood import ModelData, example_params, prior_loss
+from .rowops import take_rows
 
-__all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "prepare_rule"]
+__all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "prepare_rule",
+           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM"]
 
-_KINDS = ("delta", "mc", "gh")
+_KINDS = ("delta", "mc", "gh", "auto")
+MAX_SUBSPACE_DIM = 3  # tensor Gauss–Hermite beyond this many dimensions costs more than it saves
+_NODE_BUDGET = 400  # quadrature points per example for a subspace of dimension >= 2
 
 
 @dataclass(frozen=True)
@@ -50,14 +71,23 @@ class ExpectationRule:
     seed: int = 0
     num_nodes: int = 64
     prior_mode: str | None = None
+    subspace_dim: int = 0
+    num_prior_points: int = 1024
 
     def __post_init__(self):
         if self.kind not in _KINDS:
-            raise ValueError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
+            raise InvalidOptionError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
         if self.kind == "mc" and self.num_samples < 1:
-            raise ValueError(f"num_samples must be positive, got {self.num_samples}")
+            raise InvalidOptionError(f"num_samples must be positive, got {self.num_samples}")
         if self.kind == "gh" and self.num_nodes < 2:
-            raise ValueError(f"num_nodes must be at least 2, got {self.num_nodes}")
+            raise InvalidOptionError(f"num_nodes must be at least 2, got {self.num_nodes}")
+
+    @property
+    def nodes_per_dim(self):
+        """Gauss–Hermite nodes per dimension of the dependence subspace."""
+        if self.subspace_dim <= 1:
+            return self.num_nodes
+        return max(3, min(self.num_nodes, int(_NODE_BUDGET ** (1.0 / self.subspace_dim))))
 
 
 def get_rule(rule, **options):
@@ -73,32 +103,123 @@ def hermite_nodes(num_nodes, dtype):
     return jnp.asarray(x, dtype), jnp.asarray(w / np.sqrt(2.0 * np.pi), dtype)
 
 
+def tensor_hermite_nodes(num_nodes, dim, dtype):
+    """Tensor-product rule for ``E_{ξ~N(0, I_dim)}[f(ξ)]``: nodes ``(num_nodes**dim, dim)`` and weights."""
+    x, w = np.polynomial.hermite_e.hermegauss(num_nodes)
+    grids = np.meshgrid(*([x] * dim), indexing="ij")
+    weights = np.prod(np.meshgrid(*([w / np.sqrt(2.0 * np.pi)] * dim), indexing="ij"), axis=0)
+    nodes = np.stack([g.ravel() for g in grids], 1)
+    return jnp.asarray(nodes, dtype), jnp.asarray(weights.ravel(), dtype)
+
+
+def _probe_offsets(dim, count, dtype, seed=5):
+    """Fixed offsets around the mean at which the parameter Jacobians span the dependence subspace."""
+    noise = jax.random.normal(jax.random.PRNGKey(seed), (count - 1, dim), dtype)
+    return jnp.concatenate([jnp.zeros((1, dim), dtype), 0.5 * noise], 0)
+
+
+def _unit_rows(jac):
+    norms = jnp.linalg.norm(jac, axis=-1, keepdims=True)
+    return jac / jnp.where(norms > 0, norms, 1.0)
+
+
+def subspace_basis(spec, mean, example, shared, dim, num_probes=3):
+    """Orthonormal ``(dim, d)`` basis of the span of the example's parameter Jacobians near ``mean``.
+
+    The rows of ``∂θ_i/∂z`` at ``num_probes`` fixed points around ``mean`` are normalised
+    and stacked; their top-``dim`` right singular vectors span the subspace ``ℓ_i`` depends on
+    (an extra direction with singular value 0, for an example of lower rank, is harmless:
+    ``ℓ_i`` does not vary along it).
+    """
+    theta = lambda z: example_params(spec, z, example, shared)[0]  # noqa: E731
+    offsets = _probe_offsets(mean.shape[0], num_probes, mean.dtype)
+    jacs = jax.vmap(lambda o: jax.jacfwd(theta)(mean + o))(offsets)  # (probes, k, d)
+    stacked = _unit_rows(jnp.reshape(jacs, (-1, mean.shape[0])))
+    _, _, vt = jnp.linalg.svd(stacked, full_matrices=False)
+    return vt[:dim]
+
+
+def dependence_subspace_dim(spec, data, z, num_rows=4):
+    """Dimension ``r`` of the constant subspace each example's loss depends on, or ``None``.
+
+    Measured on the first ``num_rows`` examples: the rank of the stacked parameter
+    Jacobians at three points around ``z``, verified at two further points (their rows
+    must lie in the span to 1e-6). ``None`` when the span changes with ``z`` (e.g. a neural
+    network) or the model has no ``z``-dependent distribution parameter.
+    """
+    if spec.num_params == 0:
+        return None
+    rows = np.arange(min(num_rows, spec.num_examples))
+    examples = tuple(take_rows(x, rows) for x in data.per_example)
+    offsets = _probe_offsets(z.shape[0], 5, z.dtype, seed=11)
+    jacs = np.asarray(_probe_jacobians(replace(spec, num_examples=int(rows.size)), z, examples, data.shared, offsets))  # (rows, 5, k, d)
+    if not np.all(np.isfinite(jacs)):
+        return None
+    tol = 1e-7 if z.dtype == jnp.float64 else 1e-4
+    off_span = 1e-6 if z.dtype == jnp.float64 else 1e-3
+    best = 0
+    for per_row in jacs:
+        span = np.asarray(_unit_rows(per_row[:3].reshape(-1, z.shape[0])))
+        _, sv, vt = np.linalg.svd(span, full_matrices=False)
+        if sv.max() <= 0:
+            continue
+        basis = vt[:int(np.sum(sv > tol * sv.max()))]
+        check = np.asarray(_unit_rows(per_row[3:].reshape(-1, z.shape[0])))
+        if np.max(np.linalg.norm(check - (check @ basis.T) @ basis, axis=1)) > off_span:
+            return None
+        best = max(best, basis.shape[0])
+    return best or None
+
+
+@partial(jax.jit, static_argnums=0)
+def _probe_jacobians(spec, z, examples, shared, offsets):
+    def one(ex):
+        theta = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
+        return jax.vmap(lambda o: jax.jacfwd(theta)(z + o))(offsets)
+
+    return jax.vmap(one)(examples)
+
+
 def prepare_rule(rule, spec, data, z):
     """Check that ``rule`` applies to the model and fill in what it needs.
 
+    ``"auto"`` becomes ``"gh"`` (with the model's dependence-subspace dimension) where the
+    model has a constant dependence subspace of dimension at most
+    :data:`MAX_SUBSPACE_DIM`, else ``"mc"``.
+
     :raises ExpectationRuleError: ``"gh"`` on a model whose examples do not depend on
-        ``z`` through one affine parameter, or whose prior is neither separable nor
-        quadratic.
+        ``z`` through a constant subspace of dimension at most :data:`MAX_SUBSPACE_DIM`.
     """
-    if rule.kind != "gh":
+    if rule.kind not in ("gh", "auto"):
         return rule
-    if spec.num_params != 1 or not spec.affine:
-        what = f"{spec.num_params} parameter(s)" + ("" if spec.affine else " that are not affine in z")
+    scalar_glm = spec.num_params == 1 and spec.affine
+    dim = 1 if scalar_glm else dependence_subspace_dim(spec, data, z)
+    if dim is None or dim > MAX_SUBSPACE_DIM:
+        if rule.kind == "auto":
+            return replace(rule, kind="mc")
+        found = "a subspace that changes with z" if dim is None else f"a {dim}-dimensional subspace"
         raise ExpectationRuleError(
-            "expectation='gh' needs each example's likelihood to depend on the latents through one "
-            f"affine parameter (a GLM such as Bernoulli(logits=X @ w)); this model has {what} per example. "
-            "Use expectation='mc' or 'delta'."
+            "expectation='gh' needs each example's likelihood to depend on the latents through a fixed subspace "
+            f"of at most {MAX_SUBSPACE_DIM} dimensions (a GLM, a regression with a learned scale, a hierarchical "
+            f"example); this model's examples depend on {found}. Use expectation='mc' or 'delta'."
         )
-    hess = jax.hessian(lambda zz: prior_loss(spec, zz, data))
+    rule = replace(rule, kind="gh", subspace_dim=0 if scalar_glm else int(dim))
+    return replace(rule, prior_mode=_prior_mode(spec, data, z))
+
+
+def _prior_mode(spec, data, z):
+    """``"separable"``, ``"quadratic"`` or ``"qmc"``: how ``gh`` integrates the prior term."""
     z1 = z + 0.37 * jax.random.normal(jax.random.PRNGKey(3), z.shape, z.dtype)
-    h0, h1 = hess(z), hess(z1)
+    h0, h1 = _prior_hessians(replace(spec, num_examples=1), jnp.stack([z, z1]), tuple(take_rows(x, np.arange(1)) for x in data.per_example),
+                             data.shared)
     off = lambda h: h - jnp.diag(jnp.diag(h))  # noqa: E731
     if bool(jnp.all(off(h0) == 0)) and bool(jnp.all(off(h1) == 0)):
-        return replace(rule, prior_mode="separable")
+        return "separable"
     if bool(jnp.allclose(h0, h1, rtol=1e-9, atol=1e-12)):
-        return replace(rule, prior_mode="quadratic")
-    raise ExpectationRuleError(
-        "expectation='gh' needs a prior term that factorises over the latent coordinates or is "
-        "quadratic (Gaussian); this model's prior is neither (e.g. a hierarchical scale). "
-        "Use expectation='mc' or 'delta'."
-    )
+        return "quadratic"
+    return "qmc"
+
+
+@partial(jax.jit, static_argnums=0)
+def _prior_hessians(spec, points, first, shared):
+    return jax.vmap(jax.hessian(lambda zz: prior_loss(spec, zz, ModelData(first, shared))))(points)

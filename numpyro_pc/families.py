@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .errors import NotPositiveDefiniteError
+from .errors import InvalidOptionError, NotPositiveDefiniteError
 
 __all__ = [
     "Gaussian",
@@ -87,9 +87,13 @@ class ExponentialFamily(ABC):
     """Interface every variational family implements.
 
     All methods are pure functions of pytrees and may be used under ``jit``/``vmap``.
+
+    :cvar fixed_precision: the family's precision is a fixed base measure, not learned
+        (the isotropic family): its sites carry no curvature.
     """
 
     name: str
+    fixed_precision = False
 
     @abstractmethod
     def natural(self, q):
@@ -290,6 +294,7 @@ class IsotropicGaussian(ExponentialFamily):
     """
 
     name: str = "isotropic"
+    fixed_precision = True
 
     def natural(self, q):
         return GaussianNatural(q.precision * q.mean, q.precision)
@@ -349,5 +354,5 @@ def get_family(family):
         return family
     key = _ALIASES.get(family, family)
     if key not in _FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
+        raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
     return _FAMILIES[key]

@@ -29,7 +29,7 @@ from numpyro.infer.autoguide import (
     AutoNormal,
 )
 
-from .errors import GuideParamsError, NotPositiveDefiniteError, UnsupportedGuideError
+from .errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from .families import Gaussian, get_family
 
 __all__ = ["SUPPORTED_GUIDES", "guide_family", "default_expectation", "from_guide", "to_guide_params"]
@@ -62,11 +62,13 @@ def guide_family(guide):
 
 
 def default_expectation(guide, spec):
-    """Default expectation rule for a guide: ``delta`` for Laplace/Delta, else ``gh`` for GLMs, else ``mc``."""
+    """Default expectation rule for a guide: ``delta`` for Laplace/Delta, else ``auto`` (Gauss–Hermite
+    over the dependence subspace where the model has one, else Monte Carlo; see
+    :func:`numpyro_pc.expectations.prepare_rule`)."""
     cls = _guide_class(guide)
     if cls in (AutoLaplaceApproximation, AutoDelta):
         return "delta"
-    return "gh" if (spec.num_params == 1 and spec.affine) else "mc"
+    return "auto"
 
 
 def _ensure_setup(guide, args, kwargs):
@@ -194,6 +196,6 @@ def to_guide_params(guide, family, q, latent, constrain_fn=None):
         out.update({f"{n}_{prefix}_scale": scales[n] for n in latent.names})
         return out
     if constrain_fn is None:
-        raise ValueError("AutoDelta parameters are constrained values; pass constrain_fn")
+        raise InvalidOptionError("AutoDelta parameters are constrained values; pass constrain_fn")
     values = constrain_fn(q.mean)
     return {f"{n}_{prefix}_loc": values[n] for n in latent.names}

@@ -20,6 +20,7 @@ never leak sites to outer handlers.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -27,10 +28,12 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
-from .likelihood import losses, prior_loss
+from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
+from .likelihood import bind_model, example_loss, losses, prior_loss
+from .rowops import as_ids
 from .streaming import positions, take_data
 
-__all__ = ["posterior_prior", "correction_factor", "update", "forget"]
+__all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model"]
 
 
 class posterior_prior(Messenger):
@@ -48,7 +51,7 @@ class posterior_prior(Messenger):
 
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
-            raise ValueError("posterior_prior needs a posterior")
+            raise InvalidOptionError("posterior_prior needs a posterior")
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
@@ -60,8 +63,19 @@ class posterior_prior(Messenger):
             msg["fn"] = dist.ImproperUniform(fn.support, fn.batch_shape, fn.event_shape)
 
     def postprocess_message(self, msg):
-        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.posterior.latent.names:
-            self._values[msg["name"]] = (msg["value"], msg["fn"].support)
+        if msg["type"] != "sample" or msg["is_observed"] or msg["infer"].get("is_auxiliary"):
+            return
+        latent = self.posterior.latent
+        if msg["name"] not in latent.names:
+            raise ModelMismatchError(
+                f"the model samples a latent site {msg['name']!r} that the posterior does not have (its latent sites "
+                f"are {list(latent.names)}); a posterior can only act as the prior of the model it was fitted to.")
+        expected = latent.shapes[latent.names.index(msg["name"])]
+        if tuple(jnp.shape(msg["value"])) != tuple(expected):
+            raise ModelMismatchError(
+                f"latent site {msg['name']!r} has shape {tuple(jnp.shape(msg['value']))} in this model but "
+                f"{tuple(expected)} in the posterior; was the model called with other sizes?")
+        self._values[msg["name"]] = (msg["value"], msg["fn"].support)
 
     def __call__(self, *args, **kwargs):
         self._values = {}
@@ -70,7 +84,7 @@ class posterior_prior(Messenger):
             latent = self.posterior.latent
             missing = [n for n in latent.names if n not in self._values]
             if missing:
-                raise ValueError(f"the model did not sample the posterior's latent sites {missing}")
+                raise ModelMismatchError(f"the model did not sample the posterior's latent sites {missing}")
             unconstrained, log_det = {}, 0.0
             for name in latent.names:
                 value, support = self._values[name]
@@ -117,10 +131,10 @@ def correction_factor(posterior, memory="all", correct_prior=True, removed=()):
     retained = np.asarray(post.data_ids)
     if isinstance(memory, str):
         if memory not in ("all", "none"):
-            raise ValueError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
+            raise InvalidOptionError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
         ids = retained if memory == "all" else retained[:0]
     else:
-        ids = np.unique(np.asarray(memory, dtype=np.int64))
+        ids = as_ids(memory)
     ids = np.setdiff1d(ids, np.asarray(removed, dtype=np.int64))
     data = take_data(post.data, positions(retained, ids, "retained example"))
     sites = post.sites.take(positions(post.sites.ids, ids))
@@ -150,7 +164,49 @@ def update(model, posterior, memory="all", correct_prior=True):
         when ``correct_prior=False``) or a list of ids.
     :param bool correct_prior: replace the prior's site by the true prior term.
     """
+    check_same_model(model, posterior)
     return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
+
+
+def check_same_model(model, posterior, num_probes=3):
+    """Refuse ``model`` unless it is the posterior's model: same latent sites and shapes, same
+    prior term and same per-example likelihood at probe points around the posterior mean.
+
+    A model object other than the fitted one is bound to one retained example with the
+    fitted arguments, and its prior term and per-example loss are compared with the
+    posterior's to 1e-8 relative (float64) at ``num_probes`` points.
+
+    :raises ModelMismatchError: naming what differs.
+    """
+    spec = posterior.spec
+    if model is spec.model or posterior.num_retained == 0:
+        return
+    first = take_data(posterior.data, np.zeros(1, np.int64))
+    args, kwargs = spec.build_args(first.per_example, first.shared)
+    shared_names = tuple(n for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
+    try:
+        other, data = bind_model(model, args, kwargs, data_plate=spec.plate, shared=shared_names)
+    except PosteriorCorrectionError as err:
+        raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
+    ours = {n: s for n, s in zip(spec.latent.names, spec.latent.unconstrained_shapes)}
+    theirs = {n: s for n, s in zip(other.latent.names, other.latent.unconstrained_shapes)}
+    if ours != theirs:
+        raise ModelMismatchError(f"the model's latent sites {theirs} differ from the posterior's {ours} "
+                                 "(names and unconstrained shapes)")
+    dtype = posterior.mean.dtype
+    rtol = 1e-8 if dtype == jnp.float64 else 1e-4
+    offsets = jax.random.normal(jax.random.PRNGKey(7), (num_probes, spec.latent.dim), dtype)
+    example = tuple(x[0] for x in first.per_example)
+    for z in posterior.mean[None, :] + 0.5 * offsets:
+        for what, a, b in (("prior", prior_loss(spec, z, first), prior_loss(other, z, data)),
+                           ("likelihood", example_loss(spec, z, example, first.shared),
+                            example_loss(other, z, example, data.shared))):
+            a, b = float(a), float(b)
+            if np.isfinite(a) and not abs(a - b) <= rtol * (1.0 + abs(a)):
+                raise ModelMismatchError(
+                    f"the model's {what} differs from the posterior's model: at a probe point its negative log "
+                    f"{what} is {b:.6g} where the fitted model gives {a:.6g}; a posterior can only be updated "
+                    "with the model it was fitted to (refit for a new prior or likelihood).")
 
 
 def forget(model, posterior, ids, memory="all", correct_prior=True):
@@ -160,12 +216,13 @@ def forget(model, posterior, ids, memory="all", correct_prior=True):
     and the retained examples in ``memory`` are corrected; with all data retained its
     posterior is the posterior without ``ids``.
     """
-    ids = np.unique(np.asarray(ids, dtype=np.int64))
+    ids = as_ids(ids)
+    check_same_model(model, posterior)
     positions(posterior.sites.ids, ids)
     extra = correction_factor(posterior, memory, correct_prior, removed=ids)
     shape_args = take_data(posterior.data, np.zeros(1, np.int64)) if posterior.num_retained else None
     if shape_args is None:
-        raise ValueError("forget needs at least one retained example to call the model for its latent sites")
+        raise InvalidOptionError("forget needs at least one retained example to call the model for its latent sites")
     args, kwargs = posterior.spec.build_args(shape_args.per_example, shape_args.shared)
 
     def latents_only():

@@ -2,63 +2,47 @@
 
 The file is one uncompressed zip archive (NumPy's ``.npz`` layout) holding every array
 and a ``manifest.json``: format name and version, family, dtype, expectation rule, the
-model's latent signature, the argument layout, ids and tombstones of deleted examples,
-and a SHA-256 checksum of every array. Nothing is pickled (arrays are read with
-``allow_pickle=False``).
+model's latent signature and :mod:`fingerprint <numpyro_pc.fingerprint>`, the argument
+layout, ids and tombstones of deleted examples, the dual-form residual, and a SHA-256
+checksum of every array. Nothing is pickled and loading never executes code from the file.
 
-Writes are atomic: the archive is written to a temporary file in the same folder,
-flushed and ``fsync``-ed, then renamed over the destination, so a crash at any point
-leaves the previous save intact. Loading verifies the format version, every checksum,
-the dtype, and that the model given to :func:`load` has the saved latent signature; each
-failure raises its own :class:`PersistenceError` subclass.
+Writes are atomic (see :mod:`numpyro_pc.archive`): a crash at any point leaves the
+previous save intact, and temporaries of interrupted saves are removed by the next save.
+
+A file may come from someone else, so :func:`load` treats it as untrusted input: reading
+is bounded by the sizes the manifest declares (compressed members are refused), the
+manifest and arrays are validated (:mod:`numpyro_pc.validation`), the residual is
+recomputed, and the model's fingerprint is compared with the saved one. Every failure
+raises a :class:`~numpyro_pc.errors.PersistenceError` subclass (re-exported here). ``save(..., key=...)`` adds an HMAC that
+``load(..., key=...)`` checks (see the documentation page on saving for the threat model).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io as _io
 import json
-import os
-import tempfile
-import zipfile
-from pathlib import Path
+import warnings
+from dataclasses import replace
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
-from .errors import PosteriorCorrectionError
+from .archive import npy_bytes, read_archive, write_atomic
+from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
+                     IntegrityError, MissingFileError, ModelMismatchError, OversizedFileError, PersistenceError,
+                     PosteriorCorrectionError, SavedModelMismatchError)
 from .expectations import ExpectationRule
 from .families import Gaussian, GaussianNatural, get_family
+from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
+from .rowops import to_device
 from .sites import Sites
+from .validation import (DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest,
+                         check_residual)
 
-__all__ = ["FORMAT", "VERSION", "PersistenceError", "CorruptFileError", "FormatVersionError", "ModelMismatchError",
-           "DtypeMismatchError", "save", "load"]
-
-FORMAT = "numpyro_pc.dual_posterior"
-VERSION = 1
-_SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
-                "prior_curvature", "prior_loss", "prior_ref")
-
-
-class PersistenceError(PosteriorCorrectionError, OSError):
-    """A saved posterior cannot be read back as it was written."""
-
-
-class CorruptFileError(PersistenceError):
-    """The file is truncated, not an archive, or an array fails its checksum."""
-
-
-class FormatVersionError(PersistenceError):
-    """The file was written by an incompatible format version."""
-
-
-class ModelMismatchError(PersistenceError):
-    """The model given to :func:`load` does not have the saved latent signature."""
-
-
-class DtypeMismatchError(PersistenceError):
-    """The arrays' dtype disagrees with the manifest or cannot be represented now (x64 off)."""
+__all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
+           "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
+           "SavedModelMismatchError", "DtypeMismatchError", "save", "load"]
 
 
 def _digest(array):
@@ -72,16 +56,10 @@ def _json_static(value, name):
                            "and str arguments can be saved")
 
 
-def save(post, path):
-    """Write ``post`` to ``path`` atomically (see the module docstring for the format).
-
-    :return: the :class:`~pathlib.Path` written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _arrays(post):
     arrays = {"mean": post.state.mean, "precision": post.state.precision, "data_ids": post.data_ids,
               "tombstones": np.asarray(post.tombstones, np.int64)}
-    for name in _SITE_ARRAYS:
+    for name in SITE_ARRAYS:
         value = getattr(post.sites, name)
         if value is not None:
             arrays[f"sites.{name}"] = value
@@ -92,49 +70,45 @@ def save(post, path):
     for k, leaf in enumerate(post.data.shared):
         arrays[f"data.shared.{k}"] = leaf
     arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    for name, value in arrays.items():
+        if str(value.dtype) not in DATA_DTYPES:
+            raise PersistenceError(f"array {name!r} has dtype {value.dtype}; only {DATA_DTYPES} can be saved")
+    return arrays
+
+
+def save(post, path, key=None):
+    """Write ``post`` to ``path`` atomically (see the module docstring for the format).
+
+    The file is checked as :func:`load` would check it before anything is written, so a
+    save that succeeds can be loaded back.
+
+    :param key: optional HMAC key (``bytes`` or ``str``); :func:`load` with the same key
+        then refuses any file not signed with it.
+    :return: the :class:`~pathlib.Path` written.
+    """
+    arrays = _arrays(post)
     spec = post.spec
-    layout = _argument_layout(spec)
+    dtype = str(arrays["mean"].dtype)
+    with jax.enable_x64(dtype == "float64"):
+        fingerprint = model_fingerprint(spec, post.data)
     manifest = {
         "format": FORMAT, "version": VERSION, "family": post.family.name,
-        "dtype": str(np.asarray(post.state.mean).dtype), "rule": dict(vars(post.rule)),
+        "dtype": dtype, "rule": dict(vars(post.rule)),
         "curvature": post.curvature, "storage": post.sites.storage, "chunk_size": post.chunk_size,
         "latent": post.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
-        "arguments": layout, "next_id": post.next_id, "tombstones": list(post.tombstones),
+        "arguments": _argument_layout(spec), "next_id": post.next_id, "tombstones": list(post.tombstones),
         "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in post.data.per_example],
         "arrays": {k: {"sha256": _digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
+        "residual": float(post.residual), "fingerprint": fingerprint, "signed": key is not None,
     }
-    buffer = _io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("manifest.json", json.dumps(manifest, indent=1))
-        for key, value in arrays.items():
-            member = _io.BytesIO()
-            np.save(member, value, allow_pickle=False)
-            archive.writestr(f"{key}.npy", member.getvalue())
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    manifest = json.loads(json.dumps(manifest))  # exactly what load will see
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(buffer.getvalue())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(path.parent)
-    return path
-
-
-def _fsync_dir(folder):
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        check_manifest(manifest)
+        check_contents(manifest, arrays)
+    except PersistenceError as err:
+        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
+    members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
+    return write_atomic(path, json.dumps(manifest, indent=1).encode(), members, key=key)
 
 
 class _Slot:
@@ -164,91 +138,95 @@ def _argument_layout(spec):
                                "containers) can be saved") from None
 
 
-def _read(path):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no saved posterior at {path}")
-    try:
-        archive = zipfile.ZipFile(path)
-        names = set(archive.namelist())
-        manifest = json.loads(archive.read("manifest.json"))
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, OSError, EOFError) as err:
-        raise CorruptFileError(f"{path} is not a readable numpyro_pc archive (truncated or corrupted: {err})") from err
-    if manifest.get("format") != FORMAT:
-        raise CorruptFileError(f"{path} is not a saved dual posterior (format {manifest.get('format')!r})")
-    if manifest.get("version") != VERSION:
-        raise FormatVersionError(f"{path} has format version {manifest.get('version')}; this numpyro_pc reads "
-                                 f"version {VERSION}")
-    arrays = {}
-    for key, meta in manifest["arrays"].items():
-        if f"{key}.npy" not in names:
-            raise CorruptFileError(f"{path} lacks the array {key!r}")
-        try:
-            value = np.load(_io.BytesIO(archive.read(f"{key}.npy")), allow_pickle=False)
-        except (ValueError, OSError, zipfile.BadZipFile) as err:
-            raise CorruptFileError(f"array {key!r} in {path} cannot be read: {err}") from err
-        if str(value.dtype) != meta["dtype"] or list(value.shape) != meta["shape"]:
-            raise DtypeMismatchError(f"array {key!r} in {path} is {value.dtype}{list(value.shape)}, the manifest "
-                                     f"says {meta['dtype']}{meta['shape']}")
-        if _digest(value) != meta["sha256"]:
-            raise CorruptFileError(f"array {key!r} in {path} fails its checksum (the file was altered)")
-        arrays[key] = value
-    return manifest, arrays
+def load(path, model, key=None):
+    """Read a posterior saved by :func:`save` and bind it to ``model``, checking everything.
 
+    The file is untrusted input: what is read is bounded by the declared sizes, the
+    manifest and arrays are validated, the dual-form residual is recomputed and compared
+    with the saved one, and the model's fingerprint (latent sites, distribution types and
+    fixed parameters, fixed arguments) must match the saved one. Files written before
+    fingerprints were saved load with a warning that the model could not be verified.
 
-def load(path, model):
-    """Read a posterior saved by :func:`save` and bind it to ``model``.
-
-    :raises CorruptFileError, FormatVersionError, ModelMismatchError, DtypeMismatchError:
+    :param model: the NumPyro model the posterior was fitted with.
+    :param key: the HMAC key given to :func:`save`; when given, an unsigned file or a
+        wrong signature raises :class:`~numpyro_pc.errors.IntegrityError`.
+    :raises ~numpyro_pc.errors.PersistenceError: always one of its subclasses:
+        :class:`~numpyro_pc.errors.MissingFileError`, :class:`~numpyro_pc.errors.CorruptFileError`
+        (:class:`~numpyro_pc.errors.OversizedFileError`, :class:`~numpyro_pc.errors.InconsistentFileError`,
+        :class:`~numpyro_pc.errors.IntegrityError`), :class:`~numpyro_pc.errors.FormatVersionError`,
+        :class:`~numpyro_pc.errors.DtypeMismatchError` or :class:`~numpyro_pc.errors.SavedModelMismatchError`
+        (also a :class:`~numpyro_pc.errors.ModelMismatchError`).
     """
     from .posterior import DualPosterior
 
-    manifest, arrays = _read(path)
-    dtype = np.dtype(manifest["dtype"])
-    if dtype != arrays["mean"].dtype:
-        raise DtypeMismatchError(f"{path}: the manifest says {dtype} but the arrays are {arrays['mean'].dtype}")
-    if dtype == np.float64 and jnp.zeros(()).dtype != jnp.float64:
-        import jax
+    manifest, arrays, signed = read_archive(path, check_manifest, key=key)
+    if manifest.get("signed") and not signed:
+        raise IntegrityError(f"{path} was signed when saved but its signature member was removed")
+    if signed and key is None:
+        warnings.warn(f"{path} is signed but no key was given: its signature was not checked", UserWarning,
+                      stacklevel=2)
+    dtype = manifest["dtype"]
+    if any(not _representable(v.dtype) for k, v in arrays.items() if k != "tombstones"):  # tombstones stay on the host
+        raise DtypeMismatchError(f"{path} holds a {dtype} posterior with 64-bit arrays; enable x64 "
+                                 "(jax.enable_x64()) to load it without losing precision")
+    check_contents(manifest, arrays)
+    family = get_family(manifest["family"])
+    with jax.enable_x64(dtype == "float64"):
+        site_fields = {name: (to_device(arrays[f"sites.{name}"]) if f"sites.{name}" in arrays else None)
+                       for name in SITE_ARRAYS}
+        sites = Sites(storage=manifest["storage"], **site_fields)
+        state = Gaussian(to_device(arrays["mean"]), to_device(arrays["precision"]))
+        offset = None
+        if "offset.linear" in arrays:
+            offset = GaussianNatural(to_device(arrays["offset.linear"]), to_device(arrays["offset.precision"]))
+        try:
+            from .solvers import dual_residual
 
-        if not jax.config.jax_enable_x64:
-            raise DtypeMismatchError(f"{path} holds a float64 posterior; enable x64 (jax.enable_x64()) to load it "
-                                     "without losing precision")
-    tombstones = set(manifest["tombstones"])
-    ids = set(arrays["sites.ids"].tolist()) | set(arrays["data_ids"].tolist())
-    if tombstones & ids or sorted(tombstones) != sorted(arrays["tombstones"].tolist()):
-        raise CorruptFileError(f"{path}: deleted example ids reappear in the saved sites or data")
+            residual = dual_residual(family, state, sites, offset)[0]
+        except PosteriorCorrectionError as err:
+            raise InconsistentFileError(f"{path}: the sites cannot be combined ({err})") from err
+        check_residual(manifest.get("residual"), residual, dtype)
+        spec, data = _bind(path, model, manifest, arrays)
+    return DualPosterior(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
+                         manifest["curvature"], manifest["storage"], manifest["chunk_size"], (), None,
+                         data_ids=to_device(arrays["data_ids"]), tombstones=manifest["tombstones"],
+                         next_id=manifest["next_id"], offset=offset)
 
+
+def _representable(dtype):
+    return jax.dtypes.canonicalize_dtype(dtype) == dtype
+
+
+def _bind(path, model, manifest, arrays):
+    """Bind ``model`` to the saved argument layout and check it is the saved model."""
     per_example = [arrays[f"data.example.{k}"] for k in range(len(manifest["example_shapes"]))]
-    shared = [arrays[k] for k in sorted((k for k in arrays if k.startswith("data.shared.")),
-                                        key=lambda k: int(k.rsplit(".", 1)[1]))]
-    probe = [x[:1] if x.shape[0] else np.zeros((1, *shape), dt) for x, (shape, dt) in
-             zip(per_example, manifest["example_shapes"])]
+    shared = [arrays[f"data.shared.{k}"] for k in range(sum(1 for m in _entries(manifest["arguments"])
+                                                            if m["kind"] == "shared"))]
+    probe = [x[:1] if x.shape[0] else np.zeros((1, *x.shape[1:]), x.dtype) for x in per_example]
     args, kwargs = _rebuild_args(manifest["arguments"], probe, shared)
     try:
         spec, _ = bind_model(model, args, kwargs, data_plate=manifest["plate"],
                              shared=tuple(m["name"] for m in _entries(manifest["arguments"]) if m["kind"] == "shared"))
-    except PosteriorCorrectionError as err:
-        raise ModelMismatchError(f"the model cannot be bound to the saved argument layout: {err}") from err
+    except Exception as err:  # the model is user code run on the saved layout: any failure is a mismatch
+        raise SavedModelMismatchError(f"the model cannot be bound to the argument layout saved in {path}: "
+                                      f"{type(err).__name__}: {err}") from err
     if spec.latent.signature() != manifest["latent"] or list(spec.observed) != manifest["observed"]:
-        raise ModelMismatchError(f"{path} was saved for latent sites {manifest['latent']['names']} with observed "
-                                 f"{manifest['observed']}; the model has {list(spec.latent.names)} / "
-                                 f"{list(spec.observed)}")
-    from dataclasses import replace
-
-    spec = replace(spec, num_examples=int(per_example[0].shape[0]) if per_example else 0)
-    family = get_family(manifest["family"])
-    rule = ExpectationRule(**manifest["rule"])
-    site_fields = {name: (jnp.asarray(arrays[f"sites.{name}"]) if f"sites.{name}" in arrays else None)
-                   for name in _SITE_ARRAYS}
-    sites = Sites(storage=manifest["storage"], **site_fields)
-    data = ModelData(tuple(jnp.asarray(x) for x in per_example), tuple(jnp.asarray(x) for x in shared))
-    state = Gaussian(jnp.asarray(arrays["mean"]), jnp.asarray(arrays["precision"]))
-    offset = None
-    if "offset.linear" in arrays:
-        offset = GaussianNatural(jnp.asarray(arrays["offset.linear"]), jnp.asarray(arrays["offset.precision"]))
-    return DualPosterior(spec, data, family, state, sites, rule, manifest["curvature"], manifest["storage"],
-                         manifest["chunk_size"], (), None, data_ids=jnp.asarray(arrays["data_ids"]),
-                         tombstones=manifest["tombstones"], next_id=manifest["next_id"], offset=offset)
+        raise SavedModelMismatchError(f"{path} was saved for latent sites {manifest['latent']['names']} with "
+                                      f"observed {manifest['observed']}; the model has {list(spec.latent.names)} / "
+                                      f"{list(spec.observed)}")
+    spec = replace(spec, num_examples=int(per_example[0].shape[0]))
+    data = ModelData(tuple(to_device(x) for x in per_example), tuple(to_device(x) for x in shared))
+    saved = manifest.get("fingerprint")
+    if saved is None:
+        warnings.warn(f"{path} was saved without a model fingerprint (an earlier numpyro_pc): the model could not "
+                      "be verified beyond its latent sites", UserWarning, stacklevel=3)
+        return spec, data
+    differences = compare_fingerprints(saved, model_fingerprint(spec, data))
+    if differences:
+        raise SavedModelMismatchError(f"{path} was saved with another model: " + "; ".join(differences[:8])
+                                      + (f"; … ({len(differences)} differences)" if len(differences) > 8 else ""),
+                                      differences)
+    return spec, data
 
 
 def _entries(layout):
@@ -262,9 +240,9 @@ def _rebuild_args(layout, per_example, shared):
         if meta["kind"] == "none":
             return None
         if meta["kind"] == "example":
-            return jnp.asarray(next(ex))
+            return to_device(next(ex))
         if meta["kind"] == "shared":
-            return jnp.asarray(next(sh))
+            return to_device(next(sh))
         return meta["value"]
 
     args = tuple(value(m) for m in layout["args"])

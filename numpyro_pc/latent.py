@@ -55,7 +55,9 @@ class LatentSpace:
             if support.is_discrete:
                 raise UnsupportedModelError(
                     f"latent site {name!r} is discrete (support {support}); the dual form "
-                    "needs continuous latent variables (enumerate or marginalise discrete ones)."
+                    "needs continuous latent variables (enumerate or marginalise discrete ones). If "
+                    f"{name!r} is an observation, its data was not passed: check that the keyword argument "
+                    "carrying it (e.g. y=...) is given, so that the site has obs=."
                 )
             shape = tuple(jnp.shape(site["value"]))
             transform = biject_to(support)

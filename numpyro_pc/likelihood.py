@@ -24,7 +24,9 @@ per-example argument; evaluation over all examples is a ``vmap`` of that.
 from __future__ import annotations
 
 import inspect
+import zlib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -36,11 +38,11 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 import numpyro
 
-from .errors import DataShapeError, NonFiniteDataError, UnsupportedModelError
+from .errors import DataShapeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
 from .rowops import all_finite, take_rows, to_device
 
-__all__ = ["ModelSpec", "ModelData", "bind_model", "prior_loss", "example_loss", "example_params",
+__all__ = ["ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain"]
 
 _LOG_DET_PREFIX = "_pc_log_det_"
@@ -223,10 +225,11 @@ def constrain(spec, z, data):
 # --------------------------------------------------------------------------- binding
 
 
-def _output_dependence(closed_jaxpr):
-    """Which outputs of a jaxpr depend on its inputs (conservative through sub-calls)."""
+def _output_dependence(closed_jaxpr, inputs=None):
+    """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
+    (conservative through sub-calls)."""
     jaxpr = closed_jaxpr.jaxpr
-    dependent = set(map(id, jaxpr.invars))
+    dependent = set(map(id, jaxpr.invars if inputs is None else [jaxpr.invars[i] for i in inputs]))
     for eqn in jaxpr.eqns:
         if any(id(v) in dependent for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
             dependent.update(id(v) for v in eqn.outvars)
@@ -273,20 +276,27 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
 
     for name, leaf in zip(leaf_names, leaves):
         check_finite_argument(name, leaf)
+        if _is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == 0:
+            raise DataShapeError(f"argument {name!r} is empty (shape {tuple(np.shape(leaf))}); a batch needs at "
+                                 "least one example.")
     try:
         with handlers.block():
-            trace = handlers.trace(handlers.seed(model, 0)).get_trace(*args, **kwargs)
-    except (ValueError, TypeError, IndexError) as err:
-        if "shape" in str(err).lower() or "broadcast" in str(err).lower() or "incompatible" in str(err).lower():
+            trace = handlers.trace(handlers.substitute(handlers.seed(model, 0), substitute_fn=_prototype_value)
+                                   ).get_trace(*args, **kwargs)
+    except Exception as err:  # the user's model failed on these arguments: say so with their shapes
+        text = f"{type(err).__name__}: {err}"
+        shapes = _describe_leading_sizes(leaf_names, leaves)
+        if any(w in text.lower() for w in ("shape", "broadcast", "incompatible", "index", "dimension", "axis")):
             raise DataShapeError(
-                f"the model failed on the given data with a shape error ({err}); argument shapes: "
-                f"{_describe_leading_sizes(leaf_names, leaves)}. Every per-example argument must have "
-                "the data plate's size as its leading dimension."
+                f"the model failed on the given data with a shape error ({text}); argument shapes: {shapes}. "
+                "Every per-example argument must have the data plate's size as its leading dimension (a single "
+                "example is a batch of one: pass x[None] rather than a 1-D row)."
             ) from err
-        raise
+        raise ModelBindingError(f"the model raised {text} when called with the given arguments (shapes: "
+                                f"{shapes}).") from err
 
+    latent = LatentSpace.from_trace(trace)  # first: a discrete "latent" is often a forgotten observation
     plate, size = _find_data_plate(trace, data_plate)
-    latent = LatentSpace.from_trace(trace)
     for name in latent.names:
         if _in_plate(trace[name], plate):
             raise UnsupportedModelError(
@@ -324,7 +334,24 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
         shared=tuple(to_device(l) for l, k in zip(leaves, kinds) if k == "shared"),
     )
     z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
+    verify_binding(spec, data, z0)
     return _analyse_params(spec, data, z0), data
+
+
+def _prototype_value(site):
+    """A value for a continuous latent site that does not call its sampler.
+
+    Uniform in ``(−2, 2)`` in unconstrained space (as NumPyro's ``init_to_uniform``), built
+    from the distribution's shape and support alone, so priors without a sampler — Stan's
+    flat priors as ``ImproperUniform``, truncated distributions whose sampler needs an
+    optional dependency — bind like any other.
+    """
+    if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
+        return None
+    transform = biject_to(site["fn"].support)
+    shape = tuple(transform.inverse_shape(site["fn"].shape()))
+    key = jax.random.PRNGKey(zlib.crc32(site["name"].encode()))  # deterministic across processes
+    return transform(jax.random.uniform(key, shape, minval=-2.0, maxval=2.0, dtype=jnp.result_type(float)))
 
 
 def _leaf_names(args, kwargs, names_by_position):
@@ -398,11 +425,113 @@ def _analyse_params(spec, data, z0):
     if k > 0:
         n_probe = min(8, spec.num_examples)
         probe = tuple(take_rows(x, np.arange(n_probe)) for x in data.per_example)
-        jac = jax.vmap(lambda ex, z: jax.jacfwd(lambda zz: example_params(spec, zz, ex, data.shared)[0])(z),
-                       in_axes=(0, None))
         key = jax.random.PRNGKey(17)
         z1 = z0 + jax.random.normal(key, z0.shape, z0.dtype)
-        j0, j1 = jac(probe, z0), jac(probe, z1)
+        j0, j1 = _param_jacobians(replace(spec, num_examples=n_probe), jnp.stack([z0, z1]), probe, data.shared)
         affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
     return replace(spec, num_params=k, affine=affine)
 
+
+
+# --------------------------------------------------------------------------- verification
+
+_PROBE_ROWS = 6  # examples in the subset on which the identity is checked
+
+
+def verify_binding(spec, data, z0, num_probes=3):
+    r"""Check that the per-example evaluation reproduces the model's log density.
+
+    On the first few examples (the identity holds on any subset of the data plate) and at
+    ``num_probes`` points around ``z0``, ``ℓ_0(z) + Σ_i ℓ_i(z)`` must equal NumPyro's
+    ``potential_energy`` of the model called on that subset. Every example is evaluated by
+    running the model on its slice of the per-example arguments, so a plate whose size
+    does not come from the data (a fixed ``n`` argument, a global ``N``) or a latent
+    vector of the plate's size used without a per-example index gives per-example losses
+    that do not add up to the log likelihood — a wrong posterior with a tiny residual.
+
+    :raises ModelBindingError: naming the plate or argument that is not tied to the data.
+    """
+    num = min(_PROBE_ROWS, spec.num_examples)
+    sub = ModelData(tuple(take_rows(x, np.arange(num)) for x in data.per_example), data.shared)
+    dtype = jnp.result_type(z0)
+    rtol = 1e-6 if dtype == jnp.float64 else 1e-3
+    noise = jax.random.normal(jax.random.PRNGKey(20261123), (num_probes - 1,) + z0.shape, dtype)
+    probes = jnp.concatenate([z0[None], z0[None] + 0.5 * noise], 0)
+    try:
+        full, prior, per = _identity_terms(replace(spec, num_examples=num), sub, probes)
+    except Exception as err:  # the model cannot run on a subset of its data plate
+        raise ModelBindingError(_binding_diagnosis(spec, data, z0, f"the model fails when called on the first "
+                                                   f"{num} examples ({type(err).__name__}: {err})")) from err
+    full, prior, per = np.asarray(full), np.asarray(prior), np.asarray(per)
+    total = prior + per.sum(1)
+    scale = 1.0 + np.abs(full) + np.abs(prior) + np.abs(per).sum(1)
+    finite = np.isfinite(full) & np.isfinite(total) & np.isfinite(scale)  # outside the support: the others decide
+    gap = np.abs(np.where(finite, total, 0.0) - np.where(finite, full, 0.0))
+    bad = finite & (gap > rtol * np.where(finite, scale, 1.0))
+    if not finite.any():
+        raise ModelBindingError(
+            f"the model's log density is not finite at any of {len(finite)} probe points on its first {num} examples "
+            f"(negative log joint {full.tolist()}, per-example sum {total.tolist()}), so the per-example evaluation "
+            "cannot be verified; check the supports of the priors and likelihood against the data.")
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise ModelBindingError(_binding_diagnosis(
+            spec, data, z0, f"on the first {num} examples the per-example losses add up to {total[j]:.6g} "
+            f"(prior term included) but the model's negative log joint is {full[j]:.6g}"))
+
+
+@partial(jax.jit, static_argnums=0)
+def _identity_terms(spec, sub, probes):
+    """NumPyro's potential energy on the subset, the prior term and the per-example losses at each probe."""
+    args, kwargs = spec.build_args(sub.per_example, sub.shared)
+
+    def at(z):
+        with handlers.block():
+            full = numpyro.infer.util.potential_energy(handlers.seed(spec.model, 0), args, kwargs,
+                                                       spec.latent.unravel(z))
+        per = jax.vmap(lambda ex: example_loss(spec, z, ex, sub.shared))(sub.per_example)
+        return full, prior_loss(spec, z, sub), per
+
+    return jax.lax.map(at, probes)
+
+
+def _binding_diagnosis(spec, data, z0, finding):
+    """A message that says which plate or argument is not tied to the data, and how to fix it."""
+    example = tuple(take_rows(x, 0) for x in data.per_example)
+    hint = ("Every example is evaluated by calling the model on its slice of the per-example arguments, so "
+            "the data plate's size and every per-example quantity must come from those arguments.")
+    try:
+        trace = _trace_at(spec, z0, _example_args(example), data.shared)
+    except Exception:  # noqa: BLE001 - the finding already says the model fails
+        return f"{finding}. {hint}"
+    frame = next((f for s in trace.values() if s["type"] == "sample" for f in s["cond_indep_stack"]
+                  if f.name == spec.plate), None)
+    if frame is not None and frame.size != 1:
+        fixed = [f"{n}={v!r}" for n, v, k in zip(spec.arg_names, _static_values(spec), spec.kinds)
+                 if k == "static" and isinstance(v, (int, np.integer)) and v == frame.size]
+        source = (f"it comes from the fixed argument {', '.join(fixed)}" if fixed
+                  else "it comes from a constant or a global variable")
+        return (f"the data plate {spec.plate!r} keeps size {frame.size} when the model runs on one example "
+                f"({source}). {hint} Write `numpyro.plate({spec.plate!r}, x.shape[0])` with x a data array. "
+                f"(Found: {finding}.)")
+    for name in spec.observed:
+        size = int(np.size(trace[name]["fn"].log_prob(trace[name]["value"])))
+        if size != 1:
+            return (f"the observed site {name!r} gives {size} log-densities for one example, so a latent vector or "
+                    f"array of the plate's size enters it without a per-example index. {hint} Pass an index array "
+                    f"as a per-example argument and use e.g. `theta[idx]` inside the plate. (Found: {finding}.)")
+    return f"{finding}. {hint}"
+
+
+def _static_values(spec):
+    statics = iter(spec.statics)
+    return [next(statics) if k == "static" else None for k in spec.kinds]
+
+
+@partial(jax.jit, static_argnums=0)
+def _param_jacobians(spec, points, examples, shared):
+    """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``."""
+    def at(z):
+        return jax.vmap(lambda ex: jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)
+
+    return jax.vmap(at)(points)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import IncompatiblePosteriorsError, UnsupportedModelError
+from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedModelError
 from .families import DiagonalGaussian, Gaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import losses, prior_loss
 
@@ -107,13 +107,13 @@ def prior_natural(family, prior, tau=None):
 
 def _check(base, posts, alphas, method):
     if method not in METHODS:
-        raise ValueError(f"unknown merge method {method!r}; expected one of {METHODS}")
+        raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     posts = list(posts)
     if not posts:
-        raise ValueError("merge needs at least one task posterior, got an empty list")
+        raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
     alphas = [1.0] * len(posts) if alphas is None else [float(a) for a in np.ravel(alphas)]
     if len(alphas) != len(posts):
-        raise ValueError(f"got {len(alphas)} alphas for {len(posts)} posteriors; expected one weight per posterior")
+        raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posts)} posteriors; expected one weight per posterior")
     ref = posts[0]
     for k, p in enumerate(posts + ([base] if base is not None else [])):
         what = "base" if k == len(posts) else f"posterior {k}"

@@ -21,13 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from typing import NamedTuple
+
 from . import guides as _guides
-from .errors import ConvergenceError
+
+from .errors import (ConvergenceError, DataShapeError, IncompatiblePosteriorsError, InvalidOptionError,
+                     MonteCarloErrorWarning, NonFiniteResultError, PointEstimateWarning)
 from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
 from .rowops import to_device
-from .solvers import SiteProblem, dual_residual, solve
+from .start import map_laplace
+from .solvers import SiteProblem, default_tol, dual_residual, solve
 
 __all__ = ["DualPosterior", "dual_form", "fit"]
 
@@ -219,7 +224,7 @@ class DualPosterior:
             q, sites = err.posterior
             partial = self._replace(state=q, sites=assemble(sites), history=err.history)
             if raise_on_failure:
-                raise ConvergenceError(str(err), posterior=partial, history=err.history) from None
+                raise type(err)(str(err), posterior=partial, history=err.history) from None
             warnings.warn(str(err), RuntimeWarning, stacklevel=2)
             return partial
         return self._replace(state=q, sites=assemble(sites), history=history)
@@ -266,11 +271,11 @@ class DualPosterior:
         return delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
                       raise_on_failure=raise_on_failure)
 
-    def save(self, path):
-        """Write the posterior atomically to ``path`` (see :mod:`numpyro_pc.io`)."""
+    def save(self, path, key=None):
+        """Write the posterior atomically to ``path`` (see :mod:`numpyro_pc.io`); ``key`` signs it (HMAC)."""
         from .io import save
 
-        return save(self, path)
+        return save(self, path, key=key)
 
     # ------------------------------------------------------------------ probability
     @_in_own_precision
@@ -287,14 +292,33 @@ class DualPosterior:
     def kl(self, other):
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
         if other.latent.signature() != self.latent.signature():
-            raise ValueError("the posteriors belong to models with different latent sites")
+            raise IncompatiblePosteriorsError("the posteriors belong to models with different latent sites")
         if other.family.name != self.family.name:
-            raise ValueError(f"KL between different families ({self.family.name} vs {other.family.name})")
+            raise IncompatiblePosteriorsError(f"KL between different families ({self.family.name} vs {other.family.name})")
         return self.family.kl(self.state, other.state)
+
+    @property
+    def is_point_estimate(self):
+        """Whether this posterior is a point estimate (MAP / ERM): the isotropic family with the
+        delta rule, e.g. from ``AutoDelta``. Its fixed precision is the base measure of the
+        isotropic family (paper appendix "non-constant base measures"), not a posterior
+        uncertainty, so its samples are the point itself."""
+        return self.family.name == "isotropic" and self.rule.kind == "delta"
 
     @_in_own_precision
     def sample_unconstrained(self, key, num_samples):
-        """Draws of the flat unconstrained vector, shape ``(num_samples, d)``."""
+        """Draws of the flat unconstrained vector, shape ``(num_samples, d)``.
+
+        A point estimate (:attr:`is_point_estimate`, e.g. from ``AutoDelta``) returns its
+        point ``num_samples`` times, like NumPyro's ``AutoDelta.sample_posterior``, with a
+        :class:`~numpyro_pc.errors.PointEstimateWarning`.
+        """
+        if self.is_point_estimate:
+            warnings.warn("this posterior is a point estimate (AutoDelta / isotropic family with the delta rule): "
+                          "its samples are the point itself and carry no uncertainty; fit a Gaussian family "
+                          "(AutoNormal, AutoMultivariateNormal, pc.fit) for posterior uncertainty.",
+                          PointEstimateWarning, stacklevel=3)
+            return jnp.broadcast_to(self.state.mean, (num_samples,) + self.state.mean.shape)
         return self.family.sample(self.state, key, num_samples)
 
     @_in_own_precision
@@ -331,7 +355,7 @@ class DualPosterior:
         """Parameters of ``guide`` (default: the guide this posterior came from) describing it."""
         guide = guide if guide is not None else self.guide
         if guide is None:
-            raise ValueError("this posterior was not built from a guide; pass the guide to fill")
+            raise InvalidOptionError("this posterior was not built from a guide; pass the guide to fill")
         return _guides.to_guide_params(guide, self.family, self.state, self.latent,
                                        constrain_fn=lambda z: constrain(self.spec, z, self.data))
 
@@ -400,7 +424,30 @@ def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, re
     if refine:  # the solver starts from the sites just computed
         post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                            _start=(sites, sums))
+        if rule.kind == "mc":
+            post = post._replace(record=dict(expectation_error=_monte_carlo_error(post, problem, num)))
     return post
+
+
+def _monte_carlo_error(post, problem, num):
+    """The dual-form residual of the posterior under an independent set of Monte Carlo draws.
+
+    The solver reaches the fixed point of the expectations under *its* fixed draws; the
+    residual a second, independent set of draws sees at that point estimates how far the
+    answer is from the true variational optimum. Reported in ``record["expectation_error"]``
+    and warned about when it is well above the tolerance.
+    """
+    other = replace(post.rule, seed=post.rule.seed + 1)
+    fresh, _ = problem._replace(rule=other).sites(post.state)
+    residual = dual_residual(post.family, post.state, fresh.take(np.arange(num)), post.offset)[0]
+    tol = default_tol(post.state.mean.dtype)
+    if residual > 100 * tol:
+        warnings.warn(f"Monte Carlo expectations ({post.rule.num_samples} fixed draws): the fixed point's residual is "
+                      f"{post.residual:.1e} for its own draws but {residual:.1e} for independent draws, so the answer is "
+                      "only as accurate as the Monte Carlo error; raise num_samples, or use a model whose examples "
+                      "have a low-dimensional dependence subspace (expectation='gh').", MonteCarloErrorWarning,
+                      stacklevel=4)
+    return dict(independent_draws_residual=float(residual), num_samples=int(post.rule.num_samples))
 
 
 def dual_form(model, guide, params, *args, expectation=None, curvature="hessian", storage="auto", refine=True,
@@ -417,7 +464,9 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
         :func:`numpyro_pc.guides.default_expectation`).
     :param str curvature: ``"hessian"`` or ``"ggn"``.
     :param str storage: per-example curvature storage, see :mod:`numpyro_pc.sites`.
-    :param bool refine: run natural-gradient steps to the dual-form fixed point.
+    :param bool refine: run natural-gradient steps to the dual-form fixed point. If they fail
+        from the guide (a guide far from the optimum), they restart from the MAP/Laplace
+        start of :func:`fit` and ``record["start"]`` says why.
     :param bool progress: show a progress bar during refinement.
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
@@ -435,8 +484,19 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
     if expectation is None:
         expectation = _guides.default_expectation(guide, spec)
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
-    return _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
-                 progress, raise_on_failure)
+    try:
+        return _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+                     progress, True)
+    except (ConvergenceError, NonFiniteResultError) as err:
+        if not refine:
+            raise
+        # the fixed point does not depend on the start: a guide far from it (SVI stopped early,
+        # unscaled data) is replaced by the MAP/Laplace start, and the record says so
+        start = _start(spec, data, family, None, q.mean.dtype)
+        post = _make(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine, tol,
+                     max_iters, progress, raise_on_failure)
+        reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
+        return post._replace(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
 
 
 def fit(model, *args, family="full", expectation=None, curvature="hessian", storage="auto", tol=None,
@@ -452,29 +512,71 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
 
     :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
         the delta rule is MAP / ERM).
-    :param expectation: default ``"gh"`` for GLM-type models, else ``"mc"``
-        (``"delta"`` for the isotropic family).
-    :param init: optional flat unconstrained starting mean.
+    :param expectation: default ``"auto"``: Gauss–Hermite over each example's dependence
+        subspace where the model has one of at most three dimensions (GLMs, regressions with a
+        learned scale, hierarchical examples), else Monte Carlo with its error estimated
+        (``"delta"`` for the isotropic family); see :mod:`numpyro_pc.expectations`.
+    :param init: ``"map"`` (default): L-BFGS on the negative log joint from ``0`` and the
+        Laplace precision at its minimum (:mod:`numpyro_pc.start`); ``"prior"``: mean ``0`` with
+        the prior's curvature as precision; an array: the MAP search starts there.
 
     See :func:`dual_form` for the other options.
     """
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     fam = get_family(family)
     dtype = _float_dtype()
-    mean = jnp.zeros(spec.latent.dim, dtype) if init is None else jnp.asarray(init, dtype)
-    if isinstance(fam, IsotropicGaussian):
-        precision = jnp.asarray(1.0, dtype)
-    else:
-        hess = jax.hessian(lambda z: prior_loss(spec, z, data))(mean)
-        precision = fam.project_curvature(0.5 * (hess + hess.T))
-        if not bool(fam.is_positive_definite(precision)):
-            precision = fam.project_curvature(jnp.eye(spec.latent.dim, dtype=dtype))
+    start = _start(spec, data, fam, init, dtype)
     if expectation is None:
-        expectation = ("delta" if isinstance(fam, IsotropicGaussian)
-                       else "gh" if (spec.num_params == 1 and spec.affine) else "mc")
+        expectation = "delta" if isinstance(fam, IsotropicGaussian) else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
-    return _make(spec, data, fam, Gaussian(mean, precision), rule, curvature, storage, chunk_size, None, True, tol,
+    post = _make(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                  max_iters, progress, raise_on_failure)
+    info = {k: v for k, v in start._asdict().items() if k != "start"}
+    return post._replace(record=dict(post.record or {}, start=info))
+
+
+class _Start(NamedTuple):
+    start: Gaussian
+    kind: str
+    iterations: int = 0
+    grad_norm: float = float("nan")
+    value: float = float("nan")
+    converged: bool = False
+
+
+def _start(spec, data, family, init, dtype):
+    """The solver's starting point: the MAP/Laplace start, or the prior's curvature at ``init``.
+
+    ``init="map"`` (default) runs L-BFGS from ``0`` (or from an array ``init``); if the search
+    leaves the region where the log joint is finite, the prior start is used instead
+    (recorded as ``record["start"]["start"] == "prior"``).
+    """
+    z0 = jnp.zeros(spec.latent.dim, dtype)
+    if init is None or isinstance(init, str):
+        kind = "map" if init is None else str(init)
+        if kind not in ("map", "prior"):
+            raise InvalidOptionError(f"init must be 'map', 'prior' or an array of {spec.latent.dim} values; "
+                                     f"got {init!r}")
+    else:
+        z0 = jnp.asarray(init, dtype)
+        if z0.shape != (spec.latent.dim,):
+            raise DataShapeError(f"init must be a flat unconstrained vector of shape ({spec.latent.dim},) in the "
+                                 f"order {spec.latent.labels()[:6]}...; got shape {z0.shape}")
+        kind = "map"
+    if kind == "map":
+        from .streaming import pad_to_bucket
+
+        padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
+        found = map_laplace(replace(spec, num_examples=int(ids.size)), padded, family, z0, weights)
+        if found.start.precision is not None and bool(family.is_positive_definite(found.start.precision)):
+            return _Start(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged)
+    if family.fixed_precision:
+        return _Start(Gaussian(z0, jnp.asarray(1.0, dtype)), "prior")
+    hess = jax.hessian(lambda z: prior_loss(spec, z, data))(z0)
+    precision = family.project_curvature(0.5 * (hess + hess.T))
+    if not bool(family.is_positive_definite(precision)):
+        precision = family.project_curvature(jnp.eye(spec.latent.dim, dtype=dtype))
+    return _Start(Gaussian(z0, precision), "prior")
 
 
 def _float_dtype():
@@ -486,4 +588,5 @@ def _rule_options(expectation, num_samples, seed, num_nodes):
     kind = getattr(expectation, "kind", expectation)
     if not isinstance(expectation, str):
         return {}
-    return {"mc": dict(num_samples=num_samples, seed=seed), "gh": dict(num_nodes=num_nodes)}.get(kind, {})
+    return {"mc": dict(num_samples=num_samples, seed=seed), "gh": dict(num_nodes=num_nodes, seed=seed),
+            "auto": dict(num_samples=num_samples, seed=seed, num_nodes=num_nodes)}.get(kind, {})

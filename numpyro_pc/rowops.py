@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .errors import InvalidIdsError
+
 __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted", "filled"]
 
 
@@ -113,3 +115,14 @@ def bucket_size(num, smallest=8, fine_from=2048):
         return int(max(smallest, 2 ** int(np.ceil(np.log2(num)))))
     octave = 2 ** int(np.floor(np.log2(num)))
     return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
+
+
+def as_ids(ids):
+    """Unique example ids as int64; anything that is not an integer array is refused, never rounded."""
+    raw = np.asarray(ids)
+    if raw.size == 0:
+        return np.zeros(0, np.int64)
+    if raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer):
+        raise InvalidIdsError(f"example ids must be integers; got {raw.ravel()[:5].tolist()} (dtype {raw.dtype}). "
+                              "Ids are never rounded; for a boolean mask pass np.flatnonzero(mask).")
+    return np.unique(raw.astype(np.int64).ravel())

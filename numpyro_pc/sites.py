@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .errors import SiteStorageError
-from .expectations import hermite_nodes
+from .errors import DataShapeError, InvalidOptionError, SiteStorageError
+from .expectations import hermite_nodes, subspace_basis, tensor_hermite_nodes
 from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import example_loss, example_params, prior_loss
 from .rowops import bucket_size, filled, join_rows, pad_last_row, shifted, take_rows
@@ -294,7 +294,7 @@ def resolve_storage(storage, family, spec, rule, curvature):
             "numbers; pass curvature='ggn' (Gauss–Newton, factorised), or storage='dense' to accept the memory."
         )
     if storage not in ("diag", "factor", "dense", "none"):
-        raise ValueError(f"unknown storage {storage!r}; expected 'auto', 'diag', 'factor', 'dense' or 'none'")
+        raise InvalidOptionError(f"unknown storage {storage!r}; expected 'auto', 'diag', 'factor', 'dense' or 'none'")
     if storage == "factor" and not (factorisable and spec.num_params > 0):
         raise SiteStorageError("storage='factor' needs distribution parameters affine in z, or curvature='ggn' "
                                "with the delta rule; use storage='dense'.")
@@ -377,6 +377,11 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
             return jnp.zeros((d, d), q.mean.dtype)
         return jnp.einsum("n,nde->de", weights, dense)
 
+    if rule.kind == "gh" and rule.subspace_dim:
+        (loss, grad, jac, stored), dense = jax.vmap(
+            lambda ex: _subspace_terms(spec, cfg, family, q, shared, extra, ex))(ex_chunk)
+        return (loss, grad, jac, stored), dense_sum(dense)
+
     if rule.kind == "gh":
         nodes, node_w, cov = extra
 
@@ -433,6 +438,45 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     return (loss, grad, jac_at_mean, stored), dsum
 
 
+def _cov_times(family, q, cov, mat):
+    """``Σ @ mat`` for a ``(d, r)`` matrix (``cov`` is the dense covariance for the full family)."""
+    if isinstance(family, FullGaussian):
+        return cov @ mat
+    if isinstance(family, DiagonalGaussian):
+        return mat / q.precision[:, None]
+    return mat / q.precision
+
+
+def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
+    """Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
+
+    With ``u = P z ~ N(P m, V)``, ``V = P Σ Pᵀ = L Lᵀ``, the points ``z_k = m + Σ Pᵀ L⁻ᵀ ξ_k``
+    satisfy ``P z_k = P m + L ξ_k``; derivatives are taken along ``Pᵀ v`` only (an
+    ``r``-dimensional Hessian per node), so ``E[∇ℓ] = Pᵀ E[∇_v]`` and ``E[∇²ℓ] = Pᵀ E[∇²_v] P``.
+    """
+    nodes, node_w, cov = extra
+    basis = subspace_basis(spec, q.mean, ex, shared, cfg.rule.subspace_dim)  # (r, d)
+    spread = _cov_times(family, q, cov, basis.T)  # Σ Pᵀ, (d, r)
+    v = basis @ spread
+    eye = jnp.eye(v.shape[0], dtype=v.dtype)
+    chol = jnp.linalg.cholesky(0.5 * (v + v.T) + eye * jnp.finfo(v.dtype).eps * jnp.trace(v))
+    shift = jax.scipy.linalg.solve_triangular(chol, spread.T, lower=True)  # L⁻¹ P Σ, (r, d)
+    points = q.mean[None, :] + nodes @ shift
+
+    def restricted(z):
+        f = lambda t: example_loss(spec, z + t @ basis, ex, shared)  # noqa: E731
+        zero = jnp.zeros(basis.shape[0], z.dtype)
+        value, grad = jax.value_and_grad(f)(zero)
+        return value, grad, jax.hessian(f)(zero)
+
+    values, grads, hessians = jax.vmap(restricted)(points)
+    lam = jnp.einsum("k,kab->ab", node_w, hessians)
+    if cfg.curvature == "ggn":
+        lam = _psd(lam)
+    stored, dense = _store(cfg, basis, lam)
+    return (node_w @ values, (node_w @ grads) @ basis, basis, stored), dense
+
+
 def _map_chunks(fn, leaves, num, chunk, num_devices):
     """Run ``fn(chunk_leaves, mask) -> (per_example, sums)`` over padded chunks."""
     per_block = chunk * num_devices
@@ -487,13 +531,28 @@ def _prior_terms(spec, rule, family, q, data, extra):
         loss, grad, hess = vgh(q.mean)
         cov = family.dense_covariance(q)
         return loss + 0.5 * jnp.sum(hess * cov), grad, hess
-    nodes, node_w, _ = extra
+    if rule.prior_mode == "qmc":
+        chol = jnp.linalg.cholesky(family.dense_covariance(q))
+        points = q.mean[None, :] + _sobol_normals(rule.num_prior_points, q.mean.shape[0], rule.seed, q.mean.dtype) @ chol.T
+        vals = jax.lax.map(vgh, points, batch_size=32)
+        return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
+    nodes, node_w = extra[:2] if rule.subspace_dim == 0 else hermite_nodes(rule.num_nodes, q.mean.dtype)
     std = jnp.sqrt(jnp.diag(family.dense_covariance(q)))
     vals = jax.lax.map(lambda xi: vgh(q.mean + std * xi), nodes, batch_size=8)
     loss = jnp.dot(node_w, vals[0])
     grad = node_w @ vals[1]
     hess = jnp.diag(node_w @ jax.vmap(jnp.diag)(vals[2]))
     return loss, grad, hess
+
+
+def _sobol_normals(num, dim, seed, dtype):
+    """``num`` scrambled Sobol points mapped to standard normals (a constant of the compiled program)."""
+    from scipy.special import ndtri
+    from scipy.stats import qmc
+
+    power = int(np.ceil(np.log2(max(num, 2))))
+    unit = qmc.Sobol(dim, scramble=True, seed=seed).random_base2(power)[:num]
+    return jnp.asarray(ndtri(np.clip(unit, 1e-12, 1 - 1e-12)), dtype)
 
 
 @partial(jax.jit, static_argnames=("spec", "cfg", "family"))
@@ -504,7 +563,10 @@ def _compute(spec, cfg, family, q, data, ids, weights):
         extra = family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples)
     elif rule.kind == "gh":
         cov = family.dense_covariance(q) if isinstance(family, FullGaussian) else None
-        extra = (*hermite_nodes(rule.num_nodes, q.mean.dtype), cov)
+        if rule.subspace_dim:
+            extra = (*tensor_hermite_nodes(rule.nodes_per_dim, rule.subspace_dim, q.mean.dtype), cov)
+        else:
+            extra = (*hermite_nodes(rule.num_nodes, q.mean.dtype), cov)
     else:
         extra = None
     num = data.per_example[0].shape[0]
@@ -546,11 +608,11 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     :return: ``(Sites, SiteSums)``.
     """
     if curvature not in ("hessian", "ggn"):
-        raise ValueError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
+        raise InvalidOptionError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
     storage = resolve_storage(storage, family, spec, rule, curvature)
     num = int(data.per_example[0].shape[0])
     if num == 0:
-        raise ValueError("no examples to compute sites for (the data is empty)")
+        raise DataShapeError("no examples to compute sites for (the data is empty)")
     if num_devices is None:
         num_devices = jax.local_device_count()
     num_devices = max(1, min(int(num_devices), num))

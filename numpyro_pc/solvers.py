@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve
 
-from .errors import ConvergenceError, NonFiniteResultError
+from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from .families import FullGaussian, Gaussian, IsotropicGaussian
 from .rowops import all_finite
 from .sites import compute_sites
@@ -43,6 +43,9 @@ __all__ = ["SiteProblem", "dual_residual", "solve", "default_tol"]
 _WATCH = 3  # residuals remembered by the non-monotone acceptance rule
 _LINEAR = 1e-2  # accelerate only while the residual shrinks by less than 100× per step
 _LOCAL = 1e-2  # below this residual, progress may also be judged by the residual itself
+_PATIENCE = 25  # iterations without halving the best residual before the run is declared stagnant
+_TINY_STEP = 1e-3  # accepted damped steps this small, _TINY_RUN times in a row, also mean stagnation
+_TINY_RUN = 8
 
 
 class SiteProblem(NamedTuple):
@@ -223,8 +226,12 @@ def _unpack(x, like):
 
 def _anderson(xs, fs):
     """Anderson (type II) extrapolation from the last iterates ``xs`` and residuals ``fs = T(x) − x``."""
-    dx = jnp.stack([xs[i + 1] - xs[i] for i in range(len(xs) - 1)], 1)
-    df = jnp.stack([fs[i + 1] - fs[i] for i in range(len(fs) - 1)], 1)
+    return _anderson_stacked(jnp.stack(xs), jnp.stack(fs))
+
+
+@jax.jit
+def _anderson_stacked(xs, fs):
+    dx, df = (xs[1:] - xs[:-1]).T, (fs[1:] - fs[:-1]).T
     gamma, *_ = jnp.linalg.lstsq(df, fs[-1])
     return xs[-1] + fs[-1] - (dx + df) @ gamma
 
@@ -280,7 +287,14 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
             return candidate
         return None
 
-    while point.residual > tol and it < max_iters:
+    if not np.isfinite(point.residual) or not np.isfinite(point.objective):
+        raise NonFiniteResultError(
+            f"the dual-form residual ({point.residual}) or objective ({point.objective}) is not finite at the "
+            "starting posterior; the expected log density overflows there (check priors, constraints, data "
+            "scaling, or start from init='map')."
+        )
+    stagnant = None
+    while not point.residual <= tol and it < max_iters:
         it += 1
         q = point.q
         direction, target = _fixed_point_map(problem, point)
@@ -311,17 +325,96 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         if bar is not None:
             bar.update(1)
             bar.set_postfix(residual=f"{point.residual:.2e}")
+        stagnant = _stagnation(history)
+        if stagnant is not None and not point.residual <= tol:
+            break
     if bar is not None:
         bar.close()
-    if point.residual > tol:
-        why = "no step size made progress" if it < max_iters else f"max_iters={max_iters} reached"
+    if not point.residual <= tol:
+        why = (stagnant if stagnant is not None else "no step size made progress" if it < max_iters
+               else f"max_iters={max_iters} reached")
         message = (f"refinement stopped at residual {point.residual:.3e} > tol {tol:.1e} after {it} iteration(s) "
-                   f"({why}); mean part {point.parts['mean']:.2e}, precision part {point.parts['precision']:.2e}.")
+                   f"({why}); mean part {point.parts['mean']:.2e}, precision part {point.parts['precision']:.2e}. "
+                   + _advice(point, history))
         if raise_on_failure:
-            raise ConvergenceError(message, posterior=(point.q, point.sites), history=history)
+            error = StagnationError if stagnant is not None or it < max_iters else ConvergenceError
+            raise error(message, posterior=(point.q, point.sites), history=history)
         import warnings
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+    _check_representable(problem, point)
     return point.q, point.sites, history
+
+
+def _check_representable(problem, point):
+    """Refuse a float32 posterior whose covariance float32 cannot get right.
+
+    The precision ``S = Σ_i Ĥ_i`` is re-accumulated in float64 on the host from the same
+    sites; where the float32 covariance's standard deviations differ from the float64
+    ones by more than 25 % (a collinear design: the small eigenvalues of ``S`` are below the
+    rounding of the float32 sum), or the float64 precision has ``cond(S)·eps₃₂ ≥ 1``, the
+    result is refused — however small its residual.
+    """
+    family, q, sites = problem.family, point.q, point.sites
+    if q.mean.dtype == jnp.float64 or sites.storage == "none":
+        return
+    w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
+    f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+    if sites.storage == "factor":
+        total = np.einsum("n,nkd,nkl,nle->de", w, f64(sites.jac), f64(sites.lam), f64(sites.jac))
+    elif sites.storage == "dense":
+        total = np.einsum("n,nde->de", w, f64(sites.curvature))
+    else:
+        total = np.diag(w @ f64(sites.curvature))
+    if problem.include_prior:
+        total = total + f64(sites.prior_curvature)
+    if problem.base is not None:
+        total = total + f64(family.dense_precision(Gaussian(q.mean, problem.base.precision)))
+    if q.precision.ndim == 1:  # a diagonal family keeps the diagonal of the curvature
+        total = np.diag(np.diag(total))
+    eps = float(jnp.finfo(q.mean.dtype).eps)
+    eig = np.linalg.eigvalsh(0.5 * (total + total.T))
+    cond = float(eig[-1] / eig[0]) if eig[0] > 0 else float("inf")
+    sd32 = np.sqrt(np.abs(np.diag(np.linalg.inv(f64(family.dense_precision(q))))))
+    sd64 = np.sqrt(np.abs(np.diag(np.linalg.pinv(total))))
+    worst = float(np.max(np.abs(np.log(sd32 / sd64)))) if np.all(sd64 > 0) else float("inf")
+    if not (cond * eps < 1.0 and worst < np.log(1.25)):
+        raise PrecisionLossError(
+            f"the posterior is beyond what {jnp.dtype(q.mean.dtype).name} can represent: re-accumulated in float64, "
+            f"its precision has condition number {cond:.2e} (eps {eps:.1e}) and its standard deviations differ from "
+            f"the {jnp.dtype(q.mean.dtype).name} ones by up to a factor {np.exp(worst):.3g}. Enable float64 "
+            "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64():`), or reparameterise the model "
+            "(collinear covariates, unscaled data).")
+
+
+def _stagnation(history):
+    """Why the run is stagnant (a short phrase), or ``None`` while it still makes progress.
+
+    Stagnant: the best residual of the last ``_PATIENCE`` iterations is not below half the
+    best residual before them, or the last ``_TINY_RUN`` accepted steps were all damped
+    below ``_TINY_STEP``.
+    """
+    residuals = [h["residual"] for h in history]
+    if len(residuals) > _PATIENCE + 1:
+        before, recent = min(residuals[:-_PATIENCE]), min(residuals[-_PATIENCE:])
+        if not recent < 0.5 * before:
+            return f"stagnant: the best residual did not halve in the last {_PATIENCE} iterations"
+    steps = [h["step"] for h in history[1:]]
+    if len(steps) >= _TINY_RUN and all(0.0 < s <= _TINY_STEP for s in steps[-_TINY_RUN:]):
+        return f"stagnant: the last {_TINY_RUN} accepted steps were damped below {_TINY_STEP:g}"
+    return None
+
+
+def _advice(point, history):
+    """What to try, from which identity is off and how the run went."""
+    if point.parts["precision"] > 10 * point.parts["mean"]:
+        cause = ("The precision identity is the one off: the expected curvature E_q[∇²ℓ] changes fast with q, "
+                 "typical of scale parameters (σ, τ) whose posterior is far from Gaussian in unconstrained "
+                 "space, or of a start far from the posterior.")
+    else:
+        cause = ("The mean identity is the one off: the expected gradients do not balance, typical of a "
+                 "non-log-concave or multimodal posterior, or of a start far from the posterior.")
+    return (cause + " Try: the MAP/Laplace start (init='map', the default of pc.fit), standardising "
+            "covariates, family='diagonal', expectation='delta' for a Laplace-like answer, or a larger max_iters.")
 
 
 def _history_entry(iteration, point, step, accelerated, start):
@@ -334,4 +427,4 @@ def _progress(enabled, total):
     if not enabled:
         return None
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="refine", leave=False, disable=None)
+    return tqdm(total=total, desc="refine", leave=False, disable=False, mininterval=0.5)

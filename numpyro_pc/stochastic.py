@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConvergenceError, NotPositiveDefiniteError
+from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
 from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
 from .rowops import bucket_size, join_rows, to_device
 from .sites import compute_sites
@@ -153,15 +153,15 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     family, dtype = post.family, post.state.mean.dtype
     if not isinstance(family, FullGaussian):
-        raise ValueError(
+        raise InvalidOptionError(
             f"correction='stochastic' needs the full family (found {family.name}): its table of sites gives the "
             "full curvature that preconditions each step, which diagonal sites cannot; use correction='exact' "
             "or 'memory' with this family"
         )
     if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"batch_fraction must be in (0, 1], got {fraction!r}")
+        raise InvalidOptionError(f"batch_fraction must be in (0, 1], got {fraction!r}")
     if epochs is not None and not epochs > 0:
-        raise ValueError(f"epochs must be positive, got {epochs!r}")
+        raise InvalidOptionError(f"epochs must be positive, got {epochs!r}")
     tol = solve_options.get("tol") or default_tol(dtype)
     n, num_new = int(corrected.size), int(new_ids.size)
     if n == 0:

@@ -44,10 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConvergenceError, DataShapeError, NotPositiveDefiniteError, UnknownExampleError
+from .errors import (ConvergenceError, DataShapeError, InvalidOptionError, ModelMismatchError, NonFiniteResultError,
+                     NotPositiveDefiniteError, UnknownExampleError)
 from .families import FullGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, _is_array, bind_model, check_finite_argument
-from .rowops import bucket_size, filled, join_rows, pad_last_row, take_rows, to_device
+from .rowops import as_ids, bucket_size, filled, join_rows, pad_last_row, take_rows, to_device
 from .sites import SiteSums, compute_sites, is_every_row
 from .solvers import SiteProblem, solve
 
@@ -132,6 +133,28 @@ def _bind_like_fitted(post, args, kwargs):
     return ModelData(tuple(per_example), tuple(shared))
 
 
+def _check_fixed_arguments(spec, args, kwargs):
+    """Refuse a batch whose non-array model arguments differ from the fitted ones.
+
+    A posterior is the posterior of the model *with* its fixed arguments (a noise level, a
+    prior scale, a number of categories); silently keeping the old values would answer
+    another question than the one asked.
+    """
+    leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs)))
+    if treedef != spec.treedef or len(leaves) != len(spec.kinds):
+        return  # structural differences get bind_model's own messages
+    statics = iter(spec.statics)
+    for name, leaf, kind in zip(spec.arg_names, leaves, spec.kinds):
+        if kind != "static":
+            continue
+        old = next(statics)
+        if _is_array(leaf) or not _same_static(leaf, old):
+            raise ModelMismatchError(
+                f"the fixed model argument {name!r} was {old!r} when the posterior was fitted and is {leaf!r} now; "
+                "a posterior belongs to the model with its fixed arguments. Refit with the new value (pc.fit), or "
+                "pass the fitted value.")
+
+
 def _same_static(a, b):
     try:
         return type(a) is type(b) and bool(a == b)
@@ -149,10 +172,16 @@ def bind_batch(post, args, kwargs):
     data = _bind_like_fitted(post, args, kwargs)
     if data is not None:
         return data
+    _check_fixed_arguments(post.spec, args, kwargs)
     spec, data = bind_model(post.spec.model, args, kwargs, data_plate=post.spec.plate, shared=_shared_names(post.spec))
     if spec.latent.signature() != post.latent.signature() or spec.observed != post.spec.observed:
-        raise DataShapeError("the new batch gives the model different latent or observed sites "
-                             f"({spec.latent.names} vs {post.latent.names}); was another model called?")
+        def describe(s):
+            return {n: tuple(shape) for n, shape in zip(s.latent.names, s.latent.unconstrained_shapes)}
+        raise DataShapeError(
+            "the new batch gives the model different latent or observed sites: latent (unconstrained shapes) "
+            f"{describe(spec)} and observed {spec.observed} where the posterior has {describe(post.spec)} and "
+            f"{post.spec.observed}; was another model called, or a per-example argument passed with other "
+            "trailing dimensions?")
     if spec.kinds != post.spec.kinds or spec.treedef != post.spec.treedef:
         raise DataShapeError("the new batch passes the model's arguments differently from the fitted data")
     for old, new in zip(post.data.shared, data.shared):
@@ -186,23 +215,23 @@ def select_memory(post, size, rule="random", seed=0):
         score = np.asarray(jnp.einsum("nde,ed->n", sites.dense_curvature(), cov)) if sites.storage != "factor" else \
             np.asarray(jnp.einsum("nkl,nld,de,nke->n", sites.lam, sites.jac, cov, sites.jac))
     else:
-        raise ValueError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
+        raise InvalidOptionError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
     return ids[np.sort(np.argsort(-score, kind="stable")[:size])]
 
 
 def _corrected_ids(post, correction, memory, selection, seed):
     if correction not in CORRECTIONS:
-        raise ValueError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
+        raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     retained = np.asarray(post.data_ids)
     if correction in ("none", "prior"):
         return retained[:0], correction == "prior"
     if correction in ("exact", "stochastic"):
         return retained, True
     if memory is None:
-        raise ValueError("correction='memory' needs memory= (a size or a list of example ids)")
+        raise InvalidOptionError("correction='memory' needs memory= (a size or a list of example ids)")
     if np.ndim(memory) == 0:
         return select_memory(post, int(memory), selection, seed), True
-    chosen = np.unique(np.asarray(memory, dtype=np.int64))
+    chosen = as_ids(memory)
     positions(retained, chosen, "retained example (its data was not kept)")
     return chosen, True
 
@@ -227,6 +256,9 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     residual = post.residual
+    if not np.isfinite(residual):
+        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
+                                   "non-finite values, so no update can be trusted; refit the posterior.")
     if residual > 1e-6:
         warnings.warn(f"updating a posterior whose dual-form residual is {residual:.1e}; refine() it first "
                       "so that its sites represent it", RuntimeWarning, stacklevel=3)
@@ -390,4 +422,4 @@ def _retain(post, new_data, new_ids, keep, seed):
         both = concat_data(post.data, new_data)
         rows = positions(np.concatenate([np.asarray(post.data_ids), new_ids]), kept)
         return take_data(both, rows), kept
-    raise ValueError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")
+    raise InvalidOptionError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")

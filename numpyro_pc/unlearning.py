@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import NotPositiveDefiniteError, UnknownExampleError
+from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
 from .families import Gaussian, remove_site
 from .posterior import RowSelection
+from .rowops import as_ids
 from .solvers import SiteProblem, solve
 from .rowops import bucket_size, to_device
 from .streaming import pad_to_bucket, positions, take_data
@@ -53,9 +54,7 @@ METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
 
 def _check_ids(post, ids):
     """Unique ids to delete and their site rows (raises for deleted or unknown ids)."""
-    ids = np.unique(np.asarray(ids, dtype=np.int64).ravel())
-    if ids.size == 0:
-        raise ValueError("no ids to delete")
+    ids = as_ids(ids)
     dead = sorted(set(ids.tolist()) & set(post.tombstones))
     if dead:
         raise UnknownExampleError(f"example id(s) {dead[:10]} were already deleted")
@@ -149,8 +148,11 @@ def _remove(post, removal, damping, what):
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
     if method not in METHODS:
-        raise ValueError(f"unknown deletion method {method!r}; expected one of {METHODS}")
+        raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
+    if as_ids(ids).size == 0:  # nothing to delete: the same posterior, with a record saying so
+        return post._replace(record=dict(operation="delete", method=method, deleted=0, damping=1.0, seconds=0.0,
+                                         kl_to_previous=0.0))
     ids, site_rows = _check_ids(post, ids)
     family = post.family
     keep_rows = np.delete(np.arange(post.num_examples), site_rows)

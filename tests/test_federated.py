@@ -7,6 +7,7 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import federated
+from numpyro_pc.datasets import load_breast_cancer
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
@@ -41,6 +42,38 @@ def test_federated_reaches_the_joint_posterior_with_non_iid_clients(x64, logisti
     d = joint.dim
     per_message = (d + d * d) * 8
     assert hist[0]["bytes_down"] == 10 * per_message
+
+
+@pytest.fixture(scope="module")
+def breast_cancer_case():
+    # the issue's case: 569 × 30, logistic, prior N(0, 1), six clients with label-sorted shards
+    X, y, _ = load_breast_cancer()
+    order = np.argsort(y, kind="stable")
+    with jax.enable_x64(True):
+        X, y = jnp.asarray(X), jnp.asarray(y)
+        clients = [(X[i], y[i]) for i in np.array_split(order, 6)]
+        joint = pc.fit(logistic_model, X, y, family="full", tol=1e-12)
+    return clients, joint
+
+
+@pytest.mark.parametrize("rho", [None, 0.05, 0.1, 0.2, 0.5, 1.0])
+def test_fedpc_converges_for_every_rho_on_label_sorted_clients(x64, breast_cancer_case, rho):
+    clients, joint = breast_cancer_case
+    result = federated.run(logistic_model, clients, rho=rho, rounds=40, reference=joint, keep_data=False)
+    kl = result.column("kl_to_reference")
+    assert result.converged, result.history[-1]
+    assert np.all(np.isfinite(kl)) and kl[-1] < 1e-10
+    # the clients' weights never go below the requested floor, and stay ≤ 1 + margin
+    assert min(h["rho_min"] for h in result.history) >= (rho or 1 / 6) - 1e-12
+    assert max(h["rho_max"] for h in result.history) <= 1.3 + 1e-9
+
+
+def test_without_the_safeguard_small_rho_diverges_on_label_sorted_clients(x64, breast_cancer_case):
+    clients, joint = breast_cancer_case
+    with pytest.warns(RuntimeWarning, match="diverged|lost finiteness"):
+        result = federated.run(logistic_model, clients, rho=0.2, rounds=10, reference=joint, keep_data=False,
+                               safeguard=False)
+    assert result.status == "diverged" and not result.converged
 
 
 def test_partial_participation_still_converges(x64, logistic_case):

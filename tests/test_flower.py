@@ -48,44 +48,223 @@ def test_server_and_client_logic_equal_the_in_process_run(x64):
     assert [h["bytes"] for h in server.history] == [h["bytes"] for h in ref.history]
 
 
+def _honest_server(num_clients=4, **kw):
+    parts = shards()
+    server = ServerLogic(num_clients, "fedpc", "full", rho=0.5, x64=True, min_clients=3, **kw)
+    clients = [ClientLogic(logistic_model, p) for p in parts]
+    return server, clients
+
+
+def _round(server, clients, extra=None):
+    arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
+    replies = {f"node{k}": c.update(arrays, server.config)[0] for k, c in enumerate(clients)}
+    replies.update(extra or {})
+    return server.aggregate(replies)
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
+    server, clients = _honest_server()
+    init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
+    # the rogue registers with a valid first message (a copy of client 0's), then misbehaves
+    server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+    assert sorted(server.sites) == ["node0", "node1", "node2", "rogue"]
+    d = server.dim
+    stored = server.sites["rogue"]
+    good = _round(server, clients)
+    site = [np.asarray(stored.linear), np.asarray(stored.precision)] * 2
+    nan = [a.copy() for a in site]
+    nan[0][0] = np.nan
+    indefinite = [a.copy() for a in site]
+    indefinite[1] = -np.eye(d)
+    indefinite[3] = -np.eye(d)
+    cases = {"NaN": nan, "not positive semi-definite": indefinite,
+             "shape": [np.zeros(d + 1), np.eye(d + 1)] * 2,
+             "dtype int64": [a.astype(np.int64) for a in site],
+             "dtype float16": [a.astype(np.float16) for a in site],
+             "expected 4 arrays": site[:3]}
+    for reason, message in cases.items():
+        q = _round(server, clients, {"rogue": message})
+        assert np.all(np.isfinite(np.asarray(q.mean)))
+        assert pc.FullGaussian().is_positive_definite(q.precision)
+        rejected = server.history[-1]["rejected"]
+        assert list(rejected) == ["rogue"] and reason in rejected["rogue"], (reason, rejected)
+        assert server.history[-1]["participants"] == 3
+        # nothing of the bad message is stored: the rogue keeps its last good site
+        np.testing.assert_array_equal(np.asarray(server.sites["rogue"].linear), np.asarray(stored.linear))
+    # an id the transport never admitted cannot add a site or overwrite another's
+    _round(server, clients, {"stranger": site})
+    assert "not admitted" in server.history[-1]["rejected"]["stranger"]
+    assert sorted(server.sites) == ["node0", "node1", "node2", "rogue"]
+    assert np.isfinite(good.mean).all()
+    # with fewer valid replies than min_clients the round fails with a typed error; the state stays
+    last = server.state
+    with pytest.raises(pc.TooFewClientsError, match="min_clients=3"):
+        server.aggregate({"node0": site, "rogue": nan})
+    assert server.state is last and "rogue" in server.failure
+    server.save(tmp_path / "partial.npz")
+    with np.load(tmp_path / "partial.npz") as res:
+        np.testing.assert_array_equal(res["mean"], np.asarray(last.mean))
+        assert "min_clients" in json.loads(str(res["failure"]))
+        assert len(json.loads(str(res["history"]))) == len(server.history)
+
+
+def test_clients_below_min_examples_do_not_take_part(x64):
+    # a one-example client's round-1 site reveals its (x, y): such clients are refused on both sides
+    X, y = shards()[0]
+    server = ServerLogic(2, "fedpc", "full", x64=True, min_clients=1, min_examples=5)
+    tiny = ClientLogic(logistic_model, (X[:1], y[:1]))
+    with pytest.raises(ValueError, match="min_examples=5"):
+        tiny.initial(server.config)
+    honest = ClientLogic(logistic_model, (X, y))
+    message = honest.initial(server.config)
+    server.aggregate_initial({"a": message, "b": [a.copy() for a in message]}, examples={"a": X.shape[0], "b": 1})
+    assert sorted(server.sites) == ["a"] and "min_examples=5" in server.rejected_initial["b"]
+
+
+def test_client_message_error_names_the_client():
+    from numpyro_pc.federated.robust import validate_site
+
+    with pytest.raises(pc.ClientMessageError, match="client 7") as err:
+        validate_site(pc.FullGaussian(), [np.zeros(2), np.full((2, 2), np.inf)], 2, np.float64, 7)
+    assert err.value.client == 7 and isinstance(err.value, pc.PosteriorCorrectionError)
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_bounded_aggregation_limits_a_rogue_client(x64):
+    share, shift = 1.0, 2.0
+    results = {}
+    for bounded in (False, True):
+        kw = dict(max_share=share, max_shift=shift) if bounded else {}
+        server, clients = _honest_server(**kw)
+        init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
+        server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+        d = server.dim
+        target = np.full(d, 50.0)
+        huge = [1e9 * target, 1e9 * np.eye(d)] * 2  # precision 1e9·I pulling the mean to the target
+        q = _round(server, clients, {"rogue": huge})
+        # the posterior without the rogue's site (the honest sites as the server holds them)
+        honest = {k: v for k, v in server.sites.items() if k != "rogue"}
+        lam = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), server.prior_nat, *honest.values())
+        results[bounded] = (q, lam)
+    q, _ = results[False]
+    np.testing.assert_allclose(np.asarray(q.mean), 50.0, rtol=1e-6)  # unbounded: the rogue owns the mean
+    q, lam = results[True]
+    rest_mean = np.linalg.solve(np.asarray(lam.precision), np.asarray(lam.linear))
+    diff = np.asarray(q.mean) - rest_mean
+    assert np.sqrt(diff @ np.asarray(lam.precision) @ diff) <= shift * (1 + 1e-9)
+    # P ⪯ (1 + γ) P_{-k}: the rogue sharpens the posterior by at most 1 + γ in any direction
+    top = np.linalg.eigvalsh(np.linalg.solve(np.asarray(lam.precision), np.asarray(q.precision))).max()
+    assert top <= 1 + share + 1e-9
+    assert server.history[-1]["clipped"] >= 1
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_apps_keep_the_site_in_the_context_state(x64, tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from flwr.app import Context, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    from numpyro_pc.federated import flower
+
+    assert isinstance(flower.server_app, ServerApp) and isinstance(flower.client_app, ClientApp)
+    X, y = shards()[0]
+    np.savez(tmp_path / "shard.npz", arg0=np.asarray(X), arg1=np.asarray(y))
+    run_config = {"model": "conftest:logistic_model", "num-clients": 1, "rounds": 2, "x64": True, "rho": 0.5}
+    components = flower._server_fn(Context(0, 0, {}, RecordDict(), run_config))
+    assert components.config.num_rounds == 3
+    logic = ServerLogic(1, "fedpc", "full", rho=0.5, x64=True)
+    state = RecordDict()
+
+    def fresh():  # a ClientApp is rebuilt for every message: the site must come back from the state
+        context = Context(0, 7, {"data": str(tmp_path / "shard.npz")}, state, run_config)
+        return flower._client_fn(context)
+
+    init = fresh().fit(flower_fit_ins([], dict(logic.config, phase="init")))
+    logic.aggregate_initial({7: flower_arrays(init)})
+    arrays = [np.asarray(logic.state.mean), np.asarray(logic.state.precision)]
+    res = fresh().fit(flower_fit_ins(arrays, dict(logic.config, phase="update")))
+    reference = ClientLogic(logistic_model, (X, y))
+    reference.initial(logic.config)
+    expected = reference.update(arrays, logic.config)[0]
+    for a, b in zip(flower_arrays(res), expected):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def flower_fit_ins(arrays, config):
+    from flwr.common import FitIns, ndarrays_to_parameters
+
+    return FitIns(ndarrays_to_parameters(arrays), config)
+
+
+def flower_arrays(fit_res):
+    from flwr.common import parameters_to_ndarrays
+
+    return parameters_to_ndarrays(fit_res.parameters)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_flower_processes_equal_the_in_process_run(x64, tmp_path):
-    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
-    parts = shards()
+def _launch(tmp_path, parts, server_args, roles):
+    """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update"."""
     for k, (X, y) in enumerate(parts):
         np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu")
-    mod = [sys.executable, "-m", "numpyro_pc.federated.flower"]
     out = tmp_path / "result.npz"
-    server = subprocess.Popen(mod + ["server", "--address", address, "--clients", "3", "--rounds", str(ROUNDS),
-                                     "--rho", "0.5", "--x64", "--out", str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    clients = [subprocess.Popen(mod + ["client", "--server", address, "--model", "conftest:logistic_model",
-                                       "--data", str(tmp_path / f"shard{k}.npz"), "--client-id", str(k), "--x64"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for k in range(3)]
+    server = subprocess.Popen([sys.executable, "-m", "numpyro_pc.federated.flower", "server", "--address", address,
+                               "--x64", "--out", str(out), "--connect-timeout", "60", "--round-timeout", "60",
+                               *server_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    clients = []
+    for k, role in enumerate(roles):
+        cmd = ([sys.executable, "-m", "numpyro_pc.federated.flower", "client"] if role == "honest" else
+               [sys.executable, str(ROOT / "tests" / "flower_rogue.py"), role])
+        clients.append(subprocess.Popen(cmd + ["--server", address, "--model", "conftest:logistic_model", "--data",
+                                               str(tmp_path / f"shard{k % len(parts)}.npz"), "--x64",
+                                               "--max-wait", "20"],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
-        log, _ = server.communicate(timeout=240)
+        log, _ = server.communicate(timeout=150)
         for c in clients:
-            c.communicate(timeout=60)
+            c.communicate(timeout=30)
     finally:
         for p in [server, *clients]:
             if p.poll() is None:
                 p.kill()
-    assert server.returncode == 0, log[-3000:]
+    return server.returncode, log, out
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_processes_leave_out_a_rogue_and_a_crashed_client(x64, tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    parts = shards(2)
+    code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
+                                               "--rho", "0.5"], ["honest", "honest", "nan", "crash-init"])
+    assert code == 0, log[-3000:]
     with np.load(out) as res:
         mean, precision, history = res["mean"], res["precision"], json.loads(str(res["history"]))
+    # the two others were never admitted: the run is the honest clients' in-process run
     ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
-    assert len(history) == ROUNDS
+    assert len(history) == ROUNDS and all(h["participants"] == 2 for h in history)
     np.testing.assert_allclose(mean, np.asarray(ref.state.mean), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(precision, np.asarray(ref.state.precision), rtol=1e-6, atol=1e-6)
     with jax.enable_x64(True):
         q = pc.Gaussian(jax.numpy.asarray(mean), jax.numpy.asarray(precision))
         assert float(pc.FullGaussian().kl(q, ref.state)) < 1e-10
+
+
+def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x64, tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    parts = shards(2)
+    code, log, out = _launch(tmp_path, parts, ["--clients", "2", "--rounds", str(ROUNDS), "--rho", "0.5"],
+                             ["honest", "crash-update"])
+    assert code == 1, log[-3000:]
+    with np.load(out) as res:
+        failure = json.loads(str(res["failure"]))
+        assert res["mean"].shape == (4,) and np.all(np.isfinite(res["mean"]))  # the last good posterior
+    assert "min_clients=2" in failure, failure

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import io
+from numpyro_pc import archive, io
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear
 
@@ -51,7 +51,7 @@ def test_a_crash_before_the_rename_leaves_the_previous_save(streamed, tmp_path, 
     def crash(src, dst):
         raise OSError("simulated power cut between write and rename")
 
-    monkeypatch.setattr(io.os, "replace", crash)
+    monkeypatch.setattr(archive.os, "replace", crash)
     with pytest.raises(OSError, match="power cut"):
         newer.save(path)
     monkeypatch.undo()

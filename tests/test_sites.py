@@ -8,6 +8,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
@@ -105,11 +107,22 @@ def test_chunking_does_not_change_the_result(x64):
     np.testing.assert_allclose(sa.loss, sb.loss, rtol=1e-13)
 
 
-def test_auto_storage_refuses_huge_dense_and_gh_needs_a_glm(x64):
+def _tanh_regression(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1], 2]).to_event(2))
+    v = numpyro.sample("v", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(jnp.tanh(X @ w) @ v, 0.5), obs=y)
+
+
+def test_auto_storage_refuses_huge_dense_and_gh_needs_a_fixed_subspace(x64):
+    # gh integrates over each example's fixed dependence subspace (a GLM, a learned noise scale:
+    # scale_model has r = 2); a network's examples depend on a subspace that moves with z
     X, y = make_linear(20, 3)
     spec, data = bind_model(scale_model, (X, y))
-    with pytest.raises(pc.ExpectationRuleError, match="affine"):
-        prepare_rule(get_rule("gh"), spec, data, jnp.zeros(4))
+    assert prepare_rule(get_rule("gh"), spec, data, jnp.zeros(4)).subspace_dim == 2
+    net_spec, net_data = bind_model(_tanh_regression, (X, y))
+    with pytest.raises(pc.ExpectationRuleError, match="subspace"):
+        prepare_rule(get_rule("gh"), net_spec, net_data, jnp.full(8, 0.3))
     with pytest.raises(pc.SiteStorageError, match="factor"):
         compute_sites(spec, data, FullGaussian(), _q_full(4), get_rule("mc"), storage="factor")
 

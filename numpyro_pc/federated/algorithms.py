@@ -5,8 +5,9 @@ All four share the double loop of paper eqs. ``global_update``/``local_update``
 family and the server step:
 
 ``"fedpc"``
-    federated posterior correction with ``ρ`` given (``ρ ∈ (0, 2/K)`` is the safe range
-    of the quadratic case, paper §3.4 after Tseng 1991);
+    federated posterior correction with the floor ``ρ`` given (default ``1/K``; ``ρ ∈ (0, 2/K)``
+    is the safe range of the quadratic case, paper §3.4 after Tseng 1991) and the safeguard
+    below;
 ``"pvi"``
     partitioned variational inference (Ashman et al. 2022): ``ρ = 1`` and the site
     update damped, ``η_k ← (1 − δ) η_k + δ λ̂_k(q_k)`` with ``δ = damping``;
@@ -36,10 +37,18 @@ by about ``−9`` per round once ``A ≫ τ`` — PVI diverges, and site damping
 growth — while FedPC with ``ρ < 2/K`` contracts (``ρ = 1/K`` solves the equal-shard case in
 one round). The test suite and ``notebooks/06_federated.ipynb`` show this case.
 
-**Non-quadratic losses.** The local problem's curvature in the mean is
-``S_jnt + (E_q[∇²ℓ_k] − Ĥ_k)/ρ``; when a client's curvature falls away from its last site
-(logistic regression) a very small ``ρ`` (about ``1/K`` and below) makes it unbounded and
-the run stops as ``"diverged"``. A somewhat larger ``ρ`` (``1.5/K``–``0.5``) converges.
+**Non-quadratic losses: the safeguard.** The local problem's curvature in the mean is
+``P_jnt + (E_q[∇²ℓ_k] − S_k)/ρ`` (``S_k`` the client's site precision); when a client's
+curvature falls away from its last site (logistic regression with label-sorted shards) a
+small ``ρ`` makes it unbounded and, without a safeguard, the run diverges in round 1–2.
+With ``safeguard=True`` (the default for FedPC and ADMM) each client uses
+``ρ_k = max(ρ, (1 + margin) λ_max(P_jnt⁻¹ S_k))`` in every round
+(:func:`~numpyro_pc.federated.core.safe_rho`): for a convex loss its local problem is then
+strongly convex whatever ``q``, and ``ρ_k < 1 + margin`` because ``P_jnt ⪰ S_k``. A round that
+still fails (a non-convex loss) is repeated with the floor ``ρ`` doubled. The fixed point of
+the double loop (``λ_k = λ_jnt``, ``η_k = λ̂_k(q_jnt)``) does not involve ``ρ``, so any
+``ρ_k`` keeps it at the joint posterior; ``ρ`` becomes a floor the user need not tune
+(``benchmarks/RESULTS.md``: every ``ρ`` from 0.05 to 1 converges on the label-skewed splits).
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import gaussian_prior, prior_natural
 from .core import (LocalConfig, bind_clients, check_rule, client_site, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes)
+from .robust import aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
@@ -101,7 +111,7 @@ class FederatedResult:
         return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)
 
 
-def _settings(algorithm, family, rho, damping, expectation, spec):
+def _settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
@@ -113,7 +123,7 @@ def _settings(algorithm, family, rho, damping, expectation, spec):
         if rho not in (None, 1, 1.0):
             raise ValueError(f"PVI uses ρ = 1 (damping acts on the sites); got rho={rho}. Use algorithm='fedpc'.")
         rho = 1.0
-    rho = 1.0 if rho is None else float(rho)
+    rho = (1.0 / num_clients if algorithm in ("fedpc", "admm") else 1.0) if rho is None else float(rho)
     if not rho > 0:
         raise ValueError(f"rho must be positive, got {rho}")
     damping = 1.0 if damping is None else float(damping)
@@ -128,7 +138,7 @@ def _settings(algorithm, family, rho, damping, expectation, spec):
 
 @partial(jax.jit, static_argnames=("cfg", "algorithm", "num_clients", "num_participants"))
 def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta, q_jnt, stack, rho, damping,
-           alpha, key):
+           alpha, key, bounds):
     family = cfg.family
     if num_participants == num_clients:
         idx = jnp.arange(num_clients)
@@ -140,7 +150,7 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
     old = jax.tree.map(pick, eta)
     new = jax.tree.map(lambda o, n: o + damping * (n - o), old, local.site)
     eta = jax.tree.map(lambda e, n: e.at[idx].set(n), eta, new)
-    eta_sum = jax.tree.map(lambda e: jnp.sum(e, 0), eta)
+    eta_sum, scaled = aggregate_sites(family, prior_nat, eta, bounds)
     q_new = global_state(family, prior, prior_nat, eta_sum)
     if algorithm == "admm":
         lam_fed = family.natural(q_new)
@@ -154,7 +164,8 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
         local.local.linear, local.local.precision)) / ref
     ok = jnp.all(local.ok) & jnp.all(jnp.isfinite(q_new.mean)) & family.is_positive_definite(q_new.precision)
     kl = family.kl(q_new, q_jnt)
-    return eta, q_new, dict(kl_to_previous=kl, residual=residual, local_iterations=jnp.max(local.iterations), ok=ok)
+    return eta, q_new, dict(kl_to_previous=kl, residual=residual, local_iterations=jnp.max(local.iterations), ok=ok,
+                            rho_min=jnp.min(local.rho), rho_max=jnp.max(local.rho), clipped=jnp.sum(scaled))
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -165,7 +176,8 @@ def _initial_sites(cfg, q, stack):
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
         local_tol=None, num_nodes=64, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
-        shared=(), callback=None, init="auto"):
+        shared=(), callback=None, init="auto", safeguard=None, safeguard_margin=0.3, max_retries=6,
+        max_share=None, max_shift=None):
     """Run a federated algorithm over client shards in one process.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is
@@ -173,7 +185,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param client_data: one tuple of model arguments per client, e.g. ``[(X1, y1), ...]``.
     :param family: ``"full"`` (default), ``"diagonal"`` or ``"isotropic"``.
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
-    :param float rho: local weight ``ρ`` (default 1; PVI forces 1).
+    :param float rho: local weight ``ρ``: with the safeguard, the smallest weight a client
+        uses (default ``1/K``, the middle of the quadratic case's safe range ``(0, 2/K)``;
+        PVI forces 1).
     :param int rounds: maximum number of rounds.
     :param float damping: PVI-style site damping ``δ ∈ (0, 1]`` (default ``1``: none).
     :param float fraction: share of clients taking part in each round.
@@ -199,10 +213,24 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         prior and, for a small ``ρ``, weights the client's loss by ``1/ρ``) or ``"auto"``:
         ``"zero"`` for the isotropic family (whose step from the prior is a plain gradient
         step of size ``1/τ`` and can land where a logistic loss saturates), else ``"prior"``.
-    :return: :class:`FederatedResult`.
+    :param bool safeguard: adapt each client's ``ρ_k ≥ ρ`` every round so that its local
+        problem is convex (:func:`~numpyro_pc.federated.core.safe_rho`), and retry a round that
+        still fails with the floor ``ρ`` doubled (at most ``max_retries`` times). Default: on for
+        ``"fedpc"`` and ``"admm"``, off for ``"pvi"`` (``ρ = 1`` by definition) and ``"ama"``.
+        The fixed point does not depend on ``ρ``, so it stays the joint posterior.
+    :param float safeguard_margin: ``ρ_k = max(ρ, (1 + margin) λ_max(P_jnt⁻¹ S_k))``.
+    :param int max_retries: retries of a failed round under the safeguard.
+    :param float max_share: bounded aggregation (:mod:`~numpyro_pc.federated.robust`): one
+        client's site may raise the global precision by at most the factor ``1 + max_share``
+        over the others' (default: no bound).
+    :param float max_shift: bounded aggregation: one client may move the global mean by at
+        most this many standard deviations of the others' posterior (default: no bound).
+    :return: :class:`FederatedResult`; ``history`` also holds ``rho_min``/``rho_max`` (the
+        weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
     """
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
-    family, rho, damping, rule = _settings(algorithm, family, rho, damping, expectation, spec)
+    family, rho, damping, rule = _settings(algorithm, family, rho, damping, expectation, spec, len(datas))
+    safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
     dtype = stack.mask.dtype
     x64 = dtype == jnp.float64
     tol = (1e-14 if x64 else 1e-8) if tol is None else float(tol)
@@ -212,7 +240,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
     num_participants = max(1, int(round(fraction * num_clients)))
-    cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol)
+    cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol, safeguard=safeguard,
+                      margin=float(safeguard_margin))
+    bounds = robust_bounds(max_share, max_shift, dtype)
     prior = gaussian_prior(spec, datas[0])
     # the isotropic family takes the prior's precision as its fixed τ: the AMA scaling in
     # which ρ ∈ (0, 2/K) is the safe range (paper §3.4)
@@ -230,7 +260,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     else:
         raise ValueError(f"unknown init {init!r}; expected 'prior' or 'zero'")
     if init == "prior":
-        q = global_state(family, prior, prior_nat, jax.tree.map(lambda e: jnp.sum(e, 0), eta))
+        q = global_state(family, prior, prior_nat, aggregate_sites(family, prior_nat, eta, bounds)[0])
         family.check_positive_definite(q.precision, what="initial global precision")
     alpha = 1.0 / (1.0 + rho * num_participants) if admm_alpha is None else float(admm_alpha)
     ref_state = getattr(reference, "state", reference)
@@ -239,17 +269,24 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     key = jax.random.PRNGKey(seed)
     history, total_bytes, status = [], 0, "max_rounds"
     start = time.perf_counter()
+    floor = rho
     for t in range(1, int(rounds) + 1):
         key, sub = jax.random.split(key)
-        eta_new, q_new, diag = _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta, q, stack,
-                                      jnp.asarray(rho, dtype), jnp.asarray(damping, dtype),
-                                      jnp.asarray(alpha, dtype), sub)
-        total_bytes += num_participants * (up + message)
+        for attempt in range(int(max_retries) + 1 if safeguard else 1):
+            eta_new, q_new, diag = _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta, q,
+                                          stack, jnp.asarray(floor, dtype), jnp.asarray(damping, dtype),
+                                          jnp.asarray(alpha, dtype), sub, bounds)
+            total_bytes += num_participants * (up + message)
+            good = bool(diag["ok"]) and math.isfinite(float(diag["kl_to_previous"]))
+            if good or attempt == max_retries:
+                break
+            floor *= 2.0  # the safeguard's second line: a failed round is repeated with a larger ρ
         record = dict(round=t, kl_to_previous=float(diag["kl_to_previous"]), residual=float(diag["residual"]),
                       participants=num_participants, local_iterations=int(diag["local_iterations"]),
                       bytes_up=num_participants * up, bytes_down=num_participants * message, bytes=total_bytes,
-                      seconds=time.perf_counter() - start)
-        if not bool(diag["ok"]) or not math.isfinite(record["kl_to_previous"]):
+                      seconds=time.perf_counter() - start, rho_min=float(diag["rho_min"]),
+                      rho_max=float(diag["rho_max"]), rho_floor=floor, retries=attempt, clipped=int(diag["clipped"]))
+        if not good:
             record["kl_to_previous"] = float("nan")
             history.append(record)
             status = "diverged"

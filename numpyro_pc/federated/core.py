@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import cho_solve
+from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import DataShapeError, ExpectationRuleError
 from ..expectations import hermite_nodes
@@ -66,6 +66,8 @@ class LocalConfig:
     :ivar max_iters: Newton iterations of the local problem.
     :ivar tol: relative change of the local mean and precision that stops them.
     :ivar chunk_size: examples per chunk when per-example Hessians are formed (non-GLM).
+    :ivar safeguard: raise the local weight to :func:`safe_rho` (FedPC/ADMM's safeguard).
+    :ivar margin: the safeguard's relative margin above the convexity bound.
     """
 
     spec: object
@@ -75,6 +77,8 @@ class LocalConfig:
     max_iters: int = 50
     tol: float = 1e-12
     chunk_size: int = 64
+    safeguard: bool = True
+    margin: float = 0.3
 
     @property
     def factored(self):
@@ -201,12 +205,35 @@ def client_site(cfg, q, per_example, mask, shared):
 
 
 class LocalResult(NamedTuple):
-    """Outcome of one local update: the new site, the local posterior and diagnostics."""
+    """Outcome of one local update: the new site, the local posterior, diagnostics and the ``ρ`` used."""
 
     site: GaussianNatural
     local: GaussianNatural
     iterations: jax.Array
     ok: jax.Array
+    rho: jax.Array
+
+
+def safe_rho(family, q_jnt, eta, rho, margin):
+    r"""Smallest local weight ``ρ_k ≥ ρ`` whose cavity keeps the local problem convex.
+
+    With ``S_k`` the client's site precision and ``P_jnt`` the global one, the local
+    objective's curvature in the mean is ``P_jnt + (E_q[∇²ℓ_k] − S_k)/ρ`` (up to the
+    positive factor ``1/ρ``): for a convex loss it is positive definite for every ``q`` once
+    ``ρ P_jnt ⪰ S_k``, i.e. ``ρ ≥ λ_max(P_jnt^{-1} S_k)``. Returns
+    ``max(ρ, (1 + margin) λ_max)``. Because ``P_jnt = P_0 + Σ_j S_j ⪰ S_k`` the bound is
+    below ``1 + margin`` whenever the sites are positive semi-definite.
+    """
+    chol = jnp.linalg.cholesky(family.dense_precision(q_jnt))
+    top = relative_top(chol, family.dense_precision(Gaussian(q_jnt.mean, eta.precision)))
+    return jnp.maximum(rho, (1.0 + margin) * top)
+
+
+def relative_top(chol, site):
+    """``λ_max(P⁻¹ S)`` from the Cholesky factor ``L`` of ``P`` (eigenvalues of ``L⁻¹ S L⁻ᵀ``)."""
+    half = solve_triangular(chol, site, lower=True)
+    whitened = solve_triangular(chol, half.T, lower=True)
+    return jnp.linalg.eigvalsh(0.5 * (whitened + whitened.T))[-1]
 
 
 def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
@@ -218,12 +245,17 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
     times). Starting from ``q_jnt``, iterations stop once the relative change
     is below ``cfg.tol`` or after ``cfg.max_iters``.
 
+    With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
+    ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
+
     :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or
         positive definiteness).
     """
     family = cfg.family
     iso = isinstance(family, IsotropicGaussian)
     lam_jnt = family.natural(q_jnt)
+    if cfg.safeguard:
+        rho = safe_rho(family, q_jnt, eta, rho, cfg.margin)
     b_lin = lam_jnt.linear - eta.linear / rho
     b_prec = lam_jnt.precision - eta.precision / rho
     b_dense = family.dense_precision(Gaussian(q_jnt.mean, b_prec))
@@ -264,7 +296,7 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
     site = client_site(cfg, q, per_example, mask, shared)
     ok = (delta >= 0) & jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
     ok = ok & jnp.all(jnp.isfinite(site.linear))
-    return LocalResult(site, family.natural(q), iters, ok)
+    return LocalResult(site, family.natural(q), iters, ok, rho)
 
 
 def global_state(family, prior, prior_nat, eta_sum):

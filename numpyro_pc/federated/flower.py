@@ -13,36 +13,49 @@ isotropic family), matching ``init="auto"`` of :func:`~numpyro_pc.federated.run`
 rounds of the algorithm. With every client taking part, the result equals the in-process
 run (up to the order of a sum).
 
+Client identity is the transport's (Flower's node id), never something a message says; the
+server checks every message and can bound one client's influence
+(:mod:`numpyro_pc.federated.server`, :mod:`numpyro_pc.federated.robust`).
+
 Command line (one server, one process per client)::
 
-    python -m numpyro_pc.federated.flower server --address 0.0.0.0:8080 --clients 3 \
-        --rounds 20 --algorithm fedpc --rho 0.2 --family full --out result.npz
-    python -m numpyro_pc.federated.flower client --server 10.0.0.1:8080 \
-        --model mypackage.models:logistic --data shard_k.npz --client-id k
+    python -m numpyro_pc.federated.flower server --address 127.0.0.1:8080 --clients 3 \
+        --min-clients 2 --rounds 20 --algorithm fedpc --family full --out result.npz
+    python -m numpyro_pc.federated.flower client --server 127.0.0.1:8080 \
+        --model mypackage.models:logistic --data shard_k.npz
 
 ``--data`` is an ``.npz`` file whose arrays ``arg0, arg1, …`` are the model's positional
 arguments; ``--model`` is ``module:function``. Add ``--x64`` on every process for float64.
-This module needs the optional extra ``numpyro-pc[federated]`` (``flwr``); it imports
-Flower only when a server or client is started.
+The server binds to loopback unless ``--address`` says otherwise; across machines pass
+``--certificates CA CERT KEY`` to the server and ``--root-certificates CA`` to the clients
+(TLS). The server exits with status 1 and still writes ``--out`` (last good posterior,
+history, ``failure``) when a run cannot go on. This module needs the optional extra
+``numpyro-pc[federated]`` (``flwr``); it imports Flower only when a server or client is
+started.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
+from ..errors import TooFewClientsError
+from ..families import Gaussian, GaussianNatural, IsotropicGaussian
 from ..merging import gaussian_prior, prior_natural
 from .algorithms import _settings
-from .core import LocalConfig, bind_clients, client_site, global_state, local_update, natural_nbytes
+from .core import LocalConfig, bind_clients, client_site, global_state, local_update
+from .server import ServerLogic
 
-__all__ = ["ServerLogic", "ClientLogic", "make_strategy", "make_client", "start_server", "start_client", "main"]
+__all__ = ["ServerLogic", "ClientLogic", "make_strategy", "make_client", "start_server", "start_client", "main",
+           "server_app", "client_app"]  # the two apps are built on first access (module __getattr__)
 
 
 def _require_flwr():
@@ -74,11 +87,16 @@ class ClientLogic:
         self._fns = {}
 
     def _cfg(self, config):
+        n = int(self.stack.mask.sum())
+        if n < int(config.get("min_examples", 1)):
+            raise ValueError(f"this client holds {n} example(s), fewer than the run's min_examples="
+                             f"{config['min_examples']}: it does not take part (its site would reveal its data)")
         family, _, _, rule = _settings(config["algorithm"], config["family"], None if config["algorithm"] == "pvi"
                                        else config["rho"], config["damping"],
                                        None if config["expectation"] == "auto" else config["expectation"], self.spec)
         return LocalConfig(self.spec, family, rule, int(config["num_nodes"]), int(config["local_iters"]),
-                           float(config["local_tol"]))
+                           float(config["local_tol"]), safeguard=bool(config.get("safeguard", False)),
+                           margin=float(config.get("safeguard_margin", 0.3)))
 
     def _ex(self):
         return tuple(x[0] for x in self.stack.per_example), self.stack.mask[0], self.stack.shared
@@ -110,90 +128,32 @@ class ClientLogic:
         return _arrays(self.site) + _arrays(out.local), {"iterations": int(out.iterations), "ok": bool(out.ok)}
 
 
-class ServerLogic:
-    """The server's aggregation, without any transport.
+def make_strategy(logic, connect_timeout=120.0, out=None):
+    """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic`.
 
-    Keeps the latest site of every client (clients that skip a round keep theirs) and forms
-    ``λ_jnt = λ_0 + Σ_k η_k`` (or the ADMM mix of paper eq. ``admm``).
+    Client identity is the transport's (``ClientProxy.cid``, Flower's node id). Round 1 waits
+    up to ``connect_timeout`` seconds for ``num_clients`` nodes; later rounds ask the admitted
+    nodes that are still connected. A failed or timed-out client is left out of the round; an
+    error of the logic (too few valid replies, …) is recorded in ``logic.failure`` and raised.
+    With ``out`` (a path) the result is written after every round and on failure.
     """
-
-    def __init__(self, num_clients, algorithm="fedpc", family="full", rho=None, damping=None, expectation="auto",
-                 fraction=1.0, num_nodes=64, local_iters=50, local_tol=None, x64=False):
-        self.num_clients = int(num_clients)
-        self.algorithm = algorithm
-        self.family_name = "isotropic" if algorithm == "ama" else family
-        self.family = get_family(self.family_name)
-        self.rho = 1.0 if (rho is None or algorithm == "pvi") else float(rho)
-        self.damping = 1.0 if damping is None else float(damping)
-        self.fraction = float(fraction)
-        self.x64 = bool(x64)
-        self.config = dict(algorithm=algorithm, family=self.family_name, rho=self.rho, damping=self.damping,
-                           expectation=expectation, num_nodes=int(num_nodes), local_iters=int(local_iters),
-                           local_tol=float((1e-12 if x64 else 1e-6) if local_tol is None else local_tol))
-        self.sites, self.prior, self.prior_nat, self.state = {}, None, None, None
-        self.history, self.total_bytes = [], 0
-
-    def _global(self):
-        eta_sum = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *[self.sites[k] for k in sorted(self.sites)])
-        return global_state(self.family, self.prior, self.prior_nat, eta_sum)
-
-    def aggregate_initial(self, replies):
-        """Round 1: check the clients' priors agree, store their sites, form ``q_jnt``."""
-        with jax.enable_x64(self.x64):
-            for cid, arrays in sorted(replies.items()):
-                prior = Gaussian(jnp.asarray(arrays[2]), jnp.asarray(arrays[3]))
-                if self.prior is None:
-                    self.prior = prior
-                elif not (np.allclose(prior.mean, self.prior.mean) and np.allclose(prior.precision,
-                                                                                   self.prior.precision)):
-                    raise ValueError(f"client {cid} reports another prior than client {min(replies)}; "
-                                     "every client must run the same model")
-                self.sites[cid] = _nat(arrays[:2])
-            tau = jnp.mean(jnp.diag(self.prior.precision)) if isinstance(self.family, IsotropicGaussian) else None
-            self.prior_nat = prior_natural(self.family, self.prior, tau)
-            self.state = self._global()
-        return self.state
-
-    def aggregate(self, replies, iterations=()):
-        """One round: new sites (and local posteriors) from the participating clients."""
-        with jax.enable_x64(self.x64):
-            old = self.state
-            lam_old = self.family.natural(old)
-            locals_ = []
-            for cid, arrays in sorted(replies.items()):
-                self.sites[cid] = _nat(arrays[:2])
-                locals_.append(_nat(arrays[2:4]))
-            new = self._global()
-            if self.algorithm == "admm":
-                alpha = 1.0 / (1.0 + self.rho * len(replies))
-                lam_loc = jax.tree.map(lambda *xs: sum(xs) / len(xs), *locals_)
-                new = self.family.from_natural(jax.tree.map(lambda a, b: alpha * a + (1.0 - alpha) * b,
-                                                            self.family.natural(new), lam_loc))
-            flat = lambda lam: jnp.concatenate([jnp.ravel(lam.linear), jnp.ravel(lam.precision)])  # noqa: E731
-            residual = max(float(jnp.linalg.norm(flat(l) - flat(lam_old))) for l in locals_) / float(
-                jnp.linalg.norm(flat(lam_old)))
-            message = natural_nbytes(self.family, old.mean.shape[0], old.mean.dtype)
-            up = message * (2 if self.algorithm == "admm" else 1)
-            self.total_bytes += len(replies) * (up + message)
-            self.history.append(dict(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(new, old)),
-                                     residual=residual, participants=len(replies),
-                                     local_iterations=max(iterations) if iterations else 0,
-                                     bytes_up=len(replies) * up, bytes_down=len(replies) * message,
-                                     bytes=self.total_bytes))
-            self.state = new
-        return new
-
-    def save(self, path):
-        """Write the global Gaussian and the history to an ``.npz`` file."""
-        np.savez(path, mean=np.asarray(self.state.mean), precision=np.asarray(self.state.precision),
-                 history=json.dumps(self.history), config=json.dumps(self.config))
-
-
-def make_strategy(logic):
-    """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic`."""
     _require_flwr()
     from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import Strategy
+
+    def recorded(fn):
+        def wrapper(*args, **kwargs):
+            try:
+                value = fn(*args, **kwargs)
+            except Exception as err:
+                logic.failure = logic.failure or f"{type(err).__name__}: {err}"
+                if out:
+                    logic.save(out)
+                raise
+            if out and logic.state is not None:
+                logic.save(out)
+            return value
+        return wrapper
 
     class PosteriorCorrectionStrategy(Strategy):
         """Aggregates site natural parameters; round 1 initialises, later rounds update."""
@@ -201,26 +161,40 @@ def make_strategy(logic):
         def initialize_parameters(self, client_manager):
             return ndarrays_to_parameters([])
 
+        @recorded
         def configure_fit(self, server_round, parameters, client_manager):
+            if server_round == 1:
+                if not client_manager.wait_for(logic.num_clients, timeout=int(connect_timeout)):
+                    logic.failure = (f"only {client_manager.num_available()} of {logic.num_clients} clients "
+                                     f"connected within {connect_timeout:g} s")
+                    raise TooFewClientsError(logic.failure)
+                clients = client_manager.sample(num_clients=logic.num_clients)
+                arrays = []
+            else:
+                alive = [p for cid, p in sorted(client_manager.all().items()) if cid in logic.sites]
+                wanted = max(logic.min_clients, round(logic.fraction * logic.num_clients))
+                if len(alive) < logic.min_clients:
+                    logic.failure = (f"round {server_round - 1}: {len(alive)} admitted client(s) still connected, "
+                                     f"fewer than min_clients={logic.min_clients}")
+                    raise TooFewClientsError(logic.failure)
+                order = np.random.default_rng(server_round).permutation(len(alive))[:wanted]
+                clients = [alive[i] for i in sorted(order)]
+                arrays = [np.asarray(logic.state.mean), np.asarray(logic.state.precision)]
             phase = "init" if server_round == 1 else "update"
-            wanted = logic.num_clients if phase == "init" else max(1, round(logic.fraction * logic.num_clients))
-            clients = client_manager.sample(num_clients=wanted, min_num_clients=logic.num_clients)
-            arrays = [] if phase == "init" else [np.asarray(logic.state.mean), np.asarray(logic.state.precision)]
             ins = FitIns(ndarrays_to_parameters(arrays), dict(logic.config, phase=phase))
             return [(c, ins) for c in clients]
 
+        @recorded
         def aggregate_fit(self, server_round, results, failures):
-            if failures:
-                raise RuntimeError(f"{len(failures)} client(s) failed in round {server_round}: {failures[:1]}")
-            replies = {int(r.metrics["client_id"]): parameters_to_ndarrays(r.parameters) for _, r in results}
+            replies = {proxy.cid: parameters_to_ndarrays(r.parameters) for proxy, r in results}
+            examples = {proxy.cid: r.num_examples for proxy, r in results}
             if server_round == 1:
-                q = logic.aggregate_initial(replies)
+                q = logic.aggregate_initial(replies, examples)
             else:
-                bad = [int(r.metrics["client_id"]) for _, r in results if not r.metrics.get("ok", True)]
-                if bad:
-                    raise RuntimeError(f"the local update of client(s) {bad} lost positive definiteness in round "
-                                       f"{server_round - 1}; use a larger rho")
-                q = logic.aggregate(replies, [int(r.metrics["iterations"]) for _, r in results])
+                iterations = [int(r.metrics.get("iterations", 0)) for _, r in results
+                              if isinstance(r.metrics.get("iterations", 0), int)]
+                q = logic.aggregate(replies, iterations, examples)
+                logic.history[-1]["dropped"] = len(failures)
             return ndarrays_to_parameters([np.asarray(q.mean), np.asarray(q.precision)]), {}
 
         def configure_evaluate(self, server_round, parameters, client_manager):
@@ -235,8 +209,13 @@ def make_strategy(logic):
     return PosteriorCorrectionStrategy()
 
 
-def make_client(logic, client_id):
-    """A Flower ``NumPyClient`` around a :class:`ClientLogic`."""
+def make_client(logic, x64=None, state=None):
+    """A Flower ``NumPyClient`` around a :class:`ClientLogic` (it sends no identity: the transport gives it).
+
+    :param bool x64: compute in float64 (``None``: as the caller's scope).
+    :param state: a Flower ``RecordDict`` (``Context.state``) keeping the client's site between
+        messages where the ``ClientApp`` is rebuilt for each one.
+    """
     _require_flwr()
     from flwr.client import NumPyClient
 
@@ -245,32 +224,112 @@ def make_client(logic, client_id):
             return []
 
         def fit(self, parameters, config):
-            if config["phase"] == "init":
-                arrays, metrics = logic.initial(config), {}
-            else:
-                arrays, metrics = logic.update(parameters, config)
-            return arrays, int(logic.stack.mask.sum()), dict(metrics, client_id=int(client_id))
+            with contextlib.nullcontext() if x64 is None else jax.enable_x64(x64):
+                if logic.site is None and state is not None and _STATE_KEY in state:
+                    logic.site = _nat(state[_STATE_KEY].to_numpy_ndarrays())
+                if config["phase"] == "init":
+                    arrays, metrics = logic.initial(config), {}
+                else:
+                    arrays, metrics = logic.update(parameters, config)
+                if state is not None:
+                    from flwr.app import ArrayRecord
+
+                    state[_STATE_KEY] = ArrayRecord(_arrays(logic.site))
+            return arrays, int(logic.stack.mask.sum()), metrics
 
     return PosteriorCorrectionClient()
 
 
-def start_server(address, logic, rounds):
-    """Run the Flower server for ``rounds`` algorithm rounds (plus the initial round)."""
+_STATE_KEY = "numpyro_pc_site"
+
+
+def _opt(cfg, key, cast=float):
+    value = cfg.get(key)
+    return None if value in (None, "", "none") else cast(value)
+
+
+def _server_fn(context):
+    """``ServerApp`` components from the run config (``pyproject.toml`` ``[tool.flwr.app.config]``)."""
+    from flwr.server import ServerAppComponents, ServerConfig
+
+    cfg = dict(context.run_config)
+    logic = ServerLogic(int(cfg["num-clients"]), str(cfg.get("algorithm", "fedpc")), str(cfg.get("family", "full")),
+                        _opt(cfg, "rho"), _opt(cfg, "damping"), str(cfg.get("expectation", "auto")),
+                        float(cfg.get("fraction", 1.0)), x64=bool(cfg.get("x64", True)),
+                        min_clients=_opt(cfg, "min-clients", int), min_examples=int(cfg.get("min-examples", 1)),
+                        max_share=_opt(cfg, "max-share"), max_shift=_opt(cfg, "max-shift"))
+    strategy = make_strategy(logic, float(cfg.get("connect-timeout", 120.0)), out=_opt(cfg, "out", str))
+    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=int(cfg.get("rounds", 20)) + 1,
+                                                                      round_timeout=float(cfg.get("round-timeout",
+                                                                                                  120.0))))
+
+
+def _client_fn(context):
+    """A client from the run config's ``model`` and the node config's ``data`` (``.npz`` path)."""
+    x64 = bool(context.run_config.get("x64", True))
+    with jax.enable_x64(x64):
+        logic = ClientLogic(_load_model(str(context.run_config["model"])), _load_args(str(context.node_config["data"])),
+                            json.loads(str(context.run_config.get("model-kwargs", "{}"))))
+    return make_client(logic, x64=x64, state=context.state).to_client()
+
+
+def __getattr__(name):
+    """``server_app`` and ``client_app``: Flower apps for ``flwr run`` / SuperLink–SuperNode, built on access."""
+    if name == "server_app":
+        _require_flwr()
+        from flwr.serverapp import ServerApp
+
+        return ServerApp(server_fn=_server_fn)
+    if name == "client_app":
+        _require_flwr()
+        from flwr.clientapp import ClientApp
+
+        return ClientApp(client_fn=_client_fn)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _read(path):
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None):
+    """Run the Flower server for ``rounds`` algorithm rounds (plus the initial round).
+
+    :param tuple certificates: ``(CA certificate, server certificate, server key)`` as bytes or
+        paths, for TLS (default: none, plain gRPC — loopback or a trusted network only).
+    :param float round_timeout: seconds a round waits for its clients; the late ones are
+        left out of the round.
+    :raises: whatever stopped the run; ``logic.failure`` then holds the reason and
+        ``logic.state`` the last good posterior.
+    """
     _require_flwr()
     import flwr
 
-    flwr.server.start_server(server_address=address, strategy=make_strategy(logic),
-                             config=flwr.server.ServerConfig(num_rounds=int(rounds) + 1))
+    if certificates is not None:
+        certificates = tuple(c if isinstance(c, bytes) else _read(c) for c in certificates)
+    flwr.server.start_server(server_address=address, strategy=make_strategy(logic, connect_timeout),
+                             config=flwr.server.ServerConfig(num_rounds=int(rounds) + 1,
+                                                             round_timeout=float(round_timeout)),
+                             certificates=certificates)
     return logic
 
 
-def start_client(address, logic, client_id):
-    """Connect a client to the server and serve until the run ends."""
+def start_client(address, logic, root_certificates=None, max_wait_time=60.0):
+    """Connect a client to the server and serve until the run ends.
+
+    :param root_certificates: the CA certificate (bytes or path) for TLS; without it the
+        connection is plain gRPC (``insecure``), meant for loopback or a trusted network.
+    :param float max_wait_time: seconds the client keeps retrying an unreachable server.
+    """
     _require_flwr()
     import flwr
 
-    flwr.client.start_client(server_address=address, client=make_client(logic, client_id).to_client(),
-                             insecure=True)
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        root_certificates = _read(root_certificates)
+    flwr.client.start_client(server_address=address, client=make_client(logic).to_client(),
+                             root_certificates=root_certificates, insecure=root_certificates is None,
+                             max_wait_time=float(max_wait_time))
 
 
 def _load_model(path):
@@ -288,13 +347,14 @@ def _load_args(path):
         return tuple(jnp.asarray(npz[k]) for k in keys)
 
 
-def main(argv=None):
-    """Command-line entry point: ``server`` or ``client`` (see the module docstring)."""
+def _parser():
     parser = argparse.ArgumentParser(prog="python -m numpyro_pc.federated.flower")
     sub = parser.add_subparsers(dest="role", required=True)
     srv = sub.add_parser("server", help="aggregate the clients' sites")
-    srv.add_argument("--address", default="0.0.0.0:8080")
+    srv.add_argument("--address", default="127.0.0.1:8080", help="bind address (default loopback only)")
     srv.add_argument("--clients", type=int, required=True)
+    srv.add_argument("--min-clients", type=int, default=None, help="valid replies a round needs (default all)")
+    srv.add_argument("--min-examples", type=int, default=1, help="examples a client must hold to take part")
     srv.add_argument("--rounds", type=int, default=20)
     srv.add_argument("--algorithm", default="fedpc", choices=["fedpc", "pvi", "ama", "admm"])
     srv.add_argument("--family", default="full")
@@ -302,30 +362,61 @@ def main(argv=None):
     srv.add_argument("--damping", type=float, default=None)
     srv.add_argument("--expectation", default="auto")
     srv.add_argument("--fraction", type=float, default=1.0)
-    srv.add_argument("--out", default=None, help="write the result (.npz)")
+    srv.add_argument("--max-share", type=float, default=None, help="bounded aggregation: precision share")
+    srv.add_argument("--max-shift", type=float, default=None, help="bounded aggregation: mean shift (sd)")
+    srv.add_argument("--round-timeout", type=float, default=120.0)
+    srv.add_argument("--connect-timeout", type=float, default=120.0)
+    srv.add_argument("--certificates", nargs=3, metavar=("CA", "CERT", "KEY"), default=None,
+                     help="TLS: CA certificate, server certificate and server key files")
+    srv.add_argument("--out", default=None, help="write the result (.npz), also on failure")
     cli = sub.add_parser("client", help="hold a shard and run local updates")
     cli.add_argument("--server", default="127.0.0.1:8080")
     cli.add_argument("--model", required=True, help="module:function of the NumPyro model")
     cli.add_argument("--data", required=True, help=".npz with arrays arg0, arg1, …")
     cli.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the model")
-    cli.add_argument("--client-id", type=int, required=True)
+    cli.add_argument("--root-certificates", default=None, help="TLS: the CA certificate file")
+    cli.add_argument("--max-wait", type=float, default=60.0, help="seconds to retry an unreachable server")
     for p in (srv, cli):
         p.add_argument("--x64", action="store_true", help="compute in float64")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _serve(args):
+    logic = ServerLogic(args.clients, args.algorithm, args.family, args.rho, args.damping, args.expectation,
+                        args.fraction, x64=args.x64, min_clients=args.min_clients, min_examples=args.min_examples,
+                        max_share=args.max_share, max_shift=args.max_shift)
+    code = 0
+    try:
+        start_server(args.address, logic, args.rounds, args.round_timeout, args.connect_timeout, args.certificates)
+    except BaseException as err:  # noqa: BLE001 - any error ends the run with a partial result
+        logic.failure = logic.failure or f"{type(err).__name__}: {err}"
+    if logic.failure is not None:
+        code = 1
+    if args.out:
+        logic.save(args.out)
+    last = logic.history[-1] if logic.history else {}
+    print(json.dumps({"rounds": len(logic.history), "last": last, "failure": logic.failure}, default=str),
+          flush=True)
+    return code
+
+
+def main(argv=None):
+    """Command-line entry point: ``server`` or ``client`` (see the module docstring).
+
+    The server exits with status ``0`` after its rounds, ``1`` after any error (too few
+    valid clients, a client that never connected, …), writing ``--out`` in both cases.
+    """
+    args = _parser().parse_args(argv)
     with jax.enable_x64(args.x64):
         if args.role == "server":
-            logic = ServerLogic(args.clients, args.algorithm, args.family, args.rho, args.damping, args.expectation,
-                                args.fraction, x64=args.x64)
-            start_server(args.address, logic, args.rounds)
-            if args.out:
-                logic.save(args.out)
-            last = logic.history[-1] if logic.history else {}
-            print(json.dumps({"rounds": len(logic.history), "last": last}))
-        else:
-            logic = ClientLogic(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs))
-            start_client(args.server, logic, args.client_id)
+            return _serve(args)
+        logic = ClientLogic(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs))
+        start_client(args.server, logic, args.root_certificates, args.max_wait)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gRPC threads left by an aborted Flower run must not keep the process alive

@@ -7,13 +7,18 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 * :mod:`~numpyro_pc.gp.bounds` — collapsed VFE and Power-EP bounds in the stable Cholesky form;
 * :mod:`~numpyro_pc.gp.uncollapsed` — the uncollapsed bound for non-Gaussian likelihoods;
 * :mod:`~numpyro_pc.gp.corrected` — the posterior-corrected variant with a memory;
+* :mod:`~numpyro_pc.gp.core` — the functional core (``StreamingGPState`` pytree, pure ``step``, ``lax.scan``-able);
+* :mod:`~numpyro_pc.gp.usage` — persistent compilation cache, progress bar, plotting;
 * :mod:`~numpyro_pc.gp.state`, :mod:`~numpyro_pc.gp.inducing`, :mod:`~numpyro_pc.gp.optim`.
 """
 
 from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
+from .core import StreamConfig, StreamingGPState
 from .model import StreamingSparseGP, bucket_size
 from .state import GPState, Hyper, handover, prior_state
 from .uncollapsed import BernoulliLogit, uncollapsed_bound
+from .usage import enable_compilation_cache
 
 __all__ = ["StreamingSparseGP", "GPState", "Hyper", "handover", "prior_state", "collapsed_fit", "collapsed_bound",
-           "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "bucket_size"]
+           "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "bucket_size", "StreamConfig",
+           "StreamingGPState", "enable_compilation_cache"]

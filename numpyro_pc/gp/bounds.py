@@ -78,8 +78,15 @@ def _tri(L, B):
     return solve_triangular(L, B, lower=True)
 
 
-def collapsed_fit(hyper, old, X, y, mask, alpha=0.0):
+def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None):
     """Collapsed online bound and optimal ``q(b)`` in the stable Cholesky form.
+
+    With ``sites`` (the memory's Gaussian sites at the old state,
+    :func:`~numpyro_pc.gp.corrected.gaussian_sites`) the memory rows' sites are taken out
+    of the old pseudo-observations, so that rows passed in ``X`` that are also in the memory
+    enter once, through their exact likelihood: the posterior-corrected bound
+    (:mod:`~numpyro_pc.gp.corrected`). ``−Σ t_i(a)`` is a Gaussian pseudo-observation of
+    negative weight on ``a``: ``S_a⁻¹ − K'⁻¹ → S_a⁻¹ − K'⁻¹ − U Uᵀ``, ``S_a⁻¹ m_a → S_a⁻¹ m_a − U r̃``.
 
     :param Hyper hyper: current θ, noise and ``Z_b`` (``hyper.Z``).
     :param GPState old: the old state (``prior_state`` for the first batch).
@@ -87,6 +94,7 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0):
     :param y: targets ``(N,)``.
     :param mask: ``(N,)`` 1 for real rows, 0 for padding.
     :param float alpha: 0 for VFE, α ∈ (0, 1] for Power-EP (a Python float: static).
+    :param sites: ``None`` (Bui's bound) or :class:`~numpyro_pc.gp.corrected.GaussianSites` (VFE only).
     :return: :class:`CollapsedFit`.
     """
     eps = old.jitter
@@ -113,13 +121,21 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0):
         A = V / jnp.sqrt(s2)
         D = jnp.eye(Mb, dtype=X.dtype) + A @ A.T + PS.T @ PS - PK.T @ PK
         c = A @ r / jnp.sqrt(s2) + B @ Sinv_m
+        trace_old = jnp.trace(cho_solve((LS, True), E)) - jnp.trace(cho_solve((LK, True), E))
+        if sites is not None:                     # remove the memory's sites from the old term
+            BU = B @ sites.U
+            D = D - BU @ BU.T
+            c = c - B @ sites.Ur
+            trace_old = trace_old - jnp.sum(sites.U * (E @ sites.U))
+            quad_old = quad_old + sites.const
         LD = chol(D)
         gamma = _tri(LD, c)
-        trace_old = jnp.trace(cho_solve((LS, True), E)) - jnp.trace(cho_solve((LK, True), E))
         F = (-0.5 * N * (_LOG2PI + jnp.log(s2)) - 0.5 * jnp.dot(r, r) / s2 + quad_old + 0.5 * jnp.dot(gamma, gamma)
              - jnp.sum(jnp.log(jnp.diag(LD))) - 0.5 * jnp.sum(knn) / s2 + 0.5 * jnp.sum(A * A)
              + old_logdet - 0.5 * trace_old)
     else:
+        if sites is not None:
+            raise ValueError("the corrected collapsed bound (sites) is implemented for VFE (alpha = 0) only")
         qnn = jnp.sum(V * V, 0)
         dff = s2 + alpha * (knn - qnn) * mask
         A = V / jnp.sqrt(dff)
@@ -140,9 +156,9 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0):
     return CollapsedFit(bound=F, mean=R @ gamma, cov=R @ R.T, chol_D=LD, chol_Kbb=Lb)
 
 
-def collapsed_bound(hyper, old, X, y, mask, alpha=0.0):
+def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None):
     """The collapsed bound alone (see :func:`collapsed_fit`)."""
-    return collapsed_fit(hyper, old, X, y, mask, alpha).bound
+    return collapsed_fit(hyper, old, X, y, mask, alpha, sites).bound
 
 
 def paper_bound(hyper, old, X, y, alpha=0.0):

@@ -25,22 +25,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .state import predict_from_q
+from .state import kernel_diag, kernel_matrix, mean_vector, noise_variance, predict_from_q
 from .uncollapsed import expected_log_lik, marginals
 
-__all__ = ["Memory", "Sites", "empty_memory", "update_memory", "memory_sites", "correction_term"]
+__all__ = ["Memory", "Sites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "gaussian_sites",
+           "correction_term"]
 
 _GH_T, _GH_W = np.polynomial.hermite_e.hermegauss(20)
 _GH_W = _GH_W / np.sqrt(2 * np.pi)
 
 
 class Memory(NamedTuple):
-    """Fixed-capacity memory of past examples: ``X (C, D)``, ``y (C,)``, ``mask (C,)``, ``seen`` (count)."""
+    """Fixed-capacity memory of past examples: ``X (C, D)``, ``y (C,)``, ``mask (C,)``, ``seen`` (count),
+    and ``ss (C,)``, each row's frozen noise statistic ``(y − μ)² + v`` (see ``noise_memory``)."""
 
     X: np.ndarray
     y: np.ndarray
     mask: np.ndarray
     seen: int
+    ss: np.ndarray = None
+
+
+class GaussianSites(NamedTuple):
+    r"""Sites of the memory rows in the collapsed (Gaussian) bound, as a function of ``a = u(Z_a)``.
+
+    ``t_i(a) = log N(r_i | w_iᵀ a, σ'²) − (k'_ii − w_iᵀ k'_i) / (2σ'²)`` with ``w_i = K'^{-1}_{aa} k'_{a i}``
+    under the old θ' (Titsias' site). Stored as ``U = [w_i / σ']`` (``(M_a, C)``, masked columns),
+    ``Ur = Σ_i w_i r_i / σ'²`` and ``const = Σ_i ½ log 2πσ'² + r_i² / (2σ'²) + (k'_ii − q'_ii) / (2σ'²)``,
+    so that ``−Σ_i t_i(a) = const − Urᵀ a + ½ ‖Uᵀ a‖²``.
+    """
+
+    U: jnp.ndarray
+    Ur: jnp.ndarray
+    const: jnp.ndarray
 
 
 class Sites(NamedTuple):
@@ -53,23 +70,38 @@ class Sites(NamedTuple):
 
 def empty_memory(capacity, dim):
     """An empty memory of ``capacity`` rows."""
-    return Memory(np.zeros((capacity, dim)), np.zeros(capacity), np.zeros(capacity), 0)
+    return Memory(np.zeros((capacity, dim)), np.zeros(capacity), np.zeros(capacity), 0, np.zeros(capacity))
 
 
-def update_memory(memory, X, y, rng):
-    """Reservoir sampling: every example seen so far is in the memory with equal probability."""
+def update_memory(memory, X, y, rng, ss=None):
+    """Reservoir sampling: every example seen so far is in the memory with equal probability.
+
+    :param ss: optional per-row noise statistics of the new rows (stored beside them).
+    """
     Xm, ym, mask = memory.X.copy(), memory.y.copy(), memory.mask.copy()
+    ssm = np.zeros(len(ym)) if memory.ss is None else memory.ss.copy()
+    ss = np.zeros(len(y)) if ss is None else np.asarray(ss)
     seen = memory.seen
     C = Xm.shape[0]
-    for x_i, y_i in zip(X, y):
-        if seen < C:
-            j = seen
-        else:
-            j = int(rng.integers(0, seen + 1))
+    for i in range(len(y)):
+        j = seen if seen < C else int(rng.integers(0, seen + 1))
         if j < C:
-            Xm[j], ym[j], mask[j] = x_i, y_i, 1.0
+            Xm[j], ym[j], mask[j], ssm[j] = X[i], y[i], 1.0, ss[i]
         seen += 1
-    return Memory(Xm, ym, mask, seen)
+    return Memory(Xm, ym, mask, seen, ssm)
+
+
+def gaussian_sites(old, X, y, mask):
+    """:class:`GaussianSites` of the memory rows ``(X, y, mask)`` at the old state (old θ', ``Z_a``, ``K'_aa``)."""
+    h = old.hyper
+    s2 = noise_variance(h)
+    Kaf = kernel_matrix(h.kernel, old.Z, X)
+    W = jax.scipy.linalg.cho_solve((old.chol_Kzz, True), Kaf)
+    r = (y - mean_vector(h.mean_function, X)) * mask
+    U = W * (mask / jnp.sqrt(s2))[None, :]
+    qnn = jnp.sum(W * Kaf, 0)
+    const = jnp.sum(mask * (0.5 * jnp.log(2 * jnp.pi * s2) + (r * r + kernel_diag(h.kernel, X) - qnn) / (2 * s2)))
+    return GaussianSites(U=U, Ur=W @ r / s2, const=const)
 
 
 def _neg_log_lik(hyper, y, f):

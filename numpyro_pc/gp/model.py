@@ -19,15 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError
-from . import bounds, corrected, inducing, uncollapsed
+from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError, NotPositiveDefiniteError
+from . import core, corrected, inducing, uncollapsed
+from .core import noise_memory_term
 from .optim import minimize
 from .state import (Hyper, check_chol, chol, handover, kernel_matrix, noise_variance, predict_from_q,
                     prior_state)
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 
-_LOG2PI = math.log(2.0 * math.pi)
+DEFAULT_MEMORY = 1024
 
 
 def bucket_size(n, minimum=16):
@@ -49,51 +50,12 @@ def gaussian_kl(m1, S1, m0, L0):
                   + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
 
 
-def noise_memory_term(hyper, stats):
-    r"""σ²-dependence of the old batches' expected log-likelihood, from two running sums.
-
-    The batch VFE bound contains ``Σ_n E_q[log N(y_n | f_n, σ²)] = −½ Σ_n [log 2πσ² +
-    ((y_n − μ_n)² + v_n) / σ²]``. Bui's online bound keeps this term for the current batch
-    only: the old data enter through ``q_old(a)``, whose pseudo-noise is fixed, so nothing
-    in it depends on σ². With ``q(f_n) = N(μ_n, v_n)`` frozen at the posterior fitted to
-    each old batch, the old terms reduce to ``n_old`` (rows seen) and ``ss_old =
-    Σ (y_n − μ_n)² + v_n`` (accumulated after each batch):
-    ``−½ n_old log 2πσ² − ss_old / (2σ²)``.
-
-    :param Hyper hyper: current hyperparameters (Gaussian noise).
-    :param stats: ``(n_old, ss_old)`` scalars.
-    :return: scalar.
-    """
-    n_old, ss_old = stats
-    s2 = noise_variance(hyper)
-    return -0.5 * n_old * (_LOG2PI + jnp.log(s2)) - 0.5 * ss_old / s2
-
-
-@eqx.filter_jit
-def _residual_stats(state, X, y, mask):
-    """``(Σ mask, Σ mask·((y − μ)² + v))`` with ``N(μ, v)`` the latent marginals under ``state``."""
-    mu, var = predict_from_q(state.hyper, state.Z, state.mean, state.cov, state.chol_Kzz, X)
-    return jnp.sum(mask), jnp.sum(mask * ((y - mu) ** 2 + jnp.maximum(var, 0.0)))
-
-
 def _filter(hyper, learn_hyper, learn_Z):
     spec = jax.tree.map(lambda x: learn_hyper and eqx.is_inexact_array(x), hyper)
     return eqx.tree_at(lambda h: h.Z, spec, learn_Z)
 
 
-@eqx.filter_jit
-def _collapsed_step(params, static, old, X, y, mask, alpha, method, max_iters, lr, gtol, noise_stats):
-    scale = jnp.maximum(jnp.sum(mask), 1.0)
-
-    def loss(p):
-        hyper = eqx.combine(p, static)
-        return -(bounds.collapsed_bound(hyper, old, X, y, mask, alpha) + noise_memory_term(hyper, noise_stats)) / scale
-
-    res = minimize(loss, params, method, max_iters, lr, gtol) if jax.tree.leaves(params) else None
-    p = res.params if res is not None else params
-    hyper = eqx.combine(p, static)
-    fit = bounds.collapsed_fit(hyper, old, X, y, mask, alpha)
-    return p, fit, (res.iterations if res is not None else jnp.asarray(0))
+_fit_batch = eqx.filter_jit(core.fit_batch)
 
 
 def _q_from_raw(raw):
@@ -144,11 +106,18 @@ class StreamingSparseGP:
     :param bool learn_hyperparameters: optimise θ, noise and likelihood parameters.
     :param bool learn_inducing: optimise ``Z_b`` (forced off by ``inducing="fixed"``).
     :param str optimizer: ``"lbfgs"`` (default) or ``"adam"``.
-    :param int max_iters: optimiser iterations per batch.
+    :param int max_iters: optimiser iterations per batch (a cap; L-BFGS stops earlier on ``ftol``/``gtol``).
     :param float learning_rate: Adam step size.
     :param float jitter: ε added once to every ``K_ZZ``, recorded in the state.
     :param int memory_size: > 0 enables the posterior-corrected variant
-        (:mod:`numpyro_pc.gp.corrected`) with a memory of that many past examples.
+        (:mod:`numpyro_pc.gp.corrected`) with a memory of that many past examples
+        (reservoir sample of the stream). Gaussian likelihood: the memory rows enter the
+        collapsed bound through their exact likelihood and their sites leave the old term,
+        which keeps θ, noise and ``Z`` informed by old data (no loss as batches accumulate).
+        ``None`` (default): 1,024 for the collapsed VFE bound when θ or ``Z`` can change, else
+        0; ``0`` is Bui et al.'s original update.
+    :param float ftol: L-BFGS stops when one iteration lowers the per-row objective by less
+        than ``ftol`` (relative); ``0`` runs to ``gtol`` or ``max_iters``.
     :param int seed: seed of the inducing policy and memory sampling.
     :param bool noise_memory: learn the Gaussian noise variance from every batch seen, not
         from the current batch alone: the old batches' expected log-likelihood, which is
@@ -163,7 +132,7 @@ class StreamingSparseGP:
     def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=1.0, alpha=0.0,
                  bound=None, inducing="keep", keep_fraction=0.7, Z_init=None, learn_hyperparameters=True,
                  learn_inducing=True, optimizer="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6,
-                 jitter=1e-6, memory_size=0, seed=0, noise_memory=None):
+                 jitter=1e-6, memory_size=None, seed=0, noise_memory=None, ftol=1e-5):
         import gpjax as gpx
         from gpjax.parameters import PositiveReal
 
@@ -179,9 +148,11 @@ class StreamingSparseGP:
             raise ValueError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
         if alpha > 0 and bound != "collapsed":
             raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
-        if memory_size and gaussian:
-            raise ValueError("the posterior-corrected variant (memory_size > 0) is for non-Gaussian likelihoods")
         vfe = bound == "collapsed" and alpha == 0.0
+        if memory_size is None:
+            memory_size = DEFAULT_MEMORY if vfe and (learn_hyperparameters or inducing != "fixed") else 0
+        if memory_size and bound == "collapsed" and not vfe:
+            raise ValueError("the corrected collapsed update (memory_size > 0) needs the VFE bound (alpha = 0)")
         if noise_memory is None:
             noise_memory = vfe
         if noise_memory and not vfe:
@@ -204,12 +175,14 @@ class StreamingSparseGP:
         self.learn_hyperparameters = learn_hyperparameters
         self.learn_inducing = learn_inducing and inducing != "fixed"
         self.optimizer, self.max_iters, self.learning_rate, self.gtol = optimizer, max_iters, learning_rate, gtol
+        self.ftol = ftol
         self.jitter = jitter
         self.memory_size = memory_size
         self.noise_memory = bool(noise_memory)
-        self._noise_stats = (0.0, 0.0)
+        self.seed = seed
         self._rng = np.random.default_rng(seed)
         self._state = None
+        self._stream = None
         self._memory = None
         self.history = []
 
@@ -220,14 +193,23 @@ class StreamingSparseGP:
         return self._state
 
     @property
+    def stream_state(self):
+        """The full :class:`~numpyro_pc.gp.core.StreamingGPState` (collapsed bound; ``None`` otherwise or
+        before the first batch): ``q(u)``, ``Z``, hyperparameters, noise statistics, memory, PRNG key."""
+        return self._stream
+
+    @property
     def hyper(self):
         """Current hyperparameters (:class:`~numpyro_pc.gp.state.Hyper`)."""
         return self._state.hyper if self._state is not None else self._hyper
 
     # ------------------------------------------------------------------ update
-    def _check(self, X, y):
+    def _check(self, X, y, mask=None):
         X = np.asarray(X, float)
         y = np.asarray(y, float).reshape(-1)
+        obs = np.ones(y.shape, bool) if mask is None else np.asarray(mask, bool).reshape(-1)
+        if obs.shape != y.shape:
+            raise DataShapeError(f"mask must have the shape of y {y.shape}, got {obs.shape}")
         if X.ndim == 1:
             X = X[:, None]
         if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
@@ -235,18 +217,29 @@ class StreamingSparseGP:
                                  f"and {y.shape}")
         if self._state is not None and X.shape[1] != self._state.Z.shape[1]:
             raise DataShapeError(f"X has {X.shape[1]} columns, the stream has {self._state.Z.shape[1]}")
-        if not (np.all(np.isfinite(X)) and np.all(np.isfinite(y))):
-            raise NonFiniteDataError("X or y contains NaN or infinite values")
-        return X, y
+        if not (np.all(np.isfinite(X)) and np.all(np.isfinite(y[obs]))):
+            raise NonFiniteDataError("X or the observed y contain NaN or infinite values")
+        if not obs.any():
+            raise DataShapeError("the batch has no observed output (mask is all False)")
+        return X, np.where(obs, y, 0.0), obs
 
-    def update(self, X, y):
+    def _config(self):
+        return core.StreamConfig(learn_hyperparameters=self.learn_hyperparameters, learn_inducing=self.learn_inducing,
+                                 noise_memory=self.noise_memory, method=self.optimizer, max_iters=self.max_iters,
+                                 learning_rate=self.learning_rate, gtol=self.gtol, ftol=self.ftol,
+                                 keep_fraction=self.keep_fraction, jitter=self.jitter, memory_size=self.memory_size,
+                                 alpha=self.alpha)
+
+    def update(self, X, y, mask=None):
         """Absorb one batch; returns a new :class:`StreamingSparseGP` (``self`` is unchanged).
 
         :param X: inputs ``(N, D)``.
         :param y: targets ``(N,)`` (0/1 for Bernoulli, counts for Poisson).
+        :param mask: optional ``(N,)`` booleans, ``False`` where the output is missing (its ``y`` may be
+            NaN); such rows contribute nothing to the bound, the noise statistics or the memory.
         :return: the updated model.
         """
-        X, y = self._check(X, y)
+        X, y, obs = self._check(X, y, mask)
         new = copy.copy(self)
         new._rng = copy.deepcopy(self._rng)
         new.history = list(self.history)
@@ -266,20 +259,21 @@ class StreamingSparseGP:
             n = X.shape[0]
             nb = bucket_size(n)
             Xp = np.concatenate([X, np.repeat(X[:1], nb - n, 0)])
-            yp = np.concatenate([y, np.repeat(y[:1], nb - n)])
-            mask = np.concatenate([np.ones(n), np.zeros(nb - n)])
+            yp = np.concatenate([np.where(obs, y, 0.0), np.zeros(nb - n)])
+            mask = np.concatenate([obs.astype(float), np.zeros(nb - n)])
             Xp, yp, mask = jnp.asarray(Xp), jnp.asarray(yp), jnp.asarray(mask)
-            params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters, self.learn_inducing))
-            # zeros when off: the term vanishes and both settings share one compiled step
-            use_stats = self.noise_memory and self.learn_hyperparameters
-            noise_stats = tuple(jnp.asarray(v, jnp.float64) for v in (self._noise_stats if use_stats else (0, 0)))
             if self.bound == "collapsed":
-                p, fit, iters = _collapsed_step(params, static, old, Xp, yp, mask, self.alpha, self.optimizer,
-                                                self.max_iters, self.learning_rate, self.gtol, noise_stats)
-                hyper = eqx.combine(p, static)
-                check_chol(fit.chol_D, "the collapsed bound's D matrix")
-                value, mean, cov = fit.bound, fit.mean, fit.cov
+                cfg = self._config()
+                stream = self._stream if self._stream is not None else core.init_state(
+                    self._hyper, Z0, cfg, jax.random.PRNGKey(self.seed))
+                stream, info = _fit_batch(cfg, stream, jnp.asarray(Z0), Xp, yp, mask)
+                _check_finite(info["finite"], len(self.history))
+                new._stream = stream
+                new._state = stream.gp
+                value, iters, hyper = info["bound"], info["iterations"], stream.gp.hyper
             else:
+                params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters,
+                                                               self.learn_inducing))
                 Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
                                       + self.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
                 m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
@@ -304,13 +298,10 @@ class StreamingSparseGP:
                     new._memory = corrected.update_memory(
                         new._memory if new._memory is not None else corrected.empty_memory(self.memory_size,
                                                                                            X.shape[1]),
-                        X, y, new._rng)
-            if not np.isfinite(float(value)):
-                raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
-            new._state = handover(hyper, mean, cov, self.jitter)
-            if self.noise_memory:
-                n_b, ss_b = _residual_stats(new._state, Xp, yp, mask)
-                new._noise_stats = (self._noise_stats[0] + float(n_b), self._noise_stats[1] + float(ss_b))
+                        X[obs], y[obs], new._rng)
+                if not np.isfinite(float(value)):
+                    raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
+                new._state = handover(hyper, mean, cov, self.jitter)
             kl_step = None if self._state is None else float(_kl_to_previous(new._state, old))
             jax.block_until_ready(new._state.mean)
             new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
@@ -335,9 +326,37 @@ class StreamingSparseGP:
             m, v = uncollapsed.predict_y(self._state.hyper, jnp.asarray(mu), jnp.asarray(var))
             return np.asarray(m), np.asarray(v)
 
+    def fit_stream(self, batches, progress=None):
+        """Absorb an iterable of batches ``(X, y)`` or ``(X, y, mask)``, with a progress bar on a terminal.
+
+        :param batches: iterable of tuples (a list, a generator, ``zip(Xs, ys)``...).
+        :param progress: ``True``/``False`` to force the ``tqdm`` bar; ``None``: on a terminal outside CI
+            (:func:`~numpyro_pc.gp.usage.use_progress`).
+        :return: the model after the last batch.
+        """
+        from .usage import progress as _progress
+
+        sgp = self
+        total = len(batches) if hasattr(batches, "__len__") else None
+        bar = _progress(batches, total=total, enabled=progress)
+        for batch in bar:
+            sgp = sgp.update(*batch)
+            if hasattr(bar, "set_postfix"):
+                h = sgp.history[-1]
+                bar.set_postfix(bound=f"{h['bound']:.1f}", its=h["iterations"])
+        return sgp
+
+    def plot(self, X=None, y=None, ax=None, **kwargs):
+        """Predictive band (1-D) or mean (2-D), inducing inputs and the batch ``(X, y)``
+        (:func:`~numpyro_pc.gp.usage.plot_gp`); returns the Matplotlib axes."""
+        from .usage import plot_gp
+
+        return plot_gp(self, X, y, ax=ax, **kwargs)
+
     def summary(self):
         """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory,
-        and the running noise statistics of ``noise_memory`` (rows seen, sum of expected squared residuals)."""
+        L-BFGS iterations and seconds per batch, and the running noise statistics of ``noise_memory`` (rows seen,
+        sum of expected squared residuals; collapsed bound)."""
         return dict(bound=[h["bound"] for h in self.history],
                     kl_to_previous=[h["kl_to_previous"] for h in self.history],
                     hyperparameters=[h["hyperparameters"] for h in self.history],
@@ -345,7 +364,24 @@ class StreamingSparseGP:
                     seconds=[h["seconds"] for h in self.history],
                     num_inducing=self.num_inducing, alpha=self.alpha, bound_type=self.bound,
                     jitter=self.jitter, noise_memory=self.noise_memory,
-                    noise_statistics=dict(rows=self._noise_stats[0], sum_sq=self._noise_stats[1]))
+                    memory_size=self.memory_size, noise_statistics=dict(
+                        rows=float(self._stream.noise_rows) if self._stream is not None else 0.0,
+                        sum_sq=float(self._stream.noise_ss) if self._stream is not None else 0.0))
+
+
+def _check_finite(flags, batch):
+    """Typed errors for the flags of :func:`~numpyro_pc.gp.core.fit_batch` (outside traced code)."""
+    flags = {k: bool(v) for k, v in flags.items()}
+    if not flags["bound"]:
+        raise NonFiniteResultError(f"the online bound is not finite after batch {batch}")
+    if not flags["chol_D"]:
+        raise NotPositiveDefiniteError("the collapsed bound's D matrix is not positive definite (Cholesky returned "
+                                       "non-finite values); increase the jitter or check the hyperparameters.")
+    if not flags["q"]:
+        raise NonFiniteResultError("q(b) has non-finite entries after the update; the bound's optimisation "
+                                   "diverged (try a larger jitter or fewer optimiser iterations).")
+    if not (flags["chol_cov"] and flags["chol_Kzz"]):
+        raise NotPositiveDefiniteError("cov of q(u) or K(Z, Z) + jitter is not positive definite; increase the jitter.")
 
 
 @eqx.filter_jit

@@ -112,7 +112,8 @@ def test_noise_is_the_mean_expected_squared_residual(x64, memory):
     y1 = np.sin(X1[:, 0]) + 0.1 * rng.normal(size=150)
     y2 = np.sin(X2[:, 0]) + 0.3 * rng.normal(size=150)
     sgp = StreamingSparseGP(gpx.kernels.RBF(), 10, noise_variance=0.1, Z_init=np.linspace(0.5, 9.5, 10)[:, None],
-                            inducing="fixed", max_iters=300, gtol=1e-10, noise_memory=memory)
+                            inducing="fixed", max_iters=300, gtol=1e-10, noise_memory=memory,
+                            memory_size=0, ftol=0.0)
     ss = n = 0.0
     for X, y in ((X1, y1), (X2, y2)):
         sgp = sgp.update(X, y)

@@ -1,0 +1,305 @@
+"""The container of a saved posterior: a zip of stored ``.npy`` members, read with bounds.
+
+Writing: :func:`write_atomic` builds the archive in memory (members stored, never
+compressed), writes it to a locked temporary file beside the destination, ``fsync``-s it
+and renames it over the destination, so a crash at any point leaves the previous save
+intact. Temporaries left behind by writers that died (``kill -9``, power loss) are
+removed by the next save to the same path; a temporary still locked by a live writer is
+left alone.
+
+Reading: :func:`read_archive` treats the file as untrusted input. Before any member is
+read it checks that members are stored (not compressed), unencrypted, unique, that their
+sizes add up to no more than the file, and that each array member's size is the one its
+manifest entry declares (shape × item size plus a bounded ``.npy`` header). A file
+therefore never makes the reader hold more than its own size in member bytes. Every
+failure is a :class:`~numpyro_pc.errors.PersistenceError` subclass.
+
+An optional key adds an HMAC-SHA256 over the manifest and every array member
+(:data:`SIGNATURE` member); see the documentation page on saving for what it protects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io as _io
+import json
+import os
+import re
+import struct
+import tempfile
+import time
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .errors import (CorruptFileError, DtypeMismatchError, IntegrityError, MissingFileError, OversizedFileError,
+                     PersistenceError)
+
+try:  # POSIX: temporaries of live writers are recognised by their lock
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: temporaries older than an hour are stale
+    fcntl = None
+
+__all__ = ["MANIFEST", "SIGNATURE", "MAX_HEADER", "npy_bytes", "signature", "write_atomic", "read_archive",
+           "remove_stale_temporaries"]
+
+MANIFEST = "manifest.json"
+SIGNATURE = "signature.hmac"
+MAX_HEADER = 65536  # bytes of ``.npy`` header accepted beyond an array's declared data
+_STALE_AGE = 3600.0  # seconds, only where file locks are unavailable
+# what a zip parser may raise on a damaged archive (all turned into CorruptFileError)
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
+               NotImplementedError, RuntimeError, OverflowError, zlib.error)
+
+
+def npy_bytes(array):
+    """The ``.npy`` serialisation of ``array`` (no pickling)."""
+    buffer = _io.BytesIO()
+    np.save(buffer, np.asarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _key_bytes(key):
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        raise PersistenceError(f"the signing key must be non-empty bytes or str, got {type(key).__name__}")
+    return bytes(key)
+
+
+def signature(key, manifest, members):
+    """HMAC-SHA256 (hex) over the manifest bytes and the ``(name, bytes)`` array members in order."""
+    mac = hmac.new(_key_bytes(key), b"numpyro_pc.dual_posterior\0", hashlib.sha256)
+    mac.update(len(manifest).to_bytes(8, "little") + manifest)
+    for name, data in members:
+        mac.update(name.encode() + b"\0" + len(data).to_bytes(8, "little"))
+        mac.update(data)
+    return mac.hexdigest()
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_atomic(path, manifest, members, key=None):
+    """Write the archive ``manifest`` (bytes) + ``members`` (``(name, bytes)``) to ``path`` atomically.
+
+    :return: the :class:`~pathlib.Path` written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = _io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(MANIFEST, manifest)
+        for name, data in members:
+            archive.writestr(name, data)
+        if key is not None:
+            archive.writestr(SIGNATURE, signature(key, manifest, members))
+    remove_stale_temporaries(path)
+    fd, tmp = _locked_temporary(path)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(buffer.getbuffer())
+            handle.flush()
+            os.fsync(handle.fileno())
+            os.replace(tmp, path)  # still locked: a concurrent cleaner never takes it for stale
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return path
+
+
+def _locked_temporary(path):
+    """A new temporary file beside ``path``, locked against :func:`remove_stale_temporaries`."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if fcntl is None:
+            return fd, tmp
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:  # not removed by a cleaner between creation and lock
+            return fd, tmp
+        os.close(fd)
+
+
+def remove_stale_temporaries(path):
+    """Delete the temporaries of earlier, interrupted saves to ``path``.
+
+    A temporary is stale when no live process holds its lock (POSIX), or, where locks
+    are unavailable, when it is older than an hour.
+
+    :return: the list of removed paths.
+    """
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    removed = []
+    try:
+        candidates = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return removed
+    for candidate in candidates:
+        try:
+            fd = os.open(candidate, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # a live writer holds it
+            elif time.time() - os.fstat(fd).st_mtime < _STALE_AGE:
+                continue
+            os.unlink(candidate)
+            removed.append(candidate)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _fsync_dir(folder):
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_archive(path, check_manifest, key=None):
+    """Read a saved archive with bounds.
+
+    :param path: the file.
+    :param check_manifest: called with the parsed manifest (a ``dict``); raises on a
+        malformed manifest and returns ``{name: (dtype string, shape tuple, sha256)}`` of
+        the arrays the manifest declares.
+    :param key: HMAC key; when given the file must carry a matching signature.
+    :return: ``(manifest, arrays, signed)`` with ``arrays`` read-only NumPy arrays.
+    :raises MissingFileError, CorruptFileError, OversizedFileError, IntegrityError, DtypeMismatchError:
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"no saved posterior at {path}")
+    try:
+        handle = open(path, "rb")
+    except OSError as err:
+        raise PersistenceError(f"{path} cannot be opened: {err}") from err
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        try:
+            archive = zipfile.ZipFile(handle)
+            infos = _checked_members(archive, size, path)
+            if MANIFEST not in infos:
+                raise CorruptFileError(f"{path} has no {MANIFEST}: not a saved numpyro_pc posterior")
+            manifest_bytes = archive.read(infos[MANIFEST])
+        except PersistenceError:
+            raise
+        except _ZIP_ERRORS as err:
+            raise CorruptFileError(f"{path} is not a readable numpyro_pc archive (truncated or corrupted: "
+                                   f"{type(err).__name__}: {err})") from err
+        try:
+            manifest = json.loads(manifest_bytes)
+        except (ValueError, RecursionError) as err:
+            raise CorruptFileError(f"{path}: the manifest is not valid JSON ({err})") from err
+        if not isinstance(manifest, dict):
+            raise CorruptFileError(f"{path}: the manifest is a JSON {type(manifest).__name__}, expected an object")
+        declared = check_manifest(manifest)
+        expected = {MANIFEST} | {f"{name}.npy" for name in declared}
+        extra = sorted(set(infos) - expected - {SIGNATURE})
+        if extra:
+            raise CorruptFileError(f"{path} holds members the manifest does not declare: {extra[:5]}")
+        arrays, raw = {}, []
+        for name, (dtype, shape, digest) in declared.items():
+            member = infos.get(f"{name}.npy")
+            if member is None:
+                raise CorruptFileError(f"{path} lacks the array {name!r} its manifest declares")
+            data = _read_member(archive, member, path, _npy_limit(dtype, shape))
+            arrays[name] = _parse_npy(data, name, dtype, shape, digest, path)
+            raw.append((f"{name}.npy", data))
+        signed = SIGNATURE in infos
+        if key is not None:
+            _verify_signature(archive, infos, key, manifest_bytes, raw, path)
+    return manifest, arrays, signed
+
+
+def _checked_members(archive, size, path):
+    infos, total = {}, 0
+    for info in archive.infolist():
+        if info.filename in infos:
+            raise CorruptFileError(f"{path} holds the member {info.filename!r} twice")
+        if info.flag_bits & 0x1:
+            raise CorruptFileError(f"{path}: member {info.filename!r} is encrypted")
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise OversizedFileError(f"{path}: member {info.filename!r} is compressed ({info.compress_size} bytes "
+                                     f"expanding to {info.file_size}); numpyro_pc writes stored members only")
+        total += info.file_size
+        infos[info.filename] = info
+    if total > size:
+        raise OversizedFileError(f"{path}: its members declare {total} bytes, more than the file's {size}")
+    return infos
+
+
+def _npy_limit(dtype, shape):
+    count = 1
+    for n in shape:
+        count *= n
+    return count * np.dtype(dtype).itemsize + MAX_HEADER
+
+
+def _read_member(archive, info, path, limit):
+    if info.file_size > limit:
+        raise OversizedFileError(f"{path}: member {info.filename!r} holds {info.file_size} bytes; the manifest "
+                                 f"declares at most {limit}")
+    try:
+        return archive.read(info)
+    except _ZIP_ERRORS as err:
+        raise CorruptFileError(f"{path}: member {info.filename!r} cannot be read ({type(err).__name__}: {err})") \
+            from err
+
+
+def _parse_npy(data, name, dtype, shape, digest, path):
+    stream = _io.BytesIO(data)
+    try:
+        major, _ = np.lib.format.read_magic(stream)
+        read_header = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0}.get(major)
+        if read_header is None:
+            raise ValueError(f".npy format version {major} is not supported")
+        found_shape, fortran, found_dtype = read_header(stream, max_header_size=MAX_HEADER)
+    except (ValueError, TypeError, SyntaxError, OverflowError, EOFError, struct.error) as err:
+        raise CorruptFileError(f"array {name!r} in {path} has an unreadable .npy header ({err})") from err
+    if str(found_dtype) != dtype or tuple(found_shape) != tuple(shape):
+        raise DtypeMismatchError(f"array {name!r} in {path} is {found_dtype}{list(found_shape)}, the manifest "
+                                 f"says {dtype}{list(shape)}")
+    start = stream.tell()
+    nbytes = _npy_limit(dtype, shape) - MAX_HEADER
+    if len(data) - start != nbytes:
+        raise CorruptFileError(f"array {name!r} in {path} holds {len(data) - start} bytes of values; its shape "
+                               f"{list(shape)} and dtype {dtype} need {nbytes}")
+    values = memoryview(data)[start:]
+    value = np.frombuffer(values, np.dtype(dtype)).reshape(shape, order="F" if fortran else "C")
+    contiguous = values if not fortran else np.ascontiguousarray(value).tobytes()
+    if hashlib.sha256(contiguous).hexdigest() != digest:
+        raise CorruptFileError(f"array {name!r} in {path} fails its checksum (the file was altered)")
+    return value
+
+
+def _verify_signature(archive, infos, key, manifest_bytes, raw, path):
+    info = infos.get(SIGNATURE)
+    if info is None:
+        raise IntegrityError(f"{path} carries no signature but a key was given: it was saved without a key, "
+                             "or the signature was removed")
+    stored = _read_member(archive, info, path, 64)
+    expected = signature(key, manifest_bytes, raw).encode()
+    if not hmac.compare_digest(stored, expected):
+        raise IntegrityError(f"{path}: the signature does not match (the file was altered, or the key is wrong)")

@@ -1,0 +1,270 @@
+"""Checks of a saved posterior's manifest and arrays before they become a :class:`~numpyro_pc.DualPosterior`.
+
+A saved file may come from someone else, so :func:`numpyro_pc.io.load` trusts nothing in
+it. :func:`check_manifest` checks the manifest's schema (every field's type and range)
+and returns the arrays it declares, so that the reader can bound what it reads.
+:func:`check_contents` checks that the arrays agree with each other and are usable:
+dtypes, shapes across state, sites, data and ids; ids unique, below ``next_id`` and
+disjoint from the tombstones; every value finite; the precision symmetric positive
+definite. :func:`check_residual` compares the dual-form residual recomputed from the
+arrays with the one recorded at save time (an edited site or offset changes it).
+
+Each failure raises a :class:`~numpyro_pc.errors.CorruptFileError` (malformed manifest)
+or :class:`~numpyro_pc.errors.InconsistentFileError` naming what was expected and what
+was found.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError
+
+__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "check_manifest", "check_contents",
+           "check_residual"]
+
+FORMAT = "numpyro_pc.dual_posterior"
+VERSION = 1
+SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
+               "prior_curvature", "prior_loss", "prior_ref")
+FLOAT_DTYPES = ("float32", "float64")
+INT_DTYPES = ("int32", "int64")
+DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+               "float32", "float64")
+_FAMILY_STORAGE = {"full": ("factor", "dense"), "diagonal": ("diag", "factor", "dense"),
+                   "isotropic": ("none", "diag", "factor", "dense")}
+_MAX_ID = 2**62
+_NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.precision|data\.(example|shared)\.\d+|"
+                   rf"sites\.({'|'.join(SITE_ARRAYS)}))")
+
+
+def _fail(where, expected, found, error=CorruptFileError):
+    text = repr(found)
+    raise error(f"manifest field {where!r}: expected {expected}, found {text if len(text) < 80 else text[:79] + '…'}")
+
+
+def _is_int(value, low=0, high=_MAX_ID):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _ints(value, where, low=0):
+    if not isinstance(value, list) or not all(_is_int(v, low) for v in value):
+        _fail(where, f"a list of integers ≥ {low}", value)
+    return value
+
+
+def _choice(manifest, key, options):
+    value = manifest.get(key)
+    if not isinstance(value, str) or value not in options:
+        _fail(key, f"one of {list(options)}", value)
+    return value
+
+
+def _check_rule(rule):
+    fields = {"kind": ("delta", "mc", "gh"), "num_samples": (1, 10**6), "seed": (0, 2**32), "num_nodes": (2, 10**4),
+              "prior_mode": (None, "separable", "quadratic", "qmc"), "subspace_dim": (0, 4),
+              "num_prior_points": (1, 10**7)}
+    if not isinstance(rule, dict) or not set(rule) <= set(fields) or "kind" not in rule:
+        _fail("rule", f"an object with 'kind' and some of {sorted(fields)}", rule)
+    for key, value in rule.items():
+        allowed = fields[key]
+        ok = _is_int(value, *allowed) if isinstance(allowed[0], int) else value in allowed and (
+            value is None or isinstance(value, str))
+        if not ok:
+            _fail(f"rule.{key}", f"{allowed[0]} ≤ integer < {allowed[1]}" if isinstance(allowed[0], int)
+                  else f"one of {list(allowed)}", value)
+
+
+def _check_layout(layout):
+    def entry(value, where):
+        kind = value.get("kind") if isinstance(value, dict) and isinstance(value.get("kind"), str) else None
+        keys = {"none": {"kind"}, "example": {"kind", "name"}, "shared": {"kind", "name"},
+                "static": {"kind", "name", "value"}}.get(kind)
+        if keys is None or set(value) != keys or ("name" in keys and not isinstance(value["name"], str)) or (
+                kind == "static" and not (value["value"] is None or isinstance(value["value"], (bool, int, float, str)))):
+            _fail(where, "an argument entry (kind none/example/shared/static with its name and value)", value)
+        return kind
+
+    if not isinstance(layout, dict) or set(layout) != {"args", "kwargs"} or not isinstance(layout["args"], list) \
+            or not isinstance(layout["kwargs"], dict):
+        _fail("arguments", "an object with 'args' (list) and 'kwargs' (object)", layout)
+    kinds = [entry(v, f"arguments.args[{k}]") for k, v in enumerate(layout["args"])]
+    kinds += [entry(v, f"arguments.kwargs.{k}") for k, v in layout["kwargs"].items()]
+    return kinds.count("example"), kinds.count("shared")
+
+
+def check_manifest(manifest):
+    """Check the manifest's schema.
+
+    :return: ``{array name: (dtype, shape, sha256)}`` of the declared arrays.
+    :raises CorruptFileError: a field is missing, of the wrong type or out of range.
+    :raises FormatVersionError: the file was written by another format version.
+    """
+    if manifest.get("format") != FORMAT:
+        raise CorruptFileError(f"not a saved dual posterior: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise FormatVersionError(f"format version {manifest.get('version')!r}; this numpyro_pc reads version {VERSION}")
+    family = _choice(manifest, "family", tuple(_FAMILY_STORAGE))
+    _choice(manifest, "dtype", FLOAT_DTYPES)
+    _choice(manifest, "curvature", ("hessian", "ggn"))
+    _choice(manifest, "storage", _FAMILY_STORAGE[family])
+    _check_rule(manifest.get("rule"))
+    if "chunk_size" not in manifest or not (manifest["chunk_size"] is None or _is_int(manifest["chunk_size"], 1)):
+        _fail("chunk_size", "null or a positive integer", manifest.get("chunk_size"))
+    latent = manifest.get("latent")
+    if not isinstance(latent, dict) or set(latent) != {"names", "unconstrained_shapes"} \
+            or not isinstance(latent["names"], list) or not all(isinstance(n, str) for n in latent["names"]) \
+            or not isinstance(latent["unconstrained_shapes"], list) \
+            or len(latent["names"]) != len(latent["unconstrained_shapes"]):
+        _fail("latent", "an object with 'names' and 'unconstrained_shapes' of equal length", latent)
+    for k, shape in enumerate(latent["unconstrained_shapes"]):
+        _ints(shape, f"latent.unconstrained_shapes[{k}]")
+    if not isinstance(manifest.get("plate"), str):
+        _fail("plate", "a string", manifest.get("plate"))
+    observed = manifest.get("observed")
+    if not isinstance(observed, list) or not all(isinstance(n, str) for n in observed):
+        _fail("observed", "a list of site names", observed)
+    num_example, num_shared = _check_layout(manifest.get("arguments"))
+    if not _is_int(manifest.get("next_id")):
+        _fail("next_id", "an integer ≥ 0", manifest.get("next_id"))
+    _ints(manifest.get("tombstones"), "tombstones")
+    shapes = manifest.get("example_shapes")
+    if not isinstance(shapes, list) or len(shapes) != num_example or not all(
+            isinstance(s, list) and len(s) == 2 and s[1] in DATA_DTYPES for s in shapes):
+        _fail("example_shapes", f"{num_example} pairs [shape, dtype] (one per per-example argument)", shapes)
+    for k, (shape, _) in enumerate(shapes):
+        _ints(shape, f"example_shapes[{k}]")
+    for key in ("residual", "fingerprint", "signed"):
+        value = manifest.get(key)
+        kind = {"residual": float, "fingerprint": dict, "signed": bool}[key]
+        if key in manifest and not isinstance(value, kind):
+            _fail(key, f"a {kind.__name__}", value)
+    return _check_array_entries(manifest, num_example, num_shared)
+
+
+def _check_array_entries(manifest, num_example, num_shared):
+    entries = manifest.get("arrays")
+    if not isinstance(entries, dict):
+        _fail("arrays", "an object", entries)
+    declared = {}
+    for name, meta in entries.items():
+        where = f"arrays.{name}"
+        if not _NAME.fullmatch(name):
+            _fail("arrays", "only the arrays of a dual posterior", name)
+        if not isinstance(meta, dict) or set(meta) != {"sha256", "dtype", "shape"} or meta["dtype"] not in DATA_DTYPES \
+                or not isinstance(meta["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]):
+            _fail(where, "an object with a sha256 (64 hex digits), a numeric dtype and a shape", meta)
+        declared[name] = (meta["dtype"], tuple(_ints(meta["shape"], f"{where}.shape")), meta["sha256"])
+    storage = manifest["storage"]
+    required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
+    required -= {"sites.curvature"} if storage not in ("diag", "dense") else set()
+    required -= {"sites.jac", "sites.lam"} if storage != "factor" else set()
+    required |= {f"data.example.{k}" for k in range(num_example)} | {f"data.shared.{k}" for k in range(num_shared)}
+    optional = {"offset.linear", "offset.precision"}
+    if not required <= set(declared) or not set(declared) <= required | optional:
+        _fail("arrays", f"the arrays {sorted(required)} (plus, optionally, both offset arrays)", sorted(declared))
+    if len(optional & set(declared)) == 1:
+        _fail("arrays", "both offset arrays or neither", sorted(optional & set(declared)))
+    return declared
+
+
+def check_contents(manifest, arrays):
+    """Check that the arrays agree with the manifest and with each other (see the module docstring).
+
+    :raises InconsistentFileError:
+    """
+    dtype, family = manifest["dtype"], manifest["family"]
+    floats = ["mean", "precision"] + [f"sites.{n}" for n in ("grad", "curvature", "jac", "lam", "loss", "ref_means",
+                                                             "prior_grad", "prior_curvature", "prior_loss",
+                                                             "prior_ref")] + ["offset.linear", "offset.precision"]
+    for name in floats:
+        if name in arrays and str(arrays[name].dtype) != dtype:
+            raise DtypeMismatchError(f"array {name!r}: expected dtype {dtype} (the manifest's), found "
+                                     f"{arrays[name].dtype}")
+    for name in ("data_ids", "tombstones", "sites.ids", "sites.ref_index"):
+        if str(arrays[name].dtype) not in INT_DTYPES:
+            _inconsistent(name, f"an integer dtype {INT_DTYPES}", arrays[name].dtype)
+    d = sum(math.prod(s) for s in manifest["latent"]["unconstrained_shapes"])
+    n = arrays["sites.ids"].shape[0] if arrays["sites.ids"].ndim == 1 else -1
+    refs = arrays["sites.ref_means"].shape[0] if arrays["sites.ref_means"].ndim == 2 else -1
+    k = arrays["sites.jac"].shape[1] if arrays.get("sites.jac") is not None and arrays["sites.jac"].ndim == 3 else 0
+    precision = {"full": (d, d), "diagonal": (d,), "isotropic": ()}[family]
+    rows = arrays["data_ids"].shape[0] if arrays["data_ids"].ndim == 1 else -1
+    shapes = {"mean": (d,), "precision": precision, "offset.linear": (d,), "offset.precision": precision,
+              "sites.grad": (n, d), "sites.curvature": (n, d) if manifest["storage"] == "diag" else (n, d, d),
+              "sites.jac": (n, k, d), "sites.lam": (n, k, k), "sites.loss": (n,), "sites.ids": (n,),
+              "sites.ref_index": (n,), "sites.ref_means": (refs, d), "sites.prior_grad": (d,),
+              "sites.prior_curvature": (d, d), "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
+              "tombstones": (len(manifest["tombstones"]),)}
+    shapes.update({f"data.example.{j}": (rows, *shape) for j, (shape, _) in enumerate(manifest["example_shapes"])})
+    for name, shape in shapes.items():
+        if name in arrays and arrays[name].shape != shape:
+            _inconsistent(name, f"shape {shape} (d={d} latents, N={n} sites, {rows} data rows)", arrays[name].shape)
+    for j, (_, data_dtype) in enumerate(manifest["example_shapes"]):
+        if str(arrays[f"data.example.{j}"].dtype) != data_dtype:
+            _inconsistent(f"data.example.{j}", f"dtype {data_dtype}", arrays[f"data.example.{j}"].dtype)
+    for name, value in arrays.items():
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            _inconsistent(name, "finite values", f"{int(np.sum(~np.isfinite(value)))} NaN or infinite value(s)")
+    _check_ids(manifest, arrays, refs)
+    _check_precision(family, arrays["precision"])
+
+
+def _inconsistent(name, expected, found):
+    raise InconsistentFileError(f"array {name!r}: expected {expected}, found {found}")
+
+
+def _check_ids(manifest, arrays, refs):
+    next_id = manifest["next_id"]
+    ids, data_ids = arrays["sites.ids"], arrays["data_ids"]
+    tombstones = np.asarray(manifest["tombstones"], np.int64)
+    for name, values in (("sites.ids", ids), ("data_ids", data_ids), ("tombstones", tombstones)):
+        if values.size and (values.min() < 0 or values.max() >= next_id):
+            _inconsistent(name, f"ids in [0, next_id={next_id})", f"ids from {values.min()} to {values.max()}")
+        if np.unique(values).size != values.size:
+            _inconsistent(name, "unique ids", f"{values.size - np.unique(values).size} duplicate(s)")
+    if not np.array_equal(np.sort(tombstones), np.sort(arrays["tombstones"].astype(np.int64))):
+        _inconsistent("tombstones", "the deleted ids listed in the manifest", "other ids")
+    if np.intersect1d(tombstones, ids).size or np.intersect1d(tombstones, data_ids).size:
+        _inconsistent("sites.ids", "no deleted (tombstoned) id", "deleted ids that reappear")
+    if np.setdiff1d(data_ids, ids).size:
+        _inconsistent("data_ids", "ids that have a site", f"{np.setdiff1d(data_ids, ids).size} id(s) without a site")
+    index = arrays["sites.ref_index"]
+    if index.size and (index.min() < 0 or index.max() >= refs):
+        _inconsistent("sites.ref_index", f"rows of sites.ref_means in [0, {refs})", f"{index.min()}..{index.max()}")
+
+
+def _check_precision(family, precision):
+    p = np.asarray(precision, np.float64)
+    if family == "full":
+        tol = 10 * np.sqrt(np.finfo(precision.dtype).eps) * max(float(np.max(np.abs(p), initial=0.0)), 1e-300)
+        if p.size and np.max(np.abs(p - p.T)) > tol:
+            _inconsistent("precision", "a symmetric matrix", "an asymmetric one")
+        try:
+            np.linalg.cholesky(p)
+            return
+        except np.linalg.LinAlgError:
+            pass
+    elif np.all(p > 0):
+        return
+    _inconsistent("precision", "a positive definite precision", "a matrix that is not (a Cholesky factor or "
+                  "a variance fails)")
+
+
+def check_residual(saved, recomputed, dtype):
+    """Compare the dual-form residual recomputed on load with the one recorded at save time.
+
+    Recomputing on the same arrays gives the same value up to rounding; an edited site,
+    prior site or offset moves it.
+
+    :raises InconsistentFileError:
+    """
+    slack = 10 * math.sqrt(float(np.finfo(np.dtype(dtype)).eps))
+    if not math.isfinite(recomputed) or (saved is not None and recomputed > max(2 * saved, saved + slack)):
+        raise InconsistentFileError(f"the dual-form residual of the saved arrays is {recomputed:.3g}, but "
+                                    f"{saved:.3g} was recorded when saving: the sites, prior site or offset were "
+                                    "altered" if saved is not None else
+                                    f"the dual-form residual of the saved arrays is {recomputed}")
