@@ -7,12 +7,18 @@ intact. Temporaries left behind by writers that died (``kill -9``, power loss) a
 removed by the next save to the same path; a temporary still locked by a live writer is
 left alone.
 
-Reading: :func:`read_archive` treats the file as untrusted input. Before any member is
-read it checks that members are stored (not compressed), unencrypted, unique, that their
-sizes add up to no more than the file, and that each array member's size is the one its
-manifest entry declares (shape × item size plus a bounded ``.npy`` header). A file
-therefore never makes the reader hold more than its own size in member bytes. Every
-failure is a :class:`~numpyro_pc.errors.PersistenceError` subclass.
+Reading: :func:`read_archive` treats the file as untrusted input. Before the zip
+directory is parsed it checks the directory's size (at most :data:`MAX_DIRECTORY` bytes:
+a posterior has a few dozen members, and a directory of a million empty entries would
+cost far more memory than its bytes). Before any member is read it checks that members
+are stored (not compressed), unencrypted, unique, that their sizes add up to no more than
+the file, that the manifest is at most :data:`MAX_MANIFEST` bytes plus three bytes per
+byte of the tombstones array (the manifest lists the deleted ids too), and that each
+array member's size is the one its manifest entry declares (shape × item size plus a
+bounded ``.npy`` header). A file therefore never makes the reader hold more than its own
+size in member bytes, and the parsed manifest stays within a fixed allowance plus a
+multiple of the tombstones' size. Every failure is a
+:class:`~numpyro_pc.errors.PersistenceError` subclass.
 
 An optional key adds an HMAC-SHA256 over the manifest and every array member
 (:data:`SIGNATURE` member); see the documentation page on saving for what it protects.
@@ -43,12 +49,18 @@ try:  # POSIX: temporaries of live writers are recognised by their lock
 except ImportError:  # pragma: no cover - Windows: temporaries older than an hour are stale
     fcntl = None
 
-__all__ = ["MANIFEST", "SIGNATURE", "MAX_HEADER", "npy_bytes", "signature", "write_atomic", "read_archive",
-           "remove_stale_temporaries"]
+__all__ = ["MANIFEST", "SIGNATURE", "MAX_HEADER", "MAX_DIRECTORY", "MAX_MANIFEST", "manifest_limit", "npy_bytes",
+           "signature", "write_atomic", "read_archive", "remove_stale_temporaries"]
 
 MANIFEST = "manifest.json"
 SIGNATURE = "signature.hmac"
 MAX_HEADER = 65536  # bytes of ``.npy`` header accepted beyond an array's declared data
+MAX_DIRECTORY = 2**20  # bytes of zip central directory accepted (a posterior's members need ~100 bytes each)
+MAX_MANIFEST = 2**21  # bytes of manifest accepted (~4000 sample sites), plus three per byte of the tombstones array
+_TOMBSTONES = "tombstones.npy"
+_EOCD = struct.Struct("<4s4H2LH")  # zip end of central directory record; field 5 is the directory size
+_EOCD64_LOCATOR = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # Zip64 end record; field 8 is the directory size
 _STALE_AGE = 3600.0  # seconds, only where file locks are unavailable
 # what a zip parser may raise on a damaged archive (all turned into CorruptFileError)
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
@@ -60,6 +72,13 @@ def npy_bytes(array):
     buffer = _io.BytesIO()
     np.save(buffer, np.asarray(array), allow_pickle=False)
     return buffer.getvalue()
+
+
+def manifest_limit(tombstones_bytes):
+    """The largest manifest (bytes) accepted beside a tombstones member of ``tombstones_bytes``
+    bytes: :data:`MAX_MANIFEST` plus three bytes per byte (a deleted id is 8 bytes in the
+    array and at most 23 characters in the manifest's list)."""
+    return MAX_MANIFEST + 3 * tombstones_bytes
 
 
 def _key_bytes(key):
@@ -198,11 +217,18 @@ def read_archive(path, check_manifest, key=None):
     with handle:
         size = os.fstat(handle.fileno()).st_size
         try:
+            directory = _directory_size(handle, size)
+            if directory is not None and directory > MAX_DIRECTORY:
+                raise OversizedFileError(f"{path}: its zip directory holds {directory} bytes, more than the "
+                                         f"{MAX_DIRECTORY} a saved posterior needs")
+            handle.seek(0)
             archive = zipfile.ZipFile(handle)
             infos = _checked_members(archive, size, path)
             if MANIFEST not in infos:
                 raise CorruptFileError(f"{path} has no {MANIFEST}: not a saved numpyro_pc posterior")
-            manifest_bytes = archive.read(infos[MANIFEST])
+            tombstones = infos[_TOMBSTONES].file_size if _TOMBSTONES in infos else 0
+            manifest_bytes = _read_member(archive, infos[MANIFEST], path, manifest_limit(tombstones),
+                                          f"with {tombstones} bytes of deleted ids, a manifest needs")
         except PersistenceError:
             raise
         except _ZIP_ERRORS as err:
@@ -250,6 +276,33 @@ def _checked_members(archive, size, path):
     return infos
 
 
+def _directory_size(handle, size):
+    """Size in bytes of the zip central directory, read from the end record found where
+    :mod:`zipfile` looks for it (the last 22 bytes, else the last end signature in the final
+    64 KiB; then the Zip64 end record when its locator precedes it); ``None`` when there is
+    no end record (:mod:`zipfile` then refuses the file)."""
+    start = max(size - (1 << 16) - _EOCD.size, 0)
+    handle.seek(start)
+    tail = handle.read()
+    end = len(tail) - _EOCD.size
+    if end < 0:
+        return None
+    if not (tail[end:end + 4] == b"PK\x05\x06" and tail[-2:] == b"\0\0"):
+        end = tail.rfind(b"PK\x05\x06")
+        if end < 0 or len(tail) - end < _EOCD.size:
+            return None
+    directory = _EOCD.unpack_from(tail, end)[5]
+    locator = start + end - _EOCD64_LOCATOR.size
+    if locator - _EOCD64.size < 0:
+        return directory
+    handle.seek(locator)
+    if _EOCD64_LOCATOR.unpack(handle.read(_EOCD64_LOCATOR.size))[0] != b"PK\x06\x07":
+        return directory
+    handle.seek(locator - _EOCD64.size)
+    record = _EOCD64.unpack(handle.read(_EOCD64.size))
+    return record[8] if record[0] == b"PK\x06\x06" else directory
+
+
 def _npy_limit(dtype, shape):
     count = 1
     for n in shape:
@@ -257,10 +310,10 @@ def _npy_limit(dtype, shape):
     return count * np.dtype(dtype).itemsize + MAX_HEADER
 
 
-def _read_member(archive, info, path, limit):
+def _read_member(archive, info, path, limit, bound="the manifest declares"):
     if info.file_size > limit:
-        raise OversizedFileError(f"{path}: member {info.filename!r} holds {info.file_size} bytes; the manifest "
-                                 f"declares at most {limit}")
+        raise OversizedFileError(f"{path}: member {info.filename!r} holds {info.file_size} bytes; {bound} at most "
+                                 f"{limit}")
     try:
         return archive.read(info)
     except _ZIP_ERRORS as err:
@@ -299,7 +352,7 @@ def _verify_signature(archive, infos, key, manifest_bytes, raw, path):
     if info is None:
         raise IntegrityError(f"{path} carries no signature but a key was given: it was saved without a key, "
                              "or the signature was removed")
-    stored = _read_member(archive, info, path, 64)
+    stored = _read_member(archive, info, path, 64, "an HMAC-SHA256 signature holds")
     expected = signature(key, manifest_bytes, raw).encode()
     if not hmac.compare_digest(stored, expected):
         raise IntegrityError(f"{path}: the signature does not match (the file was altered, or the key is wrong)")

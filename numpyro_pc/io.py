@@ -13,8 +13,9 @@ A file may come from someone else, so :func:`load` treats it as untrusted input:
 is bounded by the sizes the manifest declares (compressed members are refused), the
 manifest and arrays are validated (:mod:`numpyro_pc.validation`), the residual is
 recomputed, and the model's fingerprint is compared with the saved one. Every failure
-raises a :class:`~numpyro_pc.errors.PersistenceError` subclass (re-exported here). ``save(..., key=...)`` adds an HMAC that
-``load(..., key=...)`` checks (see the documentation page on saving for the threat model).
+raises a :class:`~numpyro_pc.errors.PersistenceError` subclass (re-exported here).
+``save(..., key=...)`` adds an HMAC that ``load(..., key=...)`` checks (see the
+documentation page on saving for the threat model).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import replace
 import jax
 import numpy as np
 
-from .archive import npy_bytes, read_archive, write_atomic
+from .archive import manifest_limit, npy_bytes, read_archive, write_atomic
 from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
                      IntegrityError, MissingFileError, ModelMismatchError, OversizedFileError, PersistenceError,
                      PosteriorCorrectionError, SavedModelMismatchError)
@@ -108,7 +109,13 @@ def save(post, path, key=None):
     except PersistenceError as err:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
     members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
-    return write_atomic(path, json.dumps(manifest, indent=1).encode(), members, key=key)
+    text = json.dumps(manifest, indent=1).encode()
+    limit = manifest_limit(len(dict(members)["tombstones.npy"]))
+    if len(text) > limit:
+        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
+                               f"{len(text)} bytes, more than the {limit} a load accepts (a model with very many "
+                               "sample sites)")
+    return write_atomic(path, text, members, key=key)
 
 
 class _Slot:

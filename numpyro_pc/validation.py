@@ -37,6 +37,9 @@ DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
 _FAMILY_STORAGE = {"full": ("factor", "dense"), "diagonal": ("diag", "factor", "dense"),
                    "isotropic": ("none", "diag", "factor", "dense")}
 _MAX_ID = 2**62
+_FIELDS = {"format", "version", "family", "dtype", "rule", "curvature", "storage", "chunk_size", "latent", "plate",
+           "observed", "arguments", "next_id", "tombstones", "example_shapes", "arrays", "residual", "fingerprint",
+           "signed"}
 _NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.precision|data\.(example|shared)\.\d+|"
                    rf"sites\.({'|'.join(SITE_ARRAYS)}))")
 
@@ -107,6 +110,9 @@ def check_manifest(manifest):
         raise CorruptFileError(f"not a saved dual posterior: format {manifest.get('format')!r}, expected {FORMAT!r}")
     if manifest.get("version") != VERSION:
         raise FormatVersionError(f"format version {manifest.get('version')!r}; this numpyro_pc reads version {VERSION}")
+    unknown = sorted(set(manifest) - _FIELDS, key=str)
+    if unknown:
+        _fail(unknown[0], f"only the fields {sorted(_FIELDS)}", manifest[unknown[0]])
     family = _choice(manifest, "family", tuple(_FAMILY_STORAGE))
     _choice(manifest, "dtype", FLOAT_DTYPES)
     _choice(manifest, "curvature", ("hessian", "ggn"))

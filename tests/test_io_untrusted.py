@@ -133,6 +133,57 @@ def test_members_declaring_more_than_the_file_holds_are_refused(fresh):
         pc.load(path, logistic_model)
 
 
+@pytest.mark.parametrize("entries, name_length", [(25_000, 40), (70_000, 1)], ids=["zip32", "zip64"])
+def test_a_huge_zip_directory_is_refused_before_it_is_parsed(fresh, entries, name_length):
+    """A directory of many empty entries costs ~7x its bytes once parsed (1M entries: 90 MB file, +620 MB, 27 s)."""
+    _, path = fresh
+    with zipfile.ZipFile(path, "a") as z:  # more than 65535 entries: zipfile writes the Zip64 end record
+        for k in range(entries):
+            z.writestr(f"{k:0{name_length}d}", b"")
+    assert path.stat().st_size > archive.MAX_DIRECTORY
+    tracemalloc.start()
+    try:
+        with pytest.raises(io.OversizedFileError, match="directory"):
+            pc.load(path, logistic_model)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20  # the end records only: 64 KiB of tail, never the directory (limit 1 MiB)
+
+
+def test_an_oversized_stored_manifest_is_refused_before_it_is_read(fresh):
+    _, path = fresh
+    members = _members(path)
+    manifest = json.loads(members["manifest.json"])
+    manifest["plate"] = "x" * (archive.MAX_MANIFEST + 1)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    _write(path, members)
+    tracemalloc.start()
+    try:
+        with pytest.raises(io.OversizedFileError, match="manifest needs at most"):
+            pc.load(path, logistic_model)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < archive.MAX_MANIFEST // 2  # refused from the directory entry, the bytes are never read
+
+
+def test_the_manifest_allowance_covers_the_largest_deleted_ids():
+    """Each deleted id is 8 bytes in the tombstones array and at most 23 in the indented manifest."""
+    ids = np.full(5000, 2**62 - 1, np.int64)
+    text = json.dumps({"tombstones": ids.tolist()}, indent=1).encode()
+    allowance = archive.manifest_limit(len(archive.npy_bytes(ids))) - archive.MAX_MANIFEST
+    assert len(text) <= allowance  # 115 kB against 120 kB; two bytes per byte would fail
+
+
+def test_a_save_whose_manifest_would_be_refused_is_refused(saved, tmp_path, x64, monkeypatch):
+    post, _ = saved
+    monkeypatch.setattr(archive, "MAX_MANIFEST", 1000)
+    with pytest.raises(io.PersistenceError, match="cannot be saved.*manifest needs"):
+        post.save(tmp_path / "p")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("manifest_too", [False, True])
 def test_an_npy_header_claiming_a_huge_shape_is_a_typed_error(fresh, manifest_too):
     _, path = fresh
@@ -185,7 +236,7 @@ def test_re_signed_inconsistent_contents_are_refused(fresh, edit, error, match):
     lambda m: m.update(next_id="9"), lambda m: m.update(family="banana"), lambda m: m.update(storage=3),
     lambda m: m.update(plate=None), lambda m: m.update(observed="y"), lambda m: m.update(chunk_size=-1),
     lambda m: m.update(dtype="complex128"), lambda m: m["arrays"].update(evil={"sha256": "0" * 64}),
-    lambda m: m["arrays"].pop("sites.grad"), lambda m: m.update(residual="small"),
+    lambda m: m["arrays"].pop("sites.grad"), lambda m: m.update(residual="small"), lambda m: m.update(padding=""),
 ], ids=lambda f: "")
 def test_malformed_manifests_raise_persistence_errors(fresh, mutate):
     _, path = fresh
