@@ -433,3 +433,73 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
     elapsed = time.perf_counter() - start
     print(f"fuzz: {len(cases)} cases, {outcomes}, {elapsed:.1f} s")
     assert outcomes["error"] > len(cases) // 2 and elapsed < 60
+
+
+_DTYPES = ["bool", "int8", "int32", "int64", "uint8", "uint64", "float16", "float32", "float64", "complex128"]
+
+
+def _mutate_array(a, rng):
+    """A random edit of one array: dtype, shape, rows, or a few values (NaN, inf, huge, negative)."""
+    a = np.zeros(2) if a is None else a
+    action = int(rng.integers(10))
+    if action == 0:
+        return a.astype(_DTYPES[rng.integers(len(_DTYPES))])
+    if action == 1 and a.ndim:
+        return a[:-1]
+    if action == 2 and a.ndim:
+        return np.concatenate([a, a[-1:]])
+    if action == 3:
+        return a.reshape(-1)[:, None]
+    if action == 4:
+        return np.zeros((0, *a.shape[1:]), a.dtype)
+    if action == 5:
+        return a.reshape(-1)[:1].reshape(())
+    if action == 6 and a.size:
+        values = [np.nan, np.inf, -1.0, 1e308, 0.0] if a.dtype.kind in "fc" else [-1, 0, 2**31 - 1, 5]
+        b = a.copy().reshape(-1)
+        b[rng.integers(b.size)] = values[rng.integers(len(values))]
+        return b.reshape(a.shape)
+    if action == 7 and a.dtype.kind in "fiu":
+        return a * [-1, 0, 10**9][rng.integers(3)]
+    if action == 8 and a.size:
+        return rng.permutation(a.reshape(-1)).reshape(a.shape)
+    return a.T.copy()
+
+
+def test_fuzz_re_signed_arrays_give_a_typed_error_or_a_finite_posterior(saved, tmp_path, x64):
+    """Edits with recomputed checksums cannot all be detected (a permutation of ids stays consistent),
+    but each must be refused with a PersistenceError or load into a posterior with a finite mean,
+    precision and residual."""
+    _, blob = saved
+    rng = np.random.default_rng(17)
+    path = tmp_path / "f"
+    base = _members_bytes(blob)
+    names = [n[:-4] for n in base if n.endswith(".npy")] + ["offset.linear", "offset.precision"]
+    outcomes = {"error": 0, "loaded": 0}
+    start = time.perf_counter()
+    for _ in range(300):
+        members = dict(base)
+        manifest = json.loads(members["manifest.json"])
+        for _ in range(int(rng.integers(1, 3))):
+            name = names[rng.integers(len(names))]
+            old = np.load(_io.BytesIO(members[f"{name}.npy"])) if f"{name}.npy" in members else None
+            new = np.asarray(_mutate_array(old, rng))
+            members[f"{name}.npy"] = archive.npy_bytes(new)
+            manifest["arrays"][name] = {"sha256": io._digest(new), "dtype": str(new.dtype), "shape": list(new.shape)}
+            if name == "tombstones" and new.dtype.kind in "iu" and rng.integers(2):
+                manifest["tombstones"] = new.reshape(-1).tolist()  # the manifest's list edited to agree
+        members["manifest.json"] = json.dumps(manifest).encode()
+        _write(path, members)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                back = pc.load(path, logistic_model)
+        except io.PersistenceError:
+            outcomes["error"] += 1
+            continue
+        outcomes["loaded"] += 1
+        assert math.isfinite(back.residual)
+        assert np.all(np.isfinite(np.asarray(back.state.mean))) and np.all(np.isfinite(np.asarray(back.state.precision)))
+    elapsed = time.perf_counter() - start
+    print(f"re-signed fuzz: 300 cases, {outcomes}, {elapsed:.1f} s")
+    assert outcomes["error"] > 200 and elapsed < 60
