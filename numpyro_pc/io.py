@@ -157,7 +157,8 @@ def load(path, model, key=None):
     :param model: the NumPyro model the posterior was fitted with.
     :param key: the HMAC key given to :func:`save`; when given, an unsigned file or a
         wrong signature raises :class:`~numpyro_pc.errors.IntegrityError`.
-    :raises ~numpyro_pc.errors.PersistenceError: always one of its subclasses:
+    :raises ~numpyro_pc.errors.PersistenceError: itself when the file cannot be opened (permissions)
+        or ``key`` is not a non-empty ``bytes``/``str``; otherwise one of its subclasses:
         :class:`~numpyro_pc.errors.MissingFileError`, :class:`~numpyro_pc.errors.CorruptFileError`
         (:class:`~numpyro_pc.errors.OversizedFileError`, :class:`~numpyro_pc.errors.InconsistentFileError`,
         :class:`~numpyro_pc.errors.IntegrityError`), :class:`~numpyro_pc.errors.FormatVersionError`,
