@@ -64,6 +64,16 @@ class ExpectationRule:
     :param int num_nodes: Gauss–Hermite nodes for ``"gh"``.
     :param str prior_mode: how ``"gh"`` treats ``ℓ_0`` (``"separable"`` or
         ``"quadratic"``); set by :func:`prepare_rule`.
+    :param str mc_precision: how ``"mc"`` estimates a site's precision for the full family
+        with dense per-example storage. ``"reparam"``: the exact derivative of the
+        fixed-draw expectation, ``Ĥ_i = 2 ∂E_K[ℓ_i]/∂Σ`` through the draws
+        ``z_s = m + L⁻ᵀε_s`` (gradients only, no Hessians), so the fixed point is a
+        stationary point of the fixed-draw objective and the solver's descent test agrees
+        with its residual. ``"hessian"`` (default): the average of ``∇²ℓ_i`` at the draws (Price's
+        estimator), which equals that derivative only in expectation — on a non-log-concave
+        model (a Bayesian neural network) its fixed point and the objective's minimum differ
+        by the Monte Carlo error and the solver stalls between them. Other storages use
+        ``"hessian"``.
     """
 
     kind: str = "delta"
@@ -73,10 +83,13 @@ class ExpectationRule:
     prior_mode: str | None = None
     subspace_dim: int = 0
     num_prior_points: int = 1024
+    mc_precision: str = "hessian"
 
     def __post_init__(self):
         if self.kind not in _KINDS:
             raise InvalidOptionError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
+        if self.mc_precision not in ("reparam", "hessian"):
+            raise InvalidOptionError(f"unknown mc_precision {self.mc_precision!r}; expected 'reparam' or 'hessian'")
         if self.kind == "mc" and self.num_samples < 1:
             raise InvalidOptionError(f"num_samples must be positive, got {self.num_samples}")
         if self.kind == "gh" and self.num_nodes < 2:

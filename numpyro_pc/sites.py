@@ -414,6 +414,25 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         per, dense = jax.vmap(one)(ex_chunk)
         return per, dense_sum(dense)
 
+    if _reparam(cfg, family):
+        draws, eps = extra
+
+        def at_draw(z, e):
+            def one(ex):
+                loss, grad = jax.value_and_grad(lambda zz: example_loss(spec, zz, ex, shared))(z)
+                return loss, grad, jnp.outer(grad, e)
+
+            return jax.vmap(one)(ex_chunk)
+
+        def body_reparam(acc, draw):
+            return jax.tree.map(jnp.add, acc, at_draw(*draw)), None
+
+        shapes = jax.eval_shape(at_draw, draws[0], eps[0])
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        total, _ = jax.lax.scan(body_reparam, init, (draws, eps))
+        loss, grad, cross = jax.tree.map(lambda x: x / draws.shape[0], total)
+        return (loss, grad, None, cross), jnp.zeros((d, d), q.mean.dtype)  # cross → Ĥ in _compute
+
     samples = extra  # (S, d) fixed draws
     jac_at_mean = None
     if cfg.storage == "factor":  # affine: the Jacobian does not depend on z
@@ -519,6 +538,45 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
     return per, sums
 
 
+def _reparam(cfg, family):
+    """Whether the Monte Carlo sites take the reparameterisation precision estimator."""
+    return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and isinstance(family, FullGaussian)
+            and cfg.storage == "dense" and cfg.curvature == "hessian")
+
+
+def _reparam_curvature(chol, cross):
+    r"""Site precision ``Ĥ = 2 ∂E_K[ℓ]/∂Σ`` from ``G = (1/K) Σ_s ∇ℓ(z_s) ε_sᵀ``.
+
+    With ``z_s = m + Cε_s``, ``C = L⁻ᵀ`` and ``S = LLᵀ``, the chain rule through the
+    Cholesky factor gives
+
+    .. math::
+
+        \hat H = L \, \mathrm{sym}_\downarrow(Gᵀ L^{-ᵀ}) \, Lᵀ,
+
+    where ``sym↓(M)`` keeps the strict lower triangle of ``M``, mirrors it above the
+    diagonal, and keeps the diagonal. For a quadratic ``ℓ = ½zᵀAz`` and ``E[G] = AC`` this
+    is ``A``: the estimator is unbiased for ``E_q[∇²ℓ]`` and is the exact derivative of the
+    fixed-draw expectation, so ``S = Σ_i Ĥ_i`` holds exactly at a stationary point of the
+    fixed-draw variational objective.
+    """
+    m = jax.scipy.linalg.solve_triangular(chol, cross, lower=True).T  # Gᵀ L⁻ᵀ
+    low = jnp.tril(m, -1)
+    sym = low + low.T + jnp.diag(jnp.diagonal(m))
+    return chol @ sym @ chol.T
+
+
+def _prior_terms_reparam(spec, chol, data, draws, eps):
+    """The prior site under the reparameterisation estimator, with the examples' draws."""
+    def one(z, e):
+        loss, grad = jax.value_and_grad(lambda zz: prior_loss(spec, zz, data))(z)
+        return loss, grad, jnp.outer(grad, e)
+
+    loss, grad, cross = jax.tree.map(lambda x: jnp.mean(x, 0), jax.lax.map(lambda a: one(*a), (draws, eps),
+                                                                                batch_size=8))
+    return loss, grad, _reparam_curvature(chol, cross)
+
+
 def _prior_terms(spec, rule, family, q, data, extra):
     f = lambda z: prior_loss(spec, z, data)  # noqa: E731
     vgh = lambda z: (*jax.value_and_grad(f)(z), jax.hessian(f)(z))  # noqa: E731
@@ -559,7 +617,10 @@ def _sobol_normals(num, dim, seed, dtype):
 def _compute(spec, cfg, family, q, data, ids, weights):
     _TRACES["compute"] += 1
     rule = cfg.rule
-    if rule.kind == "mc":
+    if rule.kind == "mc" and _reparam(cfg, family):
+        eps = jax.random.normal(jax.random.PRNGKey(rule.seed), (rule.num_samples,) + q.mean.shape, q.mean.dtype)
+        extra = (family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples), eps)
+    elif rule.kind == "mc":
         extra = family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples)
     elif rule.kind == "gh":
         cov = family.dense_covariance(q) if isinstance(family, FullGaussian) else None
@@ -573,7 +634,12 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     fn = lambda leaves, mask: _chunk_fn(spec, cfg, family, q, data.shared, extra, leaves, mask)  # noqa: E731
     leaves = data.per_example + (weights,)
     (loss, grad, jac, stored), hess_sum = _map_chunks(fn, leaves, num, cfg.chunk_size, cfg.num_devices)
-    p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
+    if rule.kind == "mc" and _reparam(cfg, family):
+        chol = jnp.linalg.cholesky(q.precision)
+        stored = jax.lax.map(partial(_reparam_curvature, chol), stored, batch_size=cfg.chunk_size)
+        p_loss, p_grad, p_hess = _prior_terms_reparam(spec, chol, data, *extra)
+    else:
+        p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
     curvature = None if cfg.storage in ("factor", "none") else stored
     lam = stored if cfg.storage == "factor" else None
     sites = Sites(grad=grad, curvature=curvature, jac=jac if cfg.storage == "factor" else None, lam=lam,

@@ -309,10 +309,11 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
             rho, accelerated = 1.0, outcome is not None
         if outcome is None:
             xs, fs = xs[-1:], fs[-1:]  # restart the acceleration from the current point
+            target_pd = not isinstance(family, FullGaussian) or bool(family.is_positive_definite(target))
             for permissive in (False, True):  # a falling residual far away counts only as a last resort
                 rho = float(step_size)
                 while rho >= min_step and outcome is None:
-                    trial = Gaussian(q.mean + rho * direction, (1.0 - rho) * q.precision + rho * target)
+                    trial = _damped_trial(q, direction, target, point.totals[0], rho, target_pd)
                     outcome = attempt(trial, permissive)
                     if outcome is None:
                         rho *= 0.5
@@ -343,6 +344,30 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     _check_representable(problem, point)
     return point.q, point.sites, history
+
+
+def _damped_trial(q, direction, target, grad, rho, target_pd):
+    r"""The step of rate ``ρ`` towards the fixed-point map's ``(m + direction, target)``.
+
+    While the target precision ``T = Σ_i Ĥ_i`` is positive definite this is the plain
+    damped step. Where it is not (far from the optimum of a non-log-concave model, e.g. a
+    neural network under Monte Carlo expectations) the full family takes the
+    positive-definite Bayesian learning rule of Lin, Schmidt & Khan (2020, eq. 8),
+
+    .. math::
+
+        S_ρ = S + ρ G + \tfrac{ρ^2}{2} G S^{-1} G, \quad G = T − S, \qquad
+        m_ρ = m − ρ S_ρ^{-1} \textstyle\sum_i \hat g_i,
+
+    which is positive definite for every ``ρ`` and has the same fixed points.
+    """
+    if target_pd:
+        return Gaussian(q.mean + rho * direction, (1.0 - rho) * q.precision + rho * target)
+    gap = target - q.precision
+    chol = jnp.linalg.cholesky(q.precision)
+    precision = q.precision + rho * gap + 0.5 * rho**2 * (gap @ cho_solve((chol, True), gap))
+    precision = 0.5 * (precision + precision.T)
+    return Gaussian(q.mean - rho * cho_solve((jnp.linalg.cholesky(precision), True), grad), precision)
 
 
 def _check_representable(problem, point):
