@@ -542,6 +542,7 @@ class _Start(NamedTuple):
     grad_norm: float = float("nan")
     value: float = float("nan")
     converged: bool = False
+    saddle_escapes: int = 0
 
 
 def _start(spec, data, family, init, dtype):
@@ -569,7 +570,8 @@ def _start(spec, data, family, init, dtype):
         padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
         found = map_laplace(replace(spec, num_examples=int(ids.size)), padded, family, z0, weights)
         if found.start.precision is not None and bool(family.is_positive_definite(found.start.precision)):
-            return _Start(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged)
+            return _Start(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged,
+                          found.saddle_escapes)
     if family.fixed_precision:
         return _Start(Gaussian(z0, jnp.asarray(1.0, dtype)), "prior")
     hess = jax.hessian(lambda z: prior_loss(spec, z, data))(z0)

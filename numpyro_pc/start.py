@@ -35,6 +35,7 @@ from .likelihood import example_loss, prior_loss
 __all__ = ["MapResult", "map_laplace", "negative_log_joint"]
 
 _HVP_BATCH = 8  # Hessian columns computed together (bounds transient memory to 8 gradient passes)
+_MAX_ESCAPES = 5  # restarts of L-BFGS from saddle points before the Laplace start is taken as it is
 
 
 class MapResult(NamedTuple):
@@ -45,6 +46,8 @@ class MapResult(NamedTuple):
     :ivar grad_norm: ``‖∇‖_∞`` of the negative log joint at ``ẑ``.
     :ivar value: the negative log joint at ``ẑ``.
     :ivar converged: whether the gradient tolerance was reached.
+    :ivar saddle_escapes: how many times L-BFGS stopped at a saddle point (a negative
+        eigenvalue of the Hessian) and was restarted downhill along its eigenvector.
     """
 
     start: Gaussian
@@ -52,6 +55,7 @@ class MapResult(NamedTuple):
     grad_norm: float
     value: float
     converged: bool
+    saddle_escapes: int = 0
 
 
 def negative_log_joint(spec, z, data, weights):
@@ -137,16 +141,48 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
     num = data.per_example[0].shape[0]
     weights = jnp.ones(num, dtype) if weights is None else jnp.asarray(weights, dtype)
     gtol = (1e-8 if dtype == jnp.float64 else 1e-4) if gtol is None else gtol
-    z, value, grad, it = _lbfgs(spec, z0, data, weights, gtol, int(max_iters))
-    value, grad_norm = float(value), float(jnp.max(jnp.abs(grad)))
-    finite = bool(np.isfinite(value) and np.isfinite(grad_norm) and jnp.all(jnp.isfinite(z)))
-    converged = finite and grad_norm <= 10 * gtol * (1.0 + abs(value))
-    if not finite:
-        return MapResult(Gaussian(z0, None), int(it), grad_norm, value, False)
-    if family.fixed_precision:
-        return MapResult(Gaussian(z, jnp.asarray(isotropic_precision, dtype)), int(it), grad_norm, value, converged)
-    hess = _hessian(spec, z, data, weights)
-    if not bool(jnp.all(jnp.isfinite(hess))):
-        return MapResult(Gaussian(z, None), int(it), grad_norm, value, False)
+    total, escapes = 0, 0
+    while True:
+        z, value, grad, it = _lbfgs(spec, z0, data, weights, gtol, int(max_iters))
+        total += int(it)
+        value, grad_norm = float(value), float(jnp.max(jnp.abs(grad)))
+        finite = bool(np.isfinite(value) and np.isfinite(grad_norm) and jnp.all(jnp.isfinite(z)))
+        converged = finite and grad_norm <= 10 * gtol * (1.0 + abs(value))
+        if not finite:
+            return MapResult(Gaussian(z0, None), total, grad_norm, value, False, escapes)
+        if family.fixed_precision:
+            return MapResult(Gaussian(z, jnp.asarray(isotropic_precision, dtype)), total, grad_norm, value,
+                             converged, escapes)
+        hess = _hessian(spec, z, data, weights)
+        if not bool(jnp.all(jnp.isfinite(hess))):
+            return MapResult(Gaussian(z, None), total, grad_norm, value, False, escapes)
+        downhill = _escape_saddle(spec, z, value, hess, data, weights) if escapes < _MAX_ESCAPES else None
+        if downhill is None:
+            break
+        z0, escapes = downhill, escapes + 1
     precision = family.project_curvature(_positive_part(hess, 1e-8 if dtype == jnp.float64 else 1e-5))
-    return MapResult(Gaussian(z, precision), int(it), grad_norm, value, converged)
+    return MapResult(Gaussian(z, precision), total, grad_norm, value, converged, escapes)
+
+
+def _escape_saddle(spec, z, value, hess, data, weights):
+    """A point below ``value`` along the most negative curvature direction, or ``None`` at a minimum.
+
+    L-BFGS stops wherever the gradient vanishes, saddles included: a network with symmetric
+    hidden units (``tanh``, zero-mean priors) has one at ``z = 0``, where it would stop at
+    once and hand the solver a Laplace start far from every mode. A Hessian eigenvalue below
+    ``−1e-6 · max|λ|`` marks a saddle; the step along its eigenvector starts at the length
+    where the quadratic model falls by ½ and is halved until the log joint falls.
+    """
+    vals, vecs = np.linalg.eigh(np.asarray(hess, dtype=np.float64))
+    if not vals[0] < -1e-6 * max(float(np.max(np.abs(vals))), np.finfo(np.float64).tiny):
+        return None
+    direction = jnp.asarray(vecs[:, 0], z.dtype)
+    length = 1.0 / np.sqrt(-vals[0])
+    for _ in range(30):
+        for sign in (1.0, -1.0):
+            trial = z + sign * length * direction
+            trial_value = float(_value_and_grad(spec, trial, data, weights)[0])
+            if np.isfinite(trial_value) and trial_value < value - 1e-12 * (1.0 + abs(value)):
+                return trial
+        length *= 0.5
+    return None

@@ -140,3 +140,31 @@ def test_dual_form_from_a_guide_far_from_the_optimum_restarts_from_the_map(x64):
     fit = pc.fit(regression_with_noise, x, y)
     assert post.residual < 1e-8 and float(post.kl(fit)) < 1e-10
     assert "Stagnation" in post.record["start"]["reason"]
+
+
+def _tanh_net(X, y=None):
+    w1 = numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([X.shape[1], 4]).to_event(2))
+    w2 = numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([4]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Normal(jnp.tanh(X @ w1) @ w2, 0.1), obs=y)
+
+
+def test_map_start_escapes_the_saddle_of_a_symmetric_network(x64):
+    # z = 0 is a stationary point of a tanh network with zero-mean priors (every gradient
+    # carries a factor w1 or w2); L-BFGS from 0 stops there at once. The start must be a
+    # minimum: no Hessian eigenvalue below -1e-6 max|eig|, and a lower log joint than at 0.
+    from numpyro_pc.families import FullGaussian
+    from numpyro_pc.likelihood import bind_model
+    from numpyro_pc.start import _hessian, map_laplace, negative_log_joint
+
+    rng = np.random.default_rng(0)
+    X = rng.uniform(-2, 2, size=(60, 1))
+    y = np.sin(2 * X[:, 0]) + 0.1 * rng.normal(size=60)
+    spec, data = bind_model(_tanh_net, (X, y), {})
+    weights = jnp.ones(60)
+    zero = jnp.zeros(spec.latent.dim)
+    found = map_laplace(spec, data, FullGaussian(), zero)
+    assert found.saddle_escapes >= 1 and found.converged
+    eig = np.linalg.eigvalsh(np.asarray(_hessian(spec, found.start.mean, data, weights)))
+    assert eig[0] > -1e-6 * np.abs(eig).max(), eig[:3]
+    assert found.value < float(negative_log_joint(spec, zero, data, weights)) - 1.0
