@@ -114,7 +114,7 @@ def test_clients_below_min_examples_do_not_take_part(x64):
     X, y = shards()[0]
     server = ServerLogic(2, "fedpc", "full", x64=True, min_clients=1, min_examples=5)
     tiny = ClientLogic(logistic_model, (X[:1], y[:1]))
-    with pytest.raises(ValueError, match="min_examples=5"):
+    with pytest.raises(pc.PrivacyError, match="min_examples=5"):
         tiny.initial(server.config)
     honest = ClientLogic(logistic_model, (X, y))
     message = honest.initial(server.config)
@@ -228,15 +228,17 @@ def _launch(tmp_path, parts, server_args, roles):
                                                str(tmp_path / f"shard{k % len(parts)}.npz"), "--x64",
                                                "--max-wait", "20"],
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
     try:
         log, _ = server.communicate(timeout=150)
         for c in clients:
-            c.communicate(timeout=30)
+            logs.append(c.communicate(timeout=30)[0])
     finally:
         for p in [server, *clients]:
             if p.poll() is None:
                 p.kill()
-    return server.returncode, log, out
+    # the server's log, then each client's tail (shown when an assertion fails)
+    return server.returncode, log + "".join(f"\n--- client {k}:\n{c[-800:]}" for k, c in enumerate(logs)), out
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
@@ -245,7 +247,7 @@ def test_flower_processes_leave_out_a_rogue_and_a_crashed_client(x64, tmp_path):
     parts = shards(2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
                                                "--rho", "0.5"], ["honest", "honest", "nan", "crash-init"])
-    assert code == 0, log[-3000:]
+    assert code == 0, log[-6000:]
     with np.load(out) as res:
         mean, precision, history = res["mean"], res["precision"], json.loads(str(res["history"]))
     # the two others were never admitted: the run is the honest clients' in-process run
@@ -263,7 +265,7 @@ def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x
     parts = shards(2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "2", "--rounds", str(ROUNDS), "--rho", "0.5"],
                              ["honest", "crash-update"])
-    assert code == 1, log[-3000:]
+    assert code == 1, log[-6000:]
     with np.load(out) as res:
         failure = json.loads(str(res["failure"]))
         assert res["mean"].shape == (4,) and np.all(np.isfinite(res["mean"]))  # the last good posterior
