@@ -1,7 +1,10 @@
 """The Flower transport: a server and three client processes on 127.0.0.1 reproduce the in-process run."""
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -210,8 +213,32 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, parts, server_args, roles):
-    """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update"."""
+def _certificates(tmp_path):
+    """A throw-away CA and a server certificate for 127.0.0.1 (openssl), as paths ``(ca, cert, key)``."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    ca, cert, key = (str(tmp_path / n) for n in ("ca.crt", "server.pem", "server.key"))
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, timeout=60)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+        "-keyout", str(tmp_path / "ca.key"), "-out", ca)
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", key,
+        "-out", str(tmp_path / "server.csr"))
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("openssl", "x509", "-req", "-in", str(tmp_path / "server.csr"), "-CA", ca, "-CAkey", str(tmp_path / "ca.key"),
+        "-CAcreateserial", "-days", "1", "-extfile", str(tmp_path / "san.ext"), "-out", cert)
+    return ca, cert, key
+
+
+def _launch(tmp_path, parts, server_args, roles, tls=False):
+    """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update".
+
+    With ``tls`` the server gets a certificate for 127.0.0.1 and the clients its CA (``--certificates`` /
+    ``--root-certificates``): the clients can only connect over TLS.
+    """
+    server_tls, client_tls = [], []
+    if tls:
+        ca, cert, key = _certificates(tmp_path)
+        server_tls, client_tls = ["--certificates", ca, cert, key], ["--root-certificates", ca]
     for k, (X, y) in enumerate(parts):
         np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
     address = f"127.0.0.1:{_free_port()}"
@@ -219,14 +246,15 @@ def _launch(tmp_path, parts, server_args, roles):
     out = tmp_path / "result.npz"
     server = subprocess.Popen([sys.executable, "-m", "numpyro_pc.federated.flower", "server", "--address", address,
                                "--x64", "--out", str(out), "--connect-timeout", "60", "--round-timeout", "60",
-                               *server_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               *server_args, *server_tls], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
     clients = []
     for k, role in enumerate(roles):
         cmd = ([sys.executable, "-m", "numpyro_pc.federated.flower", "client"] if role == "honest" else
                [sys.executable, str(ROOT / "tests" / "flower_rogue.py"), role])
         clients.append(subprocess.Popen(cmd + ["--server", address, "--model", "conftest:logistic_model", "--data",
                                                str(tmp_path / f"shard{k % len(parts)}.npz"), "--x64",
-                                               "--max-wait", "20"],
+                                               "--max-wait", "20", *client_tls],
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:
@@ -242,22 +270,27 @@ def _launch(tmp_path, parts, server_args, roles):
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_flower_processes_leave_out_a_rogue_and_a_crashed_client(x64, tmp_path):
+def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run(x64, tmp_path):
     pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
     parts = shards(2)
+    # client 2 sends NaN sites (refused in round 1, never admitted); client 3 (shard 1) is honest in
+    # round 1, then dies in its first update: the run goes on with the two others (min-clients 2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
-                                               "--rho", "0.5"], ["honest", "honest", "nan", "crash-init"])
+                                               "--rho", "0.5"], ["honest", "honest", "nan", "crash-update"], tls=True)
     assert code == 0, log[-6000:]
     with np.load(out) as res:
         mean, precision, history = res["mean"], res["precision"], json.loads(str(res["history"]))
-    # the two others were never admitted: the run is the honest clients' in-process run
-    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
     assert len(history) == ROUNDS and all(h["participants"] == 2 for h in history)
-    np.testing.assert_allclose(mean, np.asarray(ref.state.mean), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(precision, np.asarray(ref.state.precision), rtol=1e-6, atol=1e-6)
-    with jax.enable_x64(True):
-        q = pc.Gaussian(jax.numpy.asarray(mean), jax.numpy.asarray(precision))
-        assert float(pc.FullGaussian().kl(q, ref.state)) < 1e-10
+    # the same by hand: the killed client keeps its round-1 site, the honest two update every round
+    server = ServerLogic(4, "fedpc", "full", rho=0.5, x64=True, min_clients=2)
+    honest = [ClientLogic(logistic_model, p) for p in parts]
+    killed = ClientLogic(logistic_model, parts[1])
+    server.aggregate_initial(dict({f"node{k}": c.initial(server.config) for k, c in enumerate(honest)},
+                                  killed=killed.initial(server.config)))
+    for _ in range(ROUNDS):
+        _round(server, honest)
+    np.testing.assert_allclose(mean, np.asarray(server.state.mean), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(precision, np.asarray(server.state.precision), rtol=1e-8, atol=1e-10)
 
 
 def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x64, tmp_path):
@@ -270,3 +303,80 @@ def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x
         failure = json.loads(str(res["failure"]))
         assert res["mean"].shape == (4,) and np.all(np.isfinite(res["mean"]))  # the last good posterior
     assert "min_clients=2" in failure, failure
+
+
+APP_TOML = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "pcfedtest"
+version = "1.0.0"
+description = "numpyro_pc federated test app"
+license = "MIT"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "numpyro-pc"
+
+[tool.flwr.app.components]
+serverapp = "numpyro_pc.federated.flower:server_app"
+clientapp = "numpyro_pc.federated.flower:client_app"
+
+[tool.flwr.app.config]
+num-clients = 2
+rounds = 1
+rho = 0.5
+model = "conftest:logistic_model"
+x64 = true
+out = "{out}"
+connect-timeout = 300.0
+round-timeout = 300.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tmp_path):
+    # Flower's own deployment on 127.0.0.1: flower-superlink, two flower-supernode (shards via --node-config)
+    # and `flwr run`; every ClientApp message starts a fresh process, so this takes minutes on a loaded machine
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    bindir = Path(sys.executable).parent
+    if not (bindir / "flower-superlink").exists():
+        pytest.skip("the flower-superlink / flower-supernode executables are not installed")
+    parts = shards(2)
+    for k, (X, y) in enumerate(parts):
+        np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "pyproject.toml").write_text(APP_TOML.format(out=tmp_path / "result.npz"))
+    link = _free_port()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "loc"\n\n[superlink.loc]\naddress = "127.0.0.1:{link}"\ninsecure = true\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu",
+               FLWR_HOME=str(tmp_path / "home"))
+    spawn = lambda cmd, name: subprocess.Popen(  # noqa: E731
+        cmd, env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [spawn([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
+                   "superlink")]
+    try:
+        for k in range(2):
+            procs.append(spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
+                                "--port", str(_free_port()), "--node-config", f'data="{tmp_path / f"shard{k}.npz"}"'],
+                               f"supernode{k}"))
+        run = subprocess.run([str(bindir / "flwr"), "run", str(tmp_path / "app"), "loc", "--stream"], env=env,
+                             capture_output=True, text=True, timeout=480)
+    finally:
+        for p in procs:  # each process group: the SuperNodes' ClientApp processes go with them
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert "Run finished" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+    with np.load(tmp_path / "result.npz") as res:
+        assert json.loads(str(res["failure"])) is None
+        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, tol=0.0, residual_tol=0.0, keep_data=False)
+        np.testing.assert_allclose(res["mean"], np.asarray(ref.state.mean), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(res["precision"], np.asarray(ref.state.precision), rtol=1e-9)
