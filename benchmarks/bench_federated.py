@@ -230,6 +230,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--only", choices=["sweep", "dp"], default=None, help="run one part (default both)")
+    parser.add_argument("--splits", default=None, help="comma-separated split names (prefixes) of the sweep")
+    parser.add_argument("--methods", default=None, help="comma-separated method names of the sweep")
     args = parser.parse_args(argv)
     if args.quick:
         args.n = args.n or 3000
@@ -247,11 +249,18 @@ def main(argv=None):
         if args.only == "dp":
             return
     runs = []
+    keep = lambda name, wanted: wanted is None or any(name.startswith(w) for w in wanted.split(","))  # noqa: E731
     for name, mdl, X, y, rows in splits(args.n or 16100):
+        if not keep(name, args.splits):
+            continue
         X, y = jnp.asarray(X), jnp.asarray(y)
+        t0 = time.perf_counter()
         central = quiet(pc.fit, mdl, X, y, family="full", tol=1e-10)
+        log(f"{name}: centralised fit {time.perf_counter() - t0:.1f}s")
         clients = [(X[r], y[r]) for r in rows]
         for method, opts in methods(len(rows)):
+            if args.methods is not None and method not in args.methods.split(","):
+                continue
             t0 = time.perf_counter()
             result = quiet(pc.federated.run, mdl, clients, rounds=args.rounds, reference=central, keep_data=False,
                            **opts)

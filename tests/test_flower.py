@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -213,6 +214,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _wait_for_port(port, timeout, process, log):
+    """Wait until ``process`` listens on 127.0.0.1:``port`` (at most ``timeout`` seconds; fail if it exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the process exited with status {process.returncode}: {log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
 def _certificates(tmp_path):
     """A throw-away CA and a server certificate for 127.0.0.1 (openssl), as paths ``(ca, cert, key)``."""
     if shutil.which("openssl") is None:
@@ -357,12 +371,13 @@ def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tm
     (tmp_path / "home" / "config.toml").write_text(
         f'[superlink]\ndefault = "loc"\n\n[superlink.loc]\naddress = "127.0.0.1:{link}"\ninsecure = true\n')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu",
-               FLWR_HOME=str(tmp_path / "home"))
+               FLWR_HOME=str(tmp_path / "home"), PATH=os.pathsep.join([str(bindir), os.environ.get("PATH", "")]))
     spawn = lambda cmd, name: subprocess.Popen(  # noqa: E731
         cmd, env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     procs = [spawn([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
                    "superlink")]
     try:
+        _wait_for_port(link, 120, procs[0], tmp_path / "superlink.log")
         for k in range(2):
             procs.append(spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
                                 "--port", str(_free_port()), "--node-config", f'data="{tmp_path / f"shard{k}.npz"}"'],
