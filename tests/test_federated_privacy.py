@@ -129,3 +129,30 @@ def test_flower_client_noises_its_sites_and_stops_when_its_budget_is_spent(x64, 
         private.update(arrays, server.config)
     with pytest.raises(pc.PrivacyError, match="admm"):
         ClientLogic(logistic_model, clients[0], privacy=mech).initial(dict(server.config, algorithm="admm"))
+
+
+def test_client_app_takes_its_privacy_from_the_node_config_and_keeps_the_count_in_its_state(x64, skewed, tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from flwr.app import Context, RecordDict
+    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+
+    from numpyro_pc.federated import flower
+
+    X, y = skewed[0][0]
+    np.savez(tmp_path / "shard.npz", arg0=np.asarray(X), arg1=np.asarray(y))
+    run_config = {"model": "conftest:logistic_model", "num-clients": 1, "rounds": 1, "x64": True}
+    node = {"data": str(tmp_path / "shard.npz"), "dp-epsilon": 1.0, "dp-releases": 2}
+    state, server = RecordDict(), ServerLogic(1, "fedpc", "full", x64=True)
+
+    def fit(arrays, phase):  # a ClientApp is rebuilt for every message: budget and site come from the state
+        client = flower._client_fn(Context(0, 5, node, state, run_config))
+        return client.fit(FitIns(ndarrays_to_parameters(arrays), dict(server.config, phase=phase)))
+
+    first = parameters_to_ndarrays(fit([], "init").parameters)
+    exact = ClientLogic(logistic_model, (X, y)).initial(server.config)
+    assert not np.allclose(first[0], exact[0])  # the node's own setting noised the site
+    server.aggregate_initial({5: first})
+    arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
+    fit(arrays, "update")
+    with pytest.raises(pc.PrivacyError, match="covers 2 message"):
+        fit(arrays, "update")
