@@ -126,6 +126,14 @@ def test_clients_below_min_examples_do_not_take_part(x64):
     assert sorted(server.sites) == ["a"] and "min_examples=5" in server.rejected_initial["b"]
 
 
+def test_command_line_binds_and_connects_to_loopback_by_default():
+    from numpyro_pc.federated import flower
+
+    assert flower._parser().parse_args(["server", "--clients", "2"]).address == "127.0.0.1:8080"
+    args = flower._parser().parse_args(["client", "--model", "m:f", "--data", "d.npz"])
+    assert args.server == "127.0.0.1:8080" and args.root_certificates is None and args.dp_epsilon is None
+
+
 def test_client_message_error_names_the_client():
     from numpyro_pc.federated.robust import validate_site
 

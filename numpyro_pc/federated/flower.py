@@ -28,7 +28,10 @@ Command line (one server, one process per client)::
 arguments; ``--model`` is ``module:function``. Add ``--x64`` on every process for float64.
 The server binds to loopback unless ``--address`` says otherwise; across machines pass
 ``--certificates CA CERT KEY`` to the server and ``--root-certificates CA`` to the clients
-(TLS). The server exits with status 1 and still writes ``--out`` (last good posterior,
+(TLS). A client adds ``--dp-epsilon ε --dp-releases T`` (``T`` = the server's ``--rounds``
+plus one) to send differentially private sites
+(:class:`~numpyro_pc.federated.privacy.GaussianMechanism`, its own setting, not the
+server's). The server exits with status 1 and still writes ``--out`` (last good posterior,
 history, ``failure``) when a run cannot go on. This module needs the optional extra
 ``numpyro-pc[federated]`` (``flwr``); it imports Flower only when a server or client is
 started.
