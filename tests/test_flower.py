@@ -204,6 +204,20 @@ def test_flower_apps_keep_the_site_in_the_context_state(x64, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def test_strategy_writes_the_partial_result_when_a_round_fails(tmp_path):
+    # what the ServerApp runs: an error in a round is recorded, written to `out`, and raised
+    # (Flower then ends the ServerApp with a non-zero exit code)
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from numpyro_pc.federated import flower
+
+    logic = ServerLogic(2, "fedpc", "full", x64=True)
+    strategy = flower.make_strategy(logic, out=str(tmp_path / "partial.npz"))
+    with pytest.raises(pc.TooFewClientsError, match="min_clients=2"):
+        strategy.aggregate_fit(1, [], [RuntimeError("client lost")])
+    with np.load(tmp_path / "partial.npz") as res:
+        assert "min_clients=2" in json.loads(str(res["failure"])) and res["mean"].size == 0
+
+
 def flower_fit_ins(arrays, config):
     from flwr.common import FitIns, ndarrays_to_parameters
 
