@@ -10,7 +10,7 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import federated
-from numpyro_pc.federated.core import LocalConfig, bind_clients, client_site, clipped_site
+from numpyro_pc.federated.core import LocalConfig, bind_clients, client_site, clipped_site, local_update
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
 from numpyro_pc.federated.privacy import GaussianMechanism, add_noise
 from numpyro_pc.families import Gaussian, GaussianNatural
@@ -63,6 +63,29 @@ def test_each_example_moves_the_clipped_site_by_at_most_the_clip_norms(x64):
         site = clipped_site(cfg, q, ex, mask.at[j].set(0.0), shared)
         assert np.linalg.norm(np.asarray(full.linear - site.linear)) <= 0.3 * (1 + 1e-12)
         assert np.linalg.norm(np.asarray(full.precision - site.precision)) <= 0.2 * (1 + 1e-12)
+
+
+def test_a_private_local_update_moves_by_at_most_the_clip_norms_when_one_example_is_removed(x64):
+    # end to end: the whole local step (not only the clipped sum) has the sensitivity the
+    # accounting assumes; same noise key on both neighbouring shards, and the PSD projection
+    # is non-expansive, so the released sites differ by at most (C_h, C_S)
+    X, y = make_logistic(60, 3, seed=6)
+    mech = GaussianMechanism(1.0, 1e-5, 3, clip_linear=0.5, clip_precision=0.5)
+    cfg, ex, mask, shared = _cfg(logistic_model, X, y, "full", mech, "gh")
+    q_jnt = Gaussian(jnp.array([0.1, -0.2, 0.3, 0.0]), 4.0 * jnp.eye(4))
+    eta = GaussianNatural(jnp.zeros(4), 2.0 * jnp.eye(4))
+    key = jax.random.PRNGKey(0)
+    step = jax.jit(local_update, static_argnums=0)
+    full = step(cfg, q_jnt, eta, 0.5, ex, mask, shared, key)
+    # the released site is the mechanism applied at the server's q_jnt (a point the removed
+    # example does not move), not at the client's local optimum
+    expected = add_noise(cfg.family, mech, clipped_site(cfg, q_jnt, ex, mask, shared), key)
+    for a, b in zip(full.site, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+    for j in (0, 31, 59):
+        near = step(cfg, q_jnt, eta, 0.5, ex, mask.at[j].set(0.0), shared, key)
+        assert np.linalg.norm(np.asarray(full.site.linear - near.site.linear)) <= 0.5 * (1 + 1e-9)
+        assert np.linalg.norm(np.asarray(full.site.precision - near.site.precision)) <= 0.5 * (1 + 1e-9)
 
 
 def test_noise_has_the_calibrated_scale_and_the_precision_stays_psd(x64):

@@ -304,9 +304,14 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
     ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
 
-    With ``cfg.privacy`` the returned site is :func:`release_site`'s noised one (``key``) and
-    the returned local parameters are recomputed from it, ``λ_jnt + (η̃_k − η_k)/ρ``, so that
-    nothing else the client sends depends on its data.
+    With ``cfg.privacy`` the site is :func:`release_site`'s clipped and noised one, evaluated
+    at the global ``q_jnt`` the server sent (``key`` seeds the noise), and no local problem is
+    solved: a local optimum depends on all of the client's examples, so the other examples'
+    terms at it would move when one example is removed and the per-example sensitivity of
+    :mod:`~numpyro_pc.federated.privacy` would not hold. This is the ``ρ → ∞`` limit of the
+    local step (one natural-gradient step of the client's loss), with the same fixed point.
+    The returned local parameters are recomputed from the noised site,
+    ``λ_jnt + (η̃_k − η_k)/ρ``, so nothing else the client sends depends on its data.
 
     :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or
         positive definiteness).
@@ -316,6 +321,11 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     lam_jnt = family.natural(q_jnt)
     if cfg.safeguard:
         rho = safe_rho(family, q_jnt, eta, rho, cfg.margin)
+    if cfg.privacy is not None:
+        site = release_site(cfg, q_jnt, per_example, mask, shared, key)
+        local = jax.tree.map(lambda lam, new, old: lam + (new - old) / rho, lam_jnt, site, eta)
+        ok = jnp.all(jnp.isfinite(site.linear)) & jnp.all(jnp.isfinite(site.precision))
+        return LocalResult(site, local, jnp.asarray(0), ok, rho)
     b_lin = lam_jnt.linear - eta.linear / rho
     b_prec = lam_jnt.precision - eta.precision / rho
     b_dense = family.dense_precision(Gaussian(q_jnt.mean, b_prec))
@@ -353,13 +363,10 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
 
     start = (q_jnt, jnp.asarray(0), jnp.asarray(jnp.inf, q_jnt.mean.dtype))
     q, iters, delta = jax.lax.while_loop(cond, body, start)
-    site = release_site(cfg, q, per_example, mask, shared, key)
+    site = client_site(cfg, q, per_example, mask, shared)
     ok = (delta >= 0) & jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
     ok = ok & jnp.all(jnp.isfinite(site.linear))
-    local = family.natural(q)
-    if cfg.privacy is not None:
-        local = jax.tree.map(lambda lam, new, old: lam + (new - old) / rho, lam_jnt, site, eta)
-    return LocalResult(site, local, iters, ok, rho)
+    return LocalResult(site, family.natural(q), iters, ok, rho)
 
 
 def global_state(family, prior, prior_nat, eta_sum):

@@ -151,7 +151,9 @@ class ClientLogic:
                              self._key())
         damping = float(config["damping"])
         self.site = jax.tree.map(lambda o, n: o + damping * (n - o), self.site, out.site)
-        return _arrays(self.site) + _arrays(out.local), {"iterations": int(out.iterations), "ok": bool(out.ok)}
+        # a private client reports nothing beyond its (noised) message
+        metrics = {} if self.privacy is not None else {"iterations": int(out.iterations), "ok": bool(out.ok)}
+        return _arrays(self.site) + _arrays(out.local), metrics
 
 
 def make_strategy(logic, connect_timeout=120.0, out=None):

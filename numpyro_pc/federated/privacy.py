@@ -2,7 +2,11 @@ r"""Differential privacy of the clients' sites: the Gaussian mechanism with per-
 
 A client's message is its site ``η_k = Σ_j s_j`` with one term ``s_j = (ĥ_j, Ŝ_j)`` per
 example (``ĥ_j = Ŝ_j m − ĝ_j`` in the family's format, paper eq. ``local_update``). With a
-:class:`GaussianMechanism` the client instead sends
+:class:`GaussianMechanism` the terms are evaluated at the global Gaussian the server sent,
+a point that does not depend on this client's data except through its earlier (private)
+messages — not at the client's local optimum, which depends on every one of its examples
+(:func:`~numpyro_pc.federated.core.local_update` then solves no local problem: the
+``ρ → ∞`` limit of the local step) — and the client sends
 
 .. math::
     \tilde\eta_k = \Big(\sum_j c^h_j \hat h_j + C_h \sigma\, \xi,\;
@@ -15,8 +19,10 @@ positive semi-definite matrices (eigenvalues clipped at zero; post-processing, n
 cost). Adding or removing one example changes ``(Σ c^h_j ĥ_j / C_h, Σ c^S_j Ŝ_j / C_S)`` by
 at most ``√2`` in Euclidean norm, so one release is the Gaussian mechanism with sensitivity
 ``√2`` and noise ``σ``: ``1/σ²``-zCDP (Bun & Steinke 2016, Prop. 1.6). ``T`` releases compose
-to ``T/σ²``-zCDP, which implies ``(ε, δ)``-DP with ``ε = ρ + 2√(ρ log(1/δ))`` (Prop. 1.3).
-:class:`GaussianMechanism` solves that for ``σ`` given ``(ε, δ, T)``.
+to ``T/σ²``-zCDP (Lemma 1.7, adaptive composition: each message is this mechanism at a
+point fixed by the earlier messages), which implies ``(ε, δ)``-DP with
+``ε = ρ + 2√(ρ log(1/δ))`` (Prop. 1.3). :class:`GaussianMechanism` solves that for ``σ``
+given ``(ε, δ, T)``.
 
 The guarantee is *example-level* (neighbouring shards differ by one example of that
 client), holds against the server and anyone who sees the messages, and needs that the
@@ -24,8 +30,9 @@ client sends at most ``T`` messages: the in-process :func:`~numpyro_pc.federated
 refuses runs that could send more, and the Flower client
 (:class:`~numpyro_pc.federated.flower.ClientLogic`) counts its releases and stops with
 :class:`~numpyro_pc.errors.PrivacyError` once they are spent. It does not cover the number of
-examples a Flower client reports (used for ``min_examples``), and the clipping moves the fixed
-point away from the joint posterior (``benchmarks/RESULTS.md`` measures the cost).
+examples a Flower client reports (used for ``min_examples``), nor which clients take part.
+The clipping and the noise move the fixed point away from the joint posterior
+(``benchmarks/RESULTS.md`` measures the cost).
 """
 
 from __future__ import annotations
