@@ -21,6 +21,14 @@ the prior): ``fedpc`` with its safeguard for ``ρ ∈ {default = 1/K, 0.05, 0.1,
 with the safeguard), and FedPC with the bounded aggregation (``max_share=1``,
 ``max_shift=3``) to measure what the robustness option costs honest clients.
 
+Differential privacy (``--only dp``): a7a (the same first ``--n`` examples), K = 10
+clients with the Dirichlet(0.1) split, FedPC (default ``ρ``) with
+:class:`~numpyro_pc.federated.privacy.GaussianMechanism` at ``ε ∈ {1, 4, 16, 64}``,
+``δ = 1e-5`` (and ``ε = 1e8``, noise ≈ 0: the cost of the clipping alone), clipping norms ``C_h = C_S = 1`` per example, ``DP_ROUNDS`` rounds (so
+``DP_ROUNDS + 1`` releases per client, the initial site included), three noise seeds each;
+scored by the KL to the centralised posterior and the test accuracy of the posterior mean
+on the a7a test set (16 461 examples), against the exact FedPC run and the centralised fit.
+
 Scores per run: the first round at which ``KL(q_t ‖ q*) ≤ 1e-6`` (``q*`` = ``pc.fit`` on the
 union, ``tol=1e-10``), the bytes sent up to that round (each participating client
 uploads its site and downloads the global natural parameters, float64), the final KL, the
@@ -30,8 +38,10 @@ Usage::
 
     python benchmarks/bench_federated.py --quick   # a7a: 3 000 examples, 40 rounds
     python benchmarks/bench_federated.py           # a7a: all 16 100 examples (slow on 2 cores)
+    python benchmarks/bench_federated.py --quick --only dp    # the privacy table only
 
-Outputs: ``benchmarks/_out/bench_federated.{json,md,png}``.
+Outputs: ``benchmarks/_out/bench_federated.{json,md,png}`` (``--only dp``:
+``bench_federated_dp.{json,md}``).
 """
 
 from __future__ import annotations
@@ -53,13 +63,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
-from bench_continual import model  # noqa: E402  (same model as benchmarks 3 and 4)
+from bench_continual import model, predictive_scores  # noqa: E402  (same model as benchmarks 3 and 4)
 from numpyro_pc.datasets import load_a7a, load_breast_cancer  # noqa: E402
 import numpyro  # noqa: E402
 import numpyro.distributions as dist  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 TARGET_KL = 1e-6
+DP_EPSILONS = (1.0, 4.0, 16.0, 64.0, 1e8)  # 1e8: noise ≈ 0, what the clipping alone costs
+DP_ROUNDS = 6
+DP_SEEDS = (0, 1, 2)
 
 
 def bc_model(X, y=None):
@@ -162,12 +175,63 @@ def plot(res, path):
     plt.close(fig)
 
 
+def privacy_runs(n, log):
+    """FedPC on a7a K = 10 with and without the Gaussian mechanism: KL and test accuracy."""
+    X, y = load_a7a("train")
+    Xt, yt = load_a7a("test")
+    X, y = jnp.asarray(X[:n]), jnp.asarray(y[:n])
+    rows = dirichlet_split(np.asarray(y), 10, 0.1)
+    clients = [(X[r], y[r]) for r in rows]
+    central = quiet(pc.fit, model, X, y, family="full", tol=1e-10)
+    cov = lambda q: np.linalg.inv(np.asarray(q.precision))  # noqa: E731
+    acc0, _ = predictive_scores(central.mean, cov(central.state), Xt, yt)
+    runs = [dict(method="centralised (pc.fit)", epsilon=None, kl=0.0, accuracy=acc0, seconds=0.0)]
+    t0 = time.perf_counter()
+    exact = quiet(pc.federated.run, model, clients, rounds=DP_ROUNDS, reference=central, keep_data=False)
+    runs.append(dict(method=f"fedpc, no noise, {DP_ROUNDS} rounds", epsilon=None,
+                     kl=exact.history[-1]["kl_to_reference"],
+                     accuracy=predictive_scores(exact.state.mean, cov(exact.state), Xt, yt)[0],
+                     seconds=time.perf_counter() - t0))
+    for eps in DP_EPSILONS:
+        mech = pc.federated.GaussianMechanism(eps, 1e-5, releases=DP_ROUNDS + 1, clip_linear=1.0, clip_precision=1.0)
+        kls, accs, t0 = [], [], time.perf_counter()
+        for seed in DP_SEEDS:
+            res = quiet(pc.federated.run, model, clients, rounds=DP_ROUNDS, reference=central, keep_data=False,
+                        privacy=mech, seed=seed)
+            kls.append(res.history[-1]["kl_to_reference"])
+            accs.append(predictive_scores(res.state.mean, cov(res.state), Xt, yt)[0])
+        runs.append(dict(method="fedpc + Gaussian mechanism", epsilon=eps, delta=1e-5, noise=mech.noise,
+                         kl=float(np.median(kls)), kl_all=kls, accuracy=float(np.mean(accs)), accuracy_all=accs,
+                         epsilon_spent=res.history[-1]["epsilon"], seconds=(time.perf_counter() - t0) / len(DP_SEEDS)))
+        log(f"dp ε={eps:g}: KL {np.median(kls):.3g}, accuracy {np.mean(accs):.4f}")
+    return dict(n=n, clients=10, rounds=DP_ROUNDS, seeds=list(DP_SEEDS), central_accuracy=acc0, runs=runs,
+                sizes=[int(r.size) for r in rows])
+
+
+def render_dp(res):
+    lines = [f"a7a, first {res['n']} training examples, K = {res['clients']} clients (Dirichlet(0.1) label skew), "
+             f"FedPC default ρ, {res['rounds']} rounds; test accuracy of the posterior mean on the 16 461 test "
+             "examples; "
+             f"DP rows: median KL and mean accuracy over seeds {res['seeds']}.", "",
+             "| method | ε (δ = 1e-5) | noise σ (× clip) | KL to centralised | test accuracy | accuracy cost |",
+             "|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        eps = "—" if r["epsilon"] is None else f"{r['epsilon']:g}"
+        sd = f"{r['noise']:.2f}" if "noise" in r else "—"
+        lines.append(f"| {r['method']} | {eps} | {sd} | {r['kl']:.2e} | {r['accuracy']:.4f} | "
+                     f"{res['central_accuracy'] - r['accuracy']:+.4f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a7a: 3 000 examples, 40 rounds")
     parser.add_argument("--n", type=int, default=None, help="a7a: use the first n training examples (default all)")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--out", default=OUT)
+    parser.add_argument("--only", choices=["sweep", "dp"], default=None, help="run one part (default both)")
+    parser.add_argument("--splits", default=None, help="comma-separated split names (prefixes) of the sweep")
+    parser.add_argument("--methods", default=None, help="comma-separated method names of the sweep")
     args = parser.parse_args(argv)
     if args.quick:
         args.n = args.n or 3000
@@ -175,12 +239,28 @@ def main(argv=None):
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
     info = machine_info()
+    command = " ".join(["python benchmarks/bench_federated.py"] + (argv or sys.argv[1:]))
+    if args.only != "sweep":
+        res = dict(privacy_runs(args.n or 16100, log), machine=info, command=command)
+        write_results("bench_federated_dp", args.out, res, render_dp(res), [dict(
+            target="DP accuracy cost measured at stated (ε, δ)", measured=", ".join(
+                f"ε={r['epsilon']:g}: {res['central_accuracy'] - r['accuracy']:+.4f}" for r in res["runs"]
+                if r["epsilon"] is not None), met=True)])
+        if args.only == "dp":
+            return
     runs = []
+    keep = lambda name, wanted: wanted is None or any(name.startswith(w) for w in wanted.split(","))  # noqa: E731
     for name, mdl, X, y, rows in splits(args.n or 16100):
+        if not keep(name, args.splits):
+            continue
         X, y = jnp.asarray(X), jnp.asarray(y)
+        t0 = time.perf_counter()
         central = quiet(pc.fit, mdl, X, y, family="full", tol=1e-10)
+        log(f"{name}: centralised fit {time.perf_counter() - t0:.1f}s")
         clients = [(X[r], y[r]) for r in rows]
         for method, opts in methods(len(rows)):
+            if args.methods is not None and method not in args.methods.split(","):
+                continue
             t0 = time.perf_counter()
             result = quiet(pc.federated.run, mdl, clients, rounds=args.rounds, reference=central, keep_data=False,
                            **opts)
@@ -192,8 +272,7 @@ def main(argv=None):
                              seconds=seconds, kl=kl.tolist(), rounds_run=result.rounds,
                              rho_max=max(h["rho_max"] for h in result.history), sizes=[int(r.size) for r in rows]))
             log(f"{name} {method}: reach {reach}, status {result.status}, {seconds:.1f}s")
-    res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs,
-               command=" ".join(["python benchmarks/bench_federated.py"] + (argv or sys.argv[1:])))
+    res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs, command=command)
     write_results("bench_federated", args.out, res, render(res), targets(res), lambda p: plot(res, p))
 
 

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 from . import federated, merging  # noqa: E402
-from .errors import ClientMessageError, IncompatiblePosteriorsError, TooFewClientsError  # noqa: E402
+from .errors import ClientMessageError, IncompatiblePosteriorsError, PrivacyError, TooFewClientsError  # noqa: E402
 from .merging import merge  # noqa: E402
 
-__all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "TooFewClientsError"]
+__all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "PrivacyError", "TooFewClientsError"]

@@ -186,3 +186,12 @@ class TooFewClientsError(PosteriorCorrectionError, RuntimeError):
     def __init__(self, message, result=None):
         super().__init__(message)
         self.result = result
+
+
+class PrivacyError(PosteriorCorrectionError, RuntimeError):
+    """A federated client refuses to send a message its privacy settings forbid.
+
+    Raised when the client holds fewer examples than the run's ``min_examples`` (its site
+    would reveal them) or when its differential-privacy budget (the number of releases its
+    noise was calibrated for) is spent.
+    """

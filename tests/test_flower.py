@@ -1,10 +1,14 @@
 """The Flower transport: a server and three client processes on 127.0.0.1 reproduce the in-process run."""
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -114,12 +118,20 @@ def test_clients_below_min_examples_do_not_take_part(x64):
     X, y = shards()[0]
     server = ServerLogic(2, "fedpc", "full", x64=True, min_clients=1, min_examples=5)
     tiny = ClientLogic(logistic_model, (X[:1], y[:1]))
-    with pytest.raises(ValueError, match="min_examples=5"):
+    with pytest.raises(pc.PrivacyError, match="min_examples=5"):
         tiny.initial(server.config)
     honest = ClientLogic(logistic_model, (X, y))
     message = honest.initial(server.config)
     server.aggregate_initial({"a": message, "b": [a.copy() for a in message]}, examples={"a": X.shape[0], "b": 1})
     assert sorted(server.sites) == ["a"] and "min_examples=5" in server.rejected_initial["b"]
+
+
+def test_command_line_binds_and_connects_to_loopback_by_default():
+    from numpyro_pc.federated import flower
+
+    assert flower._parser().parse_args(["server", "--clients", "2"]).address == "127.0.0.1:8080"
+    args = flower._parser().parse_args(["client", "--model", "m:f", "--data", "d.npz"])
+    assert args.server == "127.0.0.1:8080" and args.root_certificates is None and args.dp_epsilon is None
 
 
 def test_client_message_error_names_the_client():
@@ -192,6 +204,20 @@ def test_flower_apps_keep_the_site_in_the_context_state(x64, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def test_strategy_writes_the_partial_result_when_a_round_fails(tmp_path):
+    # what the ServerApp runs: an error in a round is recorded, written to `out`, and raised
+    # (Flower then ends the ServerApp with a non-zero exit code)
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from numpyro_pc.federated import flower
+
+    logic = ServerLogic(2, "fedpc", "full", x64=True)
+    strategy = flower.make_strategy(logic, out=str(tmp_path / "partial.npz"))
+    with pytest.raises(pc.TooFewClientsError, match="min_clients=2"):
+        strategy.aggregate_fit(1, [], [RuntimeError("client lost")])
+    with np.load(tmp_path / "partial.npz") as res:
+        assert "min_clients=2" in json.loads(str(res["failure"])) and res["mean"].size == 0
+
+
 def flower_fit_ins(arrays, config):
     from flwr.common import FitIns, ndarrays_to_parameters
 
@@ -210,8 +236,45 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, parts, server_args, roles):
-    """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update"."""
+def _wait_for_port(port, timeout, process, log):
+    """Wait until ``process`` listens on 127.0.0.1:``port`` (at most ``timeout`` seconds; fail if it exits)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the process exited with status {process.returncode}: {log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def _certificates(tmp_path):
+    """A throw-away CA and a server certificate for 127.0.0.1 (openssl), as paths ``(ca, cert, key)``."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificates")
+    ca, cert, key = (str(tmp_path / n) for n in ("ca.crt", "server.pem", "server.key"))
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, timeout=60)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+        "-keyout", str(tmp_path / "ca.key"), "-out", ca)
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", key,
+        "-out", str(tmp_path / "server.csr"))
+    (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("openssl", "x509", "-req", "-in", str(tmp_path / "server.csr"), "-CA", ca, "-CAkey", str(tmp_path / "ca.key"),
+        "-CAcreateserial", "-days", "1", "-extfile", str(tmp_path / "san.ext"), "-out", cert)
+    return ca, cert, key
+
+
+def _launch(tmp_path, parts, server_args, roles, tls=False):
+    """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update".
+
+    With ``tls`` the server gets a certificate for 127.0.0.1 and the clients its CA (``--certificates`` /
+    ``--root-certificates``): the clients can only connect over TLS.
+    """
+    server_tls, client_tls = [], []
+    if tls:
+        ca, cert, key = _certificates(tmp_path)
+        server_tls, client_tls = ["--certificates", ca, cert, key], ["--root-certificates", ca]
     for k, (X, y) in enumerate(parts):
         np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
     address = f"127.0.0.1:{_free_port()}"
@@ -219,43 +282,51 @@ def _launch(tmp_path, parts, server_args, roles):
     out = tmp_path / "result.npz"
     server = subprocess.Popen([sys.executable, "-m", "numpyro_pc.federated.flower", "server", "--address", address,
                                "--x64", "--out", str(out), "--connect-timeout", "60", "--round-timeout", "60",
-                               *server_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               *server_args, *server_tls], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
     clients = []
     for k, role in enumerate(roles):
         cmd = ([sys.executable, "-m", "numpyro_pc.federated.flower", "client"] if role == "honest" else
                [sys.executable, str(ROOT / "tests" / "flower_rogue.py"), role])
         clients.append(subprocess.Popen(cmd + ["--server", address, "--model", "conftest:logistic_model", "--data",
                                                str(tmp_path / f"shard{k % len(parts)}.npz"), "--x64",
-                                               "--max-wait", "20"],
+                                               "--max-wait", "20", *client_tls],
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
     try:
         log, _ = server.communicate(timeout=150)
         for c in clients:
-            c.communicate(timeout=30)
+            logs.append(c.communicate(timeout=30)[0])
     finally:
         for p in [server, *clients]:
             if p.poll() is None:
                 p.kill()
-    return server.returncode, log, out
+    # the server's log, then each client's tail (shown when an assertion fails)
+    return server.returncode, log + "".join(f"\n--- client {k}:\n{c[-800:]}" for k, c in enumerate(logs)), out
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_flower_processes_leave_out_a_rogue_and_a_crashed_client(x64, tmp_path):
+def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run(x64, tmp_path):
     pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
     parts = shards(2)
+    # client 2 sends NaN sites (refused in round 1, never admitted); client 3 (shard 1) is honest in
+    # round 1, then dies in its first update: the run goes on with the two others (min-clients 2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
-                                               "--rho", "0.5"], ["honest", "honest", "nan", "crash-init"])
-    assert code == 0, log[-3000:]
+                                               "--rho", "0.5"], ["honest", "honest", "nan", "crash-update"], tls=True)
+    assert code == 0, log[-6000:]
     with np.load(out) as res:
         mean, precision, history = res["mean"], res["precision"], json.loads(str(res["history"]))
-    # the two others were never admitted: the run is the honest clients' in-process run
-    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
     assert len(history) == ROUNDS and all(h["participants"] == 2 for h in history)
-    np.testing.assert_allclose(mean, np.asarray(ref.state.mean), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(precision, np.asarray(ref.state.precision), rtol=1e-6, atol=1e-6)
-    with jax.enable_x64(True):
-        q = pc.Gaussian(jax.numpy.asarray(mean), jax.numpy.asarray(precision))
-        assert float(pc.FullGaussian().kl(q, ref.state)) < 1e-10
+    # the same by hand: the killed client keeps its round-1 site, the honest two update every round
+    server = ServerLogic(4, "fedpc", "full", rho=0.5, x64=True, min_clients=2)
+    honest = [ClientLogic(logistic_model, p) for p in parts]
+    killed = ClientLogic(logistic_model, parts[1])
+    server.aggregate_initial(dict({f"node{k}": c.initial(server.config) for k, c in enumerate(honest)},
+                                  killed=killed.initial(server.config)))
+    for _ in range(ROUNDS):
+        _round(server, honest)
+    np.testing.assert_allclose(mean, np.asarray(server.state.mean), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(precision, np.asarray(server.state.precision), rtol=1e-8, atol=1e-10)
 
 
 def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x64, tmp_path):
@@ -263,8 +334,86 @@ def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x
     parts = shards(2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "2", "--rounds", str(ROUNDS), "--rho", "0.5"],
                              ["honest", "crash-update"])
-    assert code == 1, log[-3000:]
+    assert code == 1, log[-6000:]
     with np.load(out) as res:
         failure = json.loads(str(res["failure"]))
         assert res["mean"].shape == (4,) and np.all(np.isfinite(res["mean"]))  # the last good posterior
     assert "min_clients=2" in failure, failure
+
+
+APP_TOML = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "pcfedtest"
+version = "1.0.0"
+description = "numpyro_pc federated test app"
+license = "MIT"
+dependencies = []
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "numpyro-pc"
+
+[tool.flwr.app.components]
+serverapp = "numpyro_pc.federated.flower:server_app"
+clientapp = "numpyro_pc.federated.flower:client_app"
+
+[tool.flwr.app.config]
+num-clients = 2
+rounds = 1
+rho = 0.5
+model = "conftest:logistic_model"
+x64 = true
+out = "{out}"
+connect-timeout = 300.0
+round-timeout = 300.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tmp_path):
+    # Flower's own deployment on 127.0.0.1: flower-superlink, two flower-supernode (shards via --node-config)
+    # and `flwr run`; every ClientApp message starts a fresh process, so this takes minutes on a loaded machine
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    bindir = Path(sys.executable).parent
+    if not (bindir / "flower-superlink").exists():
+        pytest.skip("the flower-superlink / flower-supernode executables are not installed")
+    parts = shards(2)
+    for k, (X, y) in enumerate(parts):
+        np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "pyproject.toml").write_text(APP_TOML.format(out=tmp_path / "result.npz"))
+    link = _free_port()
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "loc"\n\n[superlink.loc]\naddress = "127.0.0.1:{link}"\ninsecure = true\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu",
+               FLWR_HOME=str(tmp_path / "home"), PATH=os.pathsep.join([str(bindir), os.environ.get("PATH", "")]))
+    spawn = lambda cmd, name: subprocess.Popen(  # noqa: E731
+        cmd, env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [spawn([str(bindir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(link)],
+                   "superlink")]
+    try:
+        _wait_for_port(link, 120, procs[0], tmp_path / "superlink.log")
+        for k in range(2):
+            procs.append(spawn([str(bindir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link}",
+                                "--port", str(_free_port()), "--node-config", f'data="{tmp_path / f"shard{k}.npz"}"'],
+                               f"supernode{k}"))
+        run = subprocess.run([str(bindir / "flwr"), "run", str(tmp_path / "app"), "loc", "--stream"], env=env,
+                             capture_output=True, text=True, timeout=480)
+    finally:
+        for p in procs:  # each process group: the SuperNodes' ClientApp processes go with them
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert "Run finished" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+    with np.load(tmp_path / "result.npz") as res:
+        assert json.loads(str(res["failure"])) is None
+        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, tol=0.0, residual_tol=0.0, keep_data=False)
+        np.testing.assert_allclose(res["mean"], np.asarray(ref.state.mean), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(res["precision"], np.asarray(ref.state.precision), rtol=1e-9)

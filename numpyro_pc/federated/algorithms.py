@@ -63,11 +63,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import ConvergenceError
+from ..errors import ConvergenceError, InvalidOptionError
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import gaussian_prior, prior_natural
-from .core import (LocalConfig, bind_clients, check_rule, client_site, concat_datas, global_state, joint_spec, local_update,
-                   natural_nbytes)
+from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
+                   natural_nbytes, release_site)
 from .robust import aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
@@ -113,22 +113,24 @@ class FederatedResult:
 
 def _settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
         if family not in (None, "isotropic", "iso"):
-            raise ValueError(f"algorithm='ama' is the isotropic family with the delta rule; got family={family!r}")
+            raise InvalidOptionError(f"algorithm='ama' is the isotropic family with the delta rule; "
+                                     f"got family={family!r}")
         family, expectation = "isotropic", "delta"
     family = get_family("full" if family is None else family)
     if algorithm == "pvi":
         if rho not in (None, 1, 1.0):
-            raise ValueError(f"PVI uses ρ = 1 (damping acts on the sites); got rho={rho}. Use algorithm='fedpc'.")
+            raise InvalidOptionError(f"PVI uses ρ = 1 (damping acts on the sites); got rho={rho}. "
+                                     "Use algorithm='fedpc'.")
         rho = 1.0
     rho = (1.0 / num_clients if algorithm in ("fedpc", "admm") else 1.0) if rho is None else float(rho)
     if not rho > 0:
-        raise ValueError(f"rho must be positive, got {rho}")
+        raise InvalidOptionError(f"rho must be positive, got {rho}")
     damping = 1.0 if damping is None else float(damping)
     if not 0 < damping <= 1:
-        raise ValueError(f"damping must lie in (0, 1], got {damping}")
+        raise InvalidOptionError(f"damping must lie in (0, 1], got {damping}")
     if expectation is None:
         glm = spec.num_params == 1 and spec.affine
         expectation = "gh" if glm and not isinstance(family, IsotropicGaussian) else "delta"
@@ -140,13 +142,14 @@ def _settings(algorithm, family, rho, damping, expectation, spec, num_clients=1)
 def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta, q_jnt, stack, rho, damping,
            alpha, key, bounds):
     family = cfg.family
+    keys = jax.random.split(jax.random.fold_in(key, 1), num_participants)  # the clients' noise (privacy)
     if num_participants == num_clients:
         idx = jnp.arange(num_clients)
     else:
         idx = jax.random.choice(key, num_clients, (num_participants,), replace=False)
     pick = lambda x: x[idx]  # noqa: E731
-    local = jax.vmap(lambda e, ex, mk: local_update(cfg, q_jnt, e, rho, ex, mk, stack.shared))(
-        jax.tree.map(pick, eta), jax.tree.map(pick, stack.per_example), stack.mask[idx])
+    local = jax.vmap(lambda e, ex, mk, k: local_update(cfg, q_jnt, e, rho, ex, mk, stack.shared, k))(
+        jax.tree.map(pick, eta), jax.tree.map(pick, stack.per_example), stack.mask[idx], keys)
     old = jax.tree.map(pick, eta)
     new = jax.tree.map(lambda o, n: o + damping * (n - o), old, local.site)
     eta = jax.tree.map(lambda e, n: e.at[idx].set(n), eta, new)
@@ -169,15 +172,17 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _initial_sites(cfg, q, stack):
-    return jax.vmap(lambda ex, mk: client_site(cfg, q, ex, mk, stack.shared))(stack.per_example, stack.mask)
+def _initial_sites(cfg, q, stack, key):
+    keys = jax.random.split(key, stack.mask.shape[0])
+    return jax.vmap(lambda ex, mk, k: release_site(cfg, q, ex, mk, stack.shared, k))(stack.per_example, stack.mask,
+                                                                                         keys)
 
 
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
         local_tol=None, num_nodes=64, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
         shared=(), callback=None, init="auto", safeguard=None, safeguard_margin=0.3, max_retries=6,
-        max_share=None, max_shift=None):
+        max_share=None, max_shift=None, privacy=None):
     """Run a federated algorithm over client shards in one process.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is
@@ -225,6 +230,13 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         over the others' (default: no bound).
     :param float max_shift: bounded aggregation: one client may move the global mean by at
         most this many standard deviations of the others' posterior (default: no bound).
+    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a
+        client sends is clipped per example and noised to the mechanism's ``(ε, δ)``
+        (FedPC, PVI and AMA; not ADMM, whose server step needs the exact local posteriors).
+        Its ``releases`` must cover ``rounds`` plus the initial sites of ``init="prior"``;
+        failed rounds are not retried (a retry is one more release). The run then ends on
+        its round budget rather than on the tolerances, and its fixed point is perturbed
+        (``history`` records ``epsilon``, the privacy loss spent so far).
     :return: :class:`FederatedResult`; ``history`` also holds ``rho_min``/``rho_max`` (the
         weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
     """
@@ -238,10 +250,23 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     local_tol = (1e-12 if x64 else 1e-6) if local_tol is None else float(local_tol)
     num_clients = int(stack.mask.shape[0])
     if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+        raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
     num_participants = max(1, int(round(fraction * num_clients)))
+    if init == "auto":
+        init = "zero" if isinstance(family, IsotropicGaussian) else "prior"
+    if init not in ("prior", "zero"):
+        raise InvalidOptionError(f"unknown init {init!r}; expected 'prior', 'zero' or 'auto'")
+    releases = int(rounds) + (init == "prior")
+    if privacy is not None:
+        if algorithm == "admm":
+            raise InvalidOptionError("privacy is not available with algorithm='admm' (its server step needs each "
+                                     "client's exact local posterior); use 'fedpc' or 'pvi'")
+        if privacy.releases < releases:
+            raise InvalidOptionError(f"the privacy mechanism is calibrated for {privacy.releases} release(s) per "
+                                     f"client, but rounds={rounds} with init={init!r} may send {releases}")
+        max_retries = 0
     cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol, safeguard=safeguard,
-                      margin=float(safeguard_margin))
+                      margin=float(safeguard_margin), privacy=privacy)
     bounds = robust_bounds(max_share, max_shift, dtype)
     prior = gaussian_prior(spec, datas[0])
     # the isotropic family takes the prior's precision as its fixed τ: the AMA scaling in
@@ -249,24 +274,19 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(family, IsotropicGaussian) else None
     prior_nat = prior_natural(family, prior, tau)
     q = global_state(family, prior, prior_nat, jax.tree.map(jnp.zeros_like, prior_nat))
-    if init == "auto":
-        init = "zero" if isinstance(family, IsotropicGaussian) else "prior"
+    key = jax.random.PRNGKey(seed)
     if init == "zero":
         eta = jax.tree.map(lambda x: jnp.zeros((num_clients,) + jnp.shape(x), dtype), prior_nat)
         if isinstance(family, IsotropicGaussian):
             eta = GaussianNatural(eta.linear, jnp.zeros(num_clients, dtype))
-    elif init == "prior":
-        eta = _initial_sites(cfg, q, stack)
     else:
-        raise ValueError(f"unknown init {init!r}; expected 'prior' or 'zero'")
-    if init == "prior":
+        eta = _initial_sites(cfg, q, stack, jax.random.fold_in(key, 2**31 - 1))
         q = global_state(family, prior, prior_nat, aggregate_sites(family, prior_nat, eta, bounds)[0])
         family.check_positive_definite(q.precision, what="initial global precision")
     alpha = 1.0 / (1.0 + rho * num_participants) if admm_alpha is None else float(admm_alpha)
     ref_state = getattr(reference, "state", reference)
     message = natural_nbytes(family, spec.latent.dim, dtype)
     up = message * (2 if algorithm == "admm" else 1)
-    key = jax.random.PRNGKey(seed)
     history, total_bytes, status = [], 0, "max_rounds"
     start = time.perf_counter()
     floor = rho
@@ -286,6 +306,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       bytes_up=num_participants * up, bytes_down=num_participants * message, bytes=total_bytes,
                       seconds=time.perf_counter() - start, rho_min=float(diag["rho_min"]),
                       rho_max=float(diag["rho_max"]), rho_floor=floor, retries=attempt, clipped=int(diag["clipped"]))
+        if privacy is not None:
+            record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if not good:
             record["kl_to_previous"] = float("nan")
             history.append(record)

@@ -33,13 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from ..errors import DataShapeError, ExpectationRuleError
+from ..errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from ..expectations import hermite_nodes
 from ..families import FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian
 from ..likelihood import ModelData, bind_model, example_loss, example_params
+from .privacy import add_noise, clip_factors
 
-__all__ = ["ClientStack", "LocalConfig", "bind_clients", "client_terms", "local_update", "global_state",
-           "natural_nbytes"]
+__all__ = ["ClientStack", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
+           "natural_nbytes", "release_site"]
 
 
 class ClientStack(NamedTuple):
@@ -68,6 +69,8 @@ class LocalConfig:
     :ivar chunk_size: examples per chunk when per-example Hessians are formed (non-GLM).
     :ivar safeguard: raise the local weight to :func:`safe_rho` (FedPC/ADMM's safeguard).
     :ivar margin: the safeguard's relative margin above the convexity bound.
+    :ivar privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism` applied to the
+        site a local update returns (``None``: exact sites).
     """
 
     spec: object
@@ -79,6 +82,7 @@ class LocalConfig:
     chunk_size: int = 64
     safeguard: bool = True
     margin: float = 0.3
+    privacy: object = None
 
     @property
     def factored(self):
@@ -112,7 +116,7 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=()):
     """
     client_data = list(client_data)
     if not client_data:
-        raise ValueError("client_data is empty; expected one tuple of model arguments per client")
+        raise InvalidOptionError("client_data is empty; expected one tuple of model arguments per client")
     bound = [_bind(model, a, kwargs, data_plate, shared) for a in client_data]
     spec = bound[0][0]
     for k, (s, d) in enumerate(bound[1:], start=1):
@@ -142,40 +146,48 @@ def stack_clients(datas, size=None):
     return ClientStack(per_example, jnp.asarray(np.stack(masks), dtype), datas[0].shared)
 
 
+def _rule_nodes(cfg, dtype):
+    if cfg.rule == "gh":
+        return hermite_nodes(cfg.num_nodes, dtype)
+    return jnp.zeros(1, dtype), jnp.ones(1, dtype)
+
+
+def _glm_example(cfg, mean, cov, nodes, weights, ex, shared):
+    """One example of a GLM: ``a = ∂θ/∂z`` and the expected first and second derivatives in ``θ``."""
+    spec = cfg.spec
+    theta, phi = example_params(spec, mean, ex, shared)
+    a = jax.jacfwd(lambda z: example_params(spec, z, ex, shared)[0])(mean)[0]
+    sd = jnp.sqrt(jnp.maximum(a @ cov @ a, 0.0)) if cfg.rule == "gh" else 0.0
+    scalar = lambda t: phi(jnp.reshape(t, (1,)))  # noqa: E731
+    t = theta[0] + sd * nodes
+    d1 = weights @ jax.vmap(jax.grad(scalar))(t)
+    d2 = weights @ jax.vmap(jax.grad(jax.grad(scalar)))(t)
+    return a, d1, d2
+
+
 def _glm_terms(cfg, mean, cov, per_example, mask, shared):
     """Σ_j w_j E[∇ℓ_j] and Σ_j w_j E[∇²ℓ_j] for a GLM, without per-example ``d × d`` matrices."""
-    spec = cfg.spec
-    if cfg.rule == "gh":
-        nodes, weights = hermite_nodes(cfg.num_nodes, mean.dtype)
-    else:
-        nodes, weights = jnp.zeros(1, mean.dtype), jnp.ones(1, mean.dtype)
-
-    def one(ex):
-        theta, phi = example_params(spec, mean, ex, shared)
-        a = jax.jacfwd(lambda z: example_params(spec, z, ex, shared)[0])(mean)[0]
-        sd = jnp.sqrt(jnp.maximum(a @ cov @ a, 0.0)) if cfg.rule == "gh" else 0.0
-        scalar = lambda t: phi(jnp.reshape(t, (1,)))  # noqa: E731
-        t = theta[0] + sd * nodes
-        d1 = weights @ jax.vmap(jax.grad(scalar))(t)
-        d2 = weights @ jax.vmap(jax.grad(jax.grad(scalar)))(t)
-        return a, d1, d2
-
-    a, d1, d2 = jax.vmap(one)(per_example)
+    nodes, weights = _rule_nodes(cfg, mean.dtype)
+    a, d1, d2 = jax.vmap(lambda ex: _glm_example(cfg, mean, cov, nodes, weights, ex, shared))(per_example)
     grad = (mask * d1) @ a
     hess = jnp.einsum("n,nd,ne->de", mask * d2, a, a)
     return grad, hess
 
 
+def _chunks(per_example, mask, size):
+    """Rows and weights reshaped to ``(chunks, size, ...)`` (padding rows get weight zero)."""
+    n = mask.shape[0]
+    chunk = max(1, min(size, n))
+    num = -(-n // chunk)
+    rows = jnp.concatenate([jnp.arange(n), jnp.zeros(num * chunk - n, jnp.int32)])
+    w = jnp.concatenate([mask, jnp.zeros(num * chunk - n, mask.dtype)]).reshape(num, chunk)
+    return tuple(x[rows].reshape((num, chunk) + x.shape[1:]) for x in per_example), w
+
+
 def _generic_terms(cfg, mean, per_example, mask, shared):
     """Delta-rule sums with per-example Hessians, accumulated over chunks by ``lax.scan``."""
     spec = cfg.spec
-    n = mask.shape[0]
-    chunk = max(1, min(cfg.chunk_size, n))
-    num = -(-n // chunk)
-    pad = num * chunk - n
-    rows = jnp.concatenate([jnp.arange(n), jnp.zeros(pad, jnp.int32)])
-    w = jnp.concatenate([mask, jnp.zeros(pad, mask.dtype)]).reshape(num, chunk)
-    leaves = tuple(x[rows].reshape((num, chunk) + x.shape[1:]) for x in per_example)
+    leaves, w = _chunks(per_example, mask, cfg.chunk_size)
     loss = lambda z, ex: example_loss(spec, z, ex, shared)  # noqa: E731
 
     def body(acc, xs):
@@ -190,6 +202,40 @@ def _generic_terms(cfg, mean, per_example, mask, shared):
     return grad, hess
 
 
+def example_terms(cfg, q, ex, shared):
+    """One example's expected gradient and dense expected Hessian under ``q`` (the clipped site's terms)."""
+    if cfg.factored:
+        nodes, weights = _rule_nodes(cfg, q.mean.dtype)
+        cov = cfg.family.dense_covariance(q) if cfg.rule == "gh" else None
+        a, d1, d2 = _glm_example(cfg, q.mean, cov, nodes, weights, ex, shared)
+        return d1 * a, d2 * jnp.outer(a, a)
+    loss = lambda z: example_loss(cfg.spec, z, ex, shared)  # noqa: E731
+    return jax.grad(loss)(q.mean), jax.hessian(loss)(q.mean)
+
+
+def clipped_site(cfg, q, per_example, mask, shared):
+    """``Σ_j (c^h_j ĥ_j, c^S_j Ŝ_j)``: the site with each example's terms clipped to ``cfg.privacy``'s norms.
+
+    See :mod:`numpyro_pc.federated.privacy`; examples are visited in chunks of
+    ``cfg.chunk_size`` (one ``d × d`` matrix per example of a chunk).
+    """
+    family = cfg.family
+    leaves, w = _chunks(per_example, mask, cfg.chunk_size)
+
+    def body(acc, xs):
+        ex, wc = xs
+        g, h = jax.vmap(lambda e: example_terms(cfg, q, e, shared))(ex)
+        terms = jax.vmap(lambda gj, hj: family.site_natural(gj, family.project_curvature(hj), q.mean))(g, h)
+        c_lin, c_prec = clip_factors(terms, cfg.privacy)
+        return jax.tree.map(lambda a, t, c: a + jnp.tensordot(wc * c, t, 1), acc, terms,
+                            GaussianNatural(c_lin, c_prec)), None
+
+    zero = family.site_natural(jnp.zeros_like(q.mean), family.project_curvature(
+        jnp.zeros((q.mean.shape[0],) * 2, q.mean.dtype)), q.mean)
+    site, _ = jax.lax.scan(body, zero, (leaves, w))
+    return site
+
+
 def client_terms(cfg, q, per_example, mask, shared):
     """Expected gradient and dense expected Hessian of a client's loss under ``q``."""
     if cfg.factored:
@@ -202,6 +248,16 @@ def client_site(cfg, q, per_example, mask, shared):
     """The client's site natural parameters ``λ̂_k(q)`` in the family's format."""
     grad, hess = client_terms(cfg, q, per_example, mask, shared)
     return cfg.family.site_natural(grad, cfg.family.project_curvature(hess), q.mean)
+
+
+def release_site(cfg, q, per_example, mask, shared, key=None):
+    """The site a client sends: :func:`client_site`, or with ``cfg.privacy`` its clipped, noised version.
+
+    :param key: a ``jax.random`` key (needed with ``cfg.privacy``; the client's own randomness).
+    """
+    if cfg.privacy is None:
+        return client_site(cfg, q, per_example, mask, shared)
+    return add_noise(cfg.family, cfg.privacy, clipped_site(cfg, q, per_example, mask, shared), key)
 
 
 class LocalResult(NamedTuple):
@@ -236,7 +292,7 @@ def relative_top(chol, site):
     return jnp.linalg.eigvalsh(0.5 * (whitened + whitened.T))[-1]
 
 
-def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
+def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     r"""Solve ``λ_k = λ_jnt + (λ̂_k(q_k) − η_k)/ρ`` for one client (paper eq. ``local_update``).
 
     The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
@@ -248,6 +304,15 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
     With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
     ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
 
+    With ``cfg.privacy`` the site is :func:`release_site`'s clipped and noised one, evaluated
+    at the global ``q_jnt`` the server sent (``key`` seeds the noise), and no local problem is
+    solved: a local optimum depends on all of the client's examples, so the other examples'
+    terms at it would move when one example is removed and the per-example sensitivity of
+    :mod:`~numpyro_pc.federated.privacy` would not hold. This is the ``ρ → ∞`` limit of the
+    local step (one natural-gradient step of the client's loss), with the same fixed point.
+    The returned local parameters are recomputed from the noised site,
+    ``λ_jnt + (η̃_k − η_k)/ρ``, so nothing else the client sends depends on its data.
+
     :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or
         positive definiteness).
     """
@@ -256,6 +321,11 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared):
     lam_jnt = family.natural(q_jnt)
     if cfg.safeguard:
         rho = safe_rho(family, q_jnt, eta, rho, cfg.margin)
+    if cfg.privacy is not None:
+        site = release_site(cfg, q_jnt, per_example, mask, shared, key)
+        local = jax.tree.map(lambda lam, new, old: lam + (new - old) / rho, lam_jnt, site, eta)
+        ok = jnp.all(jnp.isfinite(site.linear)) & jnp.all(jnp.isfinite(site.precision))
+        return LocalResult(site, local, jnp.asarray(0), ok, rho)
     b_lin = lam_jnt.linear - eta.linear / rho
     b_prec = lam_jnt.precision - eta.precision / rho
     b_dense = family.dense_precision(Gaussian(q_jnt.mean, b_prec))

@@ -28,7 +28,10 @@ Command line (one server, one process per client)::
 arguments; ``--model`` is ``module:function``. Add ``--x64`` on every process for float64.
 The server binds to loopback unless ``--address`` says otherwise; across machines pass
 ``--certificates CA CERT KEY`` to the server and ``--root-certificates CA`` to the clients
-(TLS). The server exits with status 1 and still writes ``--out`` (last good posterior,
+(TLS). A client adds ``--dp-epsilon ε --dp-releases T`` (``T`` = the server's ``--rounds``
+plus one) to send differentially private sites
+(:class:`~numpyro_pc.federated.privacy.GaussianMechanism`, its own setting, not the
+server's). The server exits with status 1 and still writes ``--out`` (last good posterior,
 history, ``failure``) when a run cannot go on. This module needs the optional extra
 ``numpyro-pc[federated]`` (``flwr``); it imports Flower only when a server or client is
 started.
@@ -41,17 +44,19 @@ import contextlib
 import importlib
 import json
 import os
+import secrets
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import TooFewClientsError
+from ..errors import DataShapeError, InvalidOptionError, PrivacyError, TooFewClientsError
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian
 from ..merging import gaussian_prior, prior_natural
 from .algorithms import _settings
-from .core import LocalConfig, bind_clients, client_site, global_state, local_update
+from .core import LocalConfig, bind_clients, global_state, local_update, release_site
+from .privacy import GaussianMechanism
 from .server import ServerLogic
 
 __all__ = ["ServerLogic", "ClientLogic", "make_strategy", "make_client", "start_server", "start_client", "main",
@@ -79,24 +84,44 @@ class ClientLogic:
     :param model: the NumPyro model.
     :param tuple args: the client's model arguments (its shard).
     :param dict kwargs: the model's keyword arguments.
+    :param privacy: this client's own
+        :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (the server cannot switch it
+        off): every site it sends is clipped and noised, and after ``privacy.releases``
+        messages it refuses to send more (:class:`~numpyro_pc.errors.PrivacyError`).
+    :param int seed: seed of the privacy noise (default: from the operating system).
+    :ivar releases: messages sent so far.
     """
 
-    def __init__(self, model, args, kwargs=None):
+    def __init__(self, model, args, kwargs=None, privacy=None, seed=None):
         self.spec, self.stack, (self.data,) = bind_clients(model, [args], kwargs)
         self.site = None
+        self.privacy = privacy
+        self.releases = 0
+        self.seed = secrets.randbits(31) if seed is None else int(seed)
         self._fns = {}
 
     def _cfg(self, config):
         n = int(self.stack.mask.sum())
         if n < int(config.get("min_examples", 1)):
-            raise ValueError(f"this client holds {n} example(s), fewer than the run's min_examples="
+            raise PrivacyError(f"this client holds {n} example(s), fewer than the run's min_examples="
                              f"{config['min_examples']}: it does not take part (its site would reveal its data)")
         family, _, _, rule = _settings(config["algorithm"], config["family"], None if config["algorithm"] == "pvi"
                                        else config["rho"], config["damping"],
                                        None if config["expectation"] == "auto" else config["expectation"], self.spec)
+        if self.privacy is not None:
+            if config["algorithm"] == "admm":
+                raise PrivacyError("this client adds differential-privacy noise, which the run's algorithm 'admm' "
+                                   "cannot take (it needs the exact local posterior): it does not take part")
+            if self.releases >= self.privacy.releases:
+                raise PrivacyError(f"this client's privacy budget covers {self.privacy.releases} message(s) "
+                                   f"(ε={self.privacy.epsilon:g}, δ={self.privacy.delta:g}), all sent: it stops")
         return LocalConfig(self.spec, family, rule, int(config["num_nodes"]), int(config["local_iters"]),
                            float(config["local_tol"]), safeguard=bool(config.get("safeguard", False)),
-                           margin=float(config.get("safeguard_margin", 0.3)))
+                           margin=float(config.get("safeguard_margin", 0.3)), privacy=self.privacy)
+
+    def _key(self):
+        self.releases += 1
+        return jax.random.fold_in(jax.random.PRNGKey(self.seed), self.releases)
 
     def _ex(self):
         return tuple(x[0] for x in self.stack.per_example), self.stack.mask[0], self.stack.shared
@@ -112,7 +137,7 @@ class ClientLogic:
         if isinstance(cfg.family, IsotropicGaussian):  # init="auto" of the in-process run: sites start at one
             self.site = GaussianNatural(jnp.zeros_like(q0.mean), jnp.zeros((), q0.mean.dtype))
         else:
-            self.site = jax.jit(client_site, static_argnums=0)(cfg, q0, ex, mask, shared)
+            self.site = jax.jit(release_site, static_argnums=0)(cfg, q0, ex, mask, shared, self._key())
         return _arrays(self.site) + [np.asarray(prior.mean), np.asarray(prior.precision)]
 
     def update(self, arrays, config):
@@ -122,10 +147,13 @@ class ClientLogic:
         if cfg not in self._fns:
             self._fns[cfg] = jax.jit(local_update, static_argnums=0)
         ex, mask, shared = self._ex()
-        out = self._fns[cfg](cfg, q_jnt, self.site, jnp.asarray(config["rho"], q_jnt.mean.dtype), ex, mask, shared)
+        out = self._fns[cfg](cfg, q_jnt, self.site, jnp.asarray(config["rho"], q_jnt.mean.dtype), ex, mask, shared,
+                             self._key())
         damping = float(config["damping"])
         self.site = jax.tree.map(lambda o, n: o + damping * (n - o), self.site, out.site)
-        return _arrays(self.site) + _arrays(out.local), {"iterations": int(out.iterations), "ok": bool(out.ok)}
+        # a private client reports nothing beyond its (noised) message
+        metrics = {} if self.privacy is not None else {"iterations": int(out.iterations), "ok": bool(out.ok)}
+        return _arrays(self.site) + _arrays(out.local), metrics
 
 
 def make_strategy(logic, connect_timeout=120.0, out=None):
@@ -226,7 +254,8 @@ def make_client(logic, x64=None, state=None):
         def fit(self, parameters, config):
             with contextlib.nullcontext() if x64 is None else jax.enable_x64(x64):
                 if logic.site is None and state is not None and _STATE_KEY in state:
-                    logic.site = _nat(state[_STATE_KEY].to_numpy_ndarrays())
+                    site = state[_STATE_KEY].to_numpy_ndarrays()
+                    logic.site, (logic.releases, logic.seed) = _nat(site[:2]), (int(v) for v in site[2])
                 if config["phase"] == "init":
                     arrays, metrics = logic.initial(config), {}
                 else:
@@ -234,7 +263,7 @@ def make_client(logic, x64=None, state=None):
                 if state is not None:
                     from flwr.app import ArrayRecord
 
-                    state[_STATE_KEY] = ArrayRecord(_arrays(logic.site))
+                    state[_STATE_KEY] = ArrayRecord(_arrays(logic.site) + [np.asarray([logic.releases, logic.seed])])
             return arrays, int(logic.stack.mask.sum()), metrics
 
     return PosteriorCorrectionClient()
@@ -264,12 +293,26 @@ def _server_fn(context):
                                                                                                   120.0))))
 
 
+def _privacy(cfg):
+    """The client's :class:`GaussianMechanism` from its own settings (``dp-epsilon`` … or ``None``)."""
+    if _opt(cfg, "dp-epsilon") is None:
+        return None
+    return GaussianMechanism(float(cfg["dp-epsilon"]), float(cfg.get("dp-delta", 1e-5)), int(cfg["dp-releases"]),
+                             float(cfg.get("dp-clip-linear", 1.0)), float(cfg.get("dp-clip-precision", 1.0)))
+
+
 def _client_fn(context):
-    """A client from the run config's ``model`` and the node config's ``data`` (``.npz`` path)."""
+    """A client from the run config's ``model`` and the node config's ``data`` (``.npz`` path).
+
+    The node config (the SuperNode's own, not the server's) may also set the client's
+    differential privacy: ``dp-epsilon``, ``dp-delta``, ``dp-releases``, ``dp-clip-linear``,
+    ``dp-clip-precision`` (see :mod:`numpyro_pc.federated.privacy`).
+    """
     x64 = bool(context.run_config.get("x64", True))
+    node = dict(context.node_config)
     with jax.enable_x64(x64):
-        logic = ClientLogic(_load_model(str(context.run_config["model"])), _load_args(str(context.node_config["data"])),
-                            json.loads(str(context.run_config.get("model-kwargs", "{}"))))
+        logic = ClientLogic(_load_model(str(context.run_config["model"])), _load_args(str(node["data"])),
+                            json.loads(str(context.run_config.get("model-kwargs", "{}"))), privacy=_privacy(node))
     return make_client(logic, x64=x64, state=context.state).to_client()
 
 
@@ -335,7 +378,7 @@ def start_client(address, logic, root_certificates=None, max_wait_time=60.0):
 def _load_model(path):
     module, _, name = path.partition(":")
     if not name:
-        raise ValueError(f"--model must look like 'module:function', got {path!r}")
+        raise InvalidOptionError(f"--model must look like 'module:function', got {path!r}")
     return getattr(importlib.import_module(module), name)
 
 
@@ -343,7 +386,7 @@ def _load_args(path):
     with np.load(path) as npz:
         keys = sorted((k for k in npz.files if k.startswith("arg")), key=lambda k: int(k[3:]))
         if not keys:
-            raise ValueError(f"{path} holds no arrays named arg0, arg1, …")
+            raise DataShapeError(f"{path} holds no arrays named arg0, arg1, …")
         return tuple(jnp.asarray(npz[k]) for k in keys)
 
 
@@ -376,6 +419,11 @@ def _parser():
     cli.add_argument("--kwargs", default="{}", help="JSON keyword arguments of the model")
     cli.add_argument("--root-certificates", default=None, help="TLS: the CA certificate file")
     cli.add_argument("--max-wait", type=float, default=60.0, help="seconds to retry an unreachable server")
+    cli.add_argument("--dp-epsilon", type=float, default=None, help="differential privacy: ε of all messages")
+    cli.add_argument("--dp-delta", type=float, default=1e-5, help="differential privacy: δ")
+    cli.add_argument("--dp-releases", type=int, default=None, help="differential privacy: messages the budget covers")
+    cli.add_argument("--dp-clip-linear", type=float, default=1.0, help="per-example clipping norm (linear part)")
+    cli.add_argument("--dp-clip-precision", type=float, default=1.0, help="per-example clipping norm (precision)")
     for p in (srv, cli):
         p.add_argument("--x64", action="store_true", help="compute in float64")
     return parser
@@ -410,7 +458,13 @@ def main(argv=None):
     with jax.enable_x64(args.x64):
         if args.role == "server":
             return _serve(args)
-        logic = ClientLogic(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs))
+        privacy = None
+        if args.dp_epsilon is not None:
+            if args.dp_releases is None:
+                raise InvalidOptionError("--dp-epsilon needs --dp-releases (the server's --rounds plus one)")
+            privacy = GaussianMechanism(args.dp_epsilon, args.dp_delta, args.dp_releases, args.dp_clip_linear,
+                                        args.dp_clip_precision)
+        logic = ClientLogic(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs), privacy)
         start_client(args.server, logic, args.root_certificates, args.max_wait)
     return 0
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
-from ..errors import ClientMessageError
+from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
 from ..families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural
 
@@ -50,7 +50,7 @@ def robust_bounds(max_share=None, max_shift=None, dtype=float):
     share = np.inf if max_share is None else float(max_share)
     shift = np.inf if max_shift is None else float(max_shift)
     if not (share > 0 and shift > 0):
-        raise ValueError(f"max_share and max_shift must be positive, got {max_share}, {max_shift}")
+        raise InvalidOptionError(f"max_share and max_shift must be positive, got {max_share}, {max_shift}")
     return jnp.asarray(share, dtype), jnp.asarray(shift, dtype)
 
 

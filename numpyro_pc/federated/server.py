@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import ClientMessageError, NonFiniteResultError, TooFewClientsError
+from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import prior_natural
 from .core import global_state, natural_nbytes
@@ -67,7 +67,7 @@ class ServerLogic:
         self.x64 = bool(x64)
         self.min_clients = self.num_clients if min_clients is None else int(min_clients)
         if not 1 <= self.min_clients <= self.num_clients:
-            raise ValueError(f"min_clients must lie in [1, {self.num_clients}], got {min_clients}")
+            raise InvalidOptionError(f"min_clients must lie in [1, {self.num_clients}], got {min_clients}")
         self.min_examples = int(min_examples)
         self.max_abs = float(max_abs)
         self.dtype = np.dtype(np.float64 if x64 else np.float32)

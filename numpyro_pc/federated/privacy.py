@@ -1,0 +1,122 @@
+r"""Differential privacy of the clients' sites: the Gaussian mechanism with per-example clipping.
+
+A client's message is its site ``η_k = Σ_j s_j`` with one term ``s_j = (ĥ_j, Ŝ_j)`` per
+example (``ĥ_j = Ŝ_j m − ĝ_j`` in the family's format, paper eq. ``local_update``). With a
+:class:`GaussianMechanism` the terms are evaluated at the global Gaussian the server sent,
+a point that does not depend on this client's data except through its earlier (private)
+messages — not at the client's local optimum, which depends on every one of its examples
+(:func:`~numpyro_pc.federated.core.local_update` then solves no local problem: the
+``ρ → ∞`` limit of the local step) — and the client sends
+
+.. math::
+    \tilde\eta_k = \Big(\sum_j c^h_j \hat h_j + C_h \sigma\, \xi,\;
+                   \Pi_{\succeq 0}\big[\textstyle\sum_j c^S_j \hat S_j + C_S \sigma\, \Xi\big]\Big),
+    \qquad c^h_j = \min\bigl(1, C_h/\|\hat h_j\|\bigr),\; c^S_j = \min\bigl(1, C_S/\|\hat S_j\|_F\bigr),
+
+with ``ξ`` standard normal, ``Ξ`` a symmetric matrix whose upper triangle (diagonal
+included) is standard normal (diagonal family: a vector), and ``Π`` the projection onto
+positive semi-definite matrices (eigenvalues clipped at zero; post-processing, no privacy
+cost). Adding or removing one example changes ``(Σ c^h_j ĥ_j / C_h, Σ c^S_j Ŝ_j / C_S)`` by
+at most ``√2`` in Euclidean norm, so one release is the Gaussian mechanism with sensitivity
+``√2`` and noise ``σ``: ``1/σ²``-zCDP (Bun & Steinke 2016, Prop. 1.6). ``T`` releases compose
+to ``T/σ²``-zCDP (Lemma 1.7, adaptive composition: each message is this mechanism at a
+point fixed by the earlier messages), which implies ``(ε, δ)``-DP with
+``ε = ρ + 2√(ρ log(1/δ))`` (Prop. 1.3). :class:`GaussianMechanism` solves that for ``σ``
+given ``(ε, δ, T)``.
+
+The guarantee is *example-level* (neighbouring shards differ by one example of that
+client), holds against the server and anyone who sees the messages, and needs that the
+client sends at most ``T`` messages: the in-process :func:`~numpyro_pc.federated.run`
+refuses runs that could send more, and the Flower client
+(:class:`~numpyro_pc.federated.flower.ClientLogic`) counts its releases and stops with
+:class:`~numpyro_pc.errors.PrivacyError` once they are spent. It does not cover the number of
+examples a Flower client reports (used for ``min_examples``), nor which clients take part.
+The clipping and the noise move the fixed point away from the joint posterior
+(``benchmarks/RESULTS.md`` measures the cost).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import InvalidOptionError
+from ..families import DiagonalGaussian, FullGaussian, GaussianNatural
+
+__all__ = ["GaussianMechanism", "add_noise", "clip_factors"]
+
+
+@dataclass(frozen=True)
+class GaussianMechanism:
+    """Gaussian noise on the clipped site sums, calibrated to ``(ε, δ)`` over ``releases`` messages.
+
+    :param float epsilon: the privacy loss ``ε > 0`` of all releases together.
+    :param float delta: ``δ ∈ (0, 1)``, typically below ``1/N``.
+    :param int releases: messages a client may send under this budget (the in-process run
+        needs ``rounds`` plus one for ``init="prior"``; Flower: ``rounds + 1``).
+    :param float clip_linear: ``C_h``, the largest norm of one example's linear site term.
+    :param float clip_precision: ``C_S``, the largest Frobenius norm of one example's site
+        precision term.
+    """
+
+    epsilon: float
+    delta: float
+    releases: int
+    clip_linear: float = 1.0
+    clip_precision: float = 1.0
+
+    def __post_init__(self):
+        for name in ("epsilon", "clip_linear", "clip_precision"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise InvalidOptionError(f"GaussianMechanism.{name} must be a positive finite number, got {value!r}")
+        if not (isinstance(self.delta, (int, float)) and 0 < self.delta < 1):
+            raise InvalidOptionError(f"GaussianMechanism.delta must lie in (0, 1), got {self.delta!r}")
+        if not (isinstance(self.releases, int) and self.releases >= 1):
+            raise InvalidOptionError(f"GaussianMechanism.releases must be a positive integer, got {self.releases!r}")
+
+    @property
+    def zcdp(self):
+        """The zCDP budget ``ρ`` whose conversion gives exactly ``(ε, δ)``."""
+        log = math.log(1.0 / self.delta)
+        return (math.sqrt(log + self.epsilon) - math.sqrt(log)) ** 2
+
+    @property
+    def noise(self):
+        """``σ``: the noise standard deviation in units of the clipping norms."""
+        return math.sqrt(self.releases / self.zcdp)
+
+    def epsilon_after(self, releases):
+        """``ε`` spent after ``releases`` messages (at this ``δ``)."""
+        rho = releases / self.noise**2
+        return rho + 2.0 * math.sqrt(rho * math.log(1.0 / self.delta))
+
+
+def clip_factors(site_terms, mech):
+    """Per-example factors ``(c^h_j, c^S_j)`` of the module docstring for stacked site terms."""
+    lin = jnp.linalg.norm(site_terms.linear, axis=-1)
+    n = site_terms.linear.shape[0]
+    prec = jnp.linalg.norm(jnp.reshape(site_terms.precision, (n, -1)), axis=-1)
+    scale = lambda norm, c: jnp.where(norm > c, c / jnp.maximum(norm, c), 1.0)  # noqa: E731
+    return scale(lin, mech.clip_linear), scale(prec, mech.clip_precision)
+
+
+def add_noise(family, mech, site, key):
+    """The released site: ``site`` (clipped sums) plus the mechanism's noise, precision projected to PSD."""
+    k_lin, k_prec = jax.random.split(key)
+    sd = jnp.asarray(mech.noise, site.linear.dtype)
+    linear = site.linear + sd * mech.clip_linear * jax.random.normal(k_lin, site.linear.shape, site.linear.dtype)
+    precision = site.precision
+    if isinstance(family, FullGaussian):
+        z = jnp.triu(jax.random.normal(k_prec, precision.shape, precision.dtype))
+        noisy = precision + sd * mech.clip_precision * (z + jnp.triu(z, 1).T)
+        w, v = jnp.linalg.eigh(noisy)
+        precision = (v * jnp.maximum(w, 0.0)) @ v.T
+        precision = 0.5 * (precision + precision.T)
+    elif isinstance(family, DiagonalGaussian):
+        noisy = precision + sd * mech.clip_precision * jax.random.normal(k_prec, precision.shape, precision.dtype)
+        precision = jnp.maximum(noisy, 0.0)
+    return GaussianNatural(linear, precision)
