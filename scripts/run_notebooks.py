@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import nbformat
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="folder holding the notebooks")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("NOTEBOOK_JOBS", "2")),
+                        help="notebooks run at once, each in its own kernel (default 2: the project's 2 cores)")
     parser.add_argument(
         "--full",
         action="store_true",
@@ -106,16 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     failures: list[tuple[str, str]] = []
-    total = 0.0
-    for path in notebooks:
-        print(f"  {path.name} ...", end=" ", flush=True)
-        ok, elapsed, message = run_one(path, out_dir, args.timeout)
-        total += elapsed
-        print(f"{'ok' if ok else 'FAILED'} ({elapsed:.1f} s)", flush=True)
-        if not ok:
-            failures.append((path.name, message))
+    wall = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # one driver process per running notebook
+        futures = {pool.submit(run_one, path, out_dir, args.timeout): path for path in notebooks}
+        for future in as_completed(futures):
+            path = futures[future]
+            ok, elapsed, message = future.result()
+            print(f"  {path.name} ... {'ok' if ok else 'FAILED'} ({elapsed:.1f} s)", flush=True)
+            if not ok:
+                failures.append((path.name, message))
 
-    print(f"{len(notebooks) - len(failures)}/{len(notebooks)} notebooks passed in {total:.1f} s")
+    print(f"{len(notebooks) - len(failures)}/{len(notebooks)} notebooks passed in "
+          f"{time.perf_counter() - wall:.1f} s ({args.jobs} at a time)")
     print(f"executed copies in {out_dir}")
     for name, message in failures:
         print(f"\n===== {name} failed =====\n{message}", file=sys.stderr)
