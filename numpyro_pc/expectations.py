@@ -1,6 +1,6 @@
 r"""Expectation rules for ``E_q[ℓ]``, ``E_q[∇ℓ]`` and ``E_q[∇²ℓ]`` under a Gaussian ``q``.
 
-Three rules are available (DESIGN §2); a posterior uses one rule for its sites *and*
+Three rules are available (docs/notation.md); a posterior uses one rule for its sites *and*
 for its refinement, so the dual-form identities hold for that rule exactly:
 
 ``delta``

@@ -2,7 +2,7 @@ r"""NumPyro effect handlers that turn a dual-form posterior into a corrected mod
 
 :func:`update` and :func:`forget` return plain NumPyro models, so *any* inference
 algorithm (NUTS, SVI with any guide, ...) can be run on the corrected objectives of
-DESIGN §2:
+paper §3.1 and docs/adapting.md, "Any inference algorithm on the corrected objective":
 
 .. math::
 
@@ -120,7 +120,7 @@ def _prior_site_value(sites, z):
 
 
 def correction_factor(posterior, memory="all", correct_prior=True, removed=()):
-    """``z ↦`` the log-density of the correction terms (DESIGN §2).
+    """``z ↦`` the log-density of the correction terms (paper §3.1).
 
     ``−Σ_{i∈C}(ℓ_i(z) − ℓ̂_i(z))`` over the memory ``C`` (and the prior when
     ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j(z)`` for deleted examples.
@@ -212,7 +212,7 @@ def check_same_model(model, posterior, num_probes=3):
 def forget(model, posterior, ids, memory="all", correct_prior=True):
     """A NumPyro model (called with no arguments) whose posterior deletes ``ids`` from ``posterior``.
 
-    Its density is the deletion objective of DESIGN §2: the deleted sites are divided out
+    Its density is the deletion objective (paper §3.2; docs/adapting.md, "Deleting data"): the deleted sites are divided out
     and the retained examples in ``memory`` are corrected; with all data retained its
     posterior is the posterior without ``ids``.
     """

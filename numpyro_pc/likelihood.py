@@ -2,7 +2,7 @@ r"""Per-example losses of a NumPyro model over its data plate.
 
 For a model with global latent variables and a plate over the data, this module gives
 the loss of each element ``i`` of the data plate and the prior term, both as functions
-of the flat unconstrained vector ``z`` (DESIGN §2):
+of the flat unconstrained vector ``z`` (docs/notation.md, "Symbols"):
 
 .. math::
 

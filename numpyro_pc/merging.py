@@ -1,4 +1,4 @@
-r"""Model merging as posterior correction (paper §3.3, DESIGN §2 "Merging").
+r"""Model merging as posterior correction (paper §3.3; docs/merging.md).
 
 Given a shared *base* posterior ``q_pre`` (a pre-trained model, or the prior) and task
 posteriors ``q_i`` obtained from it on separate data (``q_i ∝ q_pre · exp(−ℓ̂_i)``, e.g.

@@ -232,7 +232,7 @@ class DualPosterior:
     # ------------------------------------------------------------------ adaptation
     def update(self, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
                max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
-        """Add a batch of examples: the corrected streaming update of DESIGN §2.
+        """Add a batch of examples: the corrected streaming update (paper §3.1; docs/adapting.md).
 
         New examples get the next free ids. ``correction`` chooses the past terms whose
         stale sites are replaced by their true losses: ``"none"`` (VCL), ``"prior"``,

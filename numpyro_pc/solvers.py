@@ -54,7 +54,7 @@ class SiteProblem(NamedTuple):
     The target is ``q ∝ base(z) · exp(−ℓ_0(z))^{[include_prior]} · Π_i exp(−ℓ_i(z))`` over the
     examples in ``data``, where ``base`` is a fixed (possibly improper) Gaussian factor in
     natural parameters — e.g. the old posterior with the sites of corrected examples
-    divided out (DESIGN §2, streaming update and deletion).
+    divided out (docs/adapting.md, "Adding data" and "Deleting data").
     """
 
     spec: object
@@ -122,7 +122,7 @@ def _totals_jit(family, include_prior, q, sites, sums, base, weights):
 
 
 def dual_residual(family, q, sites, base=None, include_prior=True, weights=None):
-    """Relative residuals of the two dual-form identities (DESIGN §2).
+    """Relative residuals of the two dual-form identities (docs/notation.md, "Dual-form residual").
 
     With ``∇ℓ̂_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the gradient of site ``i`` at the mean (equal to
     ``ĝ_i`` for a site computed at ``q`` itself):

@@ -1,4 +1,4 @@
-r"""Streaming updates of a dual-form posterior with correction terms (DESIGN §2).
+r"""Streaming updates of a dual-form posterior with correction terms (paper §3.1; docs/adapting.md, "Adding data").
 
 Given ``q_t`` with its sites and a new batch, the corrected update is
 

@@ -1,4 +1,4 @@
-r"""Deleting examples from a dual-form posterior (unlearning and influence), DESIGN §2.
+r"""Deleting examples from a dual-form posterior (unlearning and influence), paper §3.2; docs/adapting.md, "Deleting data".
 
 Removing a set ``J`` solves
 

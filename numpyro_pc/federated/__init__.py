@@ -1,4 +1,4 @@
-"""Federated posterior correction (paper §3.4, DESIGN §2 "Federated").
+"""Federated posterior correction (paper §3.4; docs/federated.md).
 
 :func:`run` runs FedPC, PVI, AMA or ADMM over client shards in one process (clients
 ``vmap``-ed); :mod:`numpyro_pc.federated.flower` runs the same algorithm across processes
