@@ -14,12 +14,13 @@ PYTEST_WORKERS ?= 2
 # makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: help venv demo test unit notebooks docs bench clean distclean
+.PHONY: help venv demo test lint unit notebooks docs bench clean distclean
 
 help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
 	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
-	@echo "make test       unit tests, then notebooks, then the strict docs build"
+	@echo "make test       ruff, unit tests, then notebooks, then the strict docs build"
+	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns)"
 	@echo "make unit       pytest on tests/"
 	@echo "make notebooks  execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
 	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
@@ -46,9 +47,13 @@ demo: venv
 	$(PY) -m numpyro_pc demo
 
 test: venv
+	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory unit
 	$(MAKE) --no-print-directory notebooks
 	$(MAKE) --no-print-directory docs
+
+lint: venv
+	$(VENV)/bin/ruff check numpyro_pc tests benchmarks scripts
 
 unit: venv
 	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --durations=15 tests

@@ -330,8 +330,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
                      kinds=tuple(kinds), statics=tuple(statics), observed=observed,
                      arg_names=tuple(leaf_names))
     data = ModelData(
-        per_example=tuple(to_device(l) for l, k in zip(leaves, kinds) if k == "example"),
-        shared=tuple(to_device(l) for l, k in zip(leaves, kinds) if k == "shared"),
+        per_example=tuple(to_device(leaf) for leaf, k in zip(leaves, kinds) if k == "example"),
+        shared=tuple(to_device(leaf) for leaf, k in zip(leaves, kinds) if k == "shared"),
     )
     z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
     verify_binding(spec, data, z0)
@@ -410,7 +410,7 @@ def _analyse_params(spec, data, z0):
     masks = []
     for name in spec.observed:
         site_leaves = jax.tree.leaves(trace[name]["fn"])
-        float_leaf = [jnp.issubdtype(jnp.result_type(l), jnp.inexact) for l in site_leaves]
+        float_leaf = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in site_leaves]
 
         def leaves_of(z, name=name):
             t = _trace_at(spec, z, _example_args(first), data.shared)

@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import jax

@@ -9,7 +9,6 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
-import pytest
 
 from numpyro_pc.fingerprint import compare_fingerprints, model_fingerprint
 from numpyro_pc.likelihood import bind_model

@@ -60,7 +60,7 @@ from .privacy import GaussianMechanism
 from .server import ServerLogic
 
 __all__ = ["ServerLogic", "ClientLogic", "make_strategy", "make_client", "start_server", "start_client", "main",
-           "server_app", "client_app"]  # the two apps are built on first access (module __getattr__)
+           "server_app", "client_app"]  # noqa: F822 - the two apps are built on first access (module __getattr__)
 
 
 def _require_flwr():
