@@ -181,17 +181,19 @@ def fit_batch(config, state, Z0, X, y, mask):
         if use_stats:
             stats = (stats[0] - jnp.sum(mem.mask), stats[1] - jnp.sum(mem.ss * mem.mask))
     scale = jnp.maximum(jnp.sum(ma), 1.0)
+    terms = bounds.old_terms(old, sites) if config.alpha == 0.0 else None      # loop-invariant: factorised once
 
     def loss(p):
         hyper = eqx.combine(p, static)
-        return -(bounds.collapsed_bound(hyper, old, Xa, ya, ma, config.alpha, sites) + noise_memory_term(hyper, stats)) / scale
+        return -(bounds.collapsed_bound(hyper, old, Xa, ya, ma, config.alpha, None, terms)
+                 + noise_memory_term(hyper, stats)) / scale
 
     iters = jnp.asarray(0)
     if jax.tree.leaves(params):
         res = minimize(loss, params, config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol)
         params, iters = res.params, res.iterations
     hyper = eqx.combine(params, static)
-    fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, sites)
+    fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
     gp = _handover(hyper, fit.mean, fit.cov, config.jitter)
     mu, var = predict_from_q(gp.hyper, gp.Z, gp.mean, gp.cov, gp.chol_Kzz, X)
     ss = mask * ((y - mu) ** 2 + jnp.maximum(var, 0.0))
