@@ -53,6 +53,8 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from ..errors import InvalidOptionError
+
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
 
 __all__ = ["CollapsedFit", "OldTerms", "old_terms", "collapsed_fit", "collapsed_bound", "paper_bound"]
@@ -161,7 +163,7 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
              - jnp.sum(jnp.log(jnp.diag(LD))) - 0.5 * jnp.sum(knn) / s2 + 0.5 * jnp.sum(A * A) - 0.5 * trace_old)
     else:
         if sites is not None or terms is not None:
-            raise ValueError("the corrected collapsed bound (sites) is implemented for VFE (alpha = 0) only")
+            raise InvalidOptionError("the corrected collapsed bound (sites) is implemented for VFE (alpha = 0) only")
         LS, LK = old.chol_cov, old.chol_Kzz
         PS, PK = _tri(LS, B.T), _tri(LK, B.T)
         Sinv_m = cho_solve((LS, True), old.mean)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError, NotPositiveDefiniteError
+from ..errors import (DataShapeError, InvalidOptionError, NonFiniteDataError, NonFiniteResultError, NotFittedError,
+                      NotPositiveDefiniteError)
 from . import core, corrected, inducing, uncollapsed
 from .core import noise_memory_term
 from .optim import minimize
@@ -137,26 +138,26 @@ class StreamingSparseGP:
         from gpjax.parameters import PositiveReal
 
         if not isinstance(num_inducing, int) or num_inducing < 1:
-            raise ValueError(f"num_inducing must be a positive int, got {num_inducing!r}")
+            raise InvalidOptionError(f"num_inducing must be a positive int, got {num_inducing!r}")
         gaussian = likelihood is None or isinstance(likelihood, gpx.likelihoods.Gaussian)
         bound = bound or ("collapsed" if gaussian else "uncollapsed")
         if bound not in ("collapsed", "uncollapsed"):
-            raise ValueError(f"bound must be 'collapsed' or 'uncollapsed', got {bound!r}")
+            raise InvalidOptionError(f"bound must be 'collapsed' or 'uncollapsed', got {bound!r}")
         if bound == "collapsed" and not gaussian:
-            raise ValueError(f"the collapsed bound needs a Gaussian likelihood, got {type(likelihood).__name__}")
+            raise InvalidOptionError(f"the collapsed bound needs a Gaussian likelihood, got {type(likelihood).__name__}")
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
+            raise InvalidOptionError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
         if alpha > 0 and bound != "collapsed":
-            raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
+            raise InvalidOptionError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
         vfe = bound == "collapsed" and alpha == 0.0
         if memory_size is None:
             memory_size = DEFAULT_MEMORY if vfe and (learn_hyperparameters or inducing != "fixed") else 0
         if memory_size and bound == "collapsed" and not vfe:
-            raise ValueError("the corrected collapsed update (memory_size > 0) needs the VFE bound (alpha = 0)")
+            raise InvalidOptionError("the corrected collapsed update (memory_size > 0) needs the VFE bound (alpha = 0)")
         if noise_memory is None:
             noise_memory = vfe
         if noise_memory and not vfe:
-            raise ValueError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
+            raise InvalidOptionError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
         if isinstance(likelihood, gpx.likelihoods.Gaussian):
             from gpjax.parameters import val
             noise_variance = float(val(likelihood.obs_stddev)) ** 2
@@ -313,7 +314,7 @@ class StreamingSparseGP:
     def predict(self, Xs):
         """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
         if self._state is None:
-            raise RuntimeError("predict needs at least one update() first")
+            raise NotFittedError("predict needs at least one update() first")
         with jax.enable_x64(True):
             s = self._state
             mu, var = predict_from_q(s.hyper, s.Z, s.mean, s.cov, s.chol_Kzz, jnp.asarray(np.atleast_2d(Xs), float))
