@@ -92,6 +92,10 @@ class InvalidOptionError(PosteriorCorrectionError, ValueError):
     """An option has a value outside its documented choices (e.g. a misspelt ``method``)."""
 
 
+class NotFittedError(PosteriorCorrectionError, RuntimeError):
+    """A model was asked for a prediction or plot before it absorbed any data."""
+
+
 class InvalidIdsError(PosteriorCorrectionError, TypeError):
     """Example ids that are not integers (ids are never rounded or truncated)."""
 

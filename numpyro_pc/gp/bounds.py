@@ -37,6 +37,9 @@ white noise of variance ε, so ``cov(u_b, u_a) = k(Z_b, Z_a) + ε·[z_b = z_a]``
 (:func:`~numpyro_pc.gp.state.inducing_cross`) and ``cov(u, f(x)) = k(Z, x)``. This keeps
 ``Z_b = Z_a`` streaming exactly equal to batch SGPR with the same ε.
 
+The VFE branch reads the old state only through :class:`OldTerms` (``G = S_a⁻¹ − K'^{-1}_{aa}``, ``S_a⁻¹ m_a`` and
+the constants), which an optimiser computes once per batch: ``P_SᵀP_S − P_KᵀP_K = B G Bᵀ``.
+
 Padded rows (``mask = 0``) contribute nothing. :func:`paper_bound` is the textbook form
 with ``D_a`` formed explicitly (Bui et al. 2017, eq. 5); it exists as a test oracle on
 well-conditioned problems only.
@@ -50,9 +53,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from ..errors import InvalidOptionError
+
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
 
-__all__ = ["CollapsedFit", "collapsed_fit", "collapsed_bound", "paper_bound"]
+__all__ = ["CollapsedFit", "OldTerms", "old_terms", "collapsed_fit", "collapsed_bound", "paper_bound"]
 
 _LOG2PI = math.log(2.0 * math.pi)   # a Python float: module import may run with x64 off
 
@@ -78,7 +83,39 @@ def _tri(L, B):
     return solve_triangular(L, B, lower=True)
 
 
-def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None):
+class OldTerms(NamedTuple):
+    r"""The part of the VFE bound that depends on the old state (and the memory's sites) only.
+
+    :ivar G: ``S_a⁻¹ − K'^{-1}_{aa} − U Uᵀ`` (``M_a × M_a``, symmetric, possibly singular; never inverted).
+    :ivar h: ``S_a⁻¹ m_a − U r̃``.
+    :ivar const: ``−½ m_aᵀ S_a⁻¹ m_a + log|L_{K'}| − log|L_S|`` plus the sites' constant.
+
+    With them ``PᵀP_S − P_KᵀP_K = B G Bᵀ``, ``B S_a⁻¹ m_a = B h`` and
+    ``tr[(S_a⁻¹ − K'^{-1}_{aa})E_aa] = tr(G E_aa)``: the new hyperparameters enter only through
+    ``B`` and ``K_aa``, so an optimiser over θ and ``Z_b`` factorises the old state once per
+    batch instead of once per objective evaluation. ``D_a = G⁻¹`` is still never formed.
+    """
+
+    G: jnp.ndarray
+    h: jnp.ndarray
+    const: jnp.ndarray
+
+
+def old_terms(old, sites=None):
+    """:class:`OldTerms` of the old state ``old`` (and the memory's :class:`~numpyro_pc.gp.corrected.GaussianSites`)."""
+    LS, LK = old.chol_cov, old.chol_Kzz
+    eye = jnp.eye(LS.shape[0], dtype=LS.dtype)
+    G = cho_solve((LS, True), eye) - cho_solve((LK, True), eye)
+    h = cho_solve((LS, True), old.mean)
+    const = -0.5 * jnp.dot(old.mean, h) + jnp.sum(jnp.log(jnp.diag(LK))) - jnp.sum(jnp.log(jnp.diag(LS)))
+    if sites is not None:                     # remove the memory's sites from the old term
+        G = G - sites.U @ sites.U.T
+        h = h - sites.Ur
+        const = const + sites.const
+    return OldTerms(G=0.5 * (G + G.T), h=h, const=const)
+
+
+def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
     """Collapsed online bound and optimal ``q(b)`` in the stable Cholesky form.
 
     With ``sites`` (the memory's Gaussian sites at the old state,
@@ -95,6 +132,8 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None):
     :param mask: ``(N,)`` 1 for real rows, 0 for padding.
     :param float alpha: 0 for VFE, α ∈ (0, 1] for Power-EP (a Python float: static).
     :param sites: ``None`` (Bui's bound) or :class:`~numpyro_pc.gp.corrected.GaussianSites` (VFE only).
+    :param terms: the :class:`OldTerms` of ``(old, sites)`` when already computed (VFE only; an optimiser
+        passes them so that the old state's factorisations stay out of its loop).
     :return: :class:`CollapsedFit`.
     """
     eps = old.jitter
@@ -109,33 +148,28 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None):
     Lb = chol(kernel_matrix(hyper.kernel, Zb, Zb) + eps * jnp.eye(Mb, dtype=X.dtype))
     V = _tri(Lb, kernel_matrix(hyper.kernel, Zb, X) * mask[None, :])      # L_b⁻¹ K_bf
     B = _tri(Lb, inducing_cross(hyper.kernel, Zb, Za, eps))                # L_b⁻¹ K̃_ba
-    LS, LK = old.chol_cov, old.chol_Kzz
-    PS, PK = _tri(LS, B.T), _tri(LK, B.T)
-    Sinv_m = cho_solve((LS, True), old.mean)
     Kaa = kernel_matrix(hyper.kernel, Za, Za) + eps * jnp.eye(Za.shape[0], dtype=X.dtype)
-    E = Kaa - B.T @ B
-    old_logdet = jnp.sum(jnp.log(jnp.diag(LK))) - jnp.sum(jnp.log(jnp.diag(LS)))
-    quad_old = -0.5 * jnp.dot(old.mean, Sinv_m)
 
     if alpha == 0.0:
+        t = old_terms(old, sites) if terms is None else terms
         A = V / jnp.sqrt(s2)
-        D = jnp.eye(Mb, dtype=X.dtype) + A @ A.T + PS.T @ PS - PK.T @ PK
-        c = A @ r / jnp.sqrt(s2) + B @ Sinv_m
-        trace_old = jnp.trace(cho_solve((LS, True), E)) - jnp.trace(cho_solve((LK, True), E))
-        if sites is not None:                     # remove the memory's sites from the old term
-            BU = B @ sites.U
-            D = D - BU @ BU.T
-            c = c - B @ sites.Ur
-            trace_old = trace_old - jnp.sum(sites.U * (E @ sites.U))
-            quad_old = quad_old + sites.const
+        BG = B @ t.G
+        D = jnp.eye(Mb, dtype=X.dtype) + A @ A.T + BG @ B.T
+        c = A @ r / jnp.sqrt(s2) + B @ t.h
+        trace_old = jnp.sum(t.G * Kaa) - jnp.sum(BG * B)                       # tr(G E_aa), E_aa = K_aa − BᵀB
         LD = chol(D)
         gamma = _tri(LD, c)
-        F = (-0.5 * N * (_LOG2PI + jnp.log(s2)) - 0.5 * jnp.dot(r, r) / s2 + quad_old + 0.5 * jnp.dot(gamma, gamma)
-             - jnp.sum(jnp.log(jnp.diag(LD))) - 0.5 * jnp.sum(knn) / s2 + 0.5 * jnp.sum(A * A)
-             + old_logdet - 0.5 * trace_old)
+        F = (-0.5 * N * (_LOG2PI + jnp.log(s2)) - 0.5 * jnp.dot(r, r) / s2 + t.const + 0.5 * jnp.dot(gamma, gamma)
+             - jnp.sum(jnp.log(jnp.diag(LD))) - 0.5 * jnp.sum(knn) / s2 + 0.5 * jnp.sum(A * A) - 0.5 * trace_old)
     else:
-        if sites is not None:
-            raise ValueError("the corrected collapsed bound (sites) is implemented for VFE (alpha = 0) only")
+        if sites is not None or terms is not None:
+            raise InvalidOptionError("the corrected collapsed bound (sites) is implemented for VFE (alpha = 0) only")
+        LS, LK = old.chol_cov, old.chol_Kzz
+        PS, PK = _tri(LS, B.T), _tri(LK, B.T)
+        Sinv_m = cho_solve((LS, True), old.mean)
+        E = Kaa - B.T @ B
+        old_logdet = jnp.sum(jnp.log(jnp.diag(LK))) - jnp.sum(jnp.log(jnp.diag(LS)))
+        quad_old = -0.5 * jnp.dot(old.mean, Sinv_m)
         qnn = jnp.sum(V * V, 0)
         dff = s2 + alpha * (knn - qnn) * mask
         A = V / jnp.sqrt(dff)
@@ -156,9 +190,9 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None):
     return CollapsedFit(bound=F, mean=R @ gamma, cov=R @ R.T, chol_D=LD, chol_Kbb=Lb)
 
 
-def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None):
+def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
     """The collapsed bound alone (see :func:`collapsed_fit`)."""
-    return collapsed_fit(hyper, old, X, y, mask, alpha, sites).bound
+    return collapsed_fit(hyper, old, X, y, mask, alpha, sites, terms).bound
 
 
 def paper_bound(hyper, old, X, y, alpha=0.0):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from . import bounds, corrected
 from .optim import minimize
-from .state import GPState, chol, kernel_matrix, noise_variance, predict_from_q, prior_state
+from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q, prior_state
 
 __all__ = ["StreamConfig", "MemoryState", "StreamingGPState", "init_state", "fit_batch", "step", "keep_inducing",
            "reservoir_update", "noise_memory_term"]
@@ -164,8 +164,10 @@ def fit_batch(config, state, Z0, X, y, mask):
     plus the noise-memory term over θ, σ² and ``Z_b``, hands over, then updates the noise
     statistics and the memory.
 
-    :return: ``(new_state, info)`` with ``info = dict(bound, iterations, finite, residual_ss)``; ``finite``
-        holds one flag per checked quantity (bound, ``L_D``, ``q(u)``, its Cholesky factor, ``K_ZZ``'s).
+    :return: ``(new_state, info)`` with ``info = dict(bound, iterations, finite, residual_ss, kl_to_previous)``;
+        ``finite`` holds one flag per checked quantity (bound, ``L_D``, ``q(u)``, its Cholesky factor,
+        ``K_ZZ``'s); ``kl_to_previous`` is ``KL[q_new(a) ‖ q_old(a)]`` at the old ``Z_a`` (against the prior for
+        the first batch), computed here so that a stream compiles one program.
     """
     old = state.gp
     hyper0 = eqx.tree_at(lambda h: h.Z, old.hyper, Z0)
@@ -181,17 +183,19 @@ def fit_batch(config, state, Z0, X, y, mask):
         if use_stats:
             stats = (stats[0] - jnp.sum(mem.mask), stats[1] - jnp.sum(mem.ss * mem.mask))
     scale = jnp.maximum(jnp.sum(ma), 1.0)
+    terms = bounds.old_terms(old, sites) if config.alpha == 0.0 else None      # loop-invariant: factorised once
 
     def loss(p):
         hyper = eqx.combine(p, static)
-        return -(bounds.collapsed_bound(hyper, old, Xa, ya, ma, config.alpha, sites) + noise_memory_term(hyper, stats)) / scale
+        return -(bounds.collapsed_bound(hyper, old, Xa, ya, ma, config.alpha, None, terms)
+                 + noise_memory_term(hyper, stats)) / scale
 
     iters = jnp.asarray(0)
     if jax.tree.leaves(params):
         res = minimize(loss, params, config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol)
         params, iters = res.params, res.iterations
     hyper = eqx.combine(params, static)
-    fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, sites)
+    fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
     gp = _handover(hyper, fit.mean, fit.cov, config.jitter)
     mu, var = predict_from_q(gp.hyper, gp.Z, gp.mean, gp.cov, gp.chol_Kzz, X)
     ss = mask * ((y - mu) ** 2 + jnp.maximum(var, 0.0))
@@ -202,7 +206,8 @@ def fit_batch(config, state, Z0, X, y, mask):
                   chol_cov=jnp.all(jnp.isfinite(gp.chol_cov)), chol_Kzz=jnp.all(jnp.isfinite(gp.chol_Kzz)))
     new = StreamingGPState(gp=gp, noise_rows=state.noise_rows + jnp.sum(mask), noise_ss=state.noise_ss + jnp.sum(ss),
                            memory=memory, key=key, batch=state.batch + 1)
-    return new, dict(bound=fit.bound, iterations=iters, finite=finite, residual_ss=ss)
+    return new, dict(bound=fit.bound, iterations=iters, finite=finite, residual_ss=ss,
+                     kl_to_previous=kl_to_previous(gp, old))
 
 
 def keep_inducing(key, Z_old, X, mask, keep_fraction):

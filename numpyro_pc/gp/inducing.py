@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import InvalidOptionError
+
 __all__ = ["POLICIES", "initial_inducing", "next_inducing"]
 
 POLICIES = ("keep", "kmeans", "greedy", "fixed")
@@ -43,9 +45,9 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
     :return: ``(M, D)`` array.
     """
     if policy not in POLICIES:
-        raise ValueError(f"inducing policy must be one of {POLICIES}, got {policy!r}")
+        raise InvalidOptionError(f"inducing policy must be one of {POLICIES}, got {policy!r}")
     if not 0.0 <= keep_fraction <= 1.0:
-        raise ValueError(f"keep_fraction must be in [0, 1], got {keep_fraction}")
+        raise InvalidOptionError(f"keep_fraction must be in [0, 1], got {keep_fraction}")
     M = Z_old.shape[0]
     if policy == "fixed":
         return Z_old

@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DataShapeError, NonFiniteDataError, NonFiniteResultError, NotPositiveDefiniteError
+from ..errors import (DataShapeError, InvalidOptionError, NonFiniteDataError, NonFiniteResultError, NotFittedError,
+                      NotPositiveDefiniteError)
 from . import core, corrected, inducing, uncollapsed
 from .core import noise_memory_term
 from .optim import minimize
-from .state import (Hyper, check_chol, chol, handover, kernel_matrix, noise_variance, predict_from_q,
-                    prior_state)
+from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_matrix, kl_to_previous,
+                    noise_variance, predict_from_q, prior_state)
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 
@@ -38,16 +39,6 @@ def bucket_size(n, minimum=16):
 
 def _to64(tree):
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float64) if eqx.is_inexact_array(x) else x, tree)
-
-
-def gaussian_kl(m1, S1, m0, L0):
-    """``KL[N(m1, S1) ‖ N(m0, L0 L0ᵀ)]``."""
-    from jax.scipy.linalg import cho_solve
-
-    d = m1 - m0
-    L1 = chol(S1)
-    return 0.5 * (jnp.trace(cho_solve((L0, True), S1)) + d @ cho_solve((L0, True), d) - m1.shape[0]
-                  + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
 
 
 def _filter(hyper, learn_hyper, learn_Z):
@@ -137,26 +128,26 @@ class StreamingSparseGP:
         from gpjax.parameters import PositiveReal
 
         if not isinstance(num_inducing, int) or num_inducing < 1:
-            raise ValueError(f"num_inducing must be a positive int, got {num_inducing!r}")
+            raise InvalidOptionError(f"num_inducing must be a positive int, got {num_inducing!r}")
         gaussian = likelihood is None or isinstance(likelihood, gpx.likelihoods.Gaussian)
         bound = bound or ("collapsed" if gaussian else "uncollapsed")
         if bound not in ("collapsed", "uncollapsed"):
-            raise ValueError(f"bound must be 'collapsed' or 'uncollapsed', got {bound!r}")
+            raise InvalidOptionError(f"bound must be 'collapsed' or 'uncollapsed', got {bound!r}")
         if bound == "collapsed" and not gaussian:
-            raise ValueError(f"the collapsed bound needs a Gaussian likelihood, got {type(likelihood).__name__}")
+            raise InvalidOptionError(f"the collapsed bound needs a Gaussian likelihood, got {type(likelihood).__name__}")
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
+            raise InvalidOptionError(f"alpha must be in [0, 1] (0 = VFE), got {alpha}")
         if alpha > 0 and bound != "collapsed":
-            raise ValueError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
+            raise InvalidOptionError("Power-EP (alpha > 0) is implemented for the collapsed (Gaussian) bound only")
         vfe = bound == "collapsed" and alpha == 0.0
         if memory_size is None:
             memory_size = DEFAULT_MEMORY if vfe and (learn_hyperparameters or inducing != "fixed") else 0
         if memory_size and bound == "collapsed" and not vfe:
-            raise ValueError("the corrected collapsed update (memory_size > 0) needs the VFE bound (alpha = 0)")
+            raise InvalidOptionError("the corrected collapsed update (memory_size > 0) needs the VFE bound (alpha = 0)")
         if noise_memory is None:
             noise_memory = vfe
         if noise_memory and not vfe:
-            raise ValueError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
+            raise InvalidOptionError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
         if isinstance(likelihood, gpx.likelihoods.Gaussian):
             from gpjax.parameters import val
             noise_variance = float(val(likelihood.obs_stddev)) ** 2
@@ -251,7 +242,7 @@ class StreamingSparseGP:
                 if Z0.shape != (self.num_inducing, X.shape[1]):
                     raise DataShapeError(f"Z_init must have shape {(self.num_inducing, X.shape[1])}, got {Z0.shape}")
                 hyper0 = eqx.tree_at(lambda h: h.Z, self._hyper, jnp.asarray(Z0))
-                old = prior_state(hyper0, self.jitter)
+                old = prior_state(hyper0, self.jitter) if self.bound != "collapsed" else None
             else:
                 old = self._state
                 Z0 = inducing.next_inducing(np.asarray(old.Z), X, new._rng, self.inducing, self.keep_fraction)
@@ -271,13 +262,14 @@ class StreamingSparseGP:
                 new._stream = stream
                 new._state = stream.gp
                 value, iters, hyper = info["bound"], info["iterations"], stream.gp.hyper
+                kl_step = info["kl_to_previous"]
             else:
                 params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters,
                                                                self.learn_inducing))
                 Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
                                       + self.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
                 m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
-                S0 = _full_cov(old, hyper0.Z)
+                S0 = full_cov(old, hyper0.Z)
                 q0 = uncollapsed.whiten(Lb0, m0, S0 + 1e-10 * jnp.eye(self.num_inducing))
                 mem, sites = None, None
                 if self.memory_size:
@@ -302,7 +294,8 @@ class StreamingSparseGP:
                 if not np.isfinite(float(value)):
                     raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
                 new._state = handover(hyper, mean, cov, self.jitter)
-            kl_step = None if self._state is None else float(_kl_to_previous(new._state, old))
+                kl_step = _kl_to_previous(new._state, old)
+            kl_step = None if self._state is None else float(kl_step)
             jax.block_until_ready(new._state.mean)
             new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
                                     iterations=int(iters), seconds=time.perf_counter() - t0, kl_to_previous=kl_step,
@@ -313,7 +306,7 @@ class StreamingSparseGP:
     def predict(self, Xs):
         """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
         if self._state is None:
-            raise RuntimeError("predict needs at least one update() first")
+            raise NotFittedError("predict needs at least one update() first")
         with jax.enable_x64(True):
             s = self._state
             mu, var = predict_from_q(s.hyper, s.Z, s.mean, s.cov, s.chol_Kzz, jnp.asarray(np.atleast_2d(Xs), float))
@@ -384,23 +377,7 @@ def _check_finite(flags, batch):
         raise NotPositiveDefiniteError("cov of q(u) or K(Z, Z) + jitter is not positive definite; increase the jitter.")
 
 
-@eqx.filter_jit
-def _kl_to_previous(new, old):
-    """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a``."""
-    m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
-    S_a = _full_cov(new, old.Z)
-    return gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0], dtype=S_a.dtype), old.mean, old.chol_cov)
-
-
-def _full_cov(state, Xs):
-    """Full covariance of ``q(f(Xs))`` under ``state`` (used for projections between inducing sets)."""
-    from jax.scipy.linalg import cho_solve, solve_triangular
-
-    h = state.hyper
-    Kzs = kernel_matrix(h.kernel, state.Z, Xs)
-    V = solve_triangular(state.chol_Kzz, Kzs, lower=True)
-    W = cho_solve((state.chol_Kzz, True), Kzs)
-    return kernel_matrix(h.kernel, Xs, Xs) - V.T @ V + W.T @ state.cov @ W
+_kl_to_previous = eqx.filter_jit(kl_to_previous)
 
 
 def hyperparameters(hyper):

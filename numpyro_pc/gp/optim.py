@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..errors import InvalidOptionError
+
 __all__ = ["OptimResult", "minimize"]
 
 
@@ -50,7 +52,7 @@ def minimize(fun, params, method="lbfgs", max_iters=200, learning_rate=0.01, gto
         return _lbfgs(fun, params, max_iters, gtol, ftol)
     if method == "adam":
         return _adam(fun, params, max_iters, learning_rate)
-    raise ValueError(f"method must be 'lbfgs' or 'adam', got {method!r}")
+    raise InvalidOptionError(f"method must be 'lbfgs' or 'adam', got {method!r}")
 
 
 def _lbfgs(fun, params, max_iters, gtol, ftol=0.0):

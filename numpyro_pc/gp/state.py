@@ -23,7 +23,8 @@ import numpy as np
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError
 
 __all__ = ["Hyper", "GPState", "kernel_matrix", "kernel_diag", "mean_vector", "noise_variance", "chol",
-           "check_chol", "inducing_cross", "handover", "predict_from_q", "prior_state"]
+           "check_chol", "inducing_cross", "handover", "predict_from_q", "prior_state", "full_cov", "gaussian_kl",
+           "kl_to_previous"]
 
 
 class Hyper(eqx.Module):
@@ -167,3 +168,29 @@ def inducing_cross(kernel, Zb, Za, jitter):
     """
     same = jnp.all(Zb[:, None, :] == Za[None, :, :], axis=-1)
     return kernel_matrix(kernel, Zb, Za) + jitter * same.astype(Zb.dtype)
+
+
+def full_cov(state, Xs):
+    """Full covariance of ``q(f(Xs))`` under ``state`` (used for projections between inducing sets)."""
+    h = state.hyper
+    Kzs = kernel_matrix(h.kernel, state.Z, Xs)
+    V = jax.scipy.linalg.solve_triangular(state.chol_Kzz, Kzs, lower=True)
+    W = jax.scipy.linalg.cho_solve((state.chol_Kzz, True), Kzs)
+    return kernel_matrix(h.kernel, Xs, Xs) - V.T @ V + W.T @ state.cov @ W
+
+
+def gaussian_kl(m1, S1, m0, L0):
+    """``KL[N(m1, S1) ‖ N(m0, L0 L0ᵀ)]``."""
+    from jax.scipy.linalg import cho_solve
+
+    d = m1 - m0
+    L1 = chol(S1)
+    return 0.5 * (jnp.trace(cho_solve((L0, True), S1)) + d @ cho_solve((L0, True), d) - m1.shape[0]
+                  + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
+
+
+def kl_to_previous(new, old):
+    """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a`` (pure)."""
+    m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
+    S_a = full_cov(new, old.Z)
+    return gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0], dtype=S_a.dtype), old.mean, old.chol_cov)

@@ -31,6 +31,7 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from gpjax.likelihoods import AbstractLikelihood, inv_probit
 
+from ..errors import UnsupportedModelError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
 
 __all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_term", "uncollapsed_bound",
@@ -103,7 +104,7 @@ def predict_y(hyper, mu, var):
     if isinstance(lik, Poisson):
         rate = jnp.exp(mu + 0.5 * var)
         return rate, rate + rate ** 2 * (jnp.exp(var) - 1.0)
-    raise TypeError(f"predict_y supports Gaussian, Bernoulli, BernoulliLogit and Poisson likelihoods, "
+    raise UnsupportedModelError(f"predict_y supports Gaussian, Bernoulli, BernoulliLogit and Poisson likelihoods, "
                     f"got {type(lik).__name__}")
 
 

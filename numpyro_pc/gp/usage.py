@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+from ..errors import DataShapeError, NotFittedError
+
 __all__ = ["enable_compilation_cache", "default_cache_dir", "progress", "use_progress", "plot_gp"]
 
 
@@ -88,11 +90,11 @@ def plot_gp(sgp, X=None, y=None, ax=None, grid=None, resolution=200, show_induci
     import matplotlib.pyplot as plt
 
     if sgp.state is None:
-        raise RuntimeError("plot needs at least one update() first")
+        raise NotFittedError("plot needs at least one update() first")
     Z = np.asarray(sgp.state.Z)
     D = Z.shape[1]
     if D not in (1, 2):
-        raise ValueError(f"plot supports 1-D and 2-D inputs, the stream has {D}")
+        raise DataShapeError(f"plot supports 1-D and 2-D inputs, the stream has {D}")
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5 if D == 1 else 5))
     pts = Z if X is None else np.concatenate([Z, np.asarray(X, float).reshape(-1, D)])
