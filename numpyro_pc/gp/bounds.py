@@ -6,7 +6,7 @@ covariance ``K'_aa`` (jitter included). New batch ``(X, y)`` with new inducing i
 observations ``ŷ_a = D_a S_a⁻¹ m_a`` with noise ``D_a = (S_a⁻¹ − K'_aa⁻¹)⁻¹``; ``D_a`` is
 ill-conditioned (cond ≈ 1e18 on batches ordered by input) and is **never formed**: every
 quantity below goes through the Cholesky factors ``L_S = chol(S_a)`` and
-``L_K' = chol(K'_aa)`` (DESIGN §2):
+``L_K' = chol(K'_aa)`` (Bui et al. 2017; docs/gp.md, "The online bound"):
 
 .. math::
 

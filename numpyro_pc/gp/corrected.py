@@ -3,7 +3,7 @@ r"""Posterior-corrected streaming update for non-Gaussian likelihoods (Khan, §4
 Bui's uncollapsed update replaces the old data by ``q_old(a)/p(a|θ_old)``, i.e. (dual form)
 by the quadratic sites ``ℓ̂_i`` of the old examples at the old posterior. The corrected
 update keeps a memory ``C`` of past examples and adds back their correction
-(paper eq. for the streaming update, DESIGN §2):
+(paper §3.1, the streaming update; docs/gp.md):
 
 .. math::
 

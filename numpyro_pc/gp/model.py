@@ -25,7 +25,7 @@ from . import core, corrected, inducing, uncollapsed
 from .core import noise_memory_term
 from .optim import minimize
 from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_matrix, kl_to_previous,
-                    noise_variance, predict_from_q, prior_state)
+                    predict_from_q, prior_state)
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 

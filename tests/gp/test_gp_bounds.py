@@ -54,7 +54,7 @@ def _dense_sgpr(X, y, Z, ls=0.9, var=1.2, noise=0.05, eps=EPS):
 
 @pytest.mark.parametrize("batches", [2, 3, 10])
 def test_streaming_equals_batch_sgpr(x64, batches):
-    # fixed θ and Z_b = Z_a: the online update is exact (DESIGN §2); 1e-8 leaves ~1e5 × float64 rounding
+    # fixed θ and Z_b = Z_a: the online update is exact (docs/gp.md); 1e-8 leaves ~1e5 × float64 rounding
     X, y = _data(80)
     Z = np.linspace(-3, 3, 9)[:, None]
     sgp = StreamingSparseGP(gpx.kernels.RBF(lengthscale=0.9, variance=1.2), 9, noise_variance=0.05, Z_init=Z,
