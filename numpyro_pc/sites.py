@@ -617,7 +617,7 @@ def _sobol_normals(num, dim, seed, dtype):
 def _compute(spec, cfg, family, q, data, ids, weights):
     _TRACES["compute"] += 1
     rule = cfg.rule
-    if rule.kind == "mc" and _reparam(cfg, family):
+    if _reparam(cfg, family):
         eps = jax.random.normal(jax.random.PRNGKey(rule.seed), (rule.num_samples,) + q.mean.shape, q.mean.dtype)
         extra = (family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples), eps)
     elif rule.kind == "mc":
@@ -634,7 +634,7 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     fn = lambda leaves, mask: _chunk_fn(spec, cfg, family, q, data.shared, extra, leaves, mask)  # noqa: E731
     leaves = data.per_example + (weights,)
     (loss, grad, jac, stored), hess_sum = _map_chunks(fn, leaves, num, cfg.chunk_size, cfg.num_devices)
-    if rule.kind == "mc" and _reparam(cfg, family):
+    if _reparam(cfg, family):
         chol = jnp.linalg.cholesky(q.precision)
         stored = jax.lax.map(partial(_reparam_curvature, chol), stored, batch_size=cfg.chunk_size)
         p_loss, p_grad, p_hess = _prior_terms_reparam(spec, chol, data, *extra)
