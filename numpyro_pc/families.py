@@ -123,9 +123,13 @@ class ExponentialFamily(ABC):
     def kl(self, q, p):
         """``KL(q ‖ p)`` for two members of this family."""
 
-    @abstractmethod
     def sample(self, q, key, num_samples):
         """``num_samples`` draws, shape ``(num_samples, d)``."""
+        return self.draws(q, jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype))
+
+    @abstractmethod
+    def draws(self, q, noise):
+        """Draws ``z = m + Cε`` of ``q`` from standard-normal ``noise`` ``ε`` (shape ``(K, d)``), ``CCᵀ = S⁻¹``."""
 
     @abstractmethod
     def site_natural(self, grad, curvature, ref_mean):
@@ -204,11 +208,9 @@ class FullGaussian(ExponentialFamily):
         logdet = 2.0 * (jnp.sum(jnp.log(jnp.diag(lq))) - jnp.sum(jnp.log(jnp.diag(lp))))
         return 0.5 * (trace + maha - d + logdet)
 
-    def sample(self, q, key, num_samples):
-        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
-        chol = self._chol(q)
+    def draws(self, q, noise):
         # z = m + L⁻ᵀ ε has covariance (L Lᵀ)⁻¹ = S⁻¹
-        return q.mean + solve_triangular(chol.T, eps.T, lower=False).T
+        return q.mean + solve_triangular(self._chol(q).T, noise.T, lower=False).T
 
     def site_natural(self, grad, curvature, ref_mean):
         return GaussianNatural(curvature @ ref_mean - grad, curvature)
@@ -264,9 +266,8 @@ class DiagonalGaussian(ExponentialFamily):
         ratio = p.precision / q.precision
         return 0.5 * jnp.sum(ratio + p.precision * (p.mean - q.mean) ** 2 - 1.0 - jnp.log(ratio))
 
-    def sample(self, q, key, num_samples):
-        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
-        return q.mean + eps / jnp.sqrt(q.precision)
+    def draws(self, q, noise):
+        return q.mean + noise / jnp.sqrt(q.precision)
 
     def site_natural(self, grad, curvature, ref_mean):
         return GaussianNatural(curvature * ref_mean - grad, curvature)
@@ -322,9 +323,8 @@ class IsotropicGaussian(ExponentialFamily):
         ratio = p.precision / q.precision
         return 0.5 * (d * (ratio - 1.0 - jnp.log(ratio)) + p.precision * jnp.sum((p.mean - q.mean) ** 2))
 
-    def sample(self, q, key, num_samples):
-        eps = jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype)
-        return q.mean + eps / jnp.sqrt(q.precision)
+    def draws(self, q, noise):
+        return q.mean + noise / jnp.sqrt(q.precision)
 
     def site_natural(self, grad, curvature, ref_mean):
         return GaussianNatural(-grad, jnp.zeros((), grad.dtype))

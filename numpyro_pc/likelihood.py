@@ -216,8 +216,12 @@ def losses(spec, z, data):
 
 
 def constrain(spec, z, data):
-    """Constrained values of the latent sites at ``z`` (a dict in trace order)."""
-    first = tuple(x[:1] for x in data.per_example)
+    """Constrained values of the latent sites at ``z`` (a dict in trace order).
+
+    The values do not depend on the examples (per-example latents are refused at binding),
+    so a posterior that keeps no data rows traces the model on one zero-valued row.
+    """
+    first = tuple(x[:1] if x.shape[0] else jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype) for x in data.per_example)
     trace = _trace_at(spec, z, first, data.shared)
     return {name: trace[name]["value"] for name in spec.latent.names}
 

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .errors import DataShapeError, InvalidOptionError, SiteStorageError
-from .expectations import hermite_nodes, subspace_basis, tensor_hermite_nodes
+from .expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import example_loss, example_params, prior_loss
 from .rowops import bucket_size, filled, join_rows, pad_last_row, shifted, take_rows
@@ -618,10 +618,10 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     _TRACES["compute"] += 1
     rule = cfg.rule
     if _reparam(cfg, family):
-        eps = jax.random.normal(jax.random.PRNGKey(rule.seed), (rule.num_samples,) + q.mean.shape, q.mean.dtype)
-        extra = (family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples), eps)
+        eps = mc_noise(rule, q.mean.shape[0], q.mean.dtype)
+        extra = (family.draws(q, eps), eps)
     elif rule.kind == "mc":
-        extra = family.sample(q, jax.random.PRNGKey(rule.seed), rule.num_samples)
+        extra = family.draws(q, mc_noise(rule, q.mean.shape[0], q.mean.dtype))
     elif rule.kind == "gh":
         cov = family.dense_covariance(q) if isinstance(family, FullGaussian) else None
         if rule.subspace_dim:

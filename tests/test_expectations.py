@@ -15,9 +15,9 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
-from conftest import vb_optimality_gap
+from conftest import linear_model, make_linear, vb_optimality_gap
 from numpyro_pc.errors import ExpectationRuleError, InvalidOptionError, MonteCarloErrorWarning
-from numpyro_pc.expectations import ExpectationRule, dependence_subspace_dim
+from numpyro_pc.expectations import ExpectationRule, dependence_subspace_dim, mc_noise
 from numpyro_pc.likelihood import bind_model, example_loss, prior_loss
 
 
@@ -70,7 +70,7 @@ def test_default_fixed_point_is_the_true_variational_optimum(x64):
         mc = pc.fit(unknown_noise_model, x, y, expectation="mc")
     assert mc.residual < 1e-8
     # ... and says so: the residual that independent draws see at its fixed point is large
-    assert mc.record["expectation_error"]["independent_draws_residual"] > 1e-4
+    assert mc.record["expectation_error"]["independent_draws_residual"] > 1e-5
     assert "expectation_error" not in (gh.record or {})
     gh_mean, gh_prec = vb_optimality_gap(unknown_noise_model, (x, y), gh, nodes=40)
     mc_mean, mc_prec = vb_optimality_gap(unknown_noise_model, (x, y), mc, nodes=40)
@@ -142,7 +142,7 @@ def _fixed_draw_stationarity(model, args, post, num_samples, seed=0):
     estimator's fixed points are.
     """
     spec, data = bind_model(model, args, {})
-    eps = jax.random.normal(jax.random.PRNGKey(seed), (num_samples, spec.latent.dim), jnp.float64)
+    eps = mc_noise(ExpectationRule(kind="mc", num_samples=num_samples, seed=seed), spec.latent.dim, jnp.float64)
 
     def objective(m, s):
         chol = jnp.linalg.cholesky(s)
@@ -192,3 +192,33 @@ def test_positive_definite_step_for_an_indefinite_target(x64):
     same = _damped_trial(q, None, jnp.asarray(s), jnp.asarray(grad), 0.5, target_pd=False)
     np.testing.assert_allclose(same.precision, s, rtol=1e-12)
     np.testing.assert_allclose(same.mean, -0.5 * np.linalg.solve(s, grad), rtol=1e-10)
+
+
+@pytest.mark.parametrize("num, dim", [(64, 5), (65, 31), (16, 8)])
+def test_monte_carlo_noise_matches_the_first_two_moments_exactly(x64, num, dim):
+    # antithetic pairs (a zero draw for odd K), whitened when K >= 2d: exact to rounding
+    eps = np.asarray(mc_noise(ExpectationRule(kind="mc", num_samples=num, seed=3), dim, jnp.float64))
+    assert eps.shape == (num, dim)
+    assert np.abs(eps.mean(0)).max() < 1e-14
+    np.testing.assert_allclose(eps.T @ eps / num, np.eye(dim), atol=1e-12)
+
+
+def test_monte_carlo_noise_with_fewer_than_two_draws_per_dimension_keeps_the_mean(x64):
+    eps = np.asarray(mc_noise(ExpectationRule(kind="mc", num_samples=64, seed=0), 62, jnp.float64))
+    assert eps.shape == (64, 62) and np.abs(eps.mean(0)).max() < 1e-14
+    np.testing.assert_array_equal(eps[:32], -eps[32:])
+
+
+def test_monte_carlo_rule_is_exact_on_a_conjugate_gaussian_model(x64):
+    # ℓ is quadratic: with moment-matched noise the fixed-draw expectations of ℓ, ∇ℓ and the
+    # reparameterisation precision estimator are exact, so the "mc" fixed point is the closed-form
+    # posterior (solver tol 1e-12; agreement to 1e-9 relative). With 16 i.i.d. draws the estimator
+    # is off by the sample covariance's error (tens of per cent on the precision).
+    X, y = make_linear(50, 4, seed=2)
+    rule = ExpectationRule(kind="mc", num_samples=16, mc_precision="reparam")
+    post = pc.fit(linear_model, X, y, expectation=rule, storage="dense", tol=1e-12)
+    precision = np.asarray(X.T @ X) / 0.25 + np.eye(4) / 4.0
+    mean = np.linalg.solve(precision, np.asarray(X.T @ y) / 0.25)
+    np.testing.assert_allclose(post.precision, precision, rtol=1e-9)
+    np.testing.assert_allclose(post.mean, mean, rtol=1e-9)
+    assert post.record["expectation_error"]["independent_draws_residual"] < 1e-9
