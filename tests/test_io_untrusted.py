@@ -200,6 +200,47 @@ def test_an_npy_header_claiming_a_huge_shape_is_a_typed_error(fresh, manifest_to
         pc.load(path, logistic_model)
 
 
+def _with_header(member, text, version=b"\x01\x00"):
+    """``member`` (an ``.npy``) with its header text replaced (length field updated, values kept)."""
+    old = int.from_bytes(member[8:10], "little")
+    size = len(text).to_bytes(2, "little") if version[0] == 1 else len(text).to_bytes(4, "little")
+    return b"\x93NUMPY" + version + size + text + member[10 + old:]
+
+
+@pytest.mark.parametrize("text, version", [
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,\xd3, }  \n", b"\x01\x00"),  # numpy: TokenError
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': " + b"(" * 5000 + b"2," + b")" * 5000 + b", }\n",
+     b"\x01\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), 'x': __import__('os'), }\n", b"\x01\x00"),
+    (b"{'descr': [('a', '<f8')], 'fortran_order': False, 'shape': (1,), }\n", b"\x01\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\n", b"\x09\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\xff\n", b"\x01\x00"),
+], ids=["unbalanced", "nested", "call", "structured", "version", "not-ascii"])
+def test_a_damaged_npy_header_is_a_corrupt_file_error(fresh, text, version):
+    """Headers are parsed with a pattern, never tokenised: numpy's reader raised ``tokenize.TokenError`` on the
+    first (found by fuzzing members whose zip CRC was recomputed)."""
+    _, path = fresh
+    members = _members(path)
+    members["mean.npy"] = _with_header(members["mean.npy"], text, version)
+    _write(path, members)
+    with pytest.raises(io.CorruptFileError, match="unreadable .npy header"):
+        pc.load(path, logistic_model)
+
+
+def test_a_big_endian_member_loads_with_its_values(fresh):
+    """A file written on a big-endian machine: the header says '>f8' and the checksum is over those bytes."""
+    post, path = fresh
+    members = _members(path)
+    manifest = json.loads(members["manifest.json"])
+    mean = np.asarray(post.state.mean).astype(">f8")
+    members["mean.npy"] = archive.npy_bytes(mean)
+    assert b"'descr': '>f8'" in members["mean.npy"]
+    manifest["arrays"]["mean"]["sha256"] = io._digest(mean)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    _write(path, members)
+    _assert_same(post, pc.load(path, logistic_model))
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -218,8 +259,17 @@ def test_an_npy_header_claiming_a_huge_shape_is_a_typed_error(fresh, manifest_to
     (lambda p: _edit_array(p, "sites.grad", lambda m: m.astype(np.float16)), io.DtypeMismatchError, "float16"),
     (lambda p: _edit_array(p, "data.example.0", lambda x: x[:-1]), io.InconsistentFileError, "shape"),
     (lambda p: _edit_array(p, "sites.loss", lambda x: x[:-1]), io.InconsistentFileError, "shape"),
+    (lambda p: (_edit_array(p, "offset.linear", lambda _: np.full(2, 5.0), add=True),
+                _edit_array(p, "offset.precision", lambda _: np.zeros((2, 2)), add=True),
+                _edit_manifest(p, lambda m: m.update(residual=math.nan))), io.CorruptFileError, "residual"),
+    (lambda p: _edit_manifest(p, lambda m: m.update(residual=math.inf)), io.CorruptFileError, "residual"),
+    (lambda p: (_edit_array(p, "data_ids", lambda i: i[:0]), _edit_array(p, "data.example.1", lambda y: y[:0]),
+                _edit_array(p, "data.example.0", lambda x: np.zeros((0, 10**6, 10**6))),
+                _edit_manifest(p, lambda m: m["example_shapes"][0].__setitem__(0, [10**6, 10**6]))),
+     io.InconsistentFileError, "bytes per example"),
 ], ids=["offset", "negative-precision", "nan-grad", "next-id", "duplicate-site-ids", "duplicate-data-ids",
-        "tombstoned-id", "complex", "float16", "data-rows", "site-rows"])
+        "tombstoned-id", "complex", "float16", "data-rows", "site-rows", "nan-residual", "infinite-residual",
+        "terabyte-example"])
 def test_re_signed_inconsistent_contents_are_refused(fresh, edit, error, match):
     _, path = fresh
     edit(path)
