@@ -335,6 +335,34 @@ def test_a_file_does_not_load_into_another_model(fresh, model, names):
     assert info.value.differences
 
 
+@pytest.mark.parametrize("shape", [(1,), (0,)], ids=["column", "empty"])
+def test_observations_of_another_shape_do_not_load(fresh, shape):
+    """``y`` re-signed as ``(N, 1)`` (broadcasts to N × N log densities) or ``(N, 0)`` (loaded, then a later
+    update failed with numpy's ``ValueError`` on joining rows): the model binds, its fingerprint differs."""
+    _, path = fresh
+
+    def reshape(y):
+        return y[:, None] if shape == (1,) else np.zeros((y.shape[0], 0))
+    _edit_array(path, "data.example.1", reshape)
+    _edit_manifest(path, lambda m: m["example_shapes"][1].__setitem__(0, list(shape)))
+    with pytest.raises(io.SavedModelMismatchError, match=r"sites\.y\.value_shape"):
+        pc.load(path, logistic_model)
+
+
+def test_a_version_1_fingerprint_is_compared_on_its_fields(fresh):
+    """Files saved before observed shapes were fingerprinted still load, and still refuse another model."""
+    post, path = fresh
+
+    def version_1(manifest):
+        manifest["fingerprint"]["version"] = 1
+        for site in manifest["fingerprint"]["sites"].values():
+            site.pop("value_shape", None)
+    _edit_manifest(path, version_1)
+    _assert_same(post, pc.load(path, logistic_model))
+    with pytest.raises(io.SavedModelMismatchError, match="BernoulliProbs"):
+        pc.load(path, probit_model)
+
+
 def test_a_file_from_the_previous_version_loads_with_a_warning(fresh):
     post, path = fresh
 
