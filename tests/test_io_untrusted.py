@@ -436,7 +436,8 @@ def test_a_save_killed_mid_write_leaves_the_old_file_and_the_next_save_cleans_up
 
 # --------------------------------------------------------------------------- fuzzing
 
-_POOL = [None, True, -1, 0, 3, 2**70, 1.5, -0.0, math.inf, "x", "", [], [1, -2], {}, {"kind": "none"}]
+_POOL = [None, True, -1, 0, 3, 2**63, 2**70, 1.5, -0.0, 1e308, math.inf, -math.inf, math.nan, "x", "", "float16",
+         [], [1, -2], [[0]], {}, {"kind": "none"}]
 
 
 def _paths(node, prefix=()):
@@ -482,6 +483,16 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
         cases.append(("flip", bytes(raw)))
     for _ in range(300):  # truncations
         cases.append(("cut", blob[:int(rng.integers(len(blob)))]))
+    for _ in range(700):  # a byte flipped inside one member, zip CRC recomputed: reaches the .npy and JSON parsers
+        name = sorted(members)[rng.integers(len(members))]
+        raw = bytearray(members[name])
+        pos = int(rng.integers(min(len(raw), 160) if rng.integers(2) else len(raw)))  # headers half the time
+        raw[pos] ^= int(rng.integers(1, 256))
+        buffer = _io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for other, data in members.items():
+                z.writestr(other, bytes(raw) if other == name else data)
+        cases.append(("member", buffer.getvalue()))
     for _ in range(700):  # manifest mutations (array checksums untouched)
         mutated = json.loads(json.dumps(manifest))
         for _ in range(int(rng.integers(1, 3))):
@@ -501,7 +512,7 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
         except io.PersistenceError:
             outcomes["error"] += 1
             continue
-        if kind == "manifest":  # edits the checksums cannot see; the arrays must still be the saved ones
+        if kind in ("manifest", "member"):  # edits the checksums cannot see; the arrays must still be the saved ones
             for x, y in zip(jax.tree.leaves((post.state, post.sites, post.data, post.data_ids)),
                             jax.tree.leaves((back.state, back.sites, back.data, back.data_ids)), strict=True):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
