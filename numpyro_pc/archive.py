@@ -331,7 +331,7 @@ def _npy_header(data):
     writes, not with NumPy's reader (which tokenises and ``literal_eval``-s the text and
     raises whatever the tokeniser raises on damaged input).
 
-    :raises ValueError: anything else.
+    :raises ValueError: a header of any other form (TypeError: a kind code and size that are no dtype).
     """
     if data[:6] != b"\x93NUMPY" or len(data) < 10:
         raise ValueError("no .npy magic string")
