@@ -61,6 +61,9 @@ _TOMBSTONES = "tombstones.npy"
 _EOCD = struct.Struct("<4s4H2LH")  # zip end of central directory record; field 5 is the directory size
 _EOCD64_LOCATOR = struct.Struct("<4sLQL")
 _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # Zip64 end record; field 8 is the directory size
+# the header numpy.save writes: {'descr': '<f8', 'fortran_order': False, 'shape': (3, 4), } padded with spaces
+_NPY_HEADER = re.compile(r"\{'descr': '([<>|=][biuf][1-8])', 'fortran_order': (True|False), "
+                         r"'shape': (\(\)|\(\d{1,19},\)|\(\d{1,19}(?:, \d{1,19})+,?\)), \} *\n")
 _STALE_AGE = 3600.0  # seconds, only where file locks are unavailable
 # what a zip parser may raise on a damaged archive (all turned into CorruptFileError)
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
@@ -321,29 +324,58 @@ def _read_member(archive, info, path, limit, bound="the manifest declares"):
             from err
 
 
-def _parse_npy(data, name, dtype, shape, digest, path):
-    stream = _io.BytesIO(data)
+def _npy_header(data):
+    """``(shape, fortran_order, dtype, start of the values)`` of a ``.npy`` member, parsed strictly.
+
+    The header is read with a regular expression of the dictionary :func:`numpy.save`
+    writes, not with NumPy's reader (which tokenises and ``literal_eval``-s the text and
+    raises whatever the tokeniser raises on damaged input).
+
+    :raises ValueError: a header of any other form (TypeError: a kind code and size that are no dtype).
+    """
+    if data[:6] != b"\x93NUMPY" or len(data) < 10:
+        raise ValueError("no .npy magic string")
+    major = data[6]
+    if major == 1:
+        length, start = int.from_bytes(data[8:10], "little"), 10
+    elif major in (2, 3) and len(data) >= 12:
+        length, start = int.from_bytes(data[8:12], "little"), 12
+    else:
+        raise ValueError(f".npy format version {major} is not supported")
+    if length > MAX_HEADER or start + length > len(data):
+        raise ValueError(f"a header of {length} bytes in a member of {len(data)}")
     try:
-        major, _ = np.lib.format.read_magic(stream)
-        read_header = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0}.get(major)
-        if read_header is None:
-            raise ValueError(f".npy format version {major} is not supported")
-        found_shape, fortran, found_dtype = read_header(stream, max_header_size=MAX_HEADER)
-    except (ValueError, TypeError, SyntaxError, OverflowError, EOFError, struct.error) as err:
+        text = data[start:start + length].decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError("a header that is not ASCII") from None
+    match = _NPY_HEADER.fullmatch(text)
+    if match is None:
+        raise ValueError(f"a header that is not a numpy.save dictionary: {text[:80]!r}")
+    descr, fortran, dims = match.groups()
+    dtype = np.dtype(descr)  # the pattern admits the byte order and kind codes of plain numbers only
+    shape = tuple(int(n) for n in re.findall(r"\d+", dims))
+    return shape, fortran == "True", dtype, start + length
+
+
+def _parse_npy(data, name, dtype, shape, digest, path):
+    try:
+        found_shape, fortran, found_dtype, start = _npy_header(data)
+    except (ValueError, TypeError, OverflowError) as err:
         raise CorruptFileError(f"array {name!r} in {path} has an unreadable .npy header ({err})") from err
-    if str(found_dtype) != dtype or tuple(found_shape) != tuple(shape):
+    if found_dtype.name != dtype or found_shape != tuple(shape):
         raise DtypeMismatchError(f"array {name!r} in {path} is {found_dtype}{list(found_shape)}, the manifest "
                                  f"says {dtype}{list(shape)}")
-    start = stream.tell()
     nbytes = _npy_limit(dtype, shape) - MAX_HEADER
     if len(data) - start != nbytes:
         raise CorruptFileError(f"array {name!r} in {path} holds {len(data) - start} bytes of values; its shape "
                                f"{list(shape)} and dtype {dtype} need {nbytes}")
     values = memoryview(data)[start:]
-    value = np.frombuffer(values, np.dtype(dtype)).reshape(shape, order="F" if fortran else "C")
+    value = np.frombuffer(values, found_dtype).reshape(shape, order="F" if fortran else "C")
     contiguous = values if not fortran else np.ascontiguousarray(value).tobytes()
     if hashlib.sha256(contiguous).hexdigest() != digest:
         raise CorruptFileError(f"array {name!r} in {path} fails its checksum (the file was altered)")
+    if not found_dtype.isnative:  # written on a machine of the other byte order
+        value = value.astype(found_dtype.newbyteorder("="))
     return value
 
 

@@ -18,6 +18,9 @@ compares it with the model it is given.
   is computed from the latent variables, ``{"depends_on": "data"}`` when it is computed
   from a per-example argument, otherwise its value (numbers when small, a SHA-256 of the
   values when it has more than 16 elements);
+- for an observed site, the shape of its observed value on one example (an observation of
+  another shape broadcasts against the distribution without an error: ``y`` saved as
+  ``(N, 1)`` against ``Bernoulli`` logits of shape ``(N,)`` gives ``N × N`` log densities);
 - the fixed (non-array) arguments of the model and the data plate.
 
 The dependence of a parameter on latents or data is read from the model's jaxpr (one
@@ -41,7 +44,7 @@ from .likelihood import _LOG_DET_PREFIX, _output_dependence, _trace_at
 
 __all__ = ["FINGERPRINT_VERSION", "model_fingerprint", "compare_fingerprints"]
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: observed sites record the shape of their value
 _INLINE = 16  # parameters with at most this many values are stored as numbers, larger ones as a hash
 _RTOL = 1e-6  # relative tolerance of numeric comparisons (float32 and float64 traces of one constant agree)
 
@@ -79,6 +82,8 @@ def model_fingerprint(spec, data):
         params = {label: _describe_leaf(leaf, next(on_latent), next(on_data)) for label, leaf in leaves}
         described[name] = {"role": role, "distribution": classes, "params": params,
                            "batch_shape": list(site["fn"].batch_shape), "event_shape": list(site["fn"].event_shape)}
+        if site["is_observed"]:
+            described[name]["value_shape"] = list(np.shape(site["value"]))
     latent = spec.latent
     statics = {name: _describe_static(value) for name, value in
                zip((n for n, k in zip(spec.arg_names, spec.kinds) if k == "static"), spec.statics)}
@@ -91,15 +96,23 @@ def model_fingerprint(spec, data):
 def compare_fingerprints(saved, current):
     """Differences between two fingerprints, as sentences (empty when they agree).
 
-    Numbers are compared with a relative tolerance of ``1e-6``; everything else exactly.
+    Numbers are compared with a relative tolerance of ``1e-6``; everything else exactly. A
+    version-1 ``saved`` fingerprint (before observed shapes were recorded) is compared on the
+    fields it has.
 
     :param dict saved: the reference fingerprint (e.g. read from a file).
     :param dict current: the fingerprint of the model at hand.
     :return: a list of strings such as ``"sites.y.distribution: BernoulliLogits, now BernoulliProbs"``.
     """
-    if not isinstance(saved, dict) or not isinstance(current, dict) or saved.get("version") != current.get("version"):
+    if not isinstance(saved, dict) or not isinstance(current, dict):
         return [f"fingerprint version {_short(_get(saved, 'version'))} cannot be compared with version "
                 f"{_short(_get(current, 'version'))}"]
+    if saved.get("version") == 1 and current.get("version") == 2:  # version 1 did not record observed shapes
+        current = {**current, "version": 1, "sites": {name: {k: v for k, v in site.items() if k != "value_shape"}
+                                                      for name, site in current.get("sites", {}).items()}}
+    elif saved.get("version") != current.get("version"):
+        return [f"fingerprint version {_short(saved.get('version'))} cannot be compared with version "
+                f"{_short(current.get('version'))}"]
     out = []
     _diff(saved, current, "", out)
     return out

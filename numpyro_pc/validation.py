@@ -6,7 +6,9 @@ and returns the arrays it declares, so that the reader can bound what it reads.
 :func:`check_contents` checks that the arrays agree with each other and are usable:
 dtypes, shapes across state, sites, data and ids; ids unique, below ``next_id`` and
 disjoint from the tombstones; every value finite; the precision symmetric positive
-definite. :func:`check_residual` compares the dual-form residual recomputed from the
+definite; one example no larger than the file's arrays (a file without data rows could
+otherwise declare examples of terabytes, and the model is traced on one).
+:func:`check_residual` compares the dual-form residual recomputed from the
 arrays with the one recorded at save time (an edited site or offset changes it).
 
 Each failure raises a :class:`~numpyro_pc.errors.CorruptFileError` (malformed manifest)
@@ -23,8 +25,8 @@ import numpy as np
 
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError
 
-__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "check_manifest", "check_contents",
-           "check_residual"]
+__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND", "check_manifest",
+           "check_contents", "check_residual"]
 
 FORMAT = "numpyro_pc.dual_posterior"
 VERSION = 1
@@ -37,6 +39,7 @@ DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
 _FAMILY_STORAGE = {"full": ("factor", "dense"), "diagonal": ("diag", "factor", "dense"),
                    "isotropic": ("none", "diag", "factor", "dense")}
 _MAX_ID = 2**62
+MIN_EXAMPLE_BOUND = 2**24  # bytes one example may hold even when the file's arrays hold fewer
 _FIELDS = {"format", "version", "family", "dtype", "rule", "curvature", "storage", "chunk_size", "latent", "plate",
            "observed", "arguments", "next_id", "tombstones", "example_shapes", "arrays", "residual", "fingerprint",
            "signed"}
@@ -143,11 +146,14 @@ def check_manifest(manifest):
         _fail("example_shapes", f"{num_example} pairs [shape, dtype] (one per per-example argument)", shapes)
     for k, (shape, _) in enumerate(shapes):
         _ints(shape, f"example_shapes[{k}]")
-    for key in ("residual", "fingerprint", "signed"):
+    for key in ("fingerprint", "signed"):
         value = manifest.get(key)
-        kind = {"residual": float, "fingerprint": dict, "signed": bool}[key]
+        kind = {"fingerprint": dict, "signed": bool}[key]
         if key in manifest and not isinstance(value, kind):
             _fail(key, f"a {kind.__name__}", value)
+    residual = manifest.get("residual", 0.0)  # JSON admits NaN and Infinity, which would disable the comparison
+    if not isinstance(residual, float) or not (math.isfinite(residual) and residual >= 0.0):
+        _fail("residual", "a finite float ≥ 0", residual)
     return _check_array_entries(manifest, num_example, num_shared)
 
 
@@ -209,9 +215,14 @@ def check_contents(manifest, arrays):
     for name, shape in shapes.items():
         if name in arrays and arrays[name].shape != shape:
             _inconsistent(name, f"shape {shape} (d={d} latents, N={n} sites, {rows} data rows)", arrays[name].shape)
-    for j, (_, data_dtype) in enumerate(manifest["example_shapes"]):
+    declared = max(sum(value.nbytes for value in arrays.values()), MIN_EXAMPLE_BOUND)
+    for j, (shape, data_dtype) in enumerate(manifest["example_shapes"]):
         if str(arrays[f"data.example.{j}"].dtype) != data_dtype:
             _inconsistent(f"data.example.{j}", f"dtype {data_dtype}", arrays[f"data.example.{j}"].dtype)
+        row = math.prod(shape) * np.dtype(data_dtype).itemsize
+        if row > declared:  # only possible without rows: the model is traced on one such (zero) example
+            _inconsistent(f"data.example.{j}", f"examples of at most {declared} bytes (the file's arrays)",
+                          f"{row} bytes per example")
     for name, value in arrays.items():
         if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
             _inconsistent(name, "finite values", f"{int(np.sum(~np.isfinite(value)))} NaN or infinite value(s)")

@@ -49,6 +49,15 @@ def test_fixed_parameters_arguments_and_handlers_are_compared():
     assert compare_fingerprints(counts, _fp(counts_model, X, n, k, prior_cov=big * 2, shared=("prior_cov",)))
 
 
+def test_observed_value_shapes_are_compared():
+    """One example's ``y`` of shape ``(1, 1)`` broadcasts against logits ``(1,)`` and binds; its shape differs."""
+    X, y = make_logistic(8, 3)
+    base = _fp(logistic_model, X, y)
+    assert base["sites"]["y"]["value_shape"] == [1] and "value_shape" not in base["sites"]["w"]
+    assert compare_fingerprints(base, _fp(logistic_model, X[:1], y[:1, None])) == [
+        "sites.y.value_shape: [1] when saved, [1, 1] now"]
+
+
 def test_large_parameters_are_hashed():
     X, _ = make_linear(6, 20)
     k = jnp.asarray([0.0, 1.0, 4.0, 2.0, 3.0, 1.0])

@@ -200,6 +200,47 @@ def test_an_npy_header_claiming_a_huge_shape_is_a_typed_error(fresh, manifest_to
         pc.load(path, logistic_model)
 
 
+def _with_header(member, text, version=b"\x01\x00"):
+    """``member`` (an ``.npy``) with its header text replaced (length field updated, values kept)."""
+    old = int.from_bytes(member[8:10], "little")
+    size = len(text).to_bytes(2, "little") if version[0] == 1 else len(text).to_bytes(4, "little")
+    return b"\x93NUMPY" + version + size + text + member[10 + old:]
+
+
+@pytest.mark.parametrize("text, version", [
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,\xd3, }  \n", b"\x01\x00"),  # numpy: TokenError
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': " + b"(" * 5000 + b"2," + b")" * 5000 + b", }\n",
+     b"\x01\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), 'x': __import__('os'), }\n", b"\x01\x00"),
+    (b"{'descr': [('a', '<f8')], 'fortran_order': False, 'shape': (1,), }\n", b"\x01\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\n", b"\x09\x00"),
+    (b"{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\xff\n", b"\x01\x00"),
+], ids=["unbalanced", "nested", "call", "structured", "version", "not-ascii"])
+def test_a_damaged_npy_header_is_a_corrupt_file_error(fresh, text, version):
+    """Headers are parsed with a pattern, never tokenised: numpy's reader raised ``tokenize.TokenError`` on the
+    first (found by fuzzing members whose zip CRC was recomputed)."""
+    _, path = fresh
+    members = _members(path)
+    members["mean.npy"] = _with_header(members["mean.npy"], text, version)
+    _write(path, members)
+    with pytest.raises(io.CorruptFileError, match="unreadable .npy header"):
+        pc.load(path, logistic_model)
+
+
+def test_a_big_endian_member_loads_with_its_values(fresh):
+    """A file written on a big-endian machine: the header says '>f8' and the checksum is over those bytes."""
+    post, path = fresh
+    members = _members(path)
+    manifest = json.loads(members["manifest.json"])
+    mean = np.asarray(post.state.mean).astype(">f8")
+    members["mean.npy"] = archive.npy_bytes(mean)
+    assert b"'descr': '>f8'" in members["mean.npy"]
+    manifest["arrays"]["mean"]["sha256"] = io._digest(mean)
+    members["manifest.json"] = json.dumps(manifest).encode()
+    _write(path, members)
+    _assert_same(post, pc.load(path, logistic_model))
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -218,8 +259,17 @@ def test_an_npy_header_claiming_a_huge_shape_is_a_typed_error(fresh, manifest_to
     (lambda p: _edit_array(p, "sites.grad", lambda m: m.astype(np.float16)), io.DtypeMismatchError, "float16"),
     (lambda p: _edit_array(p, "data.example.0", lambda x: x[:-1]), io.InconsistentFileError, "shape"),
     (lambda p: _edit_array(p, "sites.loss", lambda x: x[:-1]), io.InconsistentFileError, "shape"),
+    (lambda p: (_edit_array(p, "offset.linear", lambda _: np.full(2, 5.0), add=True),
+                _edit_array(p, "offset.precision", lambda _: np.zeros((2, 2)), add=True),
+                _edit_manifest(p, lambda m: m.update(residual=math.nan))), io.CorruptFileError, "residual"),
+    (lambda p: _edit_manifest(p, lambda m: m.update(residual=math.inf)), io.CorruptFileError, "residual"),
+    (lambda p: (_edit_array(p, "data_ids", lambda i: i[:0]), _edit_array(p, "data.example.1", lambda y: y[:0]),
+                _edit_array(p, "data.example.0", lambda x: np.zeros((0, 10**6, 10**6))),
+                _edit_manifest(p, lambda m: m["example_shapes"][0].__setitem__(0, [10**6, 10**6]))),
+     io.InconsistentFileError, "bytes per example"),
 ], ids=["offset", "negative-precision", "nan-grad", "next-id", "duplicate-site-ids", "duplicate-data-ids",
-        "tombstoned-id", "complex", "float16", "data-rows", "site-rows"])
+        "tombstoned-id", "complex", "float16", "data-rows", "site-rows", "nan-residual", "infinite-residual",
+        "terabyte-example"])
 def test_re_signed_inconsistent_contents_are_refused(fresh, edit, error, match):
     _, path = fresh
     edit(path)
@@ -283,6 +333,34 @@ def test_a_file_does_not_load_into_another_model(fresh, model, names):
         pc.load(path, model)
     assert isinstance(info.value, io.PersistenceError) and isinstance(info.value, ValueError)
     assert info.value.differences
+
+
+@pytest.mark.parametrize("shape", [(1,), (0,)], ids=["column", "empty"])
+def test_observations_of_another_shape_do_not_load(fresh, shape):
+    """``y`` re-signed as ``(N, 1)`` (broadcasts to N × N log densities) or ``(N, 0)`` (loaded, then a later
+    update failed with numpy's ``ValueError`` on joining rows): the model binds, its fingerprint differs."""
+    _, path = fresh
+
+    def reshape(y):
+        return y[:, None] if shape == (1,) else np.zeros((y.shape[0], 0))
+    _edit_array(path, "data.example.1", reshape)
+    _edit_manifest(path, lambda m: m["example_shapes"][1].__setitem__(0, list(shape)))
+    with pytest.raises(io.SavedModelMismatchError, match=r"sites\.y\.value_shape"):
+        pc.load(path, logistic_model)
+
+
+def test_a_version_1_fingerprint_is_compared_on_its_fields(fresh):
+    """Files saved before observed shapes were fingerprinted still load, and still refuse another model."""
+    post, path = fresh
+
+    def version_1(manifest):
+        manifest["fingerprint"]["version"] = 1
+        for site in manifest["fingerprint"]["sites"].values():
+            site.pop("value_shape", None)
+    _edit_manifest(path, version_1)
+    _assert_same(post, pc.load(path, logistic_model))
+    with pytest.raises(io.SavedModelMismatchError, match="BernoulliProbs"):
+        pc.load(path, probit_model)
 
 
 def test_a_file_from_the_previous_version_loads_with_a_warning(fresh):
@@ -358,7 +436,8 @@ def test_a_save_killed_mid_write_leaves_the_old_file_and_the_next_save_cleans_up
 
 # --------------------------------------------------------------------------- fuzzing
 
-_POOL = [None, True, -1, 0, 3, 2**70, 1.5, -0.0, math.inf, "x", "", [], [1, -2], {}, {"kind": "none"}]
+_POOL = [None, True, -1, 0, 3, 2**63, 2**70, 1.5, -0.0, 1e308, math.inf, -math.inf, math.nan, "x", "", "float16",
+         [], [1, -2], [[0]], {}, {"kind": "none"}]
 
 
 def _paths(node, prefix=()):
@@ -404,6 +483,16 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
         cases.append(("flip", bytes(raw)))
     for _ in range(300):  # truncations
         cases.append(("cut", blob[:int(rng.integers(len(blob)))]))
+    for _ in range(700):  # a byte flipped inside one member, zip CRC recomputed: reaches the .npy and JSON parsers
+        name = sorted(members)[rng.integers(len(members))]
+        raw = bytearray(members[name])
+        pos = int(rng.integers(min(len(raw), 160) if rng.integers(2) else len(raw)))  # headers half the time
+        raw[pos] ^= int(rng.integers(1, 256))
+        buffer = _io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for other, data in members.items():
+                z.writestr(other, bytes(raw) if other == name else data)
+        cases.append(("member", buffer.getvalue()))
     for _ in range(700):  # manifest mutations (array checksums untouched)
         mutated = json.loads(json.dumps(manifest))
         for _ in range(int(rng.integers(1, 3))):
@@ -423,7 +512,7 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
         except io.PersistenceError:
             outcomes["error"] += 1
             continue
-        if kind == "manifest":  # edits the checksums cannot see; the arrays must still be the saved ones
+        if kind in ("manifest", "member"):  # edits the checksums cannot see; the arrays must still be the saved ones
             for x, y in zip(jax.tree.leaves((post.state, post.sites, post.data, post.data_ids)),
                             jax.tree.leaves((back.state, back.sites, back.data, back.data_ids)), strict=True):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -469,8 +558,10 @@ def _mutate_array(a, rng):
 def test_fuzz_re_signed_arrays_give_a_typed_error_or_a_finite_posterior(saved, tmp_path, x64):
     """Edits with recomputed checksums cannot all be detected (a permutation of ids stays consistent),
     but each must be refused with a PersistenceError or load into a posterior with a finite mean,
-    precision and residual."""
+    precision and residual, which a later update and delete either use or refuse with a typed error
+    (a ``y`` of shape ``(N, 0)`` once loaded and broke the next update with numpy's ``ValueError``)."""
     _, blob = saved
+    X_new, y_new = make_logistic(4, 1, seed=8)
     rng = np.random.default_rng(17)
     path = tmp_path / "f"
     base = _members_bytes(blob)
@@ -488,6 +579,8 @@ def test_fuzz_re_signed_arrays_give_a_typed_error_or_a_finite_posterior(saved, t
             manifest["arrays"][name] = {"sha256": io._digest(new), "dtype": str(new.dtype), "shape": list(new.shape)}
             if name == "tombstones" and new.dtype.kind in "iu" and rng.integers(2):
                 manifest["tombstones"] = new.reshape(-1).tolist()  # the manifest's list edited to agree
+            if name.startswith("data.example.") and new.ndim and rng.integers(2):  # the manifest's shape too
+                manifest["example_shapes"][int(name[-1])] = [list(new.shape[1:]), str(new.dtype)]
         members["manifest.json"] = json.dumps(manifest).encode()
         _write(path, members)
         try:
@@ -501,6 +594,14 @@ def test_fuzz_re_signed_arrays_give_a_typed_error_or_a_finite_posterior(saved, t
         assert math.isfinite(back.residual)
         assert np.all(np.isfinite(np.asarray(back.state.mean)))
         assert np.all(np.isfinite(np.asarray(back.state.precision)))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert np.all(np.isfinite(np.asarray(back.update(X_new, y_new).state.mean)))
+                if back.num_retained:
+                    back.delete([int(back.data_ids[0])])
+        except errors.PosteriorCorrectionError:
+            outcomes["refused later"] = outcomes.get("refused later", 0) + 1
     elapsed = time.perf_counter() - start
     print(f"re-signed fuzz: 300 cases, {outcomes}, {elapsed:.1f} s")
     assert outcomes["error"] > 200 and elapsed < 60
