@@ -17,6 +17,9 @@ against the model binding.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from numpyro import handlers
@@ -32,25 +35,158 @@ from numpyro.infer.autoguide import (
 from .errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from .families import Gaussian, get_family
 
-__all__ = ["SUPPORTED_GUIDES", "guide_family", "default_expectation", "from_guide", "to_guide_params"]
-
-SUPPORTED_GUIDES = (AutoNormal, AutoDiagonalNormal, AutoMultivariateNormal, AutoLowRankMultivariateNormal,
-                    AutoLaplaceApproximation, AutoDelta)
-
-_FAMILY = {AutoNormal: "diagonal", AutoDiagonalNormal: "diagonal", AutoMultivariateNormal: "full",
-           AutoLowRankMultivariateNormal: "full", AutoLaplaceApproximation: "full", AutoDelta: "isotropic"}
+__all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
+           "from_guide", "to_guide_params"]
 
 
-def _guide_class(guide):
-    for cls in (AutoLaplaceApproximation, AutoLowRankMultivariateNormal, AutoMultivariateNormal,
-                AutoDiagonalNormal, AutoNormal, AutoDelta):
-        if type(guide) is cls:
-            return cls
-    names = ", ".join(c.__name__ for c in SUPPORTED_GUIDES)
-    raise UnsupportedGuideError(
-        f"{type(guide).__name__} is not an exponential-family guide numpyro_pc can turn into a dual form; "
-        f"supported guides: {names}."
-    )
+class GuideAdapter(ABC):
+    """How one autoguide class maps to an exponential family, in both directions.
+
+    An adapter reads a fitted guide's parameters as a family member (:meth:`read`) and
+    writes a family member back as parameters the guide accepts (:meth:`write`). Adding a
+    guide is one subclass and one :func:`register_guide` call; nothing else in the package
+    looks at guide classes.
+
+    :cvar str family: the family name (:func:`numpyro_pc.families.get_family`).
+    :cvar str expectation: the default expectation rule (``"auto"`` or ``"delta"``).
+    """
+
+    family = "full"
+    expectation = "auto"
+
+    @abstractmethod
+    def read(self, guide, params, latent, dtype):
+        """``Gaussian(mean, precision)`` of ``dtype`` in the family's format from the guide's ``params``."""
+
+    @abstractmethod
+    def write(self, guide, family, q, latent, constrain_fn):
+        """The guide's parameter dict describing ``q``."""
+
+
+class _MultivariateNormal(GuideAdapter):
+    def read(self, guide, params, latent, dtype):
+        cast = partial(jnp.asarray, dtype=dtype)
+        loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
+        tril = cast(_param(params, f"{guide.prefix}_scale_tril", (latent.dim, latent.dim), guide))
+        return Gaussian(cast(loc), _inverse_spd(tril @ tril.T, "covariance from scale_tril"))
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        cov = family.dense_covariance(q)
+        return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale_tril": jnp.linalg.cholesky(cov)}
+
+
+class _LowRankMultivariateNormal(GuideAdapter):
+    def read(self, guide, params, latent, dtype):
+        cast = partial(jnp.asarray, dtype=dtype)
+        d, prefix = latent.dim, guide.prefix
+        loc = _param(params, f"{prefix}_loc", (d,), guide)
+        factor = jnp.asarray(params.get(f"{prefix}_cov_factor", jnp.zeros((d, 0))))
+        _param(params, f"{prefix}_cov_factor", (d, factor.shape[-1]), guide)
+        scale = _param(params, f"{prefix}_scale", (d,), guide)
+        cov = cast(factor) @ cast(factor).T + jnp.diag(cast(scale) ** 2)
+        return Gaussian(cast(loc), _inverse_spd(cov, "low-rank covariance"))
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        cov = family.dense_covariance(q)
+        rank = guide.rank if guide.rank is not None else int(round(latent.dim**0.5))
+        vals, vecs = jnp.linalg.eigh(cov)
+        vals, vecs = vals[::-1][:rank], vecs[:, ::-1][:, :rank]
+        factor = vecs * jnp.sqrt(jnp.maximum(vals, 0.0))
+        resid = jnp.diag(cov) - jnp.sum(factor**2, 1)
+        floor = 1e-6 * jnp.diag(cov)
+        return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_cov_factor": factor,
+                f"{guide.prefix}_scale": jnp.sqrt(jnp.maximum(resid, floor))}
+
+
+class _Laplace(GuideAdapter):
+    expectation = "delta"  # its fixed point is the Laplace approximation
+
+    def read(self, guide, params, latent, dtype):
+        cast = partial(jnp.asarray, dtype=dtype)
+        loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
+        tril = cast(guide.get_transform(params).scale_tril)
+        if not bool(jnp.all(jnp.isfinite(tril))) or bool(jnp.any(jnp.diag(tril) <= 0)):
+            raise NotPositiveDefiniteError("the Laplace approximation's Hessian at the MAP point is singular")
+        return Gaussian(cast(loc), _inverse_spd(tril @ tril.T, "Laplace covariance"))
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        return {f"{guide.prefix}_loc": q.mean}
+
+
+class _DiagonalNormal(GuideAdapter):
+    family = "diagonal"
+
+    def read(self, guide, params, latent, dtype):
+        cast = partial(jnp.asarray, dtype=dtype)
+        loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
+        scale = _param(params, f"{guide.prefix}_scale", (latent.dim,), guide)
+        return Gaussian(cast(loc), 1.0 / cast(scale) ** 2)
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale": _marginal_sd(family, q)}
+
+
+class _Normal(GuideAdapter):
+    family = "diagonal"
+
+    def read(self, guide, params, latent, dtype):
+        cast = partial(jnp.asarray, dtype=dtype)
+        sites = list(zip(latent.names, latent.unconstrained_shapes))
+        locs = {n: _param(params, f"{n}_{guide.prefix}_loc", s, guide) for n, s in sites}
+        scales = {n: _param(params, f"{n}_{guide.prefix}_scale", s, guide) for n, s in sites}
+        return Gaussian(cast(latent.ravel(locs)), 1.0 / cast(latent.ravel(scales)) ** 2)
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        locs, scales = latent.unravel(q.mean), latent.unravel(_marginal_sd(family, q))
+        out = {f"{n}_{guide.prefix}_loc": locs[n] for n in latent.names}
+        out.update({f"{n}_{guide.prefix}_scale": scales[n] for n in latent.names})
+        return out
+
+
+class _Delta(GuideAdapter):
+    family = "isotropic"  # ERM / MAP
+    expectation = "delta"
+
+    def read(self, guide, params, latent, dtype):  # locs are constrained values
+        cast = partial(jnp.asarray, dtype=dtype)
+        values = {n: _param(params, f"{n}_{guide.prefix}_loc", s, guide) for n, s in zip(latent.names, latent.shapes)}
+        return Gaussian(cast(latent.unconstrain(values)), jnp.asarray(1.0, dtype))
+
+    def write(self, guide, family, q, latent, constrain_fn):
+        if constrain_fn is None:
+            raise InvalidOptionError("AutoDelta parameters are constrained values; pass constrain_fn")
+        values = constrain_fn(q.mean)
+        return {f"{n}_{guide.prefix}_loc": values[n] for n in latent.names}
+
+
+_REGISTRY = {}
+
+
+def register_guide(guide_class, adapter):
+    """Register ``adapter`` (a :class:`GuideAdapter`) for guides whose type is exactly ``guide_class``."""
+    if not isinstance(adapter, GuideAdapter):
+        raise InvalidOptionError(f"adapter must be a GuideAdapter instance, got {type(adapter).__name__}")
+    _REGISTRY[guide_class] = adapter
+
+
+for _cls, _adapter in ((AutoNormal, _Normal()), (AutoDiagonalNormal, _DiagonalNormal()),
+                       (AutoMultivariateNormal, _MultivariateNormal()),
+                       (AutoLowRankMultivariateNormal, _LowRankMultivariateNormal()),
+                       (AutoLaplaceApproximation, _Laplace()), (AutoDelta, _Delta())):
+    register_guide(_cls, _adapter)
+
+SUPPORTED_GUIDES = tuple(_REGISTRY)
+
+
+def _adapter(guide):
+    adapter = _REGISTRY.get(type(guide))
+    if adapter is None:
+        names = ", ".join(c.__name__ for c in _REGISTRY)
+        raise UnsupportedGuideError(
+            f"{type(guide).__name__} is not an exponential-family guide numpyro_pc can turn into a dual form; "
+            f"supported guides: {names} (others can be added with numpyro_pc.guides.register_guide)."
+        )
+    return adapter
 
 
 def guide_family(guide):
@@ -58,17 +194,18 @@ def guide_family(guide):
 
     :raises UnsupportedGuideError: for any other guide (AutoIAFNormal, AutoBNAFNormal, AutoDAIS, ...).
     """
-    return get_family(_FAMILY[_guide_class(guide)])
+    return get_family(_adapter(guide).family)
 
 
 def default_expectation(guide, spec):
     """Default expectation rule for a guide: ``delta`` for Laplace/Delta, else ``auto`` (Gauss–Hermite
     over the dependence subspace where the model has one, else Monte Carlo; see
     :func:`numpyro_pc.expectations.prepare_rule`)."""
-    cls = _guide_class(guide)
-    if cls in (AutoLaplaceApproximation, AutoDelta):
-        return "delta"
-    return "auto"
+    return _adapter(guide).expectation
+
+
+def _marginal_sd(family, q):
+    return jnp.sqrt(jnp.diag(family.dense_covariance(q)))
 
 
 def _ensure_setup(guide, args, kwargs):
@@ -108,46 +245,15 @@ def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
     :param dtype: floating dtype of the result (default: the params' dtype promoted with JAX's default).
     :raises UnsupportedGuideError, GuideParamsError, NotPositiveDefiniteError:
     """
-    cls = _guide_class(guide)
+    adapter = _adapter(guide)
     kwargs = dict(kwargs or {})
     if not isinstance(params, dict):
         raise GuideParamsError(f"params must be a dict of guide parameters, got {type(params).__name__}")
     _ensure_setup(guide, args, kwargs)
     _check_order(guide, latent)
-    family = get_family(_FAMILY[cls])
-    d, prefix = latent.dim, guide.prefix
+    family = get_family(adapter.family)
     dtype = dtype or jnp.result_type(float)
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    if cls is AutoMultivariateNormal:
-        loc = _param(params, f"{prefix}_loc", (d,), guide)
-        tril = _param(params, f"{prefix}_scale_tril", (d, d), guide)
-        cov = cast(tril) @ cast(tril).T
-        q = Gaussian(cast(loc), _inverse_spd(cov, "covariance from scale_tril"))
-    elif cls is AutoLowRankMultivariateNormal:
-        loc = _param(params, f"{prefix}_loc", (d,), guide)
-        factor = jnp.asarray(params.get(f"{prefix}_cov_factor", jnp.zeros((d, 0))))
-        _param(params, f"{prefix}_cov_factor", (d, factor.shape[-1]), guide)
-        scale = _param(params, f"{prefix}_scale", (d,), guide)
-        cov = cast(factor) @ cast(factor).T + jnp.diag(cast(scale) ** 2)
-        q = Gaussian(cast(loc), _inverse_spd(cov, "low-rank covariance"))
-    elif cls is AutoLaplaceApproximation:
-        loc = _param(params, f"{prefix}_loc", (d,), guide)
-        tril = cast(guide.get_transform(params).scale_tril)
-        if not bool(jnp.all(jnp.isfinite(tril))) or bool(jnp.any(jnp.diag(tril) <= 0)):
-            raise NotPositiveDefiniteError("the Laplace approximation's Hessian at the MAP point is singular")
-        q = Gaussian(cast(loc), _inverse_spd(tril @ tril.T, "Laplace covariance"))
-    elif cls is AutoDiagonalNormal:
-        loc = _param(params, f"{prefix}_loc", (d,), guide)
-        scale = _param(params, f"{prefix}_scale", (d,), guide)
-        q = Gaussian(cast(loc), 1.0 / cast(scale) ** 2)
-    elif cls is AutoNormal:
-        locs = {n: _param(params, f"{n}_{prefix}_loc", s, guide) for n, s in zip(latent.names, latent.unconstrained_shapes)}
-        scales = {n: _param(params, f"{n}_{prefix}_scale", s, guide)
-                  for n, s in zip(latent.names, latent.unconstrained_shapes)}
-        q = Gaussian(cast(latent.ravel(locs)), 1.0 / cast(latent.ravel(scales)) ** 2)
-    else:  # AutoDelta: locs are constrained values
-        values = {n: _param(params, f"{n}_{prefix}_loc", s, guide) for n, s in zip(latent.names, latent.shapes)}
-        q = Gaussian(cast(latent.unconstrain(values)), jnp.asarray(1.0, dtype))
+    q = adapter.read(guide, params, latent, dtype)
     if not bool(jnp.all(jnp.isfinite(q.mean))):
         raise GuideParamsError("the guide's location parameters contain NaN or infinite values")
     family.check_positive_definite(q.precision, "precision read from the guide")
@@ -171,31 +277,4 @@ def to_guide_params(guide, family, q, latent, constrain_fn=None):
 
     :param constrain_fn: ``z -> dict`` of constrained values (needed for ``AutoDelta``).
     """
-    cls = _guide_class(guide)
-    prefix = guide.prefix
-    cov = family.dense_covariance(q)
-    std = jnp.sqrt(jnp.diag(cov))
-    if cls is AutoMultivariateNormal:
-        return {f"{prefix}_loc": q.mean, f"{prefix}_scale_tril": jnp.linalg.cholesky(cov)}
-    if cls is AutoLowRankMultivariateNormal:
-        rank = guide.rank if guide.rank is not None else int(round(latent.dim**0.5))
-        vals, vecs = jnp.linalg.eigh(cov)
-        vals, vecs = vals[::-1][:rank], vecs[:, ::-1][:, :rank]
-        factor = vecs * jnp.sqrt(jnp.maximum(vals, 0.0))
-        resid = jnp.diag(cov) - jnp.sum(factor**2, 1)
-        floor = 1e-6 * jnp.diag(cov)
-        return {f"{prefix}_loc": q.mean, f"{prefix}_cov_factor": factor,
-                f"{prefix}_scale": jnp.sqrt(jnp.maximum(resid, floor))}
-    if cls is AutoLaplaceApproximation:
-        return {f"{prefix}_loc": q.mean}
-    if cls is AutoDiagonalNormal:
-        return {f"{prefix}_loc": q.mean, f"{prefix}_scale": std}
-    if cls is AutoNormal:
-        locs, scales = latent.unravel(q.mean), latent.unravel(std)
-        out = {f"{n}_{prefix}_loc": locs[n] for n in latent.names}
-        out.update({f"{n}_{prefix}_scale": scales[n] for n in latent.names})
-        return out
-    if constrain_fn is None:
-        raise InvalidOptionError("AutoDelta parameters are constrained values; pass constrain_fn")
-    values = constrain_fn(q.mean)
-    return {f"{n}_{prefix}_loc": values[n] for n in latent.names}
+    return _adapter(guide).write(guide, family, q, latent, constrain_fn)

@@ -13,6 +13,7 @@ from numpyro.infer.autoguide import (AutoBNAFNormal, AutoDAIS, AutoDelta, AutoDi
                                      AutoMultivariateNormal, AutoNormal)
 
 import numpyro_pc as pc
+from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.guides import from_guide, to_guide_params
 from numpyro_pc.likelihood import bind_model, constrain
 
@@ -126,3 +127,38 @@ def test_singular_covariance_is_not_positive_definite(logistic_data):
     params = {"auto_loc": jnp.zeros(5), "auto_scale_tril": jnp.zeros((5, 5))}
     with pytest.raises(pc.NotPositiveDefiniteError):
         pc.dual_form(logistic_model, guide, params, X, y)
+
+
+def test_a_guide_is_added_by_registering_an_adapter(x64, monkeypatch):
+    from numpyro_pc import guides
+    from numpyro_pc.families import Gaussian
+
+    monkeypatch.setattr(guides, "_REGISTRY", dict(guides._REGISTRY))  # registration is undone after the test
+
+    class LogScaleNormal(AutoDiagonalNormal):
+        """A guide the package does not know: a subclass is not matched by its parent's adapter."""
+
+    class LogScaleAdapter(guides.GuideAdapter):
+        family = "diagonal"
+
+        def read(self, guide, params, latent, dtype):
+            loc = jnp.asarray(params[f"{guide.prefix}_loc"], dtype)
+            return Gaussian(loc, jnp.exp(-2.0 * jnp.asarray(params[f"{guide.prefix}_log_scale"], dtype)))
+
+        def write(self, guide, family, q, latent, constrain_fn):
+            return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_log_scale": -0.5 * jnp.log(q.precision)}
+
+    X, y = make_logistic(30, 3)
+    spec, _ = bind_model(logistic_model, (X, y))
+    guide = LogScaleNormal(logistic_model)
+    params = {"auto_loc": jnp.linspace(-1.0, 1.0, 4), "auto_log_scale": jnp.log(jnp.arange(1.0, 5.0))}
+    with pytest.raises(pc.UnsupportedGuideError, match="register_guide"):
+        from_guide(guide, params, spec.latent, (X, y))
+    guides.register_guide(LogScaleNormal, LogScaleAdapter())
+    family, q = from_guide(guide, params, spec.latent, (X, y))
+    assert family.name == "diagonal" and guides.default_expectation(guide, spec) == "auto"
+    np.testing.assert_allclose(q.precision, 1.0 / np.arange(1.0, 5.0) ** 2, rtol=1e-14)
+    back = to_guide_params(guide, family, q, spec.latent)
+    np.testing.assert_allclose(back["auto_log_scale"], params["auto_log_scale"], rtol=1e-14, atol=1e-15)
+    with pytest.raises(InvalidOptionError):
+        guides.register_guide(LogScaleNormal, object())
