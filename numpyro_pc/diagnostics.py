@@ -35,7 +35,8 @@ import numpy as np
 from .errors import InvalidOptionError
 from .families import IsotropicGaussian
 from .sites import compute_sites
-from .streaming import bind_batch, positions
+from .rows import positions
+from .streaming import bind_batch
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]

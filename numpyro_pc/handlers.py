@@ -31,7 +31,7 @@ from numpyro.primitives import Messenger
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
-from .streaming import positions, take_data
+from .rows import positions, take_data
 
 __all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model"]
 

@@ -53,6 +53,7 @@ import numpy as np
 from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedModelError
 from .families import DiagonalGaussian, Gaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import losses, prior_loss
+from .rows import concat_data, take_data
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 
@@ -143,7 +144,6 @@ def _task_rows(post, base):
 
 
 def _take(data, rows):
-    from .streaming import take_data
 
     return take_data(data, rows)
 
@@ -204,7 +204,6 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
         ``record`` holds the method and weights.
     """
     from .posterior import _make
-    from .streaming import concat_data
 
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]

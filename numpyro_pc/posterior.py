@@ -31,6 +31,7 @@ from .expectations import get_rule, prepare_rule
 from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
 from .rowops import to_device
+from .rows import pad_to_bucket, positions, take_data
 from .start import map_laplace
 from .solvers import SiteProblem, default_tol, dual_residual, solve
 
@@ -165,8 +166,6 @@ class DualPosterior:
 
     def _split_frozen(self):
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
-        from .streaming import positions
-
         live = positions(self.sites.ids, self.data_ids)
         frozen = np.setdiff1d(np.arange(self.num_examples), live)
         base = self.sites.take(frozen).natural_sum(self.family) if frozen.size else None
@@ -178,8 +177,6 @@ class DualPosterior:
         """The refinement problem over the retained data, padded to a bucket (weight-0 copies of
         the last example), and the number of real examples."""
         _, _, base = self._split_frozen()
-        from .streaming import pad_to_bucket
-
         ids = np.asarray(self.data_ids)
         num = int(ids.size)
         data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
@@ -396,7 +393,6 @@ class RowSelection:
             if hasattr(self.source, "take"):
                 self._value = self.source.take(self.rows)
             else:
-                from .streaming import take_data
 
                 self._value = take_data(self.source, self.rows)
         return self._value
@@ -412,8 +408,6 @@ def _site_ids(sites):
 def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
           progress, raise_on_failure):
     rule = prepare_rule(rule, spec, data, q.mean)
-    from .streaming import pad_to_bucket
-
     num = spec.num_examples
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
@@ -565,8 +559,6 @@ def _start(spec, data, family, init, dtype):
                                  f"order {spec.latent.labels()[:6]}...; got shape {z0.shape}")
         kind = "map"
     if kind == "map":
-        from .streaming import pad_to_bucket
-
         padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
         found = map_laplace(replace(spec, num_examples=int(ids.size)), padded, family, z0, weights)
         if found.start.precision is not None and bool(family.is_positive_definite(found.start.precision)):

@@ -22,7 +22,8 @@ import numpy as np
 
 from .errors import InvalidIdsError
 
-__all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted", "filled"]
+__all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted", "filled",
+           "is_every_row"]
 
 
 def on_host(x):
@@ -126,3 +127,8 @@ def as_ids(ids):
         raise InvalidIdsError(f"example ids must be integers; got {raw.ravel()[:5].tolist()} (dtype {raw.dtype}). "
                               "Ids are never rounded; for a boolean mask pass np.flatnonzero(mask).")
     return np.unique(raw.astype(np.int64).ravel())
+
+
+def is_every_row(rows, num):
+    """Whether host-side ``rows`` select all ``num`` rows in order (a take that need not copy)."""
+    return isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num))

@@ -40,7 +40,7 @@ from .errors import DataShapeError, InvalidOptionError, SiteStorageError
 from .expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import example_loss, example_params, prior_loss
-from .rowops import bucket_size, filled, join_rows, pad_last_row, shifted, take_rows
+from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]
 
@@ -58,11 +58,6 @@ def _natural_sum(family, sites, weights):
 def trace_count():
     """Number of times the site computation has been traced (compiled) in this process."""
     return _TRACES["compute"]
-
-
-def is_every_row(rows, num):
-    """Whether host-side ``rows`` select all ``num`` rows in order (a take that need not copy)."""
-    return isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num))
 
 
 @partial(jax.tree_util.register_dataclass,

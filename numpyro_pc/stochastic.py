@@ -43,6 +43,7 @@ import numpy as np
 from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
 from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
 from .rowops import bucket_size, join_rows, to_device
+from .rows import concat_data, pad_to_bucket, positions, take_data
 from .sites import compute_sites
 from .solvers import default_tol
 
@@ -149,7 +150,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     :return: ``(q, sites of corrected then new examples, history, past rows touched)``.
     """
-    from .streaming import _solve_update, concat_data, pad_to_bucket, positions, take_data
+    from .streaming import _solve_update
 
     family, dtype = post.family, post.state.mean.dtype
     if not isinstance(family, FullGaussian):

@@ -45,48 +45,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import (ConvergenceError, DataShapeError, InvalidOptionError, ModelMismatchError, NonFiniteResultError,
-                     NotPositiveDefiniteError, UnknownExampleError)
+                     NotPositiveDefiniteError)
 from .families import FullGaussian, add_site, remove_site, scale_site
 from .likelihood import ModelData, _is_array, bind_model, check_finite_argument
-from .rowops import as_ids, bucket_size, filled, join_rows, pad_last_row, take_rows, to_device
-from .sites import SiteSums, compute_sites, is_every_row
+from .rowops import as_ids, filled, to_device
+from .rows import concat_data, pad_to_bucket, positions, take_data
+from .sites import SiteSums, compute_sites
 from .solvers import SiteProblem, default_tol, solve
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
 CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic")
 SELECTIONS = ("random", "residual", "curvature", "leverage")
-
-
-def concat_data(a, b):
-    """Examples of ``a`` followed by those of ``b`` (shared arguments from ``a``)."""
-    return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
-
-
-def take_data(data, rows):
-    """The examples at ``rows``."""
-    if is_every_row(rows, int(data.per_example[0].shape[0])):
-        return data  # no copy
-    return ModelData(tuple(take_rows(x, rows) for x in data.per_example), data.shared)
-
-
-def positions(ids, wanted, what="example"):
-    """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`).
-
-    Vectorised: a binary search in ``ids`` (sorted once with ``argsort`` unless already
-    increasing, which is the usual case since ids are handed out in order).
-    """
-    ids = np.asarray(ids, dtype=np.int64).ravel()
-    wanted = np.asarray(wanted, dtype=np.int64).ravel()
-    increasing = ids.size < 2 or bool(np.all(ids[1:] > ids[:-1]))
-    order = None if increasing else np.argsort(ids, kind="stable")
-    ordered = ids if order is None else ids[order]
-    slot = np.minimum(np.searchsorted(ordered, wanted), max(ids.size - 1, 0))
-    found = (ordered[slot] == wanted) if ids.size else np.zeros(wanted.shape, bool)
-    if not np.all(found):
-        missing = wanted[~found].tolist()
-        raise UnknownExampleError(f"no {what} with id(s) {missing[:10]}{' …' if len(missing) > 10 else ''}")
-    return (slot if order is None else order[slot]).astype(np.int64)
 
 
 def _shared_names(spec):
@@ -311,26 +281,6 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset)
-
-
-def pad_to_bucket(data, weights, ids, dtype=None):
-    """Pad examples to :func:`bucket_size` by repeating the last one with weight 0 and id −1.
-
-    Batches of varying size then reuse a few compiled site computations instead of
-    recompiling for every size. ``weights=None`` gives every example weight 1 (in
-    ``dtype``); an empty set is returned unpadded.
-    """
-    num = int(np.asarray(ids).size)
-    if num == 0:
-        return data, weights, np.asarray(ids)
-    if weights is None:
-        weights = filled([(num, 1.0)], dtype)
-    pad = bucket_size(num) - num
-    if pad == 0:
-        return data, weights, np.asarray(ids)
-    per_example = tuple(pad_last_row(x, pad) for x in data.per_example)
-    weights = join_rows(weights, filled([(pad, 0.0)], weights.dtype))
-    return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
 
 
 def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):

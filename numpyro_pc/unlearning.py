@@ -45,7 +45,7 @@ from .posterior import RowSelection
 from .rowops import as_ids
 from .solvers import SiteProblem, solve
 from .rowops import bucket_size, to_device
-from .streaming import pad_to_bucket, positions, take_data
+from .rows import pad_to_bucket, positions, take_data
 
 __all__ = ["METHODS", "delete"]
 
@@ -89,7 +89,7 @@ def _selected_natural_sum(family, sites, rows, weights):
 def _removed_natural(post, rows):
     """``Σ_{j ∈ rows} λ̂_j`` gathered from the (possibly deferred) sites inside one jitted call.
 
-    ``rows`` is padded to a bucket (:func:`~numpyro_pc.streaming.bucket_size`) with zero
+    ``rows`` is padded to a bucket (:func:`~numpyro_pc.rowops.bucket_size`) with zero
     weights so that deleting different numbers of examples reuses a few compiled shapes.
     """
     raw = post._sites
