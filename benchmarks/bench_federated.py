@@ -275,7 +275,9 @@ def main(argv=None):
         if args.only == "dp":
             return
     runs = []
-    keep = lambda name, wanted: wanted is None or any(name.startswith(w) for w in wanted.split(","))  # noqa: E731
+    # a wanted name selects the splits it names or prefixes ("bc"), but "… K=10" not "… K=100"
+    keep = lambda name, wanted: wanted is None or any(  # noqa: E731
+        name == w or (name.startswith(w) and not name[len(w)].isdigit()) for w in wanted.split(","))
     for name, mdl, X, y, rows in splits(args.n or 16100):
         if not keep(name, args.splits):
             continue
@@ -297,9 +299,10 @@ def main(argv=None):
                              seconds=seconds, kl=kl.tolist(), rounds_run=len(history),
                              rho_max=max(h["rho_max"] for h in history), sizes=[int(r.size) for r in rows]))
             log(f"{name} {method}: reach {reach}, status {status}, {seconds:.1f}s")
-    res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs, command=command,
-               stop_at_target=args.stop_at_target)
-    write_results("bench_federated", args.out, res, render(res), targets(res), lambda p: plot(res, p))
+            # written after every run: a run stopped by a time limit keeps the rows it finished
+            res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs, command=command,
+                       stop_at_target=args.stop_at_target)
+            write_results("bench_federated", args.out, res, render(res), targets(res), lambda p: plot(res, p))
 
 
 if __name__ == "__main__":
