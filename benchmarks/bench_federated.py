@@ -39,6 +39,8 @@ Usage::
     python benchmarks/bench_federated.py --quick   # a7a: 3 000 examples, 40 rounds
     python benchmarks/bench_federated.py           # a7a: all 16 100 examples (slow on 2 cores)
     python benchmarks/bench_federated.py --quick --only dp    # the privacy table only
+    python benchmarks/bench_federated.py --only sweep --splits "a7a-dir0.1 K=100" \
+        --methods "fedpc default,pvi δ=0.5" --stop-at-target        # full a7a, runs end at KL ≤ 1e-6
 
 Outputs: ``benchmarks/_out/bench_federated.{json,md,png}`` (``--only dp``:
 ``bench_federated_dp.{json,md}``).
@@ -120,6 +122,27 @@ def splits(n):
         yield f"a7a-dir0.1 K={k}", model, X, y, dirichlet_split(y, k, 0.1)
 
 
+class _Reached(Exception):
+    """Raised by the round callback of ``--stop-at-target`` once ``KL(q_t ‖ q*) ≤ TARGET_KL``."""
+
+
+def run_method(mdl, clients, rounds, central, opts, stop_at_target):
+    """``(history, status)`` of one federated run; with ``stop_at_target`` it ends at the first round below the target."""
+    history = []
+
+    def callback(record):
+        history.append(record)
+        if stop_at_target and record["kl_to_reference"] <= TARGET_KL:
+            raise _Reached
+
+    try:
+        result = quiet(pc.federated.run, mdl, clients, rounds=rounds, reference=central, keep_data=False,
+                       callback=callback, **opts)
+    except _Reached:
+        return history, "reached 1e-6"
+    return result.history, result.status
+
+
 def first_round_below(history, level):
     for h in history:
         if h.get("kl_to_reference", np.inf) <= level:
@@ -129,7 +152,8 @@ def first_round_below(history, level):
 
 def render(res):
     lines = [f"Full Gaussian, float64; KL target {TARGET_KL:g}; max {res['rounds']} rounds; a7a: first "
-             f"{res['n']} examples.", "",
+             f"{res['n']} examples" + ("; each run ends at the first round with KL ≤ 1e-6 (--stop-at-target)."
+                                       if res.get("stop_at_target") else "."), "",
              "| split | method | converged | rounds to KL ≤ 1e-6 | kB sent by then | rounds run | final KL | "
              "ρ_k used (max) | wall s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -232,6 +256,8 @@ def main(argv=None):
     parser.add_argument("--only", choices=["sweep", "dp"], default=None, help="run one part (default both)")
     parser.add_argument("--splits", default=None, help="comma-separated split names (prefixes) of the sweep")
     parser.add_argument("--methods", default=None, help="comma-separated method names of the sweep")
+    parser.add_argument("--stop-at-target", action="store_true",
+                        help="end each run at the first round with KL to the centralised posterior <= 1e-6")
     args = parser.parse_args(argv)
     if args.quick:
         args.n = args.n or 3000
@@ -249,7 +275,9 @@ def main(argv=None):
         if args.only == "dp":
             return
     runs = []
-    keep = lambda name, wanted: wanted is None or any(name.startswith(w) for w in wanted.split(","))  # noqa: E731
+    # a wanted name selects the splits it names or prefixes ("bc"), but "… K=10" not "… K=100"
+    keep = lambda name, wanted: wanted is None or any(  # noqa: E731
+        name == w or (name.startswith(w) and not name[len(w)].isdigit()) for w in wanted.split(","))
     for name, mdl, X, y, rows in splits(args.n or 16100):
         if not keep(name, args.splits):
             continue
@@ -262,18 +290,19 @@ def main(argv=None):
             if args.methods is not None and method not in args.methods.split(","):
                 continue
             t0 = time.perf_counter()
-            result = quiet(pc.federated.run, mdl, clients, rounds=args.rounds, reference=central, keep_data=False,
-                           **opts)
+            history, status = run_method(mdl, clients, args.rounds, central, opts, args.stop_at_target)
             seconds = time.perf_counter() - t0
-            kl = result.column("kl_to_reference")
-            reach, sent = first_round_below(result.history, TARGET_KL)
+            kl = np.asarray([h.get("kl_to_reference", np.nan) for h in history])
+            reach, sent = first_round_below(history, TARGET_KL)
             runs.append(dict(split=name, clients=len(rows), method=method, reach_round=reach, reach_bytes=sent,
-                             final_kl=float(kl[-1]) if kl.size else float("nan"), status=result.status,
-                             seconds=seconds, kl=kl.tolist(), rounds_run=result.rounds,
-                             rho_max=max(h["rho_max"] for h in result.history), sizes=[int(r.size) for r in rows]))
-            log(f"{name} {method}: reach {reach}, status {result.status}, {seconds:.1f}s")
-    res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs, command=command)
-    write_results("bench_federated", args.out, res, render(res), targets(res), lambda p: plot(res, p))
+                             final_kl=float(kl[-1]) if kl.size else float("nan"), status=status,
+                             seconds=seconds, kl=kl.tolist(), rounds_run=len(history),
+                             rho_max=max(h["rho_max"] for h in history), sizes=[int(r.size) for r in rows]))
+            log(f"{name} {method}: reach {reach}, status {status}, {seconds:.1f}s")
+            # written after every run: a run stopped by a time limit keeps the rows it finished
+            res = dict(machine=info, n=int(args.n or 16100), rounds=args.rounds, runs=runs, command=command,
+                       stop_at_target=args.stop_at_target)
+            write_results("bench_federated", args.out, res, render(res), targets(res), lambda p: plot(res, p))
 
 
 if __name__ == "__main__":

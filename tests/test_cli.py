@@ -18,8 +18,10 @@ def test_demo_fast(tmp_path, capsys):
     assert (tmp_path / "streaming.png").stat().st_size > 10_000
     merged = dict(result["merging_federated"]["merge"])
     assert merged["bayesian"] < merged["task_arithmetic"]
-    fed = {name: kl for name, _, kl, _ in result["merging_federated"]["federated"]}
-    assert fed["fedpc"] < 1e-8 and fed["pvi"] < 1e-8  # FedPC with its default ρ and safeguard
+    fed = {name: (kl, status) for name, _, kl, _, status in result["merging_federated"]["federated"]}
+    # FedPC with its default ρ and with the floor ρ = 0.5 that diverged here before the safeguard
+    assert all(fed[name][0] < 1e-8 and fed[name][1] == "converged" for name in ("fedpc", "fedpc ρ=0.5", "pvi"))
+    assert not [line for line in printed.splitlines() if line.startswith("fedpc") and "diverged" in line]
     assert result["trust"]["residual"] < 1e-8 and "plate 'data' keeps size" in result["trust"]["refused"]
     assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
     assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section

@@ -113,6 +113,31 @@ def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
         assert len(json.loads(str(res["history"]))) == len(server.history)
 
 
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_admm_server_checks_the_local_posteriors_it_averages(x64):
+    # ADMM's server step averages the clients' local natural parameters: an indefinite local
+    # precision (with a valid site) would make the global precision indefinite and stop the run
+    parts = shards()
+    server = ServerLogic(4, "admm", "full", rho=0.5, x64=True, min_clients=3)
+    clients = [ClientLogic(logistic_model, p) for p in parts]
+    init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
+    server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+    arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
+    message = clients[0].update(arrays, server.config)[0]
+    clients[0].site = server.sites["node0"]  # undo: the honest round below updates it again
+    message[3] = -1e6 * np.eye(server.dim)
+    q = _round(server, clients, {"rogue": message})
+    assert "local precision is not positive semi-definite" in server.history[-1]["rejected"]["rogue"]
+    assert server.history[-1]["participants"] == 3 and pc.FullGaussian().is_positive_definite(q.precision)
+    # the bound on one client's share covers the sites, not ADMM's average of local posteriors: refused
+    with pytest.raises(pc.errors.InvalidOptionError, match="ADMM"):
+        ServerLogic(4, "admm", "full", max_share=1.0)
+    with pytest.raises(pc.errors.InvalidOptionError, match="ADMM"):
+        federated.run(logistic_model, parts, algorithm="admm", max_shift=3.0)
+    with pytest.raises(pc.errors.InvalidOptionError, match="unknown algorithm"):
+        ServerLogic(4, "fedavg")
+
+
 def test_clients_below_min_examples_do_not_take_part(x64):
     # a one-example client's round-1 site reveals its (x, y): such clients are refused on both sides
     X, y = shards()[0]

@@ -227,7 +227,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param int max_retries: retries of a failed round under the safeguard.
     :param float max_share: bounded aggregation (:mod:`~numpyro_pc.federated.robust`): one
         client's site may raise the global precision by at most the factor ``1 + max_share``
-        over the others' (default: no bound).
+        over the others' (default: no bound; not with ADMM).
     :param float max_shift: bounded aggregation: one client may move the global mean by at
         most this many standard deviations of the others' posterior (default: no bound).
     :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a
@@ -267,6 +267,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         max_retries = 0
     cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol, safeguard=safeguard,
                       margin=float(safeguard_margin), privacy=privacy)
+    if algorithm == "admm" and (max_share is not None or max_shift is not None):
+        raise InvalidOptionError("bounded aggregation (max_share/max_shift) bounds the clients' sites, but ADMM's "
+                                 "server step also averages their local posteriors; use algorithm='fedpc'")
     bounds = robust_bounds(max_share, max_shift, dtype)
     prior = gaussian_prior(spec, datas[0])
     # the isotropic family takes the prior's precision as its fixed τ: the AMA scaling in

@@ -18,7 +18,7 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
     :param plt: ``matplotlib.pyplot``.
     :param bool fast: fewer algorithms.
     :param joint: the full-data posterior (fitted here when ``None``).
-    :return: ``dict(merge=[(method, KL)], federated=[(name, rounds, KL, kB)], plot=path)``.
+    :return: ``dict(merge=[(method, KL)], federated=[(name, rounds, KL, kB, status)], plot=path)``.
     """
     import warnings
 
@@ -44,10 +44,12 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
 
     order = np.argsort(np.asarray(X[:, 0]))  # non-IID: client k holds the k-th range of the first feature
     clients = [(X[i], y[i]) for i in np.array_split(order, num_clients)]
-    algorithms = [("fedpc", dict(algorithm="fedpc")), ("pvi", dict(algorithm="pvi"))]
+    # ρ = 0.5 is the floor that diverged here before the safeguard (the issue's report)
+    algorithms = [("fedpc", dict(algorithm="fedpc")), ("fedpc ρ=0.5", dict(algorithm="fedpc", rho=0.5)),
+                  ("pvi", dict(algorithm="pvi"))]
     if not fast:
-        algorithms += [("pvi δ=0.5", dict(algorithm="pvi", damping=0.5)), ("fedpc ρ=0.05", dict(algorithm="fedpc", rho=0.05)),
-                       ("admm", dict(algorithm="admm"))]
+        algorithms += [("pvi δ=0.5", dict(algorithm="pvi", damping=0.5)),
+                       ("fedpc ρ=0.05", dict(algorithm="fedpc", rho=0.05)), ("admm", dict(algorithm="admm"))]
     print(f"\nFederated: {num_clients} clients with shards sorted by the first feature, full Gaussian")
     print("(FedPC's safeguard raises a client's ρ_k above the floor ρ (default 1/K) where its cavity "
           "λ_jnt − η_k/ρ would make the local problem non-convex)")
@@ -62,7 +64,7 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
         seconds = time.perf_counter() - t0
         kl = result.column("kl_to_reference")
         curves[name] = kl
-        fed_rows.append((name, result.rounds, float(kl[-1]), result.history[-1]["bytes"] / 1e3))
+        fed_rows.append((name, result.rounds, float(kl[-1]), result.history[-1]["bytes"] / 1e3, result.status))
         print(f"{name:12s} {result.rounds:6d} {kl[-1]:12.3e} {result.history[-1]['bytes'] / 1e3:8.1f} {seconds:9.2f} "
               f"{result.status}")
 

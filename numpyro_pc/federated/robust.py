@@ -105,7 +105,7 @@ def site_shapes(family, dim):
     return (dim,), ()
 
 
-def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd_tol=1e-6):
+def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd_tol=1e-6, psd=(1,)):
     """Check one client's message (``count`` arrays: site, then e.g. ADMM's local parameters).
 
     :param arrays: the decoded arrays, in order ``linear, precision[, linear, precision]``.
@@ -114,6 +114,8 @@ def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd
     :param float max_abs: largest absolute value accepted in any array.
     :param float psd_tol: a site precision's smallest eigenvalue may be down to
         ``−psd_tol · max(1, λ_max)`` (the full and diagonal families).
+    :param tuple psd: indices of the precision arrays held to that check (default the site's;
+        ``(1, 3)`` adds the local posterior's, which ADMM's server step averages).
     :return: the arrays as NumPy arrays of ``dtype``.
     :raises ClientMessageError: naming the client and what is wrong.
     """
@@ -138,15 +140,17 @@ def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd
         if a.size and np.max(np.abs(a)) > max_abs:
             raise bad(f"array {i} holds values above the bound {max_abs:g}")
         out.append(a)
-    prec = out[1]
-    if isinstance(family, FullGaussian):
-        if not np.allclose(prec, prec.T, rtol=1e-6, atol=1e-8 * max(1.0, float(np.max(np.abs(prec))))):
-            raise bad("the site precision is not symmetric")
-        eig = np.linalg.eigvalsh(0.5 * (prec + prec.T))
-    elif isinstance(family, DiagonalGaussian):
-        eig = np.sort(prec)
-    else:
-        eig = None
-    if eig is not None and eig.size and eig[0] < -psd_tol * max(1.0, float(eig[-1])):
-        raise bad(f"the site precision is not positive semi-definite (smallest eigenvalue {eig[0]:.3g})")
+    for i in psd:
+        what = "site precision" if i == 1 else "local precision"
+        prec = out[i]
+        if isinstance(family, FullGaussian):
+            if not np.allclose(prec, prec.T, rtol=1e-6, atol=1e-8 * max(1.0, float(np.max(np.abs(prec))))):
+                raise bad(f"the {what} is not symmetric")
+            eig = np.linalg.eigvalsh(0.5 * (prec + prec.T))
+        elif isinstance(family, DiagonalGaussian):
+            eig = np.sort(prec)
+        else:
+            eig = None
+        if eig is not None and eig.size and eig[0] < -psd_tol * max(1.0, float(eig[-1])):
+            raise bad(f"the {what} is not positive semi-definite (smallest eigenvalue {eig[0]:.3g})")
     return out

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import prior_natural
+from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
 from .robust import aggregate_sites, robust_bounds, validate_site
 
@@ -48,14 +49,19 @@ class ServerLogic:
         lower it to tolerate dropouts).
     :param int min_examples: examples a client must hold to take part (its reported count;
         the client checks it too).
-    :param float max_share: bounded aggregation, see :mod:`~numpyro_pc.federated.robust`.
+    :param float max_share: bounded aggregation, see :mod:`~numpyro_pc.federated.robust` (not
+        with ADMM, whose server step also averages the local posteriors the bound does not cover).
     :param float max_shift: bounded aggregation, see :mod:`~numpyro_pc.federated.robust`.
     :param float max_abs: largest absolute value accepted in a message.
+    :raises InvalidOptionError: an unknown algorithm, ``min_clients`` outside ``[1, num_clients]``,
+        or bounded aggregation with ADMM.
     """
 
     def __init__(self, num_clients, algorithm="fedpc", family="full", rho=None, damping=None, expectation="auto",
                  fraction=1.0, num_nodes=64, local_iters=50, local_tol=None, x64=False, min_clients=None,
                  min_examples=1, max_share=None, max_shift=None, max_abs=1e12, safeguard=None, safeguard_margin=0.3):
+        if algorithm not in ALGORITHMS:
+            raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         self.num_clients = int(num_clients)
         self.algorithm = algorithm
         self.family_name = "isotropic" if algorithm == "ama" else family
@@ -71,6 +77,10 @@ class ServerLogic:
         self.min_examples = int(min_examples)
         self.max_abs = float(max_abs)
         self.dtype = np.dtype(np.float64 if x64 else np.float32)
+        if algorithm == "admm" and (max_share is not None or max_shift is not None):
+            raise InvalidOptionError("bounded aggregation (max_share/max_shift) bounds the clients' sites, but ADMM's "
+                                     "server step also averages their local posteriors, which it does not bound; "
+                                     "use algorithm='fedpc'")
         self.bounds = (max_share, max_shift)
         safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
         self.config = dict(algorithm=algorithm, family=self.family_name, rho=self.rho, damping=self.damping,
@@ -110,7 +120,7 @@ class ServerLogic:
                     good[cid] = self._initial_message(cid, list(replies[cid]))
                 else:
                     good[cid] = validate_site(self.family, replies[cid], self.dim, self.dtype, cid, count=count,
-                                              max_abs=self.max_abs)
+                                              max_abs=self.max_abs, psd=(1, 3) if self.algorithm == "admm" else (1,))
             except ClientMessageError as err:
                 rejected[cid] = str(err)
         return good, rejected
