@@ -126,7 +126,7 @@ def test_deleting_one_example_at_a_time_compiles_nothing_once_warm(x64, method):
 
 def test_positions_finds_rows_in_unsorted_ids():
     from numpyro_pc.errors import UnknownExampleError
-    from numpyro_pc.streaming import positions
+    from numpyro_pc.rows import positions
 
     ids = np.array([7, 2, 9, 4, 11])
     np.testing.assert_array_equal(positions(ids, [9, 7, 11]), [2, 0, 4])
