@@ -36,7 +36,7 @@ from .errors import InvalidOptionError
 from .families import IsotropicGaussian
 from .sites import compute_sites
 from .rows import positions
-from .streaming import bind_batch
+from .batches import bind_batch
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]

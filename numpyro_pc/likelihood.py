@@ -43,7 +43,7 @@ from .latent import LatentSpace
 from .rowops import all_finite, take_rows, to_device
 
 __all__ = ["ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
-           "example_site_log_likelihoods", "losses", "constrain"]
+           "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
 
 _LOG_DET_PREFIX = "_pc_log_det_"
 
@@ -92,7 +92,8 @@ class ModelSpec:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _is_array(x):
+def is_array(x):
+    """Whether a model argument is an array (data) rather than a fixed, non-array value."""
     return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
@@ -241,12 +242,12 @@ def _output_dependence(closed_jaxpr, inputs=None):
 
 
 def _describe_leading_sizes(names, leaves):
-    return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if _is_array(x))
+    return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if is_array(x))
 
 
 def check_finite_argument(name, leaf):
     """Raise :class:`NonFiniteDataError` if a floating array argument holds NaN or infinite values."""
-    if _is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+    if is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
         if not all_finite(leaf):
             bad = int(np.sum(~np.isfinite(np.asarray(leaf))))
             raise NonFiniteDataError(f"argument {name!r} contains {bad} NaN or infinite value(s); "
@@ -280,7 +281,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
 
     for name, leaf in zip(leaf_names, leaves):
         check_finite_argument(name, leaf)
-        if _is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == 0:
+        if is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == 0:
             raise DataShapeError(f"argument {name!r} is empty (shape {tuple(np.shape(leaf))}); a batch needs at "
                                  "least one example.")
     try:
@@ -314,7 +315,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
     kinds, statics = [], []
     for name, leaf in zip(leaf_names, leaves):
         base = name.split("[")[0].split(".")[0]
-        if not _is_array(leaf):
+        if not is_array(leaf):
             kinds.append("static")
             statics.append(leaf)
         elif np.ndim(leaf) == 0 or base in shared:

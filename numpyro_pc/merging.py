@@ -50,9 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedModelError
+from .errors import (IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError,
+                     UnsupportedModelError)
 from .families import DiagonalGaussian, Gaussian, GaussianNatural, IsotropicGaussian
 from .likelihood import losses, prior_loss
+from .posterior import build_posterior
 from .rows import concat_data, take_data
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
@@ -177,7 +179,6 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
     rhs = sum(a * (k_reg + ht) @ (p.mean - base_q.mean) for a, ht, p in zip(alphas, h_tasks, posts))
     chol = jnp.linalg.cholesky(h)
     if not bool(jnp.all(jnp.isfinite(chol))):
-        from .errors import NotPositiveDefiniteError
 
         raise NotPositiveDefiniteError(f"the {method} merge's precision H = H_pre + Σ α_i H_i is not positive "
                                        "definite (negative α or non-convex losses at the task means)")
@@ -203,7 +204,6 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
     :return: a :class:`~numpyro_pc.posterior.DualPosterior` on the union of the data whose
         ``record`` holds the method and weights.
     """
-    from .posterior import _make
 
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
@@ -226,12 +226,11 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
             data = concat_data(data, extra)
         q = _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian)
         if not bool(jnp.all(jnp.isfinite(q.mean))):
-            from .errors import NonFiniteResultError
 
             raise NonFiniteResultError(f"the {method} merge produced a non-finite mean")
         family.check_positive_definite(q.precision, what=f"{method}-merged precision")
         spec = replace(first.spec, num_examples=int(data.per_example[0].shape[0]))
-        post = _make(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
+        post = build_posterior(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
                      first.storage, first.chunk_size, None, False, None, 0, False, True)
     return post._replace(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
                                  "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})

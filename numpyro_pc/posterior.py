@@ -35,7 +35,7 @@ from .rows import pad_to_bucket, positions, take_data
 from .start import map_laplace
 from .solvers import SiteProblem, default_tol, dual_residual, solve
 
-__all__ = ["DualPosterior", "dual_form", "fit"]
+__all__ = ["DualPosterior", "dual_form", "fit", "build_posterior"]
 
 
 def _in_own_precision(method):
@@ -405,8 +405,13 @@ def _site_ids(sites):
     return np.asarray(sites.ids)
 
 
-def _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
-          progress, raise_on_failure):
+def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+                    progress, raise_on_failure):
+    """A :class:`DualPosterior` of ``q``: sites computed for ``data`` and, with ``refine``, solved to the fixed point.
+
+    The constructor shared by :func:`fit`, :func:`dual_form`, merging and the federated run; the
+    data are padded to a bucket internally and the result holds one site per real example.
+    """
     rule = prepare_rule(rule, spec, data, q.mean)
     num = spec.num_examples
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
@@ -479,7 +484,7 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
         expectation = _guides.default_expectation(guide, spec)
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     try:
-        return _make(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+        return build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
                      progress, True)
     except (ConvergenceError, NonFiniteResultError) as err:
         if not refine:
@@ -487,7 +492,7 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
         # the fixed point does not depend on the start: a guide far from it (SVI stopped early,
         # unscaled data) is replaced by the MAP/Laplace start, and the record says so
         start = _start(spec, data, family, None, q.mean.dtype)
-        post = _make(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine, tol,
+        post = build_posterior(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine, tol,
                      max_iters, progress, raise_on_failure)
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
         return post._replace(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
@@ -523,7 +528,7 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     if expectation is None:
         expectation = "delta" if isinstance(fam, IsotropicGaussian) else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
-    post = _make(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
+    post = build_posterior(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                  max_iters, progress, raise_on_failure)
     info = {k: v for k, v in start._asdict().items() if k != "start"}
     return post._replace(record=dict(post.record or {}, start=info))

@@ -43,6 +43,7 @@ import numpy as np
 from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
 from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
 from .rowops import bucket_size, join_rows, to_device
+from .correction import solve_update
 from .rows import concat_data, pad_to_bucket, positions, take_data
 from .sites import compute_sites
 from .solvers import default_tol
@@ -150,7 +151,6 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     :return: ``(q, sites of corrected then new examples, history, past rows touched)``.
     """
-    from .streaming import _solve_update
 
     family, dtype = post.family, post.state.mean.dtype
     if not isinstance(family, FullGaussian):
@@ -166,7 +166,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     tol = solve_options.get("tol") or default_tol(dtype)
     n, num_new = int(corrected.size), int(new_ids.size)
     if n == 0:
-        q, fresh, history, _ = _solve_update(post, new_data, new_ids, corrected, True, 1.0, solve_options,
+        q, fresh, history, _ = solve_update(post, new_data, new_ids, corrected, True, 1.0, solve_options,
                                              raise_on_failure)
         return q, fresh, history, 0
     past_batch, new_batch = (int(max(1, np.ceil(fraction * k))) for k in (n, num_new))

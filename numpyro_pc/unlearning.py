@@ -40,12 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
-from .families import Gaussian, remove_site
+from .expectations import get_rule
+from .families import DiagonalGaussian, Gaussian, remove_site
 from .posterior import RowSelection
-from .rowops import as_ids
-from .solvers import SiteProblem, solve
-from .rowops import bucket_size, to_device
+from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
+from .sites import compute_sites
+from .solvers import SiteProblem, solve
 
 __all__ = ["METHODS", "delete"]
 
@@ -68,10 +69,6 @@ def _delta_terms(post, rows):
         retained examples; computed by the jitted site machinery with diagonal storage, so
         per-example ``d × d`` Hessians are summed chunk by chunk, never stored.
     """
-    from .expectations import get_rule
-    from .families import DiagonalGaussian
-    from .sites import compute_sites
-
     q = Gaussian(post.state.mean, jnp.ones_like(post.state.mean))
     options = dict(curvature="hessian", storage="diag", need_hessian_sum=True)
     subset = take_data(post.data, rows)

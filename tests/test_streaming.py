@@ -230,7 +230,7 @@ def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
 
 def test_a_batch_shaped_like_the_fitted_data_binds_without_tracing_the_model(x64):
     from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.streaming import bind_batch
+    from numpyro_pc.batches import bind_batch
 
     X, y = make_logistic(60, 3, seed=32)
     post = pc.fit(logistic_model, X[:40], y[:40], family="full")

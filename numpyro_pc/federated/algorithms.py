@@ -64,8 +64,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConvergenceError, InvalidOptionError
+from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from ..merging import gaussian_prior, prior_natural
+from ..posterior import build_posterior
 from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, release_site)
 from .robust import aggregate_sites, robust_bounds
@@ -329,13 +331,10 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
             break
     posterior = None
     if keep_data:
-        from ..expectations import ExpectationRule
-        from ..posterior import _make
-
         data = concat_datas(datas)
-        posterior = _make(joint_spec(spec, data.per_example[0].shape[0]), data, family, q,
-                          ExpectationRule(kind=rule, num_nodes=int(num_nodes)), "hessian", "auto", None, None, False,
-                          None, 0, False, True)
+        posterior = build_posterior(joint_spec(spec, data.per_example[0].shape[0]), data, family, q,
+                                    ExpectationRule(kind=rule, num_nodes=int(num_nodes)), "hessian", "auto", None, None,
+                                    False, None, 0, False, True)
     result = FederatedResult(posterior, q, eta, history, status == "converged", status, algorithm, rho)
     if status != "converged":
         why = ("a local update or the global posterior lost finiteness or positive definiteness (for losses "
