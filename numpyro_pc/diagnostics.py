@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .batches import bind_batch
 from .errors import InvalidOptionError
 from .families import IsotropicGaussian
-from .sites import compute_sites
 from .rows import positions
-from .batches import bind_batch
+from .sites import compute_sites
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]

@@ -38,6 +38,7 @@ from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
 from .rowops import to_device
 from .sites import Sites
+from .solvers import dual_residual
 from .validation import (DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest,
                          check_residual)
 
@@ -188,7 +189,6 @@ def load(path, model, key=None):
         if "offset.linear" in arrays:
             offset = GaussianNatural(to_device(arrays["offset.linear"]), to_device(arrays["offset.precision"]))
         try:
-            from .solvers import dual_residual
 
             residual = dual_residual(family, state, sites, offset)[0]
         except PosteriorCorrectionError as err:

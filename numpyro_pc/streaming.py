@@ -46,6 +46,7 @@ import numpy as np
 from .batches import bind_batch
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
 from .correction import solve_update
+from .diagnostics import site_mismatch
 from .rowops import as_ids, to_device
 from .rows import concat_data, positions, take_data
 from .solvers import default_tol
@@ -166,7 +167,6 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                   weight=weight, fallback=fallback, past_examples_touched=int(touched),
                   reused_sites=int(history[0].get("reused_sites", 0)))
     if corrected.size and correction != "stochastic":
-        from .diagnostics import site_mismatch
 
         # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
         magnitude = site_mismatch(stale.bucketed()[0], fresh.take(np.arange(corrected.size)).bucketed()[0], q,
