@@ -108,11 +108,11 @@ class StreamingSparseGP:
         which keeps θ, noise and ``Z`` informed by old data (no loss as batches accumulate).
         ``None`` (default): 1,024 for the collapsed VFE bound when θ or ``Z`` can change, else
         0; ``0`` is Bui et al.'s original update.
-    :param float ftol: L-BFGS stops when one iteration lowers the per-row objective (the negative
-        bound divided by the rows in it) by less than ``ftol · max(1, |objective|)``; ``0`` runs to
-        ``gtol`` or ``max_iters``. The default 1e-4 nats per row is two orders of magnitude below the
-        sampling error of a per-row log-likelihood estimate from ≤ 10⁴ rows (≈ 1/√N ≥ 1e-2), so
-        iterations beyond it change nothing the data resolve (docs/gp.md, "Stopping").
+    :param float ftol: L-BFGS stops when the last 10 iterations lowered the per-row objective (the
+        negative bound divided by the rows in it) by less than ``ftol · max(1, |objective|)`` each on
+        average; ``0`` runs to ``gtol`` or ``max_iters``. The default 1e-4 stops every batch of the
+        UCI benchmarks on this criterion; ``1e-5`` gains up to ~0.01 nats of test NLPD on a 1-batch
+        fit for 2–5× the iterations (docs/gp.md, "Stopping").
     :param int seed: seed of the inducing policy and memory sampling.
     :param bool noise_memory: learn the Gaussian noise variance from every batch seen, not
         from the current batch alone: the old batches' expected log-likelihood, which is

@@ -84,7 +84,7 @@ class _LBFGSCarry(NamedTuple):
     it: jnp.ndarray       # accepted iterations
     evals: jnp.ndarray    # objective evaluations
     ls: jnp.ndarray       # consecutive rejected trial points
-    decrease: jnp.ndarray  # objective decrease of the last accepted iteration
+    recent: jnp.ndarray   # (window,) objective before each of the last accepted iterations (circular)
     aux: object           # auxiliary output of fun at x
 
 
@@ -116,7 +116,8 @@ def _two_loop(g, S, Y, head, pairs):
     return -jax.lax.fori_loop(0, m, second, r)
 
 
-def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25, c1=1e-4, has_aux=False):
+def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25, c1=1e-4, has_aux=False,
+           window=10):
     """L-BFGS with an Armijo backtracking line search, written so that ``fun`` is evaluated at **one**
     place in the compiled program.
 
@@ -128,9 +129,11 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
     line search inlines ``fun`` in the step and again in the line search; XLA then compiles the
     objective and its gradient several times (1.3–2× the compile time for the GP bounds).
 
-    Stops at ``max_iters`` accepted iterations, when ``‖∇f‖₂ < gtol``, when an accepted iteration lowers
-    ``f`` by less than ``ftol · max(1, |f|)`` (from the fourth iteration on), or after ``max_linesearch``
-    rejected trial points in a row (no finite decrease along ``d``: numerically converged).
+    Stops at ``max_iters`` accepted iterations, when ``‖∇f‖₂ < gtol``, when the last ``window`` accepted
+    iterations lowered ``f`` by less than ``ftol · max(1, |f|)`` each on average, or after
+    ``max_linesearch`` rejected trial points in a row (no finite decrease along ``d``: numerically
+    converged). The decrease is averaged over a window because a backtracking (Armijo-only) search
+    can accept a short step: one small decrease is not convergence.
     """
     x0, unravel = ravel_pytree(params)
     n = x0.shape[0]
@@ -166,18 +169,20 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
         return _LBFGSCarry(x=pick(xt, c.x), f=pick(ft, c.f), g=pick(gt, c.g), d=pick(d_new, c.d),
                            t=pick(t_new, t_shrunk), S=S, Y=Y, head=head, pairs=jnp.where(accept, pairs, c.pairs),
                            it=c.it + jnp.where(accept & ~first, 1, 0), evals=c.evals + 1,
-                           ls=jnp.where(accept, 0, c.ls + 1), decrease=pick(c.f - ft, c.decrease),
+                           ls=jnp.where(accept, 0, c.ls + 1),
+                           recent=jnp.where(accept & ~first, c.recent.at[c.it % window].set(c.f), c.recent),
                            aux=jax.tree.map(pick, at, c.aux))
 
     def cont(c):
-        stalled = (c.it >= 3) & (c.decrease <= ftol * jnp.maximum(1.0, jnp.abs(c.f)))
+        # c.recent[it % window] is f after iteration it − window (overwritten by the next accepted one)
+        stalled = (c.it >= window) & (c.recent[c.it % window] - c.f <= window * ftol * jnp.maximum(1.0, jnp.abs(c.f)))
         return (c.evals == 0) | ((c.it < max_iters) & (jnp.linalg.norm(c.g) >= gtol) & ~stalled
                                  & (c.ls < max_linesearch) & jnp.isfinite(c.f))
 
     z = jnp.zeros(n, dt)
     c0 = _LBFGSCarry(x=x0, f=inf, g=z, d=z, t=jnp.asarray(0.0, dt), S=jnp.zeros((history, n), dt),
                      Y=jnp.zeros((history, n), dt), head=jnp.asarray(0), pairs=jnp.asarray(0), it=jnp.asarray(0),
-                     evals=jnp.asarray(0), ls=jnp.asarray(0), decrease=inf,
+                     evals=jnp.asarray(0), ls=jnp.asarray(0), recent=jnp.full(window, inf),
                      aux=jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(f_aux, x0)[1]))
     c = jax.lax.while_loop(cont, body, c0)
     return OptimResult(unravel(c.x), c.f, c.it, c.evals, c.aux if has_aux else None)
