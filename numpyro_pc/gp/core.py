@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from . import bounds, corrected
 from .optim import minimize
-from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q, prior_state
+from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q
 
 __all__ = ["StreamConfig", "MemoryState", "StreamingGPState", "init_state", "fit_batch", "step", "keep_inducing",
            "reservoir_update", "noise_memory_term"]
@@ -57,7 +57,7 @@ class StreamConfig(NamedTuple):
     max_iters: int = 200
     learning_rate: float = 0.01
     gtol: float = 1e-6
-    ftol: float = 1e-5
+    ftol: float = 1e-4
     keep_fraction: float = 0.7
     jitter: float = 1e-6
     memory_size: int = 0
@@ -116,10 +116,14 @@ def empty_memory_state(capacity, dim, dtype=jnp.float64):
 
 
 def init_state(hyper, Z0, config, key=None):
-    """The state before any data: ``q(u) = p(u)`` at ``Z0``, empty statistics and memory."""
+    """The state before any data: ``q(u) = p(u)`` at ``Z0``, empty statistics and memory (pure, jit-able:
+    a failed Cholesky factor shows as non-finite ``gp.chol_Kzz``)."""
     hyper = eqx.tree_at(lambda h: h.Z, hyper, jnp.asarray(Z0))
     dtype = hyper.Z.dtype
-    return StreamingGPState(gp=prior_state(hyper, config.jitter), noise_rows=jnp.zeros((), dtype),
+    M = hyper.Z.shape[0]
+    prior = _handover(hyper, jnp.zeros(M, dtype), kernel_matrix(hyper.kernel, hyper.Z, hyper.Z)
+                      + config.jitter * jnp.eye(M, dtype=dtype), config.jitter)
+    return StreamingGPState(gp=prior, noise_rows=jnp.zeros((), dtype),
                             noise_ss=jnp.zeros((), dtype),
                             memory=empty_memory_state(config.memory_size, hyper.Z.shape[1], dtype),
                             key=jax.random.PRNGKey(0) if key is None else key, batch=jnp.asarray(0, jnp.int32))
@@ -187,15 +191,19 @@ def fit_batch(config, state, Z0, X, y, mask):
 
     def loss(p):
         hyper = eqx.combine(p, static)
-        return -(bounds.collapsed_bound(hyper, old, Xa, ya, ma, config.alpha, None, terms)
-                 + noise_memory_term(hyper, stats)) / scale
+        fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
+        return -(fit.bound + noise_memory_term(hyper, stats)) / scale, fit
 
-    iters = jnp.asarray(0)
-    if jax.tree.leaves(params):
-        res = minimize(loss, params, config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol)
-        params, iters = res.params, res.iterations
+    iters = evals = jnp.asarray(0)
+    fit = None
+    if jax.tree.leaves(params):                # q(b) of the final iterate comes with it (no second trace)
+        res = minimize(loss, params, config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol,
+                       has_aux=True)
+        params, iters, fit = res.params, res.iterations, res.aux
+        evals = iters if res.evaluations is None else res.evaluations
     hyper = eqx.combine(params, static)
-    fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
+    if fit is None:
+        fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
     gp = _handover(hyper, fit.mean, fit.cov, config.jitter)
     mu, var = predict_from_q(gp.hyper, gp.Z, gp.mean, gp.cov, gp.chol_Kzz, X)
     ss = mask * ((y - mu) ** 2 + jnp.maximum(var, 0.0))
@@ -206,7 +214,7 @@ def fit_batch(config, state, Z0, X, y, mask):
                   chol_cov=jnp.all(jnp.isfinite(gp.chol_cov)), chol_Kzz=jnp.all(jnp.isfinite(gp.chol_Kzz)))
     new = StreamingGPState(gp=gp, noise_rows=state.noise_rows + jnp.sum(mask), noise_ss=state.noise_ss + jnp.sum(ss),
                            memory=memory, key=key, batch=state.batch + 1)
-    return new, dict(bound=fit.bound, iterations=iters, finite=finite, residual_ss=ss,
+    return new, dict(bound=fit.bound, iterations=iters, evaluations=evals, finite=finite, residual_ss=ss,
                      kl_to_previous=kl_to_previous(gp, old))
 
 

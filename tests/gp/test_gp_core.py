@@ -1,5 +1,6 @@
 """Functional core: a whole stream under ``lax.scan``, the JAX reservoir, missing-output masks."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +38,7 @@ def test_stream_under_scan_equals_batch_sgpr(x64, memory_size):
                   Z=jnp.asarray(Z))
     cfg = StreamConfig(learn_hyperparameters=False, learn_inducing=False, keep_fraction=1.0, jitter=EPS,
                        memory_size=memory_size)
-    state = init_state(hyper, Z, cfg, jax.random.PRNGKey(3))
+    state = eqx.filter_jit(init_state)(hyper, jnp.asarray(Z), cfg, jax.random.PRNGKey(3))    # init is pure too
     batches = (jnp.asarray(X).reshape(4, 16, 1), jnp.asarray(y).reshape(4, 16), jnp.ones((4, 16)))
     state, info = jax.lax.scan(lambda s, b: step(cfg, s, *b), state, batches)
     assert bool(jnp.all(info["finite"]["bound"])) and int(state.batch) == 4

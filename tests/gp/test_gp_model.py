@@ -37,6 +37,17 @@ def test_learns_true_hyperparameters_in_10_batches():
     assert abs(hp["noise"] / 0.04 - 1) < 0.1
 
 
+def test_default_lbfgs_stops_on_its_criterion():
+    # with the defaults every batch ends on the ftol/gtol test, not on the iteration cap, and reports its
+    # iterations and objective evaluations (line-search trials included)
+    X, y = _gp_draw(300, 1.0, 1.0, 0.05, seed=4)
+    sgp = StreamingSparseGP(gpx.kernels.RBF(), 10, noise_variance=0.2, memory_size=64)
+    sgp = sgp.fit_stream([(X[i::3], y[i::3]) for i in range(3)], progress=False)
+    its = sgp.summary()["iterations"]
+    assert all(0 < k < sgp.max_iters for k in its)
+    assert all(h["evaluations"] >= h["iterations"] for h in sgp.history)
+
+
 def test_no_retrace_across_batches_of_one_bucket(monkeypatch):
     traces = []
     orig = bounds.collapsed_fit
