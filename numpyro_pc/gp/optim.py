@@ -7,9 +7,10 @@ objective and its gradient **once**, at a trial point (Armijo backtracking, two-
 recursion): the objective appears at one place in the compiled program, which is what
 compile time scales with (optax's L-BFGS with a zoom line search, ``"optax_lbfgs"``, as in
 ``gpx.fit_lbfgs``, inlines it in the step and again in the line search). L-BFGS stops at
-``max_iters``, when the gradient norm falls below ``gtol``, or when one iteration lowers
-the objective by less than ``ftol · max(1, |f|)`` (the relative-reduction test of
-L-BFGS-B, whose default ``factr = 1e7`` is ``ftol ≈ 2.2e-9``); Adam runs a ``lax.scan`` of
+``max_iters``, when the gradient norm falls below ``gtol``, or when the last ten accepted
+iterations lowered the objective by less than ``ftol · max(1, |f|)`` each on average (the
+relative-reduction test of L-BFGS-B, averaged because one short Armijo step is not
+convergence); Adam runs a ``lax.scan`` of
 ``max_iters`` steps. Non-finite objective values never leak out: the last finite
 iterate is returned and the caller checks the final value.
 """
