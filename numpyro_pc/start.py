@@ -162,14 +162,14 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
             break
         z0, escapes = downhill, escapes + 1
     if not converged:
-        z, value, grad_norm, hess, converged, polished = _newton_polish(spec, z, value, grad_norm, hess, data,
-                                                                        weights, gtol)
+        z, value, grad_norm, hess, converged, polished = _newton_polish(spec, z, value, grad, hess, data, weights,
+                                                                        gtol)
         total += polished
     precision = family.project_curvature(_positive_part(hess, 1e-8 if dtype == jnp.float64 else 1e-5))
     return MapResult(Gaussian(z, precision), total, grad_norm, value, converged, escapes)
 
 
-def _newton_polish(spec, z, value, grad_norm, hess, data, weights, gtol):
+def _newton_polish(spec, z, value, grad, hess, data, weights, gtol):
     """Newton steps ``z ← z − H⁻¹∇`` from where L-BFGS stopped short of ``gtol`` at a minimum.
 
     L-BFGS-B also stops when a step no longer lowers ``f`` in floating point — on the flat
@@ -177,19 +177,18 @@ def _newton_polish(spec, z, value, grad_norm, hess, data, weights, gtol):
     resolvable decrease. At a minimum (``H`` positive definite) Newton's step needs none: it
     is accepted while ``‖∇‖_∞`` falls and ``f`` does not rise beyond rounding.
     """
-    steps = 0
+    steps, grad_norm = 0, float(jnp.max(jnp.abs(grad)))
     for _ in range(_NEWTON_STEPS):
         vals = np.linalg.eigvalsh(np.asarray(hess, dtype=np.float64))
         if not vals[0] > 0:
             break
-        grad = _value_and_grad(spec, z, data, weights)[1]
         trial = z - jnp.linalg.solve(hess, grad)
         t_value, t_grad = _value_and_grad(spec, trial, data, weights)
         t_value, t_norm = float(t_value), float(jnp.max(jnp.abs(t_grad)))
         slack = 1e3 * np.finfo(np.float64).eps * (1.0 + abs(value))
         if not (np.isfinite(t_value) and t_norm < grad_norm and t_value <= value + slack):
             break
-        z, value, grad_norm, steps = trial, t_value, t_norm, steps + 1
+        z, value, grad, grad_norm, steps = trial, t_value, t_grad, t_norm, steps + 1
         hess = _hessian(spec, z, data, weights)
         if grad_norm <= 10 * gtol * (1.0 + abs(value)):
             return z, value, grad_norm, hess, True, steps
