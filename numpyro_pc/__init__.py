@@ -49,3 +49,8 @@ from .errors import ClientMessageError, IncompatiblePosteriorsError, PrivacyErro
 from .merging import merge  # noqa: E402
 
 __all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "PrivacyError", "TooFewClientsError"]
+
+from . import criticism  # noqa: E402
+from .criticism import influence, lfo, loo  # noqa: E402
+
+__all__ += ["criticism", "loo", "lfo", "influence"]

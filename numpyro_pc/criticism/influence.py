@@ -1,0 +1,130 @@
+r"""Per-example influence: how the posterior mean (or a function of it) moves when one example goes.
+
+Three estimators of ``Δ_i = m_{∖i} − m`` for every example at once, the deletion methods
+of :mod:`numpyro_pc.unlearning` vectorised (paper §3.2):
+
+``"remove_site"``
+    the memory-perturbation equation ``Δ_i = (S − Ĥ_i)⁻¹ g_i`` (rank-``k`` downdates of
+    one Cholesky factor, :mod:`numpyro_pc.criticism.cavity`);
+``"influence"``
+    the influence function with the Hessian at the mean, ``Δ_i = (H − H_i)⁻¹ ∇ℓ_i(m)``
+    (paper eq. ``if_deriv``), the same downdates applied to ``H = ∇²ℓ_0(m) + Σ_j ∇²ℓ_j(m)``;
+``"tracin"``
+    ``Δ_i = ∇ℓ_i(m)`` (paper eq. ``tracin_deriv``).
+
+With ``fn`` the change of a user function of the constrained parameters is reported too,
+``f(T(m + Δ_i)) − f(T(m))`` (plug-in at the mean), e.g. a prediction at a test input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import InvalidOptionError, NotPositiveDefiniteError
+from ..expectations import get_rule
+from ..families import FullGaussian, Gaussian
+from ..likelihood import constrain
+from ..rows import positions
+from ..sites import compute_sites
+from .cavity import cavities, downdates
+
+__all__ = ["influence", "InfluenceResult", "ESTIMATORS"]
+
+ESTIMATORS = ("remove_site", "influence", "tracin")
+
+
+class InfluenceResult(NamedTuple):
+    """Per-example parameter changes by each estimator.
+
+    :ivar ids: ``(N,)`` example ids.
+    :ivar delta: ``{estimator: (N, d)}`` changes of the flat unconstrained mean.
+    :ivar function: ``{estimator: (N, ...)}`` changes of ``fn``, or ``None`` without ``fn``.
+    :ivar khat: ``(N,)`` reliability of site removal (see :mod:`numpyro_pc.criticism.cavity`).
+    :ivar labels: names of the ``d`` coordinates (:meth:`~numpyro_pc.latent.LatentSpace.labels`).
+    """
+
+    ids: np.ndarray
+    delta: dict
+    function: dict | None
+    khat: np.ndarray
+    labels: tuple
+
+    def norm(self, estimator="remove_site"):
+        """``‖Δ_i‖`` per example."""
+        return np.linalg.norm(self.delta[estimator], axis=1)
+
+
+def _delta_sites(post, data):
+    """Gradients and (factorised where exact) Hessians of every example at the mean, and ``H``."""
+    q = Gaussian(post.state.mean, jnp.eye(post.dim, dtype=post.state.mean.dtype))
+    spec = replace(post.spec, num_examples=int(data.per_example[0].shape[0]))
+    sites, sums = compute_sites(spec, data, FullGaussian(), q, get_rule("delta"), need_hessian_sum=True)
+    hessian = sums.hessian + sites.prior_curvature
+    return sites, hessian
+
+
+@partial(jax.jit, static_argnames=("spec",))
+def _function_change(spec, fn, mean, deltas, data):
+    base = fn(constrain(spec, mean, data))
+    return jax.lax.map(lambda dm: jax.tree.map(lambda a, b: a - b, fn(constrain(spec, mean + dm, data)), base),
+                       deltas, batch_size=256)
+
+
+def influence(post, fn=None, estimators=ESTIMATORS):
+    """Per-example change of the posterior mean for every example with retained data.
+
+    :param post: a :class:`~numpyro_pc.DualPosterior`.
+    :param callable fn: optional function of the constrained parameters (a dict
+        ``{site: value}``, as one draw of :meth:`~numpyro_pc.DualPosterior.sample`)
+        returning an array; its change is reported per example and estimator.
+    :param estimators: any of ``"remove_site"``, ``"influence"``, ``"tracin"``.
+    :return: :class:`InfluenceResult`.
+    :raises NotPositiveDefiniteError: the Hessian at the mean (influence) is not positive
+        definite, or a site removal leaves an indefinite precision.
+    """
+    estimators = tuple(estimators)
+    unknown = [e for e in estimators if e not in ESTIMATORS]
+    if unknown or not estimators:
+        raise InvalidOptionError(f"unknown estimator(s) {unknown}; expected a non-empty subset of {ESTIMATORS}")
+    dtype = post.state.mean.dtype
+    with jax.enable_x64(dtype == jnp.float64):
+        ids = np.asarray(post.data_ids)
+        rows = positions(np.asarray(post.sites.ids), ids)
+        data = post.data
+        delta, khat = {}, None
+        if "remove_site" in estimators:
+            cav = cavities(post, post.sites.take(rows), data, predict=False)
+            khat = np.asarray(cav.khat)
+            delta["remove_site"] = np.asarray(cav.shift)
+            bad = ~np.all(np.isfinite(delta["remove_site"]), axis=1) | (khat >= 1.0)
+            if bad.any():
+                raise NotPositiveDefiniteError(f"removing the site of example(s) {ids[bad][:10].tolist()} leaves a "
+                                               "precision that is not positive definite (k̂ ≥ 1)")
+        if "influence" in estimators or "tracin" in estimators:
+            sites, hessian = _delta_sites(post, data)
+            if "tracin" in estimators:
+                delta["tracin"] = np.asarray(sites.grad)
+            if "influence" in estimators:
+                if not bool(FullGaussian().is_positive_definite(hessian)):
+                    raise NotPositiveDefiniteError("the Hessian of the negative log joint at the mean is not positive "
+                                                   "definite; the influence function is undefined there")
+                state = Gaussian(post.state.mean, hessian)
+                out = downdates(post.spec, get_rule("delta"), FullGaussian(), state, sites, data, predict=False)
+                delta["influence"] = np.asarray(out.shift)
+                if not np.all(np.isfinite(delta["influence"])):
+                    raise NotPositiveDefiniteError("the Hessian without some example is not positive definite")
+        if khat is None:
+            khat = np.asarray(cavities(post, post.sites.take(rows), data, predict=False).khat)
+        function = None
+        if fn is not None:
+            spec = replace(post.spec, num_examples=int(ids.size))
+            function = {e: jax.tree.map(np.asarray, _function_change(spec, jax.tree_util.Partial(fn), post.state.mean,
+                                                                     jnp.asarray(d), data))
+                        for e, d in delta.items()}
+    return InfluenceResult(ids, {e: delta[e] for e in estimators}, function, khat, tuple(post.latent.labels()))
