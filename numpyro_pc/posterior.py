@@ -336,16 +336,29 @@ class DualPosterior:
 
     @_in_own_precision
     def to_arviz(self, key, num_samples=1000):
-        """ArviZ ``InferenceData`` with ``posterior`` and ``log_likelihood`` groups (one chain)."""
+        """ArviZ ``InferenceData`` with ``posterior``, ``log_likelihood`` and ``observed_data`` groups (one chain).
+
+        ``log_likelihood`` holds one ``(chain, draw, N)`` variable per observed site of the
+        data plate (each site's values summed within an example, whatever its event or
+        inner-plate shape) and, when an example has several observed sites, their sum
+        ``"joint"`` — the per-example log density that ``az.loo(idata, var_name="joint")``
+        and :func:`numpyro_pc.loo` score.
+        """
         import arviz as az
 
         z = self.sample_unconstrained(key, num_samples)
         values = jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
         loglik = self.log_likelihood(z)
+        if len(loglik) > 1 and "joint" not in loglik:
+            loglik["joint"] = sum(loglik.values())
         posterior = {k: np.asarray(v)[None] for k, v in values.items()}
         log_likelihood = {k: np.asarray(v)[None] for k, v in loglik.items()}
         dims = {k: [f"{self.spec.plate}"] for k in log_likelihood}
-        return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, dims=dims)
+        trace = _observed_trace(self.spec, self.state.mean, self.data)
+        observed = {k: np.asarray(trace[k]["value"]) for k in self.spec.observed}
+        for k, v in observed.items():
+            dims.setdefault(k, [f"{self.spec.plate}"] + [f"{k}_dim_{j}" for j in range(v.ndim - 1)])
+        return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, observed_data=observed, dims=dims)
 
     @_in_own_precision
     def to_guide_params(self, guide=None):
@@ -396,6 +409,13 @@ class RowSelection:
 
                 self._value = take_data(self.source, self.rows)
         return self._value
+
+
+def _observed_trace(spec, z, data):
+    """The model's trace on all retained data at ``z`` (observed values for ``to_arviz``)."""
+    from .likelihood import _trace_at
+
+    return _trace_at(spec, z, data.per_example, data.shared)
 
 
 def _site_ids(sites):

@@ -13,5 +13,6 @@ See docs/criticism.md.
 from .influence import InfluenceResult, influence
 from .lfo import lfo
 from .loo import elpd_data, loo
+from .pit import loo_log_weights, loo_pit
 
-__all__ = ["loo", "lfo", "influence", "InfluenceResult", "elpd_data"]
+__all__ = ["loo", "lfo", "influence", "InfluenceResult", "elpd_data", "loo_log_weights", "loo_pit"]
