@@ -33,6 +33,7 @@ from ..likelihood import constrain
 from ..rows import positions
 from ..sites import compute_sites
 from .cavity import cavities, downdates
+from .loo import kl_shape
 
 __all__ = ["influence", "InfluenceResult", "ESTIMATORS"]
 
@@ -45,7 +46,7 @@ class InfluenceResult(NamedTuple):
     :ivar ids: ``(N,)`` example ids.
     :ivar delta: ``{estimator: (N, d)}`` changes of the flat unconstrained mean.
     :ivar function: ``{estimator: (N, ...)}`` changes of ``fn``, or ``None`` without ``fn``.
-    :ivar khat: ``(N,)`` reliability of site removal (see :mod:`numpyro_pc.criticism.cavity`).
+    :ivar khat: ``(N,)`` reliability ``k̂_i`` of site removal (see :mod:`numpyro_pc.criticism.cavity`).
     :ivar labels: names of the ``d`` coordinates (:meth:`~numpyro_pc.latent.LatentSpace.labels`).
     """
 
@@ -100,9 +101,9 @@ def influence(post, fn=None, estimators=ESTIMATORS):
         delta, khat = {}, None
         if "remove_site" in estimators:
             cav = cavities(post, post.sites.take(rows), data, predict=False)
-            khat = np.asarray(cav.khat)
+            khat = kl_shape(np.asarray(cav.kl))
             delta["remove_site"] = np.asarray(cav.shift)
-            bad = ~np.all(np.isfinite(delta["remove_site"]), axis=1) | (khat >= 1.0)
+            bad = ~np.all(np.isfinite(delta["remove_site"]), axis=1) | (np.asarray(cav.leverage) >= 1.0)
             if bad.any():
                 raise NotPositiveDefiniteError(f"removing the site of example(s) {ids[bad][:10].tolist()} leaves a "
                                                "precision that is not positive definite (k̂ ≥ 1)")
@@ -120,7 +121,7 @@ def influence(post, fn=None, estimators=ESTIMATORS):
                 if not np.all(np.isfinite(delta["influence"])):
                     raise NotPositiveDefiniteError("the Hessian without some example is not positive definite")
         if khat is None:
-            khat = np.asarray(cavities(post, post.sites.take(rows), data, predict=False).khat)
+            khat = kl_shape(np.asarray(cavities(post, post.sites.take(rows), data, predict=False).kl))
         function = None
         if fn is not None:
             spec = replace(post.spec, num_examples=int(ids.size))

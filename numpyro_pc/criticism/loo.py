@@ -9,7 +9,9 @@ r"""All-``N`` leave-one-out cross-validation without refits, as an ArviZ ``ELPDD
     \qquad \hat p_{loo} = \sum_i \Big(\log E_q[p(y_i\mid z)] - \log E_{q_{\setminus i}}[p(y_i\mid z)]\Big),
 
 with the expectations taken by the posterior's own rule. Each example gets a reliability
-``k̂_i`` (the Pareto shape of ``q_{∖i}/q``, stored where ArviZ keeps PSIS's ``pareto_k``);
+``k̂_i`` (the Pareto shape of ``q_{∖i}/q`` with the same KL from ``q``, see
+:mod:`~numpyro_pc.criticism.cavity`; stored where ArviZ keeps PSIS's ``pareto_k``, with the
+raw ``leverage`` and ``kl`` beside it);
 ``method="corrected"`` replaces the examples in ``where`` (by default those with
 ``k̂_i > good_k``) by exact, warm-started refits ``post.delete([i], method="corrected")``
 (paper eq. ``postcorr_influence`` with every retained example corrected).
@@ -30,7 +32,7 @@ from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGu
 from ..rows import positions, take_data
 from .cavity import cavities, refit_predictive, rule_nodes
 
-__all__ = ["loo", "LooResult", "elpd_data", "METHODS", "GOOD_K"]
+__all__ = ["loo", "LooResult", "elpd_data", "kl_shape", "METHODS", "GOOD_K"]
 
 METHODS = ("remove_site", "corrected")
 GOOD_K = 0.7  # the threshold ArviZ uses for PSIS with many draws; k̂ ≥ 1: the cavity is not a distribution
@@ -157,7 +159,8 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
         ids = np.asarray(post.data_ids)
         rows = positions(np.asarray(post.sites.ids), ids)
         cav = cavities(post, post.sites.take(rows), post.data)
-        khat = np.asarray(cav.khat)
+        leverage = np.asarray(cav.leverage)
+        khat = kl_shape(np.asarray(cav.kl))
         pointwise = np.array(cav.elpd, dtype=np.float64)
         lppd = np.asarray(cav.lppd, np.float64)
         refit = np.zeros(ids.size, bool)
@@ -166,11 +169,11 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
             if chosen.size:
                 pointwise[chosen], lppd_chosen = _refit_values(post, ids, chosen, tol, max_iters)
                 refit[chosen] = True
-        bad = ~refit & (~np.isfinite(pointwise) | (khat >= 1.0))
+        bad = ~refit & (~np.isfinite(pointwise) | (leverage >= 1.0))
         if bad.any():
             raise NotPositiveDefiniteError(
                 f"removing the site of example(s) {ids[bad][:10].tolist()} leaves a precision that is not positive "
-                f"definite (k̂ = {np.round(khat[bad][:10], 3).tolist()} ≥ 1: the example carries most of the "
+                f"definite (leverage {np.round(leverage[bad][:10], 3).tolist()} ≥ 1: the example carries most of the "
                 "posterior's precision along its direction); refit them exactly with "
                 "pc.loo(post, method='corrected', where=ids).")
         if not np.all(np.isfinite(lppd)):
@@ -178,8 +181,22 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
                                            "check the posterior (residual, precision)")
         nodes = rule_nodes(post.rule, post.spec, post.dim, dtype)[1].shape[0]
     result = elpd_data(pointwise, lppd, khat, ids, post.spec.plate, nodes, good_k, refit, method)
+    result["leverage"] = leverage
+    result["kl"] = np.asarray(cav.kl)
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def kl_shape(kl):
+    r"""The leverage ``k ∈ [0, 1]`` whose pure-variance removal has ``KL = kl``: the root of
+    ``½(k/(1−k) + log(1−k)) = kl`` (vectorised bisection; ``inf`` maps to 1)."""
+    kl = np.asarray(kl, np.float64)
+    lo, hi = np.zeros_like(kl), np.ones_like(kl)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        above = 0.5 * (mid / (1.0 - mid) + np.log1p(-mid)) > kl
+        hi, lo = np.where(above, mid, hi), np.where(above, lo, mid)
+    return np.where(np.isfinite(kl), 0.5 * (lo + hi), 1.0)
 
 
 def _refit_values(post, ids, chosen, tol, max_iters):
