@@ -37,6 +37,18 @@ Usage::
 
     python benchmarks/bench_loo.py            # all 569 examples (~6-7 min on 2 cores; influence's ~0.5 s per call dominates)
     python benchmarks/bench_loo.py --quick    # 40 random examples (~1 min)
+    python benchmarks/bench_loo.py --elpd     # all-N LOO ELPD (pc.loo) vs brute-force refits and PSIS-LOO on NUTS
+
+``--elpd`` (issue 14): for breast cancer (569, prior precision 1), a7a (16 100 × 123, prior
+precision 5, as ``bench_continual.py``) and three posteriordb models, times ``pc.fit`` (second
+call, compiled) and the all-N ``pc.loo`` (first call with compilation, and a second call);
+scores ``elpd_loo`` and the pointwise values against brute-force LOO — ``post.delete([i],
+method="corrected", tol=1e-12)``, an exact warm-started refit of the same variational family
+(``pc.loo(post, method="corrected", where=all)``) — on every example, or on a random subset
+(``--subset``, seed 0) where N refits cost too much (a7a); and runs NumPyro NUTS (1 chain,
+``--warmup``/``--draws``) with ``arviz.loo`` (PSIS) on its draws, timed. The PSIS error is
+measured against the same brute-force reference, so it includes the gap between NUTS's exact
+posterior and the variational one; both are reported.
 
 Outputs: ``benchmarks/_out/bench_loo.json``, ``bench_loo.md``, ``bench_loo.png``
 (scatter of predicted vs exact change, one panel per method).
@@ -154,7 +166,14 @@ def main(argv=None):
                         help="residual tolerance of the fit and of every retrain (package default 1e-8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=OUT)
+    parser.add_argument("--elpd", action="store_true", help="all-N LOO ELPD vs refits and PSIS (issue 14)")
+    parser.add_argument("--only", nargs="*", default=None, help="--elpd: datasets to run")
+    parser.add_argument("--subset", type=int, default=40, help="--elpd: refits on a7a (random subset)")
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--draws", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.elpd:
+        return elpd_main(args)
     if args.quick:
         args.num = 40
     start = time.perf_counter()
@@ -228,6 +247,155 @@ def main(argv=None):
                   lambda path: plot(result, exact, preds, path))
     print(f"\ntotal {time.perf_counter() - start:.0f}s; wrote {args.out}/bench_loo.json, bench_loo.md, bench_loo.png")
     return 0
+
+
+# --------------------------------------------------------------------------- --elpd (issue 14)
+
+ELPD_DATASETS = ("breast_cancer", "a7a", "kidiq-kidscore_momhsiq", "mesquite-logmesquite_logvas",
+                 "eight_schools-eight_schools_noncentered")
+
+
+def a7a_model(X, y=None):
+    """Logistic regression with intercept, prior precision 5 (as bench_continual.py)."""
+    scale = 1.0 / np.sqrt(5.0)
+    b = numpyro.sample("b", dist.Normal(0.0, scale))
+    w = numpyro.sample("w", dist.Normal(0.0, scale).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def _problem(name):
+    if name == "breast_cancer":
+        X, y, _ = load_breast_cancer(standardize=True)
+        return model, (jnp.asarray(X), jnp.asarray(y)), {}
+    if name == "a7a":
+        from numpyro_pc.datasets import load_a7a
+
+        X, y = load_a7a("train")
+        return a7a_model, (jnp.asarray(X), jnp.asarray(y)), {}
+    from numpyro_pc import posteriordb as pdb
+
+    tr = pdb.translate(name)
+    return tr.model, tuple(tr.args), dict(tr.kwargs)
+
+
+def _timed(fn, *a, **kw):
+    t0 = time.perf_counter()
+    out = _quiet(fn, *a, **kw)
+    jax.block_until_ready(jax.tree.leaves(getattr(out, "state", ())))
+    return out, time.perf_counter() - t0
+
+
+def _psis(mdl, margs, mkw, warmup, draws, seed):
+    """NUTS draws, then arviz.loo on their per-example (joint) log likelihood; times of each."""
+    import arviz as az
+    from numpyro.infer import MCMC, NUTS, log_likelihood
+
+    t0 = time.perf_counter()
+    mcmc = MCMC(NUTS(mdl), num_warmup=warmup, num_samples=draws, num_chains=1, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(seed), *margs, **mkw)
+    samples = mcmc.get_samples()
+    jax.block_until_ready(samples)
+    t_nuts = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ll = log_likelihood(mdl, samples, *margs, **mkw)
+    joint = sum(np.asarray(v).reshape(draws, -1) for v in ll.values())
+    bad = int(np.sum(~np.isfinite(joint)))
+    if bad:
+        print(f"  NUTS: {bad} non-finite log-likelihood values; divergences "
+              f"{int(np.sum(mcmc.get_extra_fields()['diverging']))}", flush=True)
+    posterior = {k: np.asarray(v)[None] for k, v in samples.items()}
+    res = az.loo(az.from_dict(posterior=posterior, log_likelihood={"joint": joint[None]}), pointwise=True)
+    return res, t_nuts, time.perf_counter() - t0
+
+
+def elpd_main(args):
+    start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    info = machine_info()
+    rows = []
+    for name in args.only or ELPD_DATASETS:
+        mdl, margs, mkw = _problem(name)
+        post, t_fit_first = _timed(pc.fit, mdl, *margs, **mkw)
+        post, t_fit = _timed(pc.fit, mdl, *margs, **mkw)
+        res, t_loo_first = _timed(pc.loo, post)
+        res, t_loo = _timed(pc.loo, post)
+        n = int(res["n_data_points"])
+        log(f"{name}: N={n} d={post.dim} rule={post.rule.kind} fit {t_fit:.2f}s (first {t_fit_first:.2f}s), "
+            f"loo {t_loo:.2f}s (first {t_loo_first:.2f}s), elpd {res.elpd_loo:.3f}, flagged {int(res.flagged.sum())}")
+        rng = np.random.default_rng(args.seed)
+        subset = np.arange(n) if n <= 600 else np.sort(rng.choice(n, size=min(args.subset, n), replace=False))
+        mask = np.zeros(n, bool)
+        mask[subset] = True
+        brute, t_brute = _timed(pc.loo, post, method="corrected", where=mask)
+        err = res.pointwise[subset] - brute.pointwise[subset]
+        fixed, t_fixed = _timed(pc.loo, post, method="corrected")  # refits only where k̂ > 0.7
+        err_c = fixed.pointwise[subset] - brute.pointwise[subset]
+        psis, t_nuts, t_psis = _psis(mdl, margs, mkw, args.warmup, args.draws, args.seed)
+        psis_i = np.asarray(psis.loo_i.values)
+        perr = psis_i[subset] - brute.pointwise[subset]
+        flag_err = np.abs(err)[res.flagged[subset]]
+        row = dict(name=name, N=n, d=int(post.dim), rule=post.rule.kind, storage=post.sites.storage,
+                   t_fit=t_fit, t_fit_first=t_fit_first, t_loo=t_loo, t_loo_first=t_loo_first,
+                   ratio_loo_fit=t_loo / t_fit, ratio_loo_first_fit_first=t_loo_first / t_fit_first,
+                   elpd_pc=float(res.elpd_loo), se=float(res.se), p_loo=float(res.p_loo),
+                   elpd_psis=float(psis.elpd_loo), p_loo_psis=float(psis.p_loo),
+                   psis_khat_max=float(np.max(psis.pareto_k.values)), pc_khat_max=float(np.max(res.khat)),
+                   flagged=int(res.flagged.sum()), num_refits=int(subset.size), t_refits=t_brute,
+                   t_per_refit=t_brute / max(subset.size, 1), t_nuts=t_nuts, t_psis=t_psis,
+                   sum_err_pc=float(np.sum(err)), sum_err_psis=float(np.sum(perr)),
+                   t_loo_corrected=t_fixed, sum_err_corrected=float(np.sum(err_c)),
+                   max_err_corrected=float(np.max(np.abs(err_c))), elpd_corrected=float(fixed.elpd_loo),
+                   max_err_pc=float(np.max(np.abs(err))), max_err_psis=float(np.max(np.abs(perr))),
+                   mean_abs_err_pc=float(np.mean(np.abs(err))), mean_abs_err_psis=float(np.mean(np.abs(perr))),
+                   max_err_flagged=float(flag_err.max()) if flag_err.size else 0.0,
+                   khat_err_spearman=_spearman(res.khat[subset], np.abs(err)))
+        if subset.size < n:  # extrapolated to all N (stated as such)
+            row["sum_err_pc_scaled"] = row["sum_err_pc"] * n / subset.size
+        rows.append(row)
+        log(f"  refits {subset.size} in {t_brute:.1f}s: |Σ err| pc {abs(row['sum_err_pc']):.2e} vs PSIS "
+            f"{abs(row['sum_err_psis']):.2e}; max |err_i| {row['max_err_pc']:.2e} vs {row['max_err_psis']:.2e}; "
+            f"NUTS {t_nuts:.1f}s + loo {t_psis:.2f}s")
+    result = dict(machine=info, argv=sys.argv[1:], rows=rows, total_s=time.perf_counter() - start)
+    targets = []
+    for r in rows:
+        targets.append(dict(target=f"{r['name']}: all-N LOO ≤ 3× one pc.fit", measured=f"{r['ratio_loo_fit']:.2f}×",
+                            met=bool(r["ratio_loo_fit"] <= 3.0)))
+        targets.append(dict(target=f"{r['name']}: |elpd − brute force| < PSIS's (corrected where k̂ > 0.7)", measured=(
+            f"{abs(r['sum_err_corrected']):.2e} vs {abs(r['sum_err_psis']):.2e}" + (
+                f" (on {r['num_refits']} of {r['N']})" if r["num_refits"] < r["N"] else "")),
+            met=bool(abs(r["sum_err_corrected"]) < abs(r["sum_err_psis"]))))
+        if r["name"] == "a7a":
+            targets.append(dict(target="a7a all-N LOO under a minute", measured=f"{r['t_loo']:.1f} s "
+                                f"(first call {r['t_loo_first']:.1f} s)", met=bool(r["t_loo_first"] < 60)))
+    write_results("bench_loo_elpd", args.out, result, render_elpd(result), targets)
+    return 0
+
+
+def _spearman(a, b):
+    if len(a) < 3:
+        return float("nan")
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def render_elpd(res):
+    info = res["machine"]
+    lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), NumPyro "
+             f"{info['numpyro']}; numpyro_pc {info['numpyro_pc']}; load average at start "
+             f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}.", "",
+             "| model | N | d | rule | pc.fit s | pc.loo s (first) | loo/fit | elpd pc.loo | elpd PSIS | "
+             "refits (s each) | Σ err pc | k̂>0.7 | + refit flagged: s, Σ err | Σ err PSIS | max |err_i| pc | "
+             "PSIS | ρ(k̂, |err|) | NUTS s + loo s |", "|" + "---|" * 18]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['N']} | {r['d']} | {r['rule']} | {r['t_fit']:.2f} | {r['t_loo']:.2f} "
+            f"({r['t_loo_first']:.2f}) | {r['ratio_loo_fit']:.2f} | {r['elpd_pc']:.2f} ± {r['se']:.1f} | "
+            f"{r['elpd_psis']:.2f} | {r['num_refits']} ({r['t_per_refit']:.3f}) | {r['sum_err_pc']:+.1e} | "
+            f"{r['flagged']} | {r['t_loo_corrected']:.2f}, {r['sum_err_corrected']:+.1e} | "
+            f"{r['sum_err_psis']:+.1e} | {r['max_err_pc']:.1e} | {r['max_err_psis']:.1e} | "
+            f"{r['khat_err_spearman']:.2f} | {r['t_nuts']:.1f} + {r['t_psis']:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
