@@ -20,7 +20,7 @@ help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
 	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
 	@echo "make test       ruff, unit tests, then notebooks, then the strict docs build"
-	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns)"
+	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns) and the import-layer contract"
 	@echo "make unit       pytest on tests/"
 	@echo "make notebooks  execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
 	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
@@ -54,6 +54,7 @@ test: venv
 
 lint: venv
 	$(VENV)/bin/ruff check numpyro_pc tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-cache
 
 unit: venv
 	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --durations=15 tests

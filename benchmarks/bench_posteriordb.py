@@ -20,7 +20,10 @@ Scores over the coordinates whose reference marginal is close to Gaussian (|skew
 and |excess kurtosis| < 1 of the unconstrained reference draws): ``max |z|`` = max |mean −
 ref mean| / ref sd, and the range of sd / ref sd; ``err`` = max(max |z|, max |sd ratio − 1|)
 decides which method is "closer". Times are wall seconds including JIT compilation, one
-process, float64.
+process, float64 ("cold": the first call of each method on the posterior). The *warm*
+columns time a second call of each method in the same process (``pc.fit`` again; a new
+``SVI`` object's ``run``), which is what a user re-fitting in a notebook session waits for:
+JAX then reuses the programs it compiled for the same functions and shapes.
 
 Usage::
 
@@ -117,6 +120,7 @@ def run_one(name, steps, lr):
         jax.block_until_ready(res.params)
     t_svi, c_svi = time.perf_counter() - t0, clock.seconds
     loss = float(res.losses[-1])
+    row["warm"] = warm_times(tr, steps, lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -137,6 +141,28 @@ def run_one(name, steps, lr):
             row["dual_form"] = dict(time=time.perf_counter() - t0, converged=False,
                                     error=f"{type(err).__name__}: {err}"[:300])
     return row
+
+
+def warm_times(tr, steps, lr):
+    """Second calls in the same process (a user re-fitting in a session): pc.fit, then a new SVI.run.
+
+    Both reuse whatever JAX kept from their first call (compiled programs keyed on the same
+    functions and shapes); neither is given anything the other is not.
+    """
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        try:
+            jax.block_until_ready(pc.fit(tr.model, *tr.args, **tr.kwargs).state)
+            out["fit"] = time.perf_counter() - t0
+        except pc.PosteriorCorrectionError:
+            out["fit"] = float("nan")
+    svi = SVI(tr.model, AutoMultivariateNormal(tr.model), numpyro.optim.Adam(lr), Trace_ELBO())
+    t0 = time.perf_counter()
+    jax.block_until_ready(svi.run(jax.random.PRNGKey(0), steps, *tr.args, progress_bar=False, **tr.kwargs).params)
+    out["svi"] = time.perf_counter() - t0
+    return out
 
 
 def cell(r):
@@ -194,16 +220,19 @@ def main():
     conv = sum(r["fit"].get("converged", False) for r in rows)
     closer = sum(r["fit"].get("err", np.inf) < r["svi"].get("err", np.inf) for r in rows)
     faster = sum(r["fit"]["time"] <= r["svi"]["time"] for r in rows)
+    warm = sum(r["warm"]["fit"] <= r["warm"]["svi"] for r in rows)
     steady = sum(r["fit"]["time"] - r["fit"].get("compile", 0.0) <= r["svi"]["time"] - r["svi"].get("compile", 0.0)
                  for r in rows)
     lines += ["", "Compilation (XLA backend_compile seconds) and the rest, per method:", "",
               "| posterior | pc.fit total s | pc.fit compile s | SVI total s | SVI compile s | "
-              "pc.fit / SVI (total) | pc.fit / SVI (without compilation) |", "|" + "---|" * 7]
+              "pc.fit / SVI (total) | pc.fit / SVI (without compilation) | warm pc.fit s | warm SVI s | "
+              "pc.fit / SVI (warm) |", "|" + "---|" * 10]
     for r in rows:
-        f, v = r["fit"], r["svi"]
+        f, v, w = r["fit"], r["svi"], r["warm"]
         rest_f, rest_v = f["time"] - f.get("compile", 0.0), v["time"] - v.get("compile", 0.0)
         lines.append(f"| {r['name']} | {f['time']:.1f} | {f.get('compile', 0.0):.1f} | {v['time']:.1f} | "
-                     f"{v.get('compile', 0.0):.1f} | {f['time'] / v['time']:.2f} | {rest_f / max(rest_v, 1e-9):.2f} |")
+                     f"{v.get('compile', 0.0):.1f} | {f['time'] / v['time']:.2f} | {rest_f / max(rest_v, 1e-9):.2f} | "
+                     f"{w['fit']:.2f} | {w['svi']:.2f} | {w['fit'] / w['svi']:.2f} |")
     table = "\n".join(lines)
     targets = [
         dict(target="100 % of supported posteriors converge from the default start", measured=f"{conv}/{n}",
@@ -212,6 +241,8 @@ def main():
              met=closer >= 0.9 * n),
         dict(target="pc.fit no slower than SVI's 10k steps on ≥ 80 %", measured=f"{faster}/{n} = {faster / n:.0%}",
              met=faster >= 0.8 * n),
+        dict(target="the same, second call in the process (warm)", measured=f"{warm}/{n} = {warm / n:.0%}",
+             met=warm >= 0.8 * n),
         dict(target="(diagnostic) the same without compilation time", measured=f"{steady}/{n} = {steady / n:.0%}",
              met=steady >= 0.8 * n),
     ]

@@ -247,7 +247,7 @@ def _plot(post, raw, X, y, names, plt):
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     margin = np.asarray(X @ post.mean[1:] + post.mean[0])
-    beta = np.asarray(post.sites.lam[:, 0, 0])
+    beta = np.asarray(post.sites.curv.lam[:, 0, 0])  # the logistic model's factorised sites: Λ_i = p_i(1 − p_i)
     ax = axes[0]
     for label, colour in [(0, "tab:red"), (1, "tab:blue")]:
         sel = np.asarray(y) == label

@@ -12,7 +12,8 @@ from dataclasses import replace
 import jax.numpy as jnp
 import numpy as np
 
-from .families import FullGaussian, add_site, remove_site, scale_site
+from .curvature import FULL
+from .families import add_site, remove_site, scale_site
 from .rowops import filled
 from .rows import concat_data, pad_to_bucket, positions, take_data
 from .sites import SiteSums, compute_sites
@@ -104,8 +105,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     curvature sum the stored sites cannot give (diagonal storage).
     """
     mean = post.state.mean
-    dense_sum = not isinstance(problem.family, FullGaussian)
-    if cached.num_examples == 0 or (dense_sum and cached.storage not in ("factor", "dense")):
+    if cached.num_examples == 0 or (problem.family.needs_dense_sum and cached.curv.detail < FULL):
         return None, None
     used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
     if not np.all(used_refs == np.asarray(mean)[None, :]):
@@ -122,6 +122,6 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     # see the same shapes as for the sites it computes itself (no recompilation per update)
     start = replace(start, ids=problem.ids, ref_means=mean[None, :],
                     ref_index=filled([(start.num_examples, 0)], start.ref_index.dtype))
-    hessian = (start.example_curvature_sum(FullGaussian(), weights) if dense_sum
+    hessian = (start.curv.weighted_dense(weights) if problem.family.needs_dense_sum
                else jnp.zeros(2 * mean.shape, mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)

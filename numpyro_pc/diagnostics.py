@@ -34,7 +34,6 @@ import numpy as np
 
 from .batches import bind_batch
 from .errors import InvalidOptionError
-from .families import IsotropicGaussian
 from .rows import positions
 from .sites import compute_sites
 
@@ -50,18 +49,7 @@ def kl(q, p):
 def expected_site_values(sites, mean, cov):
     """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``."""
     diff = mean[None, :] - sites.refs()
-    if sites.storage == "factor":
-        jsj = jnp.einsum("nkd,de,nle->nkl", sites.jac, cov, sites.jac)
-        trace = jnp.einsum("nkl,nlk->n", sites.lam, jsj)
-        quad = jnp.einsum("nkd,nkl,nle,nd,ne->n", sites.jac, sites.lam, sites.jac, diff, diff)
-    elif sites.storage == "dense":
-        trace = jnp.einsum("nde,ed->n", sites.curvature, cov)
-        quad = jnp.einsum("nd,nde,ne->n", diff, sites.curvature, diff)
-    elif sites.storage == "diag":
-        trace = sites.curvature @ jnp.diag(cov)
-        quad = jnp.sum(sites.curvature * diff**2, 1)
-    else:
-        trace = quad = jnp.zeros(sites.num_examples, mean.dtype)
+    trace, quad = sites.curv.trace_quad(cov, diff)
     values = sites.grad @ mean + 0.5 * (quad + trace)
     p_diff = mean - sites.prior_ref
     prior = sites.prior_grad @ mean + 0.5 * (p_diff @ sites.prior_curvature @ p_diff
@@ -95,7 +83,7 @@ def information_gain(old, new):
         ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``).
     :raises ValueError: for the isotropic family, whose sites carry no curvature.
     """
-    if isinstance(new.family, IsotropicGaussian):
+    if new.family.fixed_precision:
         raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
         mean, cov = new.state.mean, new.covariance
@@ -130,27 +118,7 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
     cov = family.dense_covariance(q)
     dg = fresh.grad - stale.grad_at(q.mean)
     grad_part = jnp.sum((dg @ cov) * dg, 1)
-    if fresh.storage == "none" or stale.storage == "none":
-        curv_part = jnp.zeros_like(grad_part)
-    elif fresh.storage == "factor" and stale.storage == "factor":
-        if shared_jacobian:
-            stacked, signed = fresh.jac, fresh.lam - stale.lam
-        else:
-            stacked = jnp.concatenate([fresh.jac, stale.jac], 1)  # (n, 2k, d)
-            zeros = jnp.zeros_like(fresh.lam)
-            signed = jnp.concatenate([jnp.concatenate([fresh.lam, zeros], 2),
-                                      jnp.concatenate([zeros, -stale.lam], 2)], 1)  # blockdiag(Λ_f, −Λ_s)
-        projected = jnp.reshape(jnp.reshape(stacked, (-1, stacked.shape[-1])) @ cov, stacked.shape)
-        gram = jnp.sum(projected[:, :, None, :] * stacked[:, None, :, :], -1)  # U Σ Uᵀ per example
-        cg = jnp.sum(signed[:, :, :, None] * gram[:, None, :, :], 2)
-        curv_part = 0.5 * jnp.sum(cg * jnp.swapaxes(cg, 1, 2), (1, 2))
-    elif fresh.storage == "diag" and stale.storage == "diag":
-        dh = fresh.curvature - stale.curvature
-        curv_part = 0.5 * jnp.sum((dh @ (cov * cov)) * dh, 1)
-    else:
-        dh = fresh.dense_curvature() - stale.dense_curvature()
-        m = jnp.einsum("nde,ef->ndf", dh, cov)
-        curv_part = 0.5 * jnp.einsum("nde,ned->n", m, m)
+    curv_part = fresh.curv.mismatch(stale.curv, cov, shared_jacobian)
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
 
 

@@ -34,9 +34,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .errors import InvalidOptionError, NotPositiveDefiniteError
+from .errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedModelError
 
 __all__ = [
     "Gaussian",
@@ -46,6 +47,8 @@ __all__ = [
     "DiagonalGaussian",
     "IsotropicGaussian",
     "get_family",
+    "register_family",
+    "registered_families",
     "add_site",
     "remove_site",
     "scale_site",
@@ -94,6 +97,12 @@ class ExponentialFamily(ABC):
 
     name: str
     fixed_precision = False
+    #: what the family needs of the stored site curvature (0 nothing, 1 diagonals, 2 matrices)
+    curvature_detail = 2
+    #: storage chosen for ``storage="auto"`` (``None``: the model decides, factorised or dense)
+    default_storage = None
+    #: the solver needs the dense curvature sum ``Σ Ĥ_i`` beside the family's own (to precondition the mean)
+    needs_dense_sum = True
 
     @abstractmethod
     def natural(self, q):
@@ -150,6 +159,69 @@ class ExponentialFamily(ABC):
     @abstractmethod
     def is_positive_definite(self, precision):
         """Boolean (traceable) test of the precision format."""
+
+    # --- what the solver, sites and operations ask of a family (docs/notation.md) ---------
+
+    @abstractmethod
+    def curvature_sum(self, store, weights):
+        """``Σ_i w_i Ĥ_i`` of a :class:`~numpyro_pc.curvature.CurvatureStore` in this family's precision format."""
+
+    @abstractmethod
+    def site_curvatures(self, store):
+        """Per-example site precisions ``Ĥ_i`` in this family's format (leading axis ``N``)."""
+
+    def precision_residual(self, precision, target):
+        """Relative residual ``‖S − Σ Ĥ_i‖ / ‖S‖`` of the precision identity."""
+        return jnp.linalg.norm(precision - target) / jnp.linalg.norm(precision)
+
+    def fixed_point(self, q, target, dense):
+        """``(precision, mean preconditioner)`` of the undamped step to the target ``Σ Ĥ_i``.
+
+        ``dense`` is the dense sum ``Σ E_q[∇²ℓ_i]``: a Newton step on ``E_q[Σ ℓ_i]`` (paper
+        App. A.3), which reaches the fixed point far faster than a step preconditioned by a
+        diagonal or fixed precision.
+        """
+        return target, dense
+
+    def accepts_target(self, target):
+        """Whether a full step to the precision ``target`` stays in the family (host-side)."""
+        return True
+
+    def covariance_operand(self, q):
+        """What :meth:`quad_form_cov` and :meth:`cov_times` take as ``cov`` (formed once per call)."""
+        return None
+
+    def quad_form_cov(self, q, cov, a):
+        """``aᵀ Σ a`` for a vector ``a``."""
+        return jnp.sum(a**2 / q.precision)
+
+    def cov_times(self, q, cov, mat):
+        """``Σ @ mat`` for a ``(d, r)`` matrix."""
+        return mat / (q.precision[:, None] if jnp.ndim(q.precision) else q.precision)
+
+    def keep_fixed(self, current, new):
+        """The precision after an update to ``new`` (a fixed precision stays ``current``)."""
+        return new
+
+    def prior_natural(self, prior, tau=None):
+        """Natural parameters of a dense Gaussian ``prior`` in this family's format."""
+        return self.natural(Gaussian(prior.mean, self.project_curvature(prior.precision)))
+
+    def prior_tau(self, prior):
+        """The fixed precision a dense Gaussian prior gives the family (``None``: not fixed)."""
+        return None
+
+    @abstractmethod
+    def precision_shape(self, dim):
+        """Shape of a precision (and of a site's precision) in this family's format."""
+
+    @abstractmethod
+    def noisy_precision(self, precision, key, scale):
+        """``precision`` plus symmetric Gaussian noise of sd ``scale``, projected to positive semi-definite."""
+
+    def precision_spectrum(self, precision):
+        """``(symmetric, eigenvalues)`` of a host-side precision (``eigenvalues`` ``None``: nothing to check)."""
+        return True, np.sort(np.asarray(precision))
 
     def check_positive_definite(self, precision, what="precision"):
         """Raise :class:`NotPositiveDefiniteError` unless the precision is positive definite."""
@@ -230,6 +302,46 @@ class FullGaussian(ExponentialFamily):
         chol = jnp.linalg.cholesky(precision)
         return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
 
+    curvature_detail = 2
+    needs_dense_sum = False
+
+    def curvature_sum(self, store, weights):
+        return store.weighted_dense(weights)
+
+    def site_curvatures(self, store):
+        return store.dense()
+
+    def fixed_point(self, q, target, dense):
+        return target, target
+
+    def accepts_target(self, target):
+        return bool(self.is_positive_definite(target))
+
+    def covariance_operand(self, q):
+        return self.dense_covariance(q)
+
+    def quad_form_cov(self, q, cov, a):
+        return a @ cov @ a
+
+    def cov_times(self, q, cov, mat):
+        return cov @ mat
+
+    def precision_shape(self, dim):
+        return (dim, dim)
+
+    def noisy_precision(self, precision, key, scale):
+        z = jnp.triu(jax.random.normal(key, precision.shape, precision.dtype))
+        w, v = jnp.linalg.eigh(precision + scale * (z + jnp.triu(z, 1).T))
+        projected = (v * jnp.maximum(w, 0.0)) @ v.T
+        return 0.5 * (projected + projected.T)
+
+    def precision_spectrum(self, precision):
+        precision = np.asarray(precision)
+        atol = 1e-8 * max(1.0, float(np.max(np.abs(precision)))) if precision.size else 0.0
+        if not np.allclose(precision, precision.T, rtol=1e-6, atol=atol):
+            return False, None
+        return True, np.linalg.eigvalsh(0.5 * (precision + precision.T))
+
 
 @dataclass(frozen=True, repr=False)
 class DiagonalGaussian(ExponentialFamily):
@@ -283,6 +395,28 @@ class DiagonalGaussian(ExponentialFamily):
 
     def is_positive_definite(self, precision):
         return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
+
+    curvature_detail = 1
+    default_storage = "diag"
+
+    def curvature_sum(self, store, weights):
+        return store.weighted_diagonal(weights)
+
+    def site_curvatures(self, store):
+        return store.diagonals()
+
+    def prior_natural(self, prior, tau=None):
+        off = prior.precision - jnp.diag(jnp.diag(prior.precision))
+        if bool(jnp.any(off != 0)):
+            raise UnsupportedModelError("the diagonal family needs a prior with independent coordinates "
+                                        "(a diagonal prior precision in unconstrained space)")
+        return super().prior_natural(prior)
+
+    def precision_shape(self, dim):
+        return (dim,)
+
+    def noisy_precision(self, precision, key, scale):
+        return jnp.maximum(precision + scale * jax.random.normal(key, precision.shape, precision.dtype), 0.0)
 
 
 @dataclass(frozen=True, repr=False)
@@ -343,16 +477,75 @@ class IsotropicGaussian(ExponentialFamily):
     def is_positive_definite(self, precision):
         return jnp.isfinite(precision) & (precision > 0)
 
+    curvature_detail = 0
+    default_storage = "none"
+
+    def curvature_sum(self, store, weights):
+        return jnp.zeros((), weights.dtype)
+
+    def site_curvatures(self, store):
+        return jnp.zeros(store.num_examples, jax.tree.leaves(store)[0].dtype)
+
+    def precision_residual(self, precision, target):
+        return jnp.zeros((), jnp.result_type(precision))
+
+    def fixed_point(self, q, target, dense):
+        return q.precision, dense
+
+    def keep_fixed(self, current, new):
+        return current
+
+    def prior_natural(self, prior, tau=None):
+        tau = jnp.asarray(1.0 if tau is None else tau, prior.mean.dtype)
+        return GaussianNatural(tau * prior.mean, tau)
+
+    def prior_tau(self, prior):
+        return jnp.mean(jnp.diag(prior.precision))
+
+    def precision_shape(self, dim):
+        return ()
+
+    def noisy_precision(self, precision, key, scale):
+        return precision
+
+    def precision_spectrum(self, precision):
+        return True, None
+
 
 _FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic": IsotropicGaussian()}
 _ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
 
 
+def register_family(family, aliases=()):
+    """Make ``family`` (an :class:`ExponentialFamily` instance) available by its ``name``.
+
+    After registration ``pc.fit(..., family=name)``, saved files and every operation accept
+    it; docs/architecture.md, "Adding a family", lists the methods a family implements.
+
+    :raises InvalidOptionError: ``family`` is not an :class:`ExponentialFamily`, or its
+        name or an alias is taken by another family.
+    """
+    if not isinstance(family, ExponentialFamily):
+        raise InvalidOptionError(f"register_family expects an ExponentialFamily instance, found {type(family).__name__}")
+    for name in (family.name, *aliases):
+        taken = _FAMILIES.get(_ALIASES.get(name, name))
+        if taken is not None and taken != family:
+            raise InvalidOptionError(f"the family name {name!r} is taken by {taken!r}")
+    _FAMILIES[family.name] = family
+    _ALIASES.update({alias: family.name for alias in aliases})
+    return family
+
+
+def registered_families():
+    """``{name: family}`` of every registered family."""
+    return dict(_FAMILIES)
+
+
 def get_family(family):
-    """Return a family instance from a name (``"full"``, ``"diagonal"``, ``"isotropic"``) or instance."""
+    """Return a family instance from a registered name (``"full"``, ``"diagonal"``, ``"isotropic"``, …) or instance."""
     if isinstance(family, ExponentialFamily):
         return family
-    key = _ALIASES.get(family, family)
-    if key not in _FAMILIES:
+    key = _ALIASES.get(family, family) if isinstance(family, str) else family
+    if not isinstance(key, str) or key not in _FAMILIES:
         raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
     return _FAMILIES[key]

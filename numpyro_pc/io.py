@@ -39,6 +39,7 @@ from .likelihood import ModelData, bind_model
 from .rowops import to_device
 from .sites import Sites
 from .solvers import dual_residual
+from .posterior import DualPosterior
 from .validation import (DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest,
                          check_residual)
 
@@ -61,10 +62,8 @@ def _json_static(value, name):
 def _arrays(post):
     arrays = {"mean": post.state.mean, "precision": post.state.precision, "data_ids": post.data_ids,
               "tombstones": np.asarray(post.tombstones, np.int64)}
-    for name in SITE_ARRAYS:
-        value = getattr(post.sites, name)
-        if value is not None:
-            arrays[f"sites.{name}"] = value
+    for name, value in post.sites.arrays().items():
+        arrays[f"sites.{name}"] = value
     if post.offset is not None:
         arrays["offset.linear"], arrays["offset.precision"] = post.offset.linear, post.offset.precision
     for k, leaf in enumerate(post.data.per_example):
@@ -166,8 +165,6 @@ def load(path, model, key=None):
         :class:`~numpyro_pc.errors.DtypeMismatchError` or :class:`~numpyro_pc.errors.SavedModelMismatchError`
         (also a :class:`~numpyro_pc.errors.ModelMismatchError`).
     """
-    from .posterior import DualPosterior
-
     manifest, arrays, signed = read_archive(path, check_manifest, key=key)
     if manifest.get("signed") and not signed:
         raise IntegrityError(f"{path} was signed when saved but its signature member was removed")
@@ -181,9 +178,8 @@ def load(path, model, key=None):
     check_contents(manifest, arrays)
     family = get_family(manifest["family"])
     with jax.enable_x64(dtype == "float64"):
-        site_fields = {name: (to_device(arrays[f"sites.{name}"]) if f"sites.{name}" in arrays else None)
-                       for name in SITE_ARRAYS}
-        sites = Sites(storage=manifest["storage"], **site_fields)
+        site_fields = {name: to_device(arrays[f"sites.{name}"]) for name in SITE_ARRAYS if f"sites.{name}" in arrays}
+        sites = Sites.from_arrays(manifest["storage"], site_fields)
         state = Gaussian(to_device(arrays["mean"]), to_device(arrays["precision"]))
         offset = None
         if "offset.linear" in arrays:

@@ -52,7 +52,7 @@ import numpy as np
 
 from .errors import (IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError,
                      UnsupportedModelError)
-from .families import DiagonalGaussian, Gaussian, GaussianNatural, IsotropicGaussian
+from .families import Gaussian
 from .likelihood import losses, prior_loss
 from .posterior import build_posterior
 from .rows import concat_data, take_data
@@ -97,15 +97,7 @@ def prior_natural(family, prior, tau=None):
     The diagonal family needs a diagonal prior precision; the isotropic family keeps its
     fixed precision ``tau`` (the prior's curvature enters through its base measure).
     """
-    if isinstance(family, IsotropicGaussian):
-        tau = jnp.asarray(1.0 if tau is None else tau, prior.mean.dtype)
-        return GaussianNatural(tau * prior.mean, tau)
-    if isinstance(family, DiagonalGaussian):
-        off = prior.precision - jnp.diag(jnp.diag(prior.precision))
-        if bool(jnp.any(off != 0)):
-            raise UnsupportedModelError("the diagonal family needs a prior with independent coordinates "
-                                        "(a diagonal prior precision in unconstrained space)")
-    return family.natural(Gaussian(prior.mean, family.project_curvature(prior.precision)))
+    return family.prior_natural(prior, tau)
 
 
 def _check(base, posts, alphas, method):
@@ -183,9 +175,7 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
         raise NotPositiveDefiniteError(f"the {method} merge's precision H = H_pre + Σ α_i H_i is not positive "
                                        "definite (negative α or non-convex losses at the task means)")
     mean = base_q.mean + jax.scipy.linalg.cho_solve((chol, True), rhs)
-    if isinstance(family, IsotropicGaussian):
-        return Gaussian(mean, base_q.precision)
-    return Gaussian(mean, family.project_curvature(h))
+    return Gaussian(mean, family.keep_fixed(base_q.precision, family.project_curvature(h)))
 
 
 def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
@@ -213,7 +203,7 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
         task_data = [_take(p.data, rows) for p, rows in zip(posts, task_rows)]
         if base is None:
             prior = gaussian_prior(first.spec, first.data)
-            tau = first.state.precision if isinstance(family, IsotropicGaussian) else None
+            tau = first.state.precision if family.fixed_precision else None
             base_nat = prior_natural(family, prior, tau)
             base_q = family.from_natural(base_nat)
             base_hessian = prior.precision

@@ -28,7 +28,7 @@ from . import guides as _guides
 from .errors import (ConvergenceError, DataShapeError, IncompatiblePosteriorsError, InvalidOptionError,
                      MonteCarloErrorWarning, NonFiniteResultError, PointEstimateWarning)
 from .expectations import get_rule, prepare_rule
-from .families import FullGaussian, Gaussian, IsotropicGaussian, add_site, get_family
+from .families import Gaussian, add_site, get_family
 from .likelihood import bind_model, constrain, example_site_log_likelihoods, prior_loss
 from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
@@ -437,7 +437,7 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
                           chunk_size, to_device(ids), None, True, weights)
-    sites, sums = problem.sites(q, need_hessian_sum=not isinstance(family, FullGaussian))
+    sites, sums = problem.sites(q, need_hessian_sum=family.needs_dense_sum)
     post = DualPosterior(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (),
                          guide)
     if refine:  # the solver starts from the sites just computed
@@ -546,7 +546,7 @@ def fit(model, *args, family="full", expectation=None, curvature="hessian", stor
     dtype = _float_dtype()
     start = _start(spec, data, fam, init, dtype)
     if expectation is None:
-        expectation = "delta" if isinstance(fam, IsotropicGaussian) else "auto"
+        expectation = "delta" if fam.fixed_precision else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     post = build_posterior(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                  max_iters, progress, raise_on_failure)

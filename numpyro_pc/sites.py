@@ -4,19 +4,11 @@ r"""Per-example sites ``ℓ̂_i(z) = zᵀĝ_i + ½ (z − m)ᵀ Ĥ_i (z − m)``
 Gauss–Newton form) for every element of the data plate plus the prior site
 ``(ĝ_0, Ĥ_0)``, with one of the expectation rules of :mod:`numpyro_pc.expectations`.
 
-Curvature storage (``Sites.storage``):
-
-``"diag"``
-    ``(N, d)`` diagonals — the diagonal family.
-``"factor"``
-    ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J_i`` ``(N, k, d)`` the Jacobian of the example's ``k``
-    distribution parameters and ``Λ_i`` ``(N, k, k)`` — exact for GLM-type models
-    (``θ_i`` affine in ``z``), the Gauss–Newton approximation otherwise; ``O(N·k·d)``.
-``"dense"``
-    ``(N, d, d)`` — only when asked, or automatically for small problems that have no
-    exact factorisation.
-``"none"``
-    no curvature — the isotropic family.
+The per-example curvatures are held by one of the storage classes of
+:mod:`numpyro_pc.curvature` (``Sites.curv``): ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, exact
+for GLM-type models, Gauss–Newton otherwise), ``"dense"`` (only when asked, or
+automatically for small problems without an exact factorisation), ``"diag"`` (the diagonal
+family) or ``"none"`` (the isotropic family).
 
 Examples are processed in chunks (``lax.scan`` over padded, masked chunks) so that
 transient per-example Hessians never exceed a fixed memory budget, and chunks are
@@ -36,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from .curvature import FULL, CurvatureStore, Dense, Factor, get_store
 from .errors import DataShapeError, InvalidOptionError, SiteStorageError
 from .expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
-from .families import DiagonalGaussian, FullGaussian, GaussianNatural, IsotropicGaussian
+from .families import GaussianNatural
 from .likelihood import example_loss, example_params, prior_loss
 from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
 
@@ -61,17 +54,16 @@ def trace_count():
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
-                      "prior_curvature", "prior_loss", "prior_ref"],
-         meta_fields=["storage"])
+         data_fields=["grad", "curv", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature",
+                      "prior_loss", "prior_ref"],
+         meta_fields=[])
 @dataclass(frozen=True)
 class Sites:
     """Cached sites of every example and of the prior.
 
     :ivar grad: ``(N, d)`` expected gradients ``ĝ_i``.
-    :ivar curvature: ``(N, d)`` diagonals or ``(N, d, d)`` dense curvatures, or ``None``.
-    :ivar jac: ``(N, k, d)`` parameter Jacobians (``"factor"`` storage) or ``None``.
-    :ivar lam: ``(N, k, k)`` expected loss Hessians w.r.t. the parameters, or ``None``.
+    :ivar curv: the per-example curvatures ``Ĥ_i``, a
+        :class:`~numpyro_pc.curvature.CurvatureStore` (factorised, dense, diagonal or none).
     :ivar loss: ``(N,)`` expected losses ``E_q[ℓ_i]``.
     :ivar ids: ``(N,)`` stable integer example ids.
     :ivar ref_index: ``(N,)`` row of ``ref_means`` holding the mean each site was computed at.
@@ -82,13 +74,10 @@ class Sites:
     :ivar prior_curvature: dense ``Ĥ_0``.
     :ivar prior_loss: ``E_q[ℓ_0]``.
     :ivar prior_ref: the mean the prior site was computed at.
-    :ivar storage: ``"diag"``, ``"factor"``, ``"dense"`` or ``"none"``.
     """
 
     grad: jax.Array
-    curvature: jax.Array | None
-    jac: jax.Array | None
-    lam: jax.Array | None
+    curv: CurvatureStore
     loss: jax.Array
     ids: jax.Array
     ref_index: jax.Array
@@ -97,7 +86,11 @@ class Sites:
     prior_curvature: jax.Array
     prior_loss: jax.Array
     prior_ref: jax.Array
-    storage: str
+
+    @property
+    def storage(self):
+        """The curvature storage's name (``"factor"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
+        return self.curv.name
 
     @property
     def num_examples(self):
@@ -113,38 +106,16 @@ class Sites:
 
     def example_curvature_sum(self, family, weights=None):
         """``Σ_{i=1..N} w_i Ĥ_i`` in the family's precision format (``w_i = 1`` by default)."""
-        if isinstance(family, IsotropicGaussian):
-            return jnp.zeros((), self.grad.dtype)
         w = jnp.ones(self.num_examples, self.grad.dtype) if weights is None else weights
-        if self.storage == "factor":
-            if isinstance(family, DiagonalGaussian):
-                return jnp.einsum("n,nkd,nkl,nld->d", w, self.jac, self.lam, self.jac)
-            return jnp.einsum("n,nkd,nkl,nle->de", w, self.jac, self.lam, self.jac)
-        if self.storage == "dense":
-            return family.project_curvature(jnp.einsum("n,nde->de", w, self.curvature))
-        if self.storage == "diag" and isinstance(family, DiagonalGaussian):
-            return w @ self.curvature
-        raise SiteStorageError(f"sites stored as {self.storage!r} cannot give the curvature of the {family.name} family")
+        return family.curvature_sum(self.curv, w)
 
     def dense_curvature(self):
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
-        if self.storage == "factor":
-            return jnp.einsum("nkd,nkl,nle->nde", self.jac, self.lam, self.jac)
-        if self.storage == "dense":
-            return self.curvature
-        if self.storage == "diag":
-            return jax.vmap(jnp.diag)(self.curvature)
-        raise SiteStorageError("isotropic sites carry no curvature")
+        return self.curv.dense()
 
     def curvature_trace(self):
         """``tr Ĥ_i`` per example — a scalar 'weight' of each site in the posterior."""
-        if self.storage == "factor":
-            return jnp.einsum("nkd,nkl,nld->n", self.jac, self.lam, self.jac)
-        if self.storage == "dense":
-            return jnp.trace(self.curvature, axis1=1, axis2=2)
-        if self.storage == "diag":
-            return jnp.sum(self.curvature, 1)
-        return jnp.zeros(self.grad.shape[0], self.grad.dtype)
+        return self.curv.trace()
 
     def refs(self):
         """``(N, d)`` the mean each example's site was computed at."""
@@ -152,13 +123,7 @@ class Sites:
 
     def curvature_matvec(self, v):
         """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
-        if self.storage == "factor":
-            return jnp.einsum("nkd,nkl,nle,ne->nd", self.jac, self.lam, self.jac, v)
-        if self.storage == "dense":
-            return jnp.einsum("nde,ne->nd", self.curvature, v)
-        if self.storage == "diag":
-            return self.curvature * v
-        return jnp.zeros_like(v)
+        return self.curv.matvec(v)
 
     def grad_at(self, mean):
         """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
@@ -170,14 +135,7 @@ class Sites:
 
     def natural(self, family):
         """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
-        linear = self.curvature_matvec(self.refs()) - self.grad
-        if isinstance(family, IsotropicGaussian):
-            curv = jnp.zeros(self.grad.shape[0], self.grad.dtype)
-        elif isinstance(family, DiagonalGaussian) and self.storage == "diag":
-            curv = self.curvature
-        else:
-            curv = family.project_curvature(self.dense_curvature())
-        return GaussianNatural(linear, curv)
+        return GaussianNatural(self.curvature_matvec(self.refs()) - self.grad, family.site_curvatures(self.curv))
 
     def natural_sum(self, family, weights=None):
         """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
@@ -199,10 +157,8 @@ class Sites:
         if is_every_row(index, self.num_examples):
             return self  # no copy
         pick = lambda x: take_rows(x, index)  # noqa: E731
-        return Sites(grad=pick(self.grad), curvature=pick(self.curvature), jac=pick(self.jac), lam=pick(self.lam),
-                     loss=pick(self.loss), ids=pick(self.ids), ref_index=pick(self.ref_index),
-                     ref_means=self.ref_means, prior_grad=self.prior_grad, prior_curvature=self.prior_curvature,
-                     prior_loss=self.prior_loss, prior_ref=self.prior_ref, storage=self.storage)
+        return replace(self, grad=pick(self.grad), curv=self.curv.take(index), loss=pick(self.loss),
+                       ids=pick(self.ids), ref_index=pick(self.ref_index))
 
     def bucketed(self, weights=None):
         """``(sites, weights)`` padded to :func:`~numpyro_pc.rowops.bucket_size` rows (and reference
@@ -225,30 +181,43 @@ class Sites:
         Sums over padded sites must give the copies weight 0; in exchange, compiled sums see
         a few bucket shapes instead of one shape per stream length.
         """
-        pad = lambda x, n: None if x is None else pad_last_row(x, n)  # noqa: E731
         extra = num - self.num_examples
-        return replace(self, grad=pad(self.grad, extra), curvature=pad(self.curvature, extra), jac=pad(self.jac, extra),
-                       lam=pad(self.lam, extra), loss=pad(self.loss, extra), ids=pad(self.ids, extra),
-                       ref_index=pad(self.ref_index, extra),
-                       ref_means=pad(self.ref_means, num_refs - self.ref_means.shape[0]))
+        pad = lambda x: pad_last_row(x, extra)  # noqa: E731
+        return replace(self, grad=pad(self.grad), curv=self.curv.padded(extra), loss=pad(self.loss),
+                       ids=pad(self.ids), ref_index=pad(self.ref_index),
+                       ref_means=pad_last_row(self.ref_means, num_refs - self.ref_means.shape[0]))
 
     def concat(self, other, prior_from="other"):
         """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
-        if other.storage != self.storage:
-            raise SiteStorageError(f"cannot join sites stored as {self.storage!r} and {other.storage!r}")
         join = join_rows
         prior = other if prior_from == "other" else self
-        return Sites(grad=join(self.grad, other.grad), curvature=join(self.curvature, other.curvature),
-                     jac=join(self.jac, other.jac), lam=join(self.lam, other.lam), loss=join(self.loss, other.loss),
-                     ids=join(self.ids, other.ids),
+        return Sites(grad=join(self.grad, other.grad), curv=self.curv.join(other.curv),
+                     loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
                      ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
                      ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
-                     prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref,
-                     storage=self.storage)
+                     prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref)
 
     def stored_numbers(self):
         """How many numbers the per-example sites hold (gradients and curvature)."""
-        return sum(int(np.prod(x.shape)) for x in (self.grad, self.curvature, self.jac, self.lam) if x is not None)
+        return int(np.prod(self.grad.shape)) + self.curv.stored_numbers()
+
+    def arrays(self):
+        """``{name: array}`` of every field, the curvature store's fields by their own names (for files)."""
+        out = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        out.update(self.curv.arrays())
+        return out
+
+    @classmethod
+    def from_arrays(cls, storage, arrays):
+        """Sites from :meth:`arrays`' output and the storage's name (a saved posterior's)."""
+        store = get_store(storage)
+        num = arrays["grad"].shape[0]
+        curv = store.from_arrays({k: arrays[k] for k in store.file_shapes(0, 0, 0)}, num, arrays["grad"].dtype)
+        return cls(curv=curv, **{name: arrays[name] for name in _PLAIN_FIELDS})
+
+
+_PLAIN_FIELDS = ("grad", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature", "prior_loss",
+                 "prior_ref")
 
 
 class SiteSums(NamedTuple):
@@ -264,47 +233,43 @@ class SiteConfig:
 
     rule: object
     curvature: str = "hessian"
-    storage: str = "factor"
+    storage: type = Factor
     chunk_size: int = 256
     num_devices: int = 1
     need_hessian_sum: bool = False
 
 
 def resolve_storage(storage, family, spec, rule, curvature):
-    """Choose the storage for ``storage="auto"`` and validate an explicit choice."""
+    """The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model."""
     d, n = spec.latent.dim, spec.num_examples
     factorisable = rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
-    if storage == "auto":
-        if isinstance(family, IsotropicGaussian):
-            return "none"
-        if isinstance(family, DiagonalGaussian):
-            return "diag"
+    if isinstance(storage, str) and storage == "auto":
+        if family.default_storage is not None:
+            return get_store(family.default_storage)
         if factorisable and spec.num_params > 0:
-            return "factor"
+            return Factor
         if n * d * d <= _DENSE_AUTO_LIMIT:
-            return "dense"
+            return Dense
         raise SiteStorageError(
             f"the per-example Hessians of this model do not factorise exactly (its {spec.num_params} "
             f"distribution parameter(s) are not affine in z) and dense storage would hold N·d² = {n * d * d:.3g} "
             "numbers; pass curvature='ggn' (Gauss–Newton, factorised), or storage='dense' to accept the memory."
         )
-    if storage not in ("diag", "factor", "dense", "none"):
-        raise InvalidOptionError(f"unknown storage {storage!r}; expected 'auto', 'diag', 'factor', 'dense' or 'none'")
-    if storage == "factor" and not (factorisable and spec.num_params > 0):
-        raise SiteStorageError("storage='factor' needs distribution parameters affine in z, or curvature='ggn' "
-                               "with the delta rule; use storage='dense'.")
-    if isinstance(family, FullGaussian) and storage in ("diag", "none"):
-        raise SiteStorageError(f"the full family needs full per-example curvature; storage={storage!r} cannot hold it")
-    if isinstance(family, DiagonalGaussian) and storage == "none":
-        raise SiteStorageError("the diagonal family needs per-example curvature; storage='none' cannot hold it")
-    return storage
+    store = get_store(storage)
+    if store.keeps_jacobian and not (factorisable and spec.num_params > 0):
+        raise SiteStorageError(f"storage={store.name!r} needs distribution parameters affine in z, or "
+                               "curvature='ggn' with the delta rule; use storage='dense'.")
+    if store.detail < family.curvature_detail:
+        raise SiteStorageError(f"the {family.name} family needs more per-example curvature than "
+                               f"storage={store.name!r} holds")
+    return store
 
 
 def default_chunk_size(spec, storage, curvature, num_examples):
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
-    dense_transient = storage == "dense" or not _uses_params(spec, storage, curvature)
+    dense_transient = storage is Dense or not _uses_params(spec, storage, curvature)
     per_example = d * d if dense_transient else 4 * k * d
     largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
     chunks = int(math.ceil(num_examples / largest))
@@ -313,7 +278,7 @@ def default_chunk_size(spec, storage, curvature, num_examples):
 
 def _uses_params(spec, storage, curvature):
     """Whether per-example curvature goes through the distribution parameters (``J_iᵀ Λ_i J_i``)."""
-    return spec.num_params > 0 and (storage == "factor" or curvature == "ggn" or spec.affine)
+    return spec.num_params > 0 and (storage.keeps_jacobian or curvature == "ggn" or spec.affine)
 
 
 def _psd(lam):
@@ -336,27 +301,6 @@ def _point_terms(spec, cfg, z, ex, shared):
     f = lambda zz: example_loss(spec, zz, ex, shared)  # noqa: E731
     loss, grad = jax.value_and_grad(f)(z)
     return loss, grad, None, jax.hessian(f)(z)
-
-
-def _store(cfg, jac, curv):
-    """Convert a point's curvature (factor pair or dense) to stored and dense forms."""
-    if jac is not None:
-        if cfg.storage == "factor":
-            return curv, None
-        dense = jac.T @ curv @ jac
-    else:
-        dense = curv
-    stored = {"diag": jnp.diag(dense), "dense": dense, "none": None}[cfg.storage]
-    return stored, dense
-
-
-def _quad_form_cov(family, q, cov, a):
-    """``aᵀ Σ a`` (``cov`` is the dense covariance for the full family, formed once per call)."""
-    if isinstance(family, FullGaussian):
-        return a @ cov @ a
-    if isinstance(family, DiagonalGaussian):
-        return jnp.sum(a**2 / q.precision)
-    return jnp.sum(a**2) / q.precision
 
 
 def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
@@ -384,7 +328,7 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
             theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
             theta, loss_fn = example_params(spec, q.mean, ex, shared)
             jac = jax.jacrev(theta_fn)(q.mean)
-            std = jnp.sqrt(_quad_form_cov(family, q, cov, jac[0]))
+            std = jnp.sqrt(family.quad_form_cov(q, cov, jac[0]))
             points = theta[0] + std * nodes
             scalar_loss = lambda t: loss_fn(jnp.reshape(t, (1,)))  # noqa: E731
             phi = jax.vmap(scalar_loss)(points)
@@ -394,7 +338,7 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
             if cfg.curvature == "ggn":
                 e2 = jnp.maximum(e2, 0.0)
             lam = jnp.reshape(e2, (1, 1))
-            stored, dense = _store(cfg, jac, lam)
+            stored, dense = cfg.storage.from_point(jac, lam)
             return (jnp.dot(node_w, phi), jac[0] * jnp.dot(node_w, d1), jac, stored), dense
 
         (loss, grad, jac, stored), dense = jax.vmap(one)(ex_chunk)
@@ -403,7 +347,7 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if rule.kind == "delta":
         def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, q.mean, ex, shared)
-            stored, dense = _store(cfg, jac, curv)
+            stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, jac, stored), dense
 
         per, dense = jax.vmap(one)(ex_chunk)
@@ -430,13 +374,13 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
 
     samples = extra  # (S, d) fixed draws
     jac_at_mean = None
-    if cfg.storage == "factor":  # affine: the Jacobian does not depend on z
+    if cfg.storage.keeps_jacobian:  # affine: the Jacobian does not depend on z
         jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
 
     def at_sample(z):
         def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
-            stored, dense = _store(cfg, jac, curv)
+            stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, stored), dense
 
         (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
@@ -452,15 +396,6 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     return (loss, grad, jac_at_mean, stored), dsum
 
 
-def _cov_times(family, q, cov, mat):
-    """``Σ @ mat`` for a ``(d, r)`` matrix (``cov`` is the dense covariance for the full family)."""
-    if isinstance(family, FullGaussian):
-        return cov @ mat
-    if isinstance(family, DiagonalGaussian):
-        return mat / q.precision[:, None]
-    return mat / q.precision
-
-
 def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     """Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
 
@@ -470,7 +405,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     """
     nodes, node_w, cov = extra
     basis = subspace_basis(spec, q.mean, ex, shared, cfg.rule.subspace_dim)  # (r, d)
-    spread = _cov_times(family, q, cov, basis.T)  # Σ Pᵀ, (d, r)
+    spread = family.cov_times(q, cov, basis.T)  # Σ Pᵀ, (d, r)
     v = basis @ spread
     eye = jnp.eye(v.shape[0], dtype=v.dtype)
     chol = jnp.linalg.cholesky(0.5 * (v + v.T) + eye * jnp.finfo(v.dtype).eps * jnp.trace(v))
@@ -487,7 +422,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     lam = jnp.einsum("k,kab->ab", node_w, hessians)
     if cfg.curvature == "ggn":
         lam = _psd(lam)
-    stored, dense = _store(cfg, basis, lam)
+    stored, dense = cfg.storage.from_point(basis, lam)
     return (node_w @ values, (node_w @ grads) @ basis, basis, stored), dense
 
 
@@ -535,8 +470,8 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
 
 def _reparam(cfg, family):
     """Whether the Monte Carlo sites take the reparameterisation precision estimator."""
-    return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and isinstance(family, FullGaussian)
-            and cfg.storage == "dense" and cfg.curvature == "hessian")
+    return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and not family.needs_dense_sum
+            and cfg.storage is Dense and cfg.curvature == "hessian")
 
 
 def _reparam_curvature(chol, cross):
@@ -618,7 +553,7 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     elif rule.kind == "mc":
         extra = family.draws(q, mc_noise(rule, q.mean.shape[0], q.mean.dtype))
     elif rule.kind == "gh":
-        cov = family.dense_covariance(q) if isinstance(family, FullGaussian) else None
+        cov = family.covariance_operand(q)
         if rule.subspace_dim:
             extra = (*tensor_hermite_nodes(rule.nodes_per_dim, rule.subspace_dim, q.mean.dtype), cov)
         else:
@@ -635,16 +570,12 @@ def _compute(spec, cfg, family, q, data, ids, weights):
         p_loss, p_grad, p_hess = _prior_terms_reparam(spec, chol, data, *extra)
     else:
         p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
-    curvature = None if cfg.storage in ("factor", "none") else stored
-    lam = stored if cfg.storage == "factor" else None
-    sites = Sites(grad=grad, curvature=curvature, jac=jac if cfg.storage == "factor" else None, lam=lam,
-                  loss=loss, ids=ids, ref_index=jnp.zeros(num, jnp.int32), ref_means=q.mean[None, :],
-                  prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss, prior_ref=q.mean,
-                  storage=cfg.storage)
-    if cfg.need_hessian_sum and cfg.storage == "factor":
-        hess_sum = jnp.einsum("n,nkd,nkl,nle->de", weights, jac, lam, jac)
-    elif cfg.need_hessian_sum and cfg.storage == "dense":
-        hess_sum = jnp.einsum("n,nde->de", weights, stored)
+    curv = cfg.storage.assemble(jac, stored, num, q.mean.dtype)
+    sites = Sites(grad=grad, curv=curv, loss=loss, ids=ids, ref_index=jnp.zeros(num, jnp.int32),
+                  ref_means=q.mean[None, :], prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss,
+                  prior_ref=q.mean)
+    if cfg.need_hessian_sum and cfg.storage.detail == FULL:
+        hess_sum = curv.weighted_dense(weights)
     return sites, SiteSums(hessian=hess_sum, loss=weights @ loss)
 
 

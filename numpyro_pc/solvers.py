@@ -34,7 +34,8 @@ import numpy as np
 from jax.scipy.linalg import cho_solve
 
 from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
-from .families import FullGaussian, Gaussian, IsotropicGaussian
+from .curvature import FULL, NONE
+from .families import Gaussian
 from .rowops import all_finite
 from .sites import compute_sites
 
@@ -143,10 +144,7 @@ def dual_residual(family, q, sites, base=None, include_prior=True, weights=None)
 def _residual_from_totals(family, q, totals):
     grad, norms, curv = totals[:3]
     r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
-    if isinstance(family, IsotropicGaussian):
-        r_prec = 0.0
-    else:
-        r_prec = float(jnp.linalg.norm(q.precision - curv) / jnp.linalg.norm(q.precision))
+    r_prec = float(family.precision_residual(q.precision, curv))
     return max(r_mean, r_prec), {"mean": r_mean, "precision": r_prec}
 
 
@@ -206,11 +204,8 @@ def _check_finite(sites):
 
 def _fixed_point_map(problem, point):
     """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
-    family = problem.family
     grad, _, target, dense, _ = point.totals
-    if isinstance(family, IsotropicGaussian):
-        target = point.q.precision
-    pre = target if isinstance(family, FullGaussian) else dense
+    target, pre = problem.family.fixed_point(point.q, target, dense)
     chol, _ = _regularised_chol(pre)
     return -cho_solve((chol, True), grad), target
 
@@ -259,7 +254,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     """
     family = problem.family
     tol = default_tol(q.mean.dtype) if tol is None else float(tol)
-    need_sum = not isinstance(family, FullGaussian)
+    need_sum = family.needs_dense_sum
     start = time.perf_counter()
     if sites is None or sums is None:
         sites, sums = problem.sites(q, need_hessian_sum=need_sum)
@@ -309,7 +304,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
             rho, accelerated = 1.0, outcome is not None
         if outcome is None:
             xs, fs = xs[-1:], fs[-1:]  # restart the acceleration from the current point
-            target_pd = not isinstance(family, FullGaussian) or bool(family.is_positive_definite(target))
+            target_pd = family.accepts_target(target)
             for permissive in (False, True):  # a falling residual far away counts only as a last resort
                 rho = float(step_size)
                 while rho >= min_step and outcome is None:
@@ -380,16 +375,14 @@ def _check_representable(problem, point):
     result is refused — however small its residual.
     """
     family, q, sites = problem.family, point.q, point.sites
-    if q.mean.dtype == jnp.float64 or sites.storage == "none":
+    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE:
         return
     w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
-    if sites.storage == "factor":
-        total = np.einsum("n,nkd,nkl,nle->de", w, f64(sites.jac), f64(sites.lam), f64(sites.jac))
-    elif sites.storage == "dense":
-        total = np.einsum("n,nde->de", w, f64(sites.curvature))
-    else:
-        total = np.diag(w @ f64(sites.curvature))
+    with jax.enable_x64(True):
+        store = jax.tree.map(lambda x: jnp.asarray(f64(x)), sites.curv)
+        weights = jnp.asarray(w)
+        total = f64(store.weighted_dense(weights) if store.detail == FULL else jnp.diag(store.weighted_diagonal(weights)))
     if problem.include_prior:
         total = total + f64(sites.prior_curvature)
     if problem.base is not None:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
-from .families import FullGaussian, Gaussian, GaussianNatural, add_site, remove_site
+from .families import Gaussian, GaussianNatural, add_site, remove_site
 from .rowops import bucket_size, join_rows, to_device
 from .correction import solve_update
 from .rows import concat_data, pad_to_bucket, positions, take_data
@@ -78,9 +78,9 @@ def _write_rows(table, rows, fresh, mean):
     Kept apart from :func:`_sag_step`, which reads the table: a scatter into a buffer
     that the same program also gathers from makes XLA copy the whole table first.
     """
-    put = lambda a, b: None if a is None else a.at[rows].set(b)  # noqa: E731
-    return replace(table, grad=put(table.grad, fresh.grad), curvature=put(table.curvature, fresh.curvature),
-                   jac=put(table.jac, fresh.jac), lam=put(table.lam, fresh.lam), loss=put(table.loss, fresh.loss),
+    put = lambda a, b: a.at[rows].set(b)  # noqa: E731
+    return replace(table, grad=put(table.grad, fresh.grad), curv=jax.tree.map(put, table.curv, fresh.curv),
+                   loss=put(table.loss, fresh.loss),
                    ref_means=table.ref_means.at[rows].set(jnp.broadcast_to(mean, (rows.shape[0], mean.shape[0]))),
                    prior_grad=fresh.prior_grad, prior_curvature=fresh.prior_curvature, prior_loss=fresh.prior_loss,
                    prior_ref=fresh.prior_ref)
@@ -153,7 +153,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     """
 
     family, dtype = post.family, post.state.mean.dtype
-    if not isinstance(family, FullGaussian):
+    if family.needs_dense_sum:
         raise InvalidOptionError(
             f"correction='stochastic' needs the full family (found {family.name}): its table of sites gives the "
             "full curvature that preconditions each step, which diagonal sites cannot; use correction='exact' "

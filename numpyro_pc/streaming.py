@@ -80,8 +80,7 @@ def select_memory(post, size, rule="random", seed=0):
         score = np.asarray(sites.curvature_trace())
     elif rule == "leverage":
         cov = post.covariance
-        score = np.asarray(jnp.einsum("nde,ed->n", sites.dense_curvature(), cov)) if sites.storage != "factor" else \
-            np.asarray(jnp.einsum("nkl,nld,de,nke->n", sites.lam, sites.jac, cov, sites.jac))
+        score = np.asarray(sites.curv.trace_quad(cov, jnp.zeros_like(sites.grad))[0])
     else:
         raise InvalidOptionError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
     return ids[np.sort(np.argsort(-score, kind="stable")[:size])]

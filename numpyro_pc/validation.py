@@ -23,7 +23,9 @@ import re
 
 import numpy as np
 
+from .curvature import STORES
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError
+from .families import get_family, registered_families
 
 __all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND", "check_manifest",
            "check_contents", "check_residual"]
@@ -32,12 +34,19 @@ FORMAT = "numpyro_pc.dual_posterior"
 VERSION = 1
 SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
                "prior_curvature", "prior_loss", "prior_ref")
+_CURVATURE_ARRAYS = {name for store in STORES.values() for name in store.file_shapes(0, 0, 0)}
 FLOAT_DTYPES = ("float32", "float64")
 INT_DTYPES = ("int32", "int64")
 DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
                "float32", "float64")
-_FAMILY_STORAGE = {"full": ("factor", "dense"), "diagonal": ("diag", "factor", "dense"),
-                   "isotropic": ("none", "diag", "factor", "dense")}
+
+
+def _family_storage():
+    """``{family name: storages that hold what the family needs of the curvature}`` (registered families)."""
+    return {name: tuple(s for s, store in STORES.items() if store.detail >= family.curvature_detail)
+            for name, family in registered_families().items()}
+
+
 _MAX_ID = 2**62
 MIN_EXAMPLE_BOUND = 2**24  # bytes one example may hold even when the file's arrays hold fewer
 _FIELDS = {"format", "version", "family", "dtype", "rule", "curvature", "storage", "chunk_size", "latent", "plate",
@@ -116,10 +125,11 @@ def check_manifest(manifest):
     unknown = sorted(set(manifest) - _FIELDS, key=str)
     if unknown:
         _fail(unknown[0], f"only the fields {sorted(_FIELDS)}", manifest[unknown[0]])
-    family = _choice(manifest, "family", tuple(_FAMILY_STORAGE))
+    storages = _family_storage()
+    family = _choice(manifest, "family", tuple(storages))
     _choice(manifest, "dtype", FLOAT_DTYPES)
     _choice(manifest, "curvature", ("hessian", "ggn"))
-    _choice(manifest, "storage", _FAMILY_STORAGE[family])
+    _choice(manifest, "storage", storages[family])
     _check_rule(manifest.get("rule"))
     if "chunk_size" not in manifest or not (manifest["chunk_size"] is None or _is_int(manifest["chunk_size"], 1)):
         _fail("chunk_size", "null or a positive integer", manifest.get("chunk_size"))
@@ -172,8 +182,7 @@ def _check_array_entries(manifest, num_example, num_shared):
         declared[name] = (meta["dtype"], tuple(_ints(meta["shape"], f"{where}.shape")), meta["sha256"])
     storage = manifest["storage"]
     required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
-    required -= {"sites.curvature"} if storage not in ("diag", "dense") else set()
-    required -= {"sites.jac", "sites.lam"} if storage != "factor" else set()
+    required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}
     required |= {f"data.example.{k}" for k in range(num_example)} | {f"data.shared.{k}" for k in range(num_shared)}
     optional = {"offset.linear", "offset.precision"}
     if not required <= set(declared) or not set(declared) <= required | optional:
@@ -203,14 +212,14 @@ def check_contents(manifest, arrays):
     n = arrays["sites.ids"].shape[0] if arrays["sites.ids"].ndim == 1 else -1
     refs = arrays["sites.ref_means"].shape[0] if arrays["sites.ref_means"].ndim == 2 else -1
     k = arrays["sites.jac"].shape[1] if arrays.get("sites.jac") is not None and arrays["sites.jac"].ndim == 3 else 0
-    precision = {"full": (d, d), "diagonal": (d,), "isotropic": ()}[family]
+    precision = get_family(family).precision_shape(d)
     rows = arrays["data_ids"].shape[0] if arrays["data_ids"].ndim == 1 else -1
     shapes = {"mean": (d,), "precision": precision, "offset.linear": (d,), "offset.precision": precision,
-              "sites.grad": (n, d), "sites.curvature": (n, d) if manifest["storage"] == "diag" else (n, d, d),
-              "sites.jac": (n, k, d), "sites.lam": (n, k, k), "sites.loss": (n,), "sites.ids": (n,),
+              "sites.grad": (n, d), "sites.loss": (n,), "sites.ids": (n,),
               "sites.ref_index": (n,), "sites.ref_means": (refs, d), "sites.prior_grad": (d,),
               "sites.prior_curvature": (d, d), "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
               "tombstones": (len(manifest["tombstones"]),)}
+    shapes.update({f"sites.{name}": shape for name, shape in STORES[manifest["storage"]].file_shapes(n, k, d).items()})
     shapes.update({f"data.example.{j}": (rows, *shape) for j, (shape, _) in enumerate(manifest["example_shapes"])})
     for name, shape in shapes.items():
         if name in arrays and arrays[name].shape != shape:

@@ -55,7 +55,7 @@ def test_default_rule_is_gauss_hermite_over_a_two_dimensional_subspace(x64):
     x, y = _data()
     post = pc.fit(unknown_noise_model, x, y)
     assert post.rule.kind == "gh" and post.rule.subspace_dim == 2
-    assert post.sites.storage == "factor" and post.sites.jac.shape[1] == 2  # (N, r, d), exact for this model
+    assert post.sites.storage == "factor" and post.sites.curv.jac.shape[1] == 2  # (N, r, d), exact for this model
     assert post.residual < 1e-8
 
 

@@ -106,3 +106,44 @@ def test_get_family_names():
     assert get_family("iso").name == "isotropic"
     with pytest.raises(ValueError, match="unknown family"):
         get_family("student-t")
+
+
+def test_a_family_is_added_by_registering_it(x64, monkeypatch, tmp_path):
+    # A registered family is usable by name through fit, update, delete and save/load. The
+    # family here re-uses the diagonal algebra under another name, so its oracle is the
+    # diagonal family's own fit: every number must agree exactly (same arithmetic, 1e-12).
+    from dataclasses import dataclass
+
+    import numpyro_pc as pc
+    from numpyro_pc import families
+    from numpyro_pc.errors import InvalidOptionError
+
+    from conftest import logistic_model, make_logistic
+
+    @dataclass(frozen=True, repr=False)
+    class MeanField(DiagonalGaussian):
+        name: str = "meanfield"
+
+    monkeypatch.setattr(families, "_FAMILIES", dict(families._FAMILIES))
+    monkeypatch.setattr(families, "_ALIASES", dict(families._ALIASES))
+    families.register_family(MeanField(), aliases=("mf",))
+    assert get_family("mf") == MeanField() and "meanfield" in families.registered_families()
+    with pytest.raises(InvalidOptionError, match="taken"):
+        families.register_family(MeanField(name="full"))
+    with pytest.raises(InvalidOptionError, match="ExponentialFamily"):
+        families.register_family("meanfield")
+
+    X, y = make_logistic(60, 3)
+    ours = pc.fit(logistic_model, X[:40], y[:40], family="mf")
+    reference = pc.fit(logistic_model, X[:40], y[:40], family="diagonal")
+    assert ours.family.name == "meanfield"
+    np.testing.assert_allclose(ours.mean, reference.mean, rtol=1e-12)
+    np.testing.assert_allclose(ours.state.precision, reference.state.precision, rtol=1e-12)
+    updated = ours.update(X[40:], y[40:]).delete([0, 1])
+    expected = reference.update(X[40:], y[40:]).delete([0, 1])
+    np.testing.assert_allclose(updated.mean, expected.mean, rtol=1e-12)
+    path = tmp_path / "meanfield.npc"
+    updated.save(path)
+    loaded = pc.load(path, logistic_model)
+    assert loaded.family.name == "meanfield"
+    np.testing.assert_array_equal(loaded.mean, updated.mean)

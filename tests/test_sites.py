@@ -36,7 +36,7 @@ def test_delta_sites_are_per_example_gradients_and_hessians(x64):
         ex = tuple(x[i] for x in data.per_example)
         f = lambda z: example_loss(spec, z, ex, data.shared)  # noqa: E731
         np.testing.assert_allclose(sites.grad[i], jax.grad(f)(q.mean), rtol=1e-12)
-        np.testing.assert_allclose(sites.curvature[i], jax.hessian(f)(q.mean), rtol=1e-12)
+        np.testing.assert_allclose(sites.curv.curvature[i], jax.hessian(f)(q.mean), rtol=1e-12)
     assert sites.storage == "dense"
 
 
@@ -52,13 +52,13 @@ def test_storage_forms_agree_for_a_glm(x64, rule):
     # GLM with canonical link: Hessian == Gauss-Newton exactly
     np.testing.assert_allclose(fac.dense_curvature(), ggn.dense_curvature(), rtol=1e-12, atol=1e-14)
     if den is not None:
-        np.testing.assert_allclose(fac.dense_curvature(), den.curvature, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(fac.dense_curvature(), den.curv.curvature, rtol=1e-10, atol=1e-13)
         np.testing.assert_allclose(fac.grad, den.grad, rtol=1e-12, atol=1e-14)
     diag_q = Gaussian(q.mean, jnp.diag(q.precision))
     dg, _ = compute_sites(spec, data, DiagonalGaussian(), diag_q, r)
     fac_d, _ = compute_sites(spec, data, FullGaussian(), Gaussian(q.mean, jnp.diag(jnp.diag(q.precision))), r,
                              storage="factor")
-    np.testing.assert_allclose(dg.curvature, jnp.diagonal(fac_d.dense_curvature(), axis1=1, axis2=2),
+    np.testing.assert_allclose(dg.curv.curvature, jnp.diagonal(fac_d.dense_curvature(), axis1=1, axis2=2),
                                rtol=1e-10, atol=1e-14)
     # O(N·k·d) storage: gradient, Jacobian and a 1x1 curvature per example
     assert fac.stored_numbers() <= 3 * 40 * 4
@@ -144,7 +144,7 @@ SHARD_SCRIPT = textwrap.dedent("""
                           need_hessian_sum=True)
     b, sb = compute_sites(spec, data, FullGaussian(), q, get_rule("delta"), num_devices=1, need_hessian_sum=True)
     np.testing.assert_allclose(a.grad, b.grad, rtol=1e-13)
-    np.testing.assert_allclose(a.lam, b.lam, rtol=1e-13)
+    np.testing.assert_allclose(a.curv.lam, b.curv.lam, rtol=1e-13)
     np.testing.assert_allclose(sa.hessian, sb.hessian, rtol=1e-12)
     print("sharded-ok")
 """)

@@ -65,7 +65,7 @@ import numpy as np
 
 from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
-from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
+from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import gaussian_prior, prior_natural
 from ..posterior import build_posterior
 from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
@@ -135,7 +135,7 @@ def _settings(algorithm, family, rho, damping, expectation, spec, num_clients=1)
         raise InvalidOptionError(f"damping must lie in (0, 1], got {damping}")
     if expectation is None:
         glm = spec.num_params == 1 and spec.affine
-        expectation = "gh" if glm and not isinstance(family, IsotropicGaussian) else "delta"
+        expectation = "gh" if glm and not family.fixed_precision else "delta"
     check_rule(spec, expectation)
     return family, rho, damping, expectation
 
@@ -255,7 +255,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
     num_participants = max(1, int(round(fraction * num_clients)))
     if init == "auto":
-        init = "zero" if isinstance(family, IsotropicGaussian) else "prior"
+        init = "zero" if family.fixed_precision else "prior"
     if init not in ("prior", "zero"):
         raise InvalidOptionError(f"unknown init {init!r}; expected 'prior', 'zero' or 'auto'")
     releases = int(rounds) + (init == "prior")
@@ -276,14 +276,11 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     prior = gaussian_prior(spec, datas[0])
     # the isotropic family takes the prior's precision as its fixed τ: the AMA scaling in
     # which ρ ∈ (0, 2/K) is the safe range (paper §3.4)
-    tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(family, IsotropicGaussian) else None
-    prior_nat = prior_natural(family, prior, tau)
+    prior_nat = prior_natural(family, prior, family.prior_tau(prior))
     q = global_state(family, prior, prior_nat, jax.tree.map(jnp.zeros_like, prior_nat))
     key = jax.random.PRNGKey(seed)
     if init == "zero":
         eta = jax.tree.map(lambda x: jnp.zeros((num_clients,) + jnp.shape(x), dtype), prior_nat)
-        if isinstance(family, IsotropicGaussian):
-            eta = GaussianNatural(eta.linear, jnp.zeros(num_clients, dtype))
     else:
         eta = _initial_sites(cfg, q, stack, jax.random.fold_in(key, 2**31 - 1))
         q = global_state(family, prior, prior_nat, aggregate_sites(family, prior_nat, eta, bounds)[0])
@@ -321,7 +318,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         eta, q = eta_new, q_new
         if ref_state is not None:
             # an isotropic reference may carry another fixed τ: compare the means at ours
-            ref = Gaussian(ref_state.mean, q.precision) if isinstance(family, IsotropicGaussian) else ref_state
+            ref = Gaussian(ref_state.mean, q.precision) if family.fixed_precision else ref_state
             record["kl_to_reference"] = float(family.kl(q, ref))
         history.append(record)
         if callback is not None:

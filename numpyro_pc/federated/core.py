@@ -25,6 +25,7 @@ compiled computation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -35,7 +36,7 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from ..expectations import hermite_nodes
-from ..families import FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian
+from ..families import Gaussian, GaussianNatural
 from ..likelihood import ModelData, bind_model, example_loss, example_params
 from .privacy import add_noise, clip_factors
 
@@ -317,7 +318,6 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
         positive definiteness).
     """
     family = cfg.family
-    iso = isinstance(family, IsotropicGaussian)
     lam_jnt = family.natural(q_jnt)
     if cfg.safeguard:
         rho = safe_rho(family, q_jnt, eta, rho, cfg.margin)
@@ -338,7 +338,7 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
         dense = b_dense + hess / rho
         chol = jnp.linalg.cholesky(dense)
         mean = q.mean - cho_solve((chol, True), b_dense @ q.mean - b_lin + grad / rho)
-        prec = q_jnt.precision if iso else b_prec + family.project_curvature(hess) / rho
+        prec = family.keep_fixed(q_jnt.precision, b_prec + family.project_curvature(hess) / rho)
         full = Gaussian(mean, prec)
         # halve the step (in mean and precision) until the iterate is a proper Gaussian
         shrink = lambda beta: jax.tree.map(lambda a, b: a + beta * (b - a), q, full)  # noqa: E731
@@ -375,7 +375,7 @@ def global_state(family, prior, prior_nat, eta_sum):
     For the isotropic family the precision is fixed and the mean solves the MAP condition
     ``P_0 (m − m_0) = Σ_k η_k`` (the sites are ``−Σ ĝ``), the AMA global step.
     """
-    if isinstance(family, IsotropicGaussian):
+    if family.fixed_precision:
         mean = prior.mean + jnp.linalg.solve(prior.precision, eta_sum.linear)
         return Gaussian(mean, prior_nat.precision)
     lam = GaussianNatural(prior_nat.linear + eta_sum.linear, prior_nat.precision + eta_sum.precision)
@@ -385,8 +385,7 @@ def global_state(family, prior, prior_nat, eta_sum):
 def natural_nbytes(family, dim, dtype):
     """Bytes of one natural-parameter message (linear part plus precision in family format)."""
     itemsize = jnp.dtype(dtype).itemsize
-    extra = dim * dim if isinstance(family, FullGaussian) else 0 if isinstance(family, IsotropicGaussian) else dim
-    return (dim + extra) * itemsize
+    return (dim + math.prod(family.precision_shape(dim))) * itemsize
 
 
 def joint_spec(spec, num_examples):

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import DataShapeError, InvalidOptionError, PrivacyError, TooFewClientsError
-from ..families import Gaussian, GaussianNatural, IsotropicGaussian
+from ..families import Gaussian, GaussianNatural
 from ..merging import gaussian_prior, prior_natural
 from .algorithms import _settings
 from .core import LocalConfig, bind_clients, global_state, local_update, release_site
@@ -130,11 +130,11 @@ class ClientLogic:
         """Round 1: the prior ``(m_0, P_0)`` and this client's first site."""
         cfg = self._cfg(config)
         prior = gaussian_prior(self.spec, self.data)
-        tau = jnp.mean(jnp.diag(prior.precision)) if isinstance(cfg.family, IsotropicGaussian) else None
+        tau = cfg.family.prior_tau(prior)
         q0 = global_state(cfg.family, prior, prior_natural(cfg.family, prior, tau),
                           jax.tree.map(jnp.zeros_like, prior_natural(cfg.family, prior, tau)))
         ex, mask, shared = self._ex()
-        if isinstance(cfg.family, IsotropicGaussian):  # init="auto" of the in-process run: sites start at one
+        if cfg.family.fixed_precision:  # init="auto" of the in-process run: sites start at one
             self.site = GaussianNatural(jnp.zeros_like(q0.mean), jnp.zeros((), q0.mean.dtype))
         else:
             self.site = jax.jit(release_site, static_argnums=0)(cfg, q0, ex, mask, shared, self._key())

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from ..errors import InvalidOptionError
-from ..families import DiagonalGaussian, FullGaussian, GaussianNatural
+from ..families import GaussianNatural
 
 __all__ = ["GaussianMechanism", "add_noise", "clip_factors"]
 
@@ -109,14 +109,5 @@ def add_noise(family, mech, site, key):
     k_lin, k_prec = jax.random.split(key)
     sd = jnp.asarray(mech.noise, site.linear.dtype)
     linear = site.linear + sd * mech.clip_linear * jax.random.normal(k_lin, site.linear.shape, site.linear.dtype)
-    precision = site.precision
-    if isinstance(family, FullGaussian):
-        z = jnp.triu(jax.random.normal(k_prec, precision.shape, precision.dtype))
-        noisy = precision + sd * mech.clip_precision * (z + jnp.triu(z, 1).T)
-        w, v = jnp.linalg.eigh(noisy)
-        precision = (v * jnp.maximum(w, 0.0)) @ v.T
-        precision = 0.5 * (precision + precision.T)
-    elif isinstance(family, DiagonalGaussian):
-        noisy = precision + sd * mech.clip_precision * jax.random.normal(k_prec, precision.shape, precision.dtype)
-        precision = jnp.maximum(noisy, 0.0)
+    precision = family.noisy_precision(site.precision, k_prec, sd * mech.clip_precision)
     return GaussianNatural(linear, precision)

@@ -38,7 +38,7 @@ from jax.scipy.linalg import solve_triangular
 
 from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
-from ..families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural
+from ..families import Gaussian, GaussianNatural
 
 __all__ = ["aggregate_sites", "site_shapes", "validate_site", "robust_bounds"]
 
@@ -98,11 +98,7 @@ def aggregate_sites(family, prior_nat, eta, bounds):
 
 def site_shapes(family, dim):
     """Shapes of a site's ``(linear, precision)`` in the family's format."""
-    if isinstance(family, FullGaussian):
-        return (dim,), (dim, dim)
-    if isinstance(family, DiagonalGaussian):
-        return (dim,), (dim,)
-    return (dim,), ()
+    return (dim,), family.precision_shape(dim)
 
 
 def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd_tol=1e-6, psd=(1,)):
@@ -142,15 +138,9 @@ def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd
         out.append(a)
     for i in psd:
         what = "site precision" if i == 1 else "local precision"
-        prec = out[i]
-        if isinstance(family, FullGaussian):
-            if not np.allclose(prec, prec.T, rtol=1e-6, atol=1e-8 * max(1.0, float(np.max(np.abs(prec))))):
-                raise bad(f"the {what} is not symmetric")
-            eig = np.linalg.eigvalsh(0.5 * (prec + prec.T))
-        elif isinstance(family, DiagonalGaussian):
-            eig = np.sort(prec)
-        else:
-            eig = None
+        symmetric, eig = family.precision_spectrum(out[i])
+        if not symmetric:
+            raise bad(f"the {what} is not symmetric")
         if eig is not None and eig.size and eig[0] < -psd_tol * max(1.0, float(eig[-1])):
             raise bad(f"the {what} is not positive semi-definite (smallest eigenvalue {eig[0]:.3g})")
     return out

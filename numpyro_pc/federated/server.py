@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
-from ..families import Gaussian, GaussianNatural, IsotropicGaussian, get_family
+from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import prior_natural
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
@@ -164,7 +164,7 @@ class ServerLogic:
             self._need(good, rejected, "round 1")
             first = good[majority[0]]
             self.prior = Gaussian(jnp.asarray(first[2]), jnp.asarray(first[3]))
-            tau = jnp.mean(jnp.diag(self.prior.precision)) if isinstance(self.family, IsotropicGaussian) else None
+            tau = self.family.prior_tau(self.prior)
             self.prior_nat = prior_natural(self.family, self.prior, tau)
             self.sites = {cid: GaussianNatural(jnp.asarray(a[0]), jnp.asarray(a[1])) for cid, a in good.items()}
             self.state = global_state(self.family, self.prior, self.prior_nat, self._sum()[0])
