@@ -130,6 +130,10 @@ class CurvatureStore(ABC):
     def trace_quad(self, cov, diff):
         """``(tr(Ĥ_i Σ), dᵢᵀ Ĥ_i dᵢ)`` per example, for a dense covariance ``Σ`` and rows ``diff``."""
 
+    def low_rank_factors(self):
+        """``(J, Λ)`` with ``Ĥ_i = J_iᵀ Λ_i J_i`` when the store keeps them, else ``None``."""
+        return None
+
     def mismatch(self, stale, cov, shared_jacobian):
         """``½ tr((δH_i Σ)²)`` per example with ``δH_i = Ĥ_i − Ĥ_i^{stale}`` (aligned rows).
 
@@ -170,6 +174,9 @@ class Factor(CurvatureStore):
     @classmethod
     def file_shapes(cls, num, k, dim):
         return {"jac": (num, k, dim), "lam": (num, k, k)}
+
+    def low_rank_factors(self):
+        return self.jac, self.lam
 
     def weighted_dense(self, weights):
         return jnp.einsum("n,nkd,nkl,nle->de", weights, self.jac, self.lam, self.jac)

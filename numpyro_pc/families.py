@@ -187,6 +187,14 @@ class ExponentialFamily(ABC):
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True
 
+    def relative_eigenvalues(self, q, curvature):
+        """Eigenvalues of ``Σ^{1/2} H Σ^{1/2}`` for a curvature ``H`` in this family's format
+        (``H``'s share of the precision, direction by direction; all below 1 iff ``S − H ≻ 0``)."""
+        chol = jnp.linalg.cholesky(self.dense_precision(q))
+        dense = self.dense_precision(Gaussian(q.mean, curvature))
+        white = solve_triangular(chol, solve_triangular(chol, dense, lower=True).T, lower=True)
+        return jnp.linalg.eigvalsh(0.5 * (white + white.T))
+
     def covariance_operand(self, q):
         """What :meth:`quad_form_cov` and :meth:`cov_times` take as ``cov`` (formed once per call)."""
         return None
@@ -399,6 +407,9 @@ class DiagonalGaussian(ExponentialFamily):
     curvature_detail = 1
     default_storage = "diag"
 
+    def relative_eigenvalues(self, q, curvature):
+        return curvature / q.precision
+
     def curvature_sum(self, store, weights):
         return store.weighted_diagonal(weights)
 
@@ -479,6 +490,9 @@ class IsotropicGaussian(ExponentialFamily):
 
     curvature_detail = 0
     default_storage = "none"
+
+    def relative_eigenvalues(self, q, curvature):
+        return jnp.zeros((1,), q.mean.dtype)
 
     def curvature_sum(self, store, weights):
         return jnp.zeros((), weights.dtype)

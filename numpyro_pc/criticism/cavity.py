@@ -64,6 +64,7 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import logsumexp
 
+from ..curvature import FULL
 from ..expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from ..families import Gaussian, GaussianNatural
 from ..likelihood import example_loss, example_params
@@ -130,17 +131,9 @@ def _batch(num, nodes, dim):
     return int(max(1, min(num, _POINT_BUDGET // max(1, nodes * dim))))
 
 
-def _downdated_precision(family, state, storage, jac, lam, curvature):
-    """``S − Ĥ_i`` in the family's precision format (one example's stored curvature)."""
-    if storage == "none":
-        return state.precision
-    if storage == "factor":
-        dense = jac.T @ lam @ jac
-    elif storage == "diag":
-        return state.precision - curvature
-    else:
-        dense = curvature
-    return state.precision - family.project_curvature(dense)
+def _downdated_precision(family, state, row):
+    """``S − Ĥ_i`` in the family's precision format from one example's row of the curvature store."""
+    return state.precision - family.site_curvatures(jax.tree.map(lambda x: x[None], row))[0]
 
 
 def _kl(eig, mahalanobis):
@@ -150,19 +143,8 @@ def _kl(eig, mahalanobis):
     return jnp.where(jnp.max(eig, axis=-1) < 1.0, 0.5 * (terms + mahalanobis), jnp.inf)
 
 
-def _eig_general(family, state, hess):
-    """All eigenvalues of ``Σ^{1/2} Ĥ Σ^{1/2}`` for a dense or diagonal per-example curvature."""
-    if family.fixed_precision:
-        return jnp.zeros((1,), state.mean.dtype)
-    if family.name == "diagonal":
-        return hess / state.precision
-    chol = jnp.linalg.cholesky(state.precision)
-    white = solve_triangular(chol, solve_triangular(chol, hess, lower=True).T, lower=True)
-    return jnp.linalg.eigvalsh(0.5 * (white + white.T))
-
-
-@partial(jax.jit, static_argnames=("spec", "rule", "family", "storage", "predict"))
-def _woodbury_cavities(spec, rule, family, storage, predict, state, data, grads, jac, lam):
+@partial(jax.jit, static_argnames=("spec", "rule", "family", "predict"))
+def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam):
     """Cavities of the full family with factorised sites: rank-``k`` downdates of one Cholesky."""
     num, k, d = jac.shape
     chol = jnp.linalg.cholesky(state.precision)
@@ -212,22 +194,19 @@ def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, m
     return jax.lax.map(one, (data.per_example, queries, marginals), batch_size=_batch(num, nodes.shape[0], d))
 
 
-@partial(jax.jit, static_argnames=("spec", "rule", "family", "storage", "predict"))
-def _general_cavities(spec, rule, family, storage, predict, state, data, grads, jac, lam, curvature):
+@partial(jax.jit, static_argnames=("spec", "rule", "family", "predict"))
+def _general_cavities(spec, rule, family, predict, state, data, grads, curv):
     """Cavities for any family and storage, one small downdate per example inside ``lax.map``."""
     num, d = grads.shape
     nodes, weights = rule_nodes(rule, spec, d, state.mean.dtype)
     cov = family.dense_covariance(state)
-    rows = tuple(x if x is not None else jnp.zeros((num,), grads.dtype) for x in (jac, lam, curvature))
 
     def one(args):
-        ex, g, jj, ll, cc = args
-        prec = _downdated_precision(family, state, storage, jj, ll, cc)
+        ex, g, row = args
+        prec = _downdated_precision(family, state, row)
         linear = family.natural(Gaussian(state.mean, prec)).linear + g
         cavity = family.from_natural(GaussianNatural(linear, prec))
-        hess = state.precision - prec if family.name != "full" else family.dense_precision(state) - \
-            family.dense_precision(Gaussian(state.mean, prec))
-        eig = _eig_general(family, state, hess)
+        eig = family.relative_eigenvalues(state, state.precision - prec)
         shift = cavity.mean - state.mean
         kl = _kl(eig, jnp.sum(shift * family.natural(Gaussian(shift, state.precision)).linear))
         if not predict:
@@ -243,7 +222,7 @@ def _general_cavities(spec, rule, family, storage, predict, state, data, grads, 
                               state.precision)
         return shift, jnp.max(eig), kl, elpd, lppd
 
-    out = jax.lax.map(one, (data.per_example, grads) + rows, batch_size=_batch(num, nodes.shape[0], d))
+    out = jax.lax.map(one, (data.per_example, grads, curv), batch_size=_batch(num, nodes.shape[0], d))
     return Cavities(*out)
 
 
@@ -260,11 +239,10 @@ def downdates(spec, rule, family, state, sites, data, predict=True):
     """:func:`cavities` for an explicit ``state`` and ``sites`` (e.g. Hessians at the mean)."""
     grads = sites.grad_at(state.mean)
     spec = replace(spec, num_examples=int(grads.shape[0]))
-    if family.name == "full" and sites.storage == "factor":
-        return _woodbury_cavities(spec, rule, family, sites.storage, predict, state, data, grads, sites.jac,
-                                  sites.lam)
-    return _general_cavities(spec, rule, family, sites.storage, predict, state, data, grads, sites.jac, sites.lam,
-                             sites.curvature)
+    factors = sites.curv.low_rank_factors()
+    if family.curvature_detail == FULL and factors is not None:  # a dense precision and J_iᵀ Λ_i J_i sites
+        return _woodbury_cavities(spec, rule, family, predict, state, data, grads, *factors)
+    return _general_cavities(spec, rule, family, predict, state, data, grads, sites.curv)
 
 
 def refit_predictive(post, data, means, precisions):
