@@ -27,10 +27,9 @@ from .errors import (
 from .expectations import ExpectationRule
 from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from .likelihood import bind_model
-from .posterior import DualPosterior, dual_form, fit
+from .posterior import DualPosterior, dual_form, fit, load
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
-from .io import load
 
 __version__ = "0.1.0"
 

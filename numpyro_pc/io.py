@@ -39,7 +39,7 @@ from .likelihood import ModelData, bind_model
 from .rowops import to_device
 from .sites import Sites
 from .solvers import dual_residual
-from .posterior import DualPosterior
+from .dual import DualPosteriorBase
 from .validation import (DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest,
                          check_residual)
 
@@ -191,7 +191,7 @@ def load(path, model, key=None):
             raise InconsistentFileError(f"{path}: the sites cannot be combined ({err})") from err
         check_residual(manifest.get("residual"), residual, dtype)
         spec, data = _bind(path, model, manifest, arrays)
-    return DualPosterior(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
+    return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
                          manifest["curvature"], manifest["storage"], manifest["chunk_size"], (), None,
                          data_ids=to_device(arrays["data_ids"]), tombstones=manifest["tombstones"],
                          next_id=manifest["next_id"], offset=offset)

@@ -54,7 +54,7 @@ from .errors import (IncompatiblePosteriorsError, InvalidOptionError, NonFiniteR
                      UnsupportedModelError)
 from .families import Gaussian
 from .likelihood import losses, prior_loss
-from .posterior import build_posterior
+from .dual import build_posterior
 from .rows import concat_data, take_data
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
@@ -221,6 +221,6 @@ def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
         family.check_positive_definite(q.precision, what=f"{method}-merged precision")
         spec = replace(first.spec, num_examples=int(data.per_example[0].shape[0]))
         post = build_posterior(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
-                     first.storage, first.chunk_size, None, False, None, 0, False, True)
-    return post._replace(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
+                               first.storage, first.chunk_size, None, False, None, 0, False, True, cls=type(first))
+    return post.evolve(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
                                  "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})

@@ -173,7 +173,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
         magnitude = np.asarray(magnitude)[:corrected.size]
         record["correction_magnitude"] = dict(ids=corrected, magnitude=magnitude, total=float(np.sum(magnitude)))
     record["seconds"] = time.perf_counter() - start
-    return post._replace(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
+    return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset)
 

@@ -42,7 +42,7 @@ import numpy as np
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, remove_site
-from .posterior import RowSelection
+from .dual import RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
@@ -89,7 +89,7 @@ def _removed_natural(post, rows):
     ``rows`` is padded to a bucket (:func:`~numpyro_pc.rowops.bucket_size`) with zero
     weights so that deleting different numbers of examples reuses a few compiled shapes.
     """
-    raw = post._sites
+    raw = post.raw_sites
     source, rows = (raw.source, raw.rows[rows]) if isinstance(raw, RowSelection) else (raw, np.asarray(rows))
     size = bucket_size(rows.size)
     padded = np.zeros(size, np.int64)
@@ -148,7 +148,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
     if as_ids(ids).size == 0:  # nothing to delete: the same posterior, with a record saying so
-        return post._replace(record=dict(operation="delete", method=method, deleted=0, damping=1.0, seconds=0.0,
+        return post.evolve(record=dict(operation="delete", method=method, deleted=0, damping=1.0, seconds=0.0,
                                          kl_to_previous=0.0))
     ids, site_rows = _check_ids(post, ids)
     family = post.family
@@ -159,7 +159,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
 
     if method == "remove_site":
         q, alpha = _remove(post, _removed_natural(post, site_rows), damping, "site removal")
-        sites = RowSelection.of(post._sites, keep_rows)
+        sites = RowSelection.of(post.raw_sites, keep_rows)
     elif method in ("influence", "tracin"):
         rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
         g, h_gone, h_all = _delta_terms(post, rows)
@@ -171,9 +171,9 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
             if not bool(jnp.all(jnp.isfinite(chol))):
                 raise NotPositiveDefiniteError("the Hessian without the deleted examples is not positive definite")
             mean = post.state.mean + jax.scipy.linalg.cho_solve((chol, True), g)
-            precision = post.state.precision if family.name == "isotropic" else family.project_curvature(h_rest)
+            precision = family.keep_fixed(post.state.precision, family.project_curvature(h_rest))
             q = Gaussian(mean, precision)
-        sites = RowSelection.of(post._sites, keep_rows)
+        sites = RowSelection.of(post.raw_sites, keep_rows)
     else:
         if method == "retrain":
             lacking = np.setdiff1d(np.asarray(post.sites.ids)[keep_rows], retained)
@@ -205,8 +205,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
         raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
                   seconds=time.perf_counter() - start, kl_to_previous=float(kl_to_previous))
-    return post._replace(spec=replace(post.spec, num_examples=int(data_keep.size)),
-                         data=RowSelection.of(post._data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
+    return post.evolve(spec=replace(post.spec, num_examples=int(data_keep.size)),
+                         data=RowSelection.of(post.raw_data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
                          record=record)
 

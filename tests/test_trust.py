@@ -102,7 +102,7 @@ def test_nan_residual_is_not_converged(x64):
 def test_update_of_a_posterior_with_non_finite_sites_is_refused(x64):
     X, y = make_linear(20, 2)
     post = pc.fit(linear_model, X, y)
-    broken = post._replace(sites=post.sites.__class__(**{**post.sites.__dict__,
+    broken = post.evolve(sites=post.sites.__class__(**{**post.sites.__dict__,
                                                          "grad": post.sites.grad.at[0, 0].set(jnp.nan)}))
     with pytest.raises(errors.NonFiniteResultError, match="not finite|nan"):
         broken.update(X[:3], y[:3])

@@ -66,7 +66,7 @@ def test_indefinite_removal_raises_or_damps(x64):
     # but removing all examples of a tiny problem with a stale site set can also lose PD; force it:
     gone = np.arange(12)
     with pytest.raises(pc.NotPositiveDefiniteError, match="damping"):
-        stretched = post._replace(state=pc.Gaussian(post.state.mean, post.state.precision * 0.5))
+        stretched = post.evolve(state=pc.Gaussian(post.state.mean, post.state.precision * 0.5))
         stretched.delete(gone, method="remove_site")
     damped = stretched.delete(gone, method="remove_site", damping=True)
     assert 0.0 < damped.record["damping"] < 1.0

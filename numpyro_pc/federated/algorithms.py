@@ -67,7 +67,8 @@ from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import gaussian_prior, prior_natural
-from ..posterior import build_posterior
+from ..dual import build_posterior
+from ..posterior import DualPosterior
 from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, release_site)
 from .robust import aggregate_sites, robust_bounds
@@ -331,7 +332,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         data = concat_datas(datas)
         posterior = build_posterior(joint_spec(spec, data.per_example[0].shape[0]), data, family, q,
                                     ExpectationRule(kind=rule, num_nodes=int(num_nodes)), "hessian", "auto", None, None,
-                                    False, None, 0, False, True)
+                                    False, None, 0, False, True, cls=DualPosterior)
     result = FederatedResult(posterior, q, eta, history, status == "converged", status, algorithm, rho)
     if status != "converged":
         why = ("a local update or the global posterior lost finiteness or positive definiteness (for losses "

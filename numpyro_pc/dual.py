@@ -1,0 +1,434 @@
+r"""The dual-form posterior's data, state and queries (the layer below the operations).
+
+:class:`DualPosteriorBase` holds a Gaussian ``q`` written as a product of per-example
+sites (paper eq. ``qdualform``) with the data the sites came from, and answers everything
+that does not change the data: moments, densities, KL, sampling, export, the dual-form
+residual and refinement to the fixed point. The operations (``numpyro_pc.streaming``,
+``numpyro_pc.unlearning``, ``numpyro_pc.merging``, ``numpyro_pc.io``, …) take and return
+such posteriors; :class:`numpyro_pc.posterior.DualPosterior`, the class users hold, adds
+them as methods (docs/architecture.md, "Layers").
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import guides as _guides
+from .errors import (
+    ConvergenceError,
+    IncompatiblePosteriorsError,
+    InvalidOptionError,
+    MonteCarloErrorWarning,
+    PointEstimateWarning,
+)
+from .expectations import prepare_rule
+from .families import add_site
+from .likelihood import constrain, example_site_log_likelihoods
+from .rowops import to_device
+from .rows import pad_to_bucket, positions, take_data
+from .solvers import SiteProblem, default_tol, dual_residual, solve
+
+__all__ = ["DualPosteriorBase", "RowSelection", "build_posterior"]
+
+
+def in_own_precision(method):
+    """Run a method in the floating precision the posterior was built with.
+
+    A posterior created inside ``jax.enable_x64()`` keeps computing in float64 when used
+    after the context has closed (and a float32 posterior stays float32), without
+    changing the global setting.
+    """
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with jax.enable_x64(self.state.mean.dtype == jnp.float64):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class DualPosteriorBase:
+    """What a dual-form posterior is and answers: its data, state and sites, densities,
+    sampling, export and refinement (:class:`numpyro_pc.posterior.DualPosterior` adds the
+    operations that change its data: ``update``, ``delete``, ``save``).
+
+    Operations build results with :meth:`evolve`, which keeps the caller's class.
+    """
+
+    _FIELDS = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
+               "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset")
+    __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS)
+
+    def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
+                 chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
+                 offset=None):
+        if data_ids is None:
+            data_ids = _site_ids(sites)
+        if next_id is None:
+            site_ids = _site_ids(sites)
+            next_id = int(np.max(site_ids)) + 1 if site_ids.size else 0
+        for name, value in dict(spec=spec, _data=data, family=family, state=state, _sites=sites, rule=rule,
+                                curvature=curvature, storage=storage, chunk_size=chunk_size,
+                                history=tuple(history), guide=guide, data_ids=to_device(data_ids),
+                                tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
+                                record=record, offset=offset).items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("DualPosterior is immutable; methods return new posteriors")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def sites(self):
+        """The :class:`~numpyro_pc.sites.Sites` (gathered on first use after a site removal)."""
+        return self._sites.value() if isinstance(self._sites, RowSelection) else self._sites
+
+    @property
+    def data(self):
+        """The retained data (gathered on first use after a deletion)."""
+        return self._data.value() if isinstance(self._data, RowSelection) else self._data
+
+    @property
+    def latent(self):
+        """The :class:`~numpyro_pc.latent.LatentSpace` (site names, shapes, order)."""
+        return self.spec.latent
+
+    @property
+    def dim(self):
+        """Dimension ``d`` of the flat unconstrained latent vector."""
+        return self.spec.latent.dim
+
+    @property
+    def num_examples(self):
+        """Number of examples ``N`` with a site."""
+        return int(_site_ids(self._sites).size)
+
+    @property
+    def ids(self):
+        """Stable integer ids of the examples, aligned with the sites."""
+        return to_device(_site_ids(self._sites)) if isinstance(self._sites, RowSelection) else self._sites.ids
+
+    @property
+    def num_retained(self):
+        """Number of examples whose data is kept (and can be corrected)."""
+        return int(np.asarray(self.data_ids).size)
+
+    @property
+    def mean(self):
+        """Posterior mean ``m`` (unconstrained, flat, model trace order)."""
+        return self.state.mean
+
+    @property
+    @in_own_precision
+    def precision(self):
+        """Posterior precision ``S`` as a dense ``(d, d)`` matrix."""
+        return self.family.dense_precision(self.state)
+
+    @property
+    @in_own_precision
+    def covariance(self):
+        """Posterior covariance ``S⁻¹`` as a dense ``(d, d)`` matrix."""
+        return self.family.dense_covariance(self.state)
+
+    @property
+    @in_own_precision
+    def natural(self):
+        """Natural parameters ``(S m, S)`` (see :class:`~numpyro_pc.families.GaussianNatural`)."""
+        return self.family.natural(self.state)
+
+    @property
+    @in_own_precision
+    def residual(self):
+        """Relative dual-form residual (max of the mean and precision identities)."""
+        return dual_residual(self.family, self.state, self.sites, self.offset)[0]
+
+    @property
+    @in_own_precision
+    def residual_parts(self):
+        """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
+        return dual_residual(self.family, self.state, self.sites, self.offset)[1]
+
+    def _split_frozen(self):
+        """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
+        live = positions(self.sites.ids, self.data_ids)
+        frozen = np.setdiff1d(np.arange(self.num_examples), live)
+        base = self.sites.take(frozen).natural_sum(self.family) if frozen.size else None
+        if self.offset is not None:
+            base = self.offset if base is None else add_site(base, self.offset)
+        return live, frozen, base
+
+    def _problem(self):
+        """The refinement problem over the retained data, padded to a bucket (weight-0 copies of
+        the last example), and the number of real examples."""
+        _, _, base = self._split_frozen()
+        ids = np.asarray(self.data_ids)
+        num = int(ids.size)
+        data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
+        problem = SiteProblem(replace(self.spec, num_examples=int(ids.size)), data, self.family, self.rule,
+                              self.curvature, self.sites.storage, self.chunk_size, to_device(ids), base, True, weights)
+        return problem, num
+
+    @property
+    def raw_sites(self):
+        """The sites as held: :class:`~numpyro_pc.sites.Sites`, or a :class:`RowSelection` of them
+        not gathered yet (operations pass it on without copying)."""
+        return self._sites
+
+    @property
+    def raw_data(self):
+        """The retained data as held: :class:`~numpyro_pc.likelihood.ModelData` or a :class:`RowSelection`."""
+        return self._data
+
+    def constructor_fields(self):
+        """``{argument: value}`` of the constructor that rebuilds this posterior."""
+        return {name: getattr(self, f"_{name}" if name in ("sites", "data") else name) for name in self._FIELDS}
+
+    def evolve(self, **changes):
+        """A copy with the given constructor fields changed, of this posterior's class.
+
+        For operations: nothing is recomputed or checked, so the caller keeps the fields
+        consistent (sites aligned with ``data_ids``, ``state`` the sites' fixed point or a
+        refinement start).
+        """
+        fields = self.constructor_fields()
+        fields.update(changes)
+        return type(self)(**fields)
+
+    # ------------------------------------------------------------------ refine
+    @in_own_precision
+    def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False, _start=None):
+        """Natural-gradient steps until the dual-form residual is below ``tol``.
+
+        :param float tol: default ``1e-8`` in float64, ``1e-5`` in float32.
+        :param int max_iters: maximum number of accepted steps.
+        :param float step_size: initial damping ``ρ ∈ (0, 1]`` of every step.
+        :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
+            (carrying the last posterior as ``err.posterior``) when ``tol`` is not reached;
+            ``False`` warns instead.
+        :param bool progress: show a progress bar.
+        :return: a new :class:`DualPosterior` whose ``history`` records every step.
+        """
+        _, frozen, _ = self._split_frozen()
+        problem, num_live = self._problem()
+
+        def assemble(fresh):
+            fresh = fresh.take(np.arange(num_live))  # drop the bucket padding
+            return self.sites.take(frozen).concat(fresh) if frozen.size else fresh
+
+        try:
+            start_sites, start_sums = _start if _start is not None else (None, None)
+            if start_sites is not None and start_sites.num_examples != problem.spec.num_examples:
+                start_sites = start_sites.padded(problem.spec.num_examples, start_sites.ref_means.shape[0])
+            q, sites, history = solve(problem, self.state, tol=tol, max_iters=max_iters,
+                                      step_size=step_size, raise_on_failure=True, progress=progress,
+                                      sites=start_sites, sums=start_sums)
+        except ConvergenceError as err:
+            q, sites = err.posterior
+            partial = self.evolve(state=q, sites=assemble(sites), history=err.history)
+            if raise_on_failure:
+                raise type(err)(str(err), posterior=partial, history=err.history) from None
+            warnings.warn(str(err), RuntimeWarning, stacklevel=2)
+            return partial
+        return self.evolve(state=q, sites=assemble(sites), history=history)
+
+    # ------------------------------------------------------------------ probability
+    @in_own_precision
+    def log_prob(self, z):
+        """Log-density of flat unconstrained values ``z`` (trailing axis ``d``)."""
+        return self.family.log_prob(self.state, jnp.asarray(z))
+
+    @in_own_precision
+    def entropy(self):
+        """Entropy of the posterior in unconstrained space."""
+        return self.family.entropy(self.state)
+
+    @in_own_precision
+    def kl(self, other):
+        """``KL(self ‖ other)`` for two posteriors of the same family and model."""
+        if other.latent.signature() != self.latent.signature():
+            raise IncompatiblePosteriorsError("the posteriors belong to models with different latent sites")
+        if other.family.name != self.family.name:
+            raise IncompatiblePosteriorsError(f"KL between different families ({self.family.name} vs {other.family.name})")
+        return self.family.kl(self.state, other.state)
+
+    @property
+    def is_point_estimate(self):
+        """Whether this posterior is a point estimate (MAP / ERM): the isotropic family with the
+        delta rule, e.g. from ``AutoDelta``. Its fixed precision is the base measure of the
+        isotropic family (paper appendix "non-constant base measures"), not a posterior
+        uncertainty, so its samples are the point itself."""
+        return self.family.fixed_precision and self.rule.kind == "delta"
+
+    @in_own_precision
+    def sample_unconstrained(self, key, num_samples):
+        """Draws of the flat unconstrained vector, shape ``(num_samples, d)``.
+
+        A point estimate (:attr:`is_point_estimate`, e.g. from ``AutoDelta``) returns its
+        point ``num_samples`` times, like NumPyro's ``AutoDelta.sample_posterior``, with a
+        :class:`~numpyro_pc.errors.PointEstimateWarning`.
+        """
+        if self.is_point_estimate:
+            warnings.warn("this posterior is a point estimate (AutoDelta / isotropic family with the delta rule): "
+                          "its samples are the point itself and carry no uncertainty; fit a Gaussian family "
+                          "(AutoNormal, AutoMultivariateNormal, pc.fit) for posterior uncertainty.",
+                          PointEstimateWarning, stacklevel=3)
+            return jnp.broadcast_to(self.state.mean, (num_samples,) + self.state.mean.shape)
+        return self.family.sample(self.state, key, num_samples)
+
+    @in_own_precision
+    def sample(self, key, num_samples):
+        """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``."""
+        z = self.sample_unconstrained(key, num_samples)
+        return jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+
+    @in_own_precision
+    def log_likelihood(self, z):
+        """Per-site, per-example log-likelihood at flat values ``z`` (``{site: (..., N)}``)."""
+        z = jnp.asarray(z)
+        fn = lambda zz: jax.vmap(lambda ex: example_site_log_likelihoods(self.spec, zz, ex, self.data.shared))(  # noqa: E731
+            self.data.per_example)
+        values = jax.vmap(fn)(jnp.reshape(z, (-1, self.dim)))
+        return {name: jnp.reshape(v.T if v.ndim == 1 else v, z.shape[:-1] + (-1,))
+                for name, v in zip(self.spec.observed, values)}
+
+    @in_own_precision
+    def to_arviz(self, key, num_samples=1000):
+        """ArviZ ``InferenceData`` with ``posterior``, ``log_likelihood`` and ``observed_data`` groups (one chain).
+
+        ``log_likelihood`` holds one ``(chain, draw, N)`` variable per observed site of the
+        data plate (each site's values summed within an example, whatever its event or
+        inner-plate shape) and, when an example has several observed sites, their sum
+        ``"joint"`` — the per-example log density that ``az.loo(idata, var_name="joint")``
+        and :func:`numpyro_pc.loo` score.
+        """
+        import arviz as az
+
+        z = self.sample_unconstrained(key, num_samples)
+        values = jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+        loglik = self.log_likelihood(z)
+        if len(loglik) > 1 and "joint" not in loglik:
+            loglik["joint"] = sum(loglik.values())
+        posterior = {k: np.asarray(v)[None] for k, v in values.items()}
+        log_likelihood = {k: np.asarray(v)[None] for k, v in loglik.items()}
+        dims = {k: [f"{self.spec.plate}"] for k in log_likelihood}
+        trace = _observed_trace(self.spec, self.state.mean, self.data)
+        observed = {k: np.asarray(trace[k]["value"]) for k in self.spec.observed}
+        for k, v in observed.items():
+            dims.setdefault(k, [f"{self.spec.plate}"] + [f"{k}_dim_{j}" for j in range(v.ndim - 1)])
+        return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, observed_data=observed, dims=dims)
+
+    @in_own_precision
+    def to_guide_params(self, guide=None):
+        """Parameters of ``guide`` (default: the guide this posterior came from) describing it."""
+        guide = guide if guide is not None else self.guide
+        if guide is None:
+            raise InvalidOptionError("this posterior was not built from a guide; pass the guide to fill")
+        return _guides.to_guide_params(guide, self.family, self.state, self.latent,
+                                       constrain_fn=lambda z: constrain(self.spec, z, self.data))
+
+    @in_own_precision
+    def site_curvature(self):
+        """Per-example ``tr Ĥ_i`` — how much each example contributes to the precision."""
+        return self.sites.curvature_trace()
+
+    def __repr__(self):
+        return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
+                f"retained={self.num_retained}, rule={self.rule.kind}, storage={self.sites.storage}, "
+                f"residual={self.residual:.2e})")
+
+
+class RowSelection:
+    """Rows ``rows`` of ``source`` (:class:`~numpyro_pc.sites.Sites` or
+    :class:`~numpyro_pc.likelihood.ModelData`), gathered on first use.
+
+    Deleting examples by site removal touches only the removed sites; copying the
+    remaining ``N`` sites and data rows is deferred until something reads them, and
+    consecutive deletions compose their row lists instead of copying every time.
+    """
+
+    __slots__ = ("source", "rows", "_value")
+
+    def __init__(self, source, rows):
+        self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
+
+    @classmethod
+    def of(cls, current, rows):
+        """``rows`` of ``current`` (a value or a selection; selections compose)."""
+        if isinstance(current, RowSelection):
+            return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])
+        return cls(current, rows)
+
+    def value(self):
+        if self._value is None:
+            if hasattr(self.source, "take"):
+                self._value = self.source.take(self.rows)
+            else:
+
+                self._value = take_data(self.source, self.rows)
+        return self._value
+
+
+def _observed_trace(spec, z, data):
+    """The model's trace on all retained data at ``z`` (observed values for ``to_arviz``)."""
+    from .likelihood import _trace_at
+
+    return _trace_at(spec, z, data.per_example, data.shared)
+
+
+def _site_ids(sites):
+    """Ids of ``sites`` (or of a :class:`RowSelection` of sites) as a NumPy array."""
+    if isinstance(sites, RowSelection):
+        return np.asarray(sites.source.ids)[sites.rows]
+    return np.asarray(sites.ids)
+
+
+def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
+                    progress, raise_on_failure, cls=None):
+    """A posterior of ``q`` (an instance of ``cls``, default :class:`DualPosteriorBase`): sites computed
+    for ``data`` and, with ``refine``, solved to the fixed point.
+
+    The constructor shared by :func:`fit`, :func:`dual_form`, merging and the federated run; the
+    data are padded to a bucket internally and the result holds one site per real example.
+    """
+    rule = prepare_rule(rule, spec, data, q.mean)
+    num = spec.num_examples
+    padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
+    problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
+                          chunk_size, to_device(ids), None, True, weights)
+    sites, sums = problem.sites(q, need_hessian_sum=family.needs_dense_sum)
+    cls = DualPosteriorBase if cls is None else cls
+    post = cls(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (), guide)
+    if refine:  # the solver starts from the sites just computed
+        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
+                           _start=(sites, sums))
+        if rule.kind == "mc":
+            post = post.evolve(record=dict(expectation_error=_monte_carlo_error(post, problem, num)))
+    return post
+
+
+def _monte_carlo_error(post, problem, num):
+    """The dual-form residual of the posterior under an independent set of Monte Carlo draws.
+
+    The solver reaches the fixed point of the expectations under *its* fixed draws; the
+    residual a second, independent set of draws sees at that point estimates how far the
+    answer is from the true variational optimum. Reported in ``record["expectation_error"]``
+    and warned about when it is well above the tolerance.
+    """
+    other = replace(post.rule, seed=post.rule.seed + 1)
+    fresh, _ = problem._replace(rule=other).sites(post.state)
+    residual = dual_residual(post.family, post.state, fresh.take(np.arange(num)), post.offset)[0]
+    tol = default_tol(post.state.mean.dtype)
+    if residual > 100 * tol:
+        warnings.warn(f"Monte Carlo expectations ({post.rule.num_samples} fixed draws): the fixed point's residual is "
+                      f"{post.residual:.1e} for its own draws but {residual:.1e} for independent draws, so the answer is "
+                      "only as accurate as the Monte Carlo error; raise num_samples, or use a model whose examples "
+                      "have a low-dimensional dependence subspace (expectation='gh').", MonteCarloErrorWarning,
+                      stacklevel=4)
+    return dict(independent_draws_residual=float(residual), num_samples=int(post.rule.num_samples))
+
+
