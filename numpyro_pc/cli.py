@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpyro_pc as pc
+
 from .plotting import save_figure
 
 __all__ = ["main", "demo"]
@@ -50,7 +52,6 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
     from numpyro.infer import SVI, Trace_ELBO
     from numpyro.infer.autoguide import AutoMultivariateNormal
 
-    import numpyro_pc as pc
     from numpyro_pc.datasets import load_breast_cancer
 
     out = Path(out)
@@ -143,7 +144,6 @@ def _demo_trust():
     import jax.numpy as jnp
     from sklearn.datasets import load_diabetes
 
-    import numpyro_pc as pc
 
     raw = load_diabetes(scaled=False)
     bmi, bp = (jnp.asarray(raw.data[:, raw.feature_names.index(c)]) for c in ("bmi", "bp"))
@@ -177,7 +177,6 @@ def _demo_streaming(X, y, out, plt, fast, num_batches=5):
     """Stream the data in non-IID batches with every correction policy, then delete a group."""
     import numpy as np
 
-    import numpyro_pc as pc
 
     order = np.argsort(np.asarray(X[:, 0]))  # sorted by the first feature: a drifting stream
     Xs, ys = X[order], y[order]

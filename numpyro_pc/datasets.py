@@ -56,7 +56,7 @@ class DatasetError(RuntimeError):
     """A dataset file is missing, or its checksum does not match the published file."""
 
 
-def _candidates(path):
+def data_roots(path):
     if path is not None:
         return [Path(path)]
     out = []
@@ -70,7 +70,7 @@ def _candidates(path):
 
 def data_dir(path=None):
     """The first existing data directory among the search locations (``None`` if none exists)."""
-    for candidate in _candidates(path):
+    for candidate in data_roots(path):
         if candidate.is_dir():
             return candidate
     return None
@@ -86,7 +86,7 @@ def verify(file, relative):
 
 
 def _locate(relative, path=None, download=False):
-    for base in _candidates(path):
+    for base in data_roots(path):
         file = base / relative
         if file.is_file():
             if relative in _SOURCES:
@@ -101,7 +101,7 @@ def _locate(relative, path=None, download=False):
         verify(tmp, relative)
         tmp.replace(file)
         return file
-    where = ", ".join(str(c) for c in _candidates(path))
+    where = ", ".join(str(c) for c in data_roots(path))
     raise DatasetError(f"{relative} not found (looked in {where}); set NUMPYRO_PC_DATA or pass path=, "
                        "or download=True where a network is available.")
 

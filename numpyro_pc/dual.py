@@ -29,7 +29,7 @@ from .errors import (
 )
 from .expectations import prepare_rule
 from .families import add_site
-from .likelihood import constrain, example_site_log_likelihoods
+from .likelihood import constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
 from .solvers import SiteProblem, default_tol, dual_residual, solve
@@ -375,9 +375,7 @@ class RowSelection:
 
 def _observed_trace(spec, z, data):
     """The model's trace on all retained data at ``z`` (observed values for ``to_arviz``)."""
-    from .likelihood import _trace_at
-
-    return _trace_at(spec, z, data.per_example, data.shared)
+    return trace_at(spec, z, data.per_example, data.shared)
 
 
 def _site_ids(sites):

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .likelihood import _LOG_DET_PREFIX, _output_dependence, _trace_at
+from .likelihood import LOG_DET_PREFIX, output_dependence, trace_at
 
 __all__ = ["FINGERPRINT_VERSION", "model_fingerprint", "compare_fingerprints"]
 
@@ -66,15 +66,15 @@ def model_fingerprint(spec, data):
     z = jnp.zeros(spec.latent.dim, jnp.result_type(float))
 
     def site_fns(zz, ex, sh):
-        trace = _trace_at(spec, zz, ex, sh)
+        trace = trace_at(spec, zz, ex, sh)
         return {name: site for name, site in trace.items()
-                if site["type"] == "sample" and not name.startswith(_LOG_DET_PREFIX)}
+                if site["type"] == "sample" and not name.startswith(LOG_DET_PREFIX)}
 
     sites = site_fns(z, example, shared)
     jaxpr = jax.make_jaxpr(lambda zz, ex, sh: [leaf for s in site_fns(zz, ex, sh).values()
                                                for _, leaf in _site_leaves(s)[1]])(z, example, shared)
-    on_latent = iter(_output_dependence(jaxpr, [0]))
-    on_data = iter(_output_dependence(jaxpr, list(range(1, 1 + len(example)))))
+    on_latent = iter(output_dependence(jaxpr, [0]))
+    on_data = iter(output_dependence(jaxpr, list(range(1, 1 + len(example)))))
     described = {}
     for name, site in sites.items():
         role = ("latent" if not site["is_observed"] else "likelihood" if name in spec.observed else "observed")

@@ -45,7 +45,7 @@ from .rowops import all_finite, take_rows, to_device
 __all__ = ["ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
 
-_LOG_DET_PREFIX = "_pc_log_det_"
+LOG_DET_PREFIX = "_pc_log_det_"
 
 
 class ModelData(NamedTuple):
@@ -114,11 +114,11 @@ def _substitute_unconstrained(values, site):
     log_det = sum_rightmost(log_det, jnp.ndim(log_det) - jnp.ndim(value) + len(site["fn"].event_shape))
     if site["scale"] is not None:
         log_det = site["scale"] * log_det
-    numpyro.factor(_LOG_DET_PREFIX + name, log_det)
+    numpyro.factor(LOG_DET_PREFIX + name, log_det)
     return value
 
 
-def _trace_at(spec, z, per_example, shared):
+def trace_at(spec, z, per_example, shared):
     args, kwargs = spec.build_args(per_example, shared)
     values = spec.latent.unravel(z)
 
@@ -148,7 +148,7 @@ def prior_loss(spec, z, data):
     Jacobian of the constraining transforms) plus observed sites/factors outside the
     data plate."""
     first = tuple(x[:1] for x in data.per_example)
-    trace = _trace_at(spec, z, first, data.shared)
+    trace = trace_at(spec, z, first, data.shared)
     total = 0.0
     for site in trace.values():
         if site["type"] != "sample":
@@ -165,13 +165,13 @@ def _example_args(example):
 
 def example_loss(spec, z, example, shared):
     """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
-    trace = _trace_at(spec, z, _example_args(example), shared)
+    trace = trace_at(spec, z, _example_args(example), shared)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
 def example_site_log_likelihoods(spec, z, example, shared):
     """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
-    trace = _trace_at(spec, z, _example_args(example), shared)
+    trace = trace_at(spec, z, _example_args(example), shared)
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
 
@@ -182,7 +182,7 @@ def example_params(spec, z, example, shared):
         of the example's observed distributions (flattened) and ``loss_fn(theta)`` the
         negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``.
     """
-    trace = _trace_at(spec, z, _example_args(example), shared)
+    trace = trace_at(spec, z, _example_args(example), shared)
     pieces, rebuild = [], []
     for name, mask in zip(spec.observed, spec.param_leaves):
         site = trace[name]
@@ -223,14 +223,14 @@ def constrain(spec, z, data):
     so a posterior that keeps no data rows traces the model on one zero-valued row.
     """
     first = tuple(x[:1] if x.shape[0] else jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype) for x in data.per_example)
-    trace = _trace_at(spec, z, first, data.shared)
+    trace = trace_at(spec, z, first, data.shared)
     return {name: trace[name]["value"] for name in spec.latent.names}
 
 
 # --------------------------------------------------------------------------- binding
 
 
-def _output_dependence(closed_jaxpr, inputs=None):
+def output_dependence(closed_jaxpr, inputs=None):
     """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
     (conservative through sub-calls)."""
     jaxpr = closed_jaxpr.jaxpr
@@ -411,17 +411,17 @@ def _find_data_plate(trace, data_plate):
 def _analyse_params(spec, data, z0):
     """Find which distribution leaves depend on ``z``, their count and whether affine."""
     first = tuple(take_rows(x, 0) for x in data.per_example)
-    trace = _trace_at(spec, z0, _example_args(first), data.shared)
+    trace = trace_at(spec, z0, _example_args(first), data.shared)
     masks = []
     for name in spec.observed:
         site_leaves = jax.tree.leaves(trace[name]["fn"])
         float_leaf = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in site_leaves]
 
         def leaves_of(z, name=name):
-            t = _trace_at(spec, z, _example_args(first), data.shared)
+            t = trace_at(spec, z, _example_args(first), data.shared)
             return jax.tree.leaves(t[name]["fn"])
 
-        dep = _output_dependence(jax.make_jaxpr(leaves_of)(z0))
+        dep = output_dependence(jax.make_jaxpr(leaves_of)(z0))
         masks.append(tuple(bool(d and f) for d, f in zip(dep, float_leaf)))
     spec = replace(spec, param_leaves=tuple(masks))
     theta, _ = example_params(spec, z0, first, data.shared)
@@ -506,7 +506,7 @@ def _binding_diagnosis(spec, data, z0, finding):
     hint = ("Every example is evaluated by calling the model on its slice of the per-example arguments, so "
             "the data plate's size and every per-example quantity must come from those arguments.")
     try:
-        trace = _trace_at(spec, z0, _example_args(example), data.shared)
+        trace = trace_at(spec, z0, _example_args(example), data.shared)
     except Exception:  # noqa: BLE001 - the finding already says the model fails
         return f"{finding}. {hint}"
     frame = next((f for s in trace.values() if s["type"] == "sample" for f in s["cond_indep_stack"]

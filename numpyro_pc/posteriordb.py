@@ -38,7 +38,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from .datasets import DatasetError, _candidates
+from .datasets import DatasetError, data_roots
 from .errors import ModelBindingError, UnsupportedModelError
 
 __all__ = ["Posterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -82,7 +82,7 @@ class Translation(NamedTuple):
 
 def posteriordb_dir(path=None):
     """The ``posteriordb`` folder of the data directory (``None`` when absent)."""
-    for root in _candidates(path):
+    for root in data_roots(path):
         for out in (root / "posteriordb", root):
             if (out / "reference").is_dir() and (out / "models").is_dir():
                 return out

@@ -24,7 +24,7 @@ from numpyro import handlers
 from numpyro.primitives import Messenger
 
 from ..errors import InvalidOptionError
-from ..likelihood import _trace_at, constrain
+from ..likelihood import trace_at, constrain
 from ..rows import positions
 
 __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
@@ -79,7 +79,7 @@ def predictive_draws(post, draws, key, var_name=None):
 
     keys = jax.random.split(key, draws.shape[0])
     y_hat = jax.lax.map(lambda a: one(*a), (jnp.asarray(draws), keys), batch_size=16)
-    observed = _trace_at(spec, post.state.mean, data.per_example, data.shared)[var_name]["value"]
+    observed = trace_at(spec, post.state.mean, data.per_example, data.shared)[var_name]["value"]
     return np.asarray(y_hat), np.asarray(observed)
 
 

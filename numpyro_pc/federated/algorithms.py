@@ -114,7 +114,7 @@ class FederatedResult:
         return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)
 
 
-def _settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
+def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if algorithm not in ALGORITHMS:
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
@@ -244,7 +244,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
     """
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
-    family, rho, damping, rule = _settings(algorithm, family, rho, damping, expectation, spec, len(datas))
+    family, rho, damping, rule = check_settings(algorithm, family, rho, damping, expectation, spec, len(datas))
     safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
     dtype = stack.mask.dtype
     x64 = dtype == jnp.float64

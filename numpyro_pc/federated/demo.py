@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import time
+import warnings
 
+import numpy as np
+
+from .. import merging
 from ..plotting import save_figure
+from ..posterior import fit
+from .algorithms import run
 
 __all__ = ["demo_merging_federated"]
 
@@ -20,25 +26,18 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
     :param joint: the full-data posterior (fitted here when ``None``).
     :return: ``dict(merge=[(method, KL)], federated=[(name, rounds, KL, kB, status)], plot=path)``.
     """
-    import warnings
-
-    import numpy as np
-
-    import numpyro_pc as pc
-    from numpyro_pc import federated
-
     if joint is None:
-        joint = pc.fit(model, X, y, family="full")
+        joint = fit(model, X, y, family="full")
     perm = np.random.default_rng(0).permutation(X.shape[0])
     halves = np.array_split(perm, 2)
     t0 = time.perf_counter()
-    posts = [pc.fit(model, X[h], y[h], family="full") for h in halves]
+    posts = [fit(model, X[h], y[h], family="full") for h in halves]
     fit_seconds = time.perf_counter() - t0
     print(f"\nMerging: two posteriors fitted on random halves ({fit_seconds:.1f} s), merged against the joint fit")
     merge_rows = []
     print(f"{'method':16s} {'KL(merged ‖ joint)':>19s}")
-    for method in pc.merging.METHODS:
-        kl = max(float(pc.merge(None, posts, method=method).kl(joint)), 0.0)
+    for method in merging.METHODS:
+        kl = max(float(merging.merge(None, posts, method=method).kl(joint)), 0.0)
         merge_rows.append((method, kl))
         print(f"{method:16s} {kl:19.3e}")
 
@@ -59,7 +58,7 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
         t0 = time.perf_counter()
         with warnings.catch_warnings():  # a run that ends on the round budget warns; the table says it
             warnings.simplefilter("ignore", RuntimeWarning)
-            result = federated.run(model, clients, family="full", rounds=40, reference=joint, keep_data=False,
+            result = run(model, clients, family="full", rounds=40, reference=joint, keep_data=False,
                                    **opts)
         seconds = time.perf_counter() - t0
         kl = result.column("kl_to_reference")

@@ -54,7 +54,7 @@ import numpy as np
 from ..errors import DataShapeError, InvalidOptionError, PrivacyError, TooFewClientsError
 from ..families import Gaussian, GaussianNatural
 from ..merging import gaussian_prior, prior_natural
-from .algorithms import _settings
+from .algorithms import check_settings
 from .core import LocalConfig, bind_clients, global_state, local_update, release_site
 from .privacy import GaussianMechanism
 from .server import ServerLogic
@@ -105,7 +105,7 @@ class ClientLogic:
         if n < int(config.get("min_examples", 1)):
             raise PrivacyError(f"this client holds {n} example(s), fewer than the run's min_examples="
                              f"{config['min_examples']}: it does not take part (its site would reveal its data)")
-        family, _, _, rule = _settings(config["algorithm"], config["family"], None if config["algorithm"] == "pvi"
+        family, _, _, rule = check_settings(config["algorithm"], config["family"], None if config["algorithm"] == "pvi"
                                        else config["rho"], config["damping"],
                                        None if config["expectation"] == "auto" else config["expectation"], self.spec)
         if self.privacy is not None:

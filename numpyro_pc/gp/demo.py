@@ -7,6 +7,8 @@ import time
 import numpy as np
 
 from ..plotting import save_figure
+from .model import StreamingSparseGP
+from .usage import enable_compilation_cache
 
 __all__ = ["demo_streaming_gp"]
 
@@ -29,9 +31,6 @@ def demo_streaming_gp(out, plt, fast=False, seed=0):
     import os
 
     import gpjax as gpx
-
-    from .model import StreamingSparseGP
-    from .usage import enable_compilation_cache
 
     if os.environ.get("NUMPYRO_PC_JAX_CACHE") != "0":
         print(f"JAX compilation cache: {enable_compilation_cache()}")

@@ -26,6 +26,8 @@ from .core import noise_memory_term
 from .optim import minimize
 from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_matrix, kl_to_previous,
                     predict_from_q, prior_state)
+from .usage import plot_gp
+from .usage import progress as _progress
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 
@@ -335,8 +337,6 @@ class StreamingSparseGP:
             (:func:`~numpyro_pc.gp.usage.use_progress`).
         :return: the model after the last batch.
         """
-        from .usage import progress as _progress
-
         sgp = self
         total = len(batches) if hasattr(batches, "__len__") else None
         bar = _progress(batches, total=total, enabled=progress)
@@ -350,8 +350,6 @@ class StreamingSparseGP:
     def plot(self, X=None, y=None, ax=None, **kwargs):
         """Predictive band (1-D) or mean (2-D), inducing inputs and the batch ``(X, y)``
         (:func:`~numpyro_pc.gp.usage.plot_gp`); returns the Matplotlib axes."""
-        from .usage import plot_gp
-
         return plot_gp(self, X, y, ax=ax, **kwargs)
 
     def summary(self):
