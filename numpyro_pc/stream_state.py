@@ -1,0 +1,254 @@
+r"""Streaming exact updates as pure functions of a fixed-capacity state (``jax.lax.scan``-able).
+
+:meth:`DualPosterior.update <numpyro_pc.posterior.DualPosterior.update>` is a host-side
+driver: it pads to buckets, checks every trial step and raises typed errors. This module is
+the same exact update (``correction="exact"``: every retained example's site recomputed at
+the new posterior, docs/adapting.md, "Adding data") written in the style of BlackJAX's
+kernels and NumPyro's ``SVIState``: a pytree :class:`StreamState`, a static
+:class:`StreamConfig`, and
+
+.. code-block:: python
+
+    state, info = stream_step(config, state, batch, mask)      # one batch, jittable
+    state, infos = run_stream(config, state, batches, masks)   # T batches under lax.scan
+
+The state holds a table of ``capacity`` examples (the retained data, weight 1 for live rows
+and 0 for empty slots), so every step has the same shapes and the whole stream compiles
+once. Each step writes the batch into the next free rows and runs natural-gradient steps
+(paper App. A.3) on the whole table until the dual-form residual is below ``tol`` — the
+fixed point of a batch fit on all the data seen.
+
+Inside a trace nothing can raise, so a step reports instead: ``info.converged`` is false
+when the residual did not reach ``tol`` in ``max_iters`` steps, when an iterate lost
+finiteness or positive definiteness (the step stops at the last good iterate), or when the
+batch did not fit in the table (``info.overflow``). :func:`run_stream` checks the capacity
+on the host before tracing and raises :class:`~numpyro_pc.errors.InvalidOptionError`;
+:func:`to_posterior` refuses a state whose last step did not converge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import cho_solve
+
+from .dual import build_posterior
+from .errors import ConvergenceError, DataShapeError, InvalidOptionError
+from .families import Gaussian
+from .likelihood import ModelData
+from .sites import compute_sites
+from .solvers import default_tol
+
+__all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "run_stream",
+           "split_batches", "to_posterior"]
+
+
+class StreamState(NamedTuple):
+    """Numeric state of a stream (a pytree).
+
+    :ivar q: the current posterior :class:`~numpyro_pc.families.Gaussian`.
+    :ivar data: the example table, ``capacity`` rows per per-example array (shared arrays
+        as bound).
+    :ivar weights: ``(capacity,)`` 1 for live examples, 0 for empty or masked slots.
+    :ivar count: number of table rows used (live or masked).
+    :ivar converged: whether the last step reached the tolerance.
+    """
+
+    q: Gaussian
+    data: ModelData
+    weights: jax.Array
+    count: jax.Array
+    converged: jax.Array
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Static options of a stream (hashable; part of the compiled program's key).
+
+    :ivar spec: the model binding, sized to the table (``num_examples = capacity``).
+    :ivar family: the variational family.
+    :ivar rule: the prepared expectation rule of the posterior the stream started from.
+    :ivar curvature: ``"hessian"`` or ``"ggn"``.
+    :ivar storage: the curvature storage's name.
+    :ivar chunk_size: examples per chunk of the site computation (``None``: automatic).
+    :ivar tol: residual tolerance of every step.
+    :ivar max_iters: natural-gradient steps allowed per batch.
+    """
+
+    spec: object
+    family: object
+    rule: object
+    curvature: str
+    storage: str
+    chunk_size: int | None
+    tol: float
+    max_iters: int = 50
+
+
+class StepInfo(NamedTuple):
+    """What one step did: final ``residual``, ``iterations`` taken, ``converged``, ``overflow``."""
+
+    residual: jax.Array
+    iterations: jax.Array
+    converged: jax.Array
+    overflow: jax.Array
+
+
+def from_posterior(post, capacity, tol=None, max_iters=50):
+    """Start a stream from a fitted posterior whose every site has its data retained.
+
+    :param post: a :class:`~numpyro_pc.posterior.DualPosterior` (e.g. ``pc.fit`` on a first batch).
+    :param int capacity: the most examples the stream will hold (its table size).
+    :param float tol: residual tolerance (default: the dtype's, as :func:`pc.fit`).
+    :param int max_iters: natural-gradient steps allowed per batch.
+    :return: ``(config, state)``.
+    :raises InvalidOptionError: examples without data (frozen sites), a non-zero offset, or a
+        capacity below the number of examples already held.
+    """
+    num = post.num_examples
+    if post.num_retained != num or post.offset is not None:
+        raise InvalidOptionError(
+            f"a stream recomputes every site from its data: this posterior keeps data for {post.num_retained} of "
+            f"its {num} sites{' and carries an offset' if post.offset is not None else ''}; start from a "
+            "posterior that keeps all its data (update(..., keep='all'))")
+    capacity = int(capacity)
+    if capacity < num:
+        raise InvalidOptionError(f"capacity {capacity} is below the {num} examples the posterior already holds")
+    dtype = post.state.mean.dtype
+    data = post.data
+    per_example = tuple(jnp.concatenate([x, jnp.zeros((capacity - num,) + x.shape[1:], x.dtype)])
+                        if capacity > num else x for x in data.per_example)
+    weights = jnp.concatenate([jnp.ones(num, dtype), jnp.zeros(capacity - num, dtype)])
+    config = StreamConfig(replace(post.spec, num_examples=capacity), post.family, post.rule, post.curvature,
+                          post.sites.storage, post.chunk_size, default_tol(dtype) if tol is None else float(tol),
+                          int(max_iters))
+    state = StreamState(post.state, ModelData(per_example, data.shared), weights, jnp.asarray(num, jnp.int32),
+                        jnp.asarray(True))
+    return config, state
+
+
+def _newton(config, q, data, weights):
+    """Dual-form residual at ``q`` and the undamped natural-gradient step from it."""
+    family = config.family
+    sites, sums = compute_sites(config.spec, data, family, q, config.rule, curvature=config.curvature,
+                                storage=config.storage, chunk_size=config.chunk_size,
+                                need_hessian_sum=family.needs_dense_sum, weights=weights)
+    grads = sites.grad * weights[:, None]
+    grad = jnp.sum(grads, 0) + sites.prior_grad
+    norms = jnp.sum(jnp.linalg.norm(grads, axis=1)) + jnp.linalg.norm(sites.prior_grad)
+    target = family.curvature_sum(sites.curv, weights) + family.project_curvature(sites.prior_curvature)
+    dense = sums.hessian + sites.prior_curvature
+    precision, pre = family.fixed_point(q, target, dense)
+    residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),
+                           family.precision_residual(q.precision, target))
+    mean = q.mean - cho_solve((jnp.linalg.cholesky(pre), True), grad)
+    return residual, Gaussian(mean, precision)
+
+
+def stream_step(config, state, batch, mask):
+    """Add one batch and solve the exact update (pure; jit or scan it).
+
+    :param StreamConfig config: static options (from :func:`from_posterior`).
+    :param StreamState state: the stream so far.
+    :param batch: the batch's :class:`~numpyro_pc.likelihood.ModelData` (``B`` rows; its
+        shared arrays are ignored: the stream's are used).
+    :param mask: ``(B,)`` booleans, false for padding rows (kept out of the posterior).
+    :return: ``(state, StepInfo)``.
+    """
+    size = mask.shape[0]
+    capacity = state.weights.shape[0]
+    overflow = state.count + size > capacity
+    start = jnp.minimum(state.count, capacity - size)
+    per_example = tuple(jax.lax.dynamic_update_slice_in_dim(x, b.astype(x.dtype), start, 0)
+                        for x, b in zip(state.data.per_example, batch.per_example))
+    weights = jax.lax.dynamic_update_slice_in_dim(state.weights, mask.astype(state.weights.dtype), start, 0)
+    data = ModelData(per_example, state.data.shared)
+    family = config.family
+
+    def proper(q):
+        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
+
+    def cond(carry):
+        _, residual, _, it, stop = carry
+        return (~stop) & (residual > config.tol) & (it < config.max_iters)
+
+    def body(carry):
+        q, residual, proposal, it, _ = carry  # residual is measured at q; proposal is the step from q
+        good = proper(proposal)
+
+        def advance(_):
+            return (proposal, *_newton(config, proposal, data, weights))
+
+        q, residual, proposal = jax.lax.cond(good, advance, lambda _: (q, residual, proposal), None)
+        return q, residual, proposal, it + 1, ~good
+
+    start = (state.q, *_newton(config, state.q, data, weights), jnp.asarray(0), jnp.asarray(False))
+    q, residual, _, iterations, broke = jax.lax.while_loop(cond, body, start)
+    converged = (residual <= config.tol) & ~broke & ~overflow
+    candidate = StreamState(q, data, weights, state.count + size, converged)
+    unchanged = state._replace(converged=jnp.asarray(False))  # a batch that does not fit changes nothing
+    new_state = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), unchanged, candidate)
+    return new_state, StepInfo(residual, iterations, converged, overflow)
+
+
+def run_stream(config, state, batches, masks):
+    """Run :func:`stream_step` over ``T`` batches with ``jax.lax.scan`` (one compilation).
+
+    :param batches: :class:`~numpyro_pc.likelihood.ModelData` whose per-example arrays have
+        leading axes ``(T, B)`` (see :func:`split_batches`).
+    :param masks: ``(T, B)`` booleans.
+    :return: ``(final state, StepInfo with a leading axis T)``.
+    :raises InvalidOptionError: the batches do not fit in the table's free rows.
+    """
+    masks = jnp.asarray(masks, bool)
+    steps, size = masks.shape
+    free = int(state.weights.shape[0]) - int(state.count)
+    if steps * size > free:
+        raise InvalidOptionError(f"{steps} batches of {size} rows need {steps * size} free rows; the stream has "
+                                 f"{free} (capacity {state.weights.shape[0]}); start it with a larger capacity")
+    return _scan(config, state, batches, masks)
+
+
+@partial(jax.jit, static_argnums=0)
+def _scan(config, state, batches, masks):
+    def body(carry, xs):
+        batch, mask = xs
+        return stream_step(config, carry, ModelData(batch, carry.data.shared), mask)
+
+    return jax.lax.scan(body, state, (batches.per_example, masks))
+
+
+def split_batches(data, batch_size):
+    """Rows of ``data`` (a :class:`~numpyro_pc.likelihood.ModelData`) as ``(batches, masks)``
+    for :func:`run_stream`: ``T = ⌈N / batch_size⌉`` batches, the last padded with masked rows."""
+    num = int(data.per_example[0].shape[0])
+    if num == 0 or int(batch_size) < 1:
+        raise DataShapeError(f"split_batches needs examples and a positive batch size, found N={num}, "
+                             f"batch_size={batch_size}")
+    steps = -(-num // int(batch_size))
+    pad = steps * int(batch_size) - num
+    per_example = tuple(jnp.reshape(jnp.concatenate([x, jnp.repeat(x[-1:], pad, 0)]) if pad else x,
+                                    (steps, int(batch_size)) + x.shape[1:]) for x in data.per_example)
+    masks = jnp.reshape(jnp.arange(steps * int(batch_size)) < num, (steps, int(batch_size)))
+    return ModelData(per_example, data.shared), masks
+
+
+def to_posterior(config, state, like):
+    """The stream's posterior as a :class:`~numpyro_pc.posterior.DualPosterior` (sites recomputed once at ``q``).
+
+    :param like: the posterior the stream started from (its class and guide are kept).
+    :raises ConvergenceError: the last step did not converge.
+    """
+    if not bool(state.converged):
+        raise ConvergenceError("the stream's last step did not reach its tolerance (see its StepInfo); its "
+                               "posterior is not returned")
+    live = np.flatnonzero(np.asarray(state.weights) > 0)
+    data = ModelData(tuple(x[live] for x in state.data.per_example), state.data.shared)
+    spec = replace(config.spec, num_examples=int(live.size))
+    return build_posterior(spec, data, config.family, state.q, config.rule, config.curvature, config.storage,
+                           config.chunk_size, like.guide, False, None, 0, False, True, cls=type(like))

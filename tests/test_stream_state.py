@@ -1,0 +1,79 @@
+"""Pure streaming steps under jax.lax.scan: exact updates equal the batch fit on all data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import linear_model, logistic_model, make_linear, make_logistic
+
+import numpyro_pc as pc
+from numpyro_pc.errors import ConvergenceError, InvalidOptionError
+from numpyro_pc.likelihood import bind_model
+from numpyro_pc.stream_state import from_posterior, run_stream, split_batches, stream_step, to_posterior
+
+
+def _stream(model, X, y, first, batch_size, capacity, **fit_options):
+    post = pc.fit(model, X[:first], y[:first], **fit_options)
+    config, state = from_posterior(post, capacity)
+    _, rest = bind_model(model, (X[first:], y[first:]))
+    batches, masks = split_batches(rest, batch_size)
+    final, infos = run_stream(config, state, batches, masks)
+    return post, config, final, infos
+
+
+def test_a_scanned_stream_of_a_conjugate_model_equals_the_closed_form(x64):
+    # Linear-Gaussian model: every exact update is the conjugate posterior, so the scanned
+    # stream must equal pc.fit on all data to rounding (1e-10 relative; both are one solve
+    # of the same normal equations). The last batch is padded: its masked rows must not count.
+    X, y = make_linear(103, 3)
+    post, config, final, infos = _stream(linear_model, X, y, 13, 10, 120)
+    assert infos.residual.shape == (9,) and bool(jnp.all(infos.converged)) and not bool(jnp.any(infos.overflow))
+    batch = pc.fit(linear_model, X, y, tol=1e-12)
+    np.testing.assert_allclose(final.q.mean, batch.mean, rtol=1e-10)
+    np.testing.assert_allclose(final.q.precision, batch.state.precision, rtol=1e-10)
+    assert int(final.count) == 13 + 90 and float(jnp.sum(final.weights)) == 103.0
+    back = to_posterior(config, final, post)
+    assert type(back) is type(post) and back.num_examples == 103 and back.residual < 1e-10
+
+
+def test_a_scanned_stream_of_logistic_regression_reaches_the_batch_fixed_point(x64):
+    # Non-conjugate (Gauss–Hermite rule): the exact correction recomputes every site, so the
+    # stream's fixed point is the batch fit's; Newton steps end at residual < 1e-10 and the
+    # two posteriors agree to 1e-8 (KL < 1e-14).
+    X, y = make_logistic(90, 3)
+    post, config, final, infos = _stream(logistic_model, X, y, 30, 20, 96, tol=1e-10)
+    assert bool(jnp.all(infos.converged)), infos
+    batch = pc.fit(logistic_model, X, y, tol=1e-12)
+    np.testing.assert_allclose(final.q.mean, batch.mean, rtol=1e-8, atol=1e-10)
+    back = to_posterior(config, final, post)
+    assert float(back.kl(batch)) < 1e-14
+
+
+def test_a_stream_compiles_once_and_refuses_what_does_not_fit(x64):
+    X, y = make_linear(40, 2)
+    post = pc.fit(linear_model, X[:10], y[:10])
+    config, state = from_posterior(post, 30)
+    _, rest = bind_model(linear_model, (X[10:], y[10:]))
+    batches, masks = split_batches(rest, 10)
+    with pytest.raises(InvalidOptionError, match="free rows"):
+        run_stream(config, state, batches, masks)  # 30 rows into 20 free ones
+    with pytest.raises(InvalidOptionError, match="capacity"):
+        from_posterior(post, 5)
+    # inside a trace nothing can raise: the step reports the overflow and leaves the state unchanged
+    step = jax.jit(stream_step, static_argnums=0)
+    full, _ = step(config, state, jax.tree.map(lambda x: x[0], batches), masks[0])
+    full, _ = step(config, full, jax.tree.map(lambda x: x[1], batches), masks[1])
+    after, info = step(config, full, jax.tree.map(lambda x: x[2], batches), masks[2])
+    assert bool(info.overflow) and not bool(info.converged)
+    np.testing.assert_array_equal(after.q.mean, full.q.mean)
+    assert int(after.count) == 30
+    with pytest.raises(ConvergenceError):
+        to_posterior(config, after, post)
+    assert step._cache_size() == 1  # every batch had the same shapes: one compilation
+
+
+def test_a_stream_needs_every_site_with_its_data(x64):
+    X, y = make_linear(30, 2)
+    post = pc.fit(linear_model, X[:20], y[:20]).update(X[20:], y[20:], keep="none")
+    with pytest.raises(InvalidOptionError, match="keeps data"):
+        from_posterior(post, 40)
