@@ -4,15 +4,11 @@ Every kind is a pytree whose leaves all have the examples on their leading axis,
 operations (take, pad, join) are the same for all of them, and every kind answers the
 questions the solver, the diagnostics and the files ask of the curvature:
 
-================== ========================================= =========== ==============================
-class              holds                                     ``name``    sums it can give
-================== ========================================= =========== ==============================
-:class:`Factor`    ``Ĥ_i = J_iᵀ Λ_i J_i``: ``J`` ``(N, k, d)``  ``"factor"``  dense and diagonal
-                   and ``Λ`` ``(N, k, k)``
-:class:`Dense`     ``(N, d, d)`` matrices                    ``"dense"``   dense and diagonal
-:class:`Diagonal`  ``(N, d)`` diagonals                      ``"diag"``    diagonal
-:class:`NoCurvature` nothing (an ``(N, 0)`` placeholder)     ``"none"``    none
-================== ========================================= =========== ==============================
+* :class:`Factor` (``"factor"``): ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J`` ``(N, k, d)`` and
+  ``Λ`` ``(N, k, k)``; gives dense and diagonal sums.
+* :class:`Dense` (``"dense"``): ``(N, d, d)`` matrices; gives dense and diagonal sums.
+* :class:`Diagonal` (``"diag"``): ``(N, d)`` diagonals; gives diagonal sums.
+* :class:`NoCurvature` (``"none"``): nothing (an ``(N, 0)`` placeholder); gives no sums.
 
 ``Factor`` is exact for GLM-type models (distribution parameters ``θ_i`` affine in ``z``)
 and the Gauss–Newton approximation otherwise, at ``O(N·k·d)`` numbers; see docs/notation.md,
