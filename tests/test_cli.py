@@ -1,5 +1,7 @@
 """The demo runs end to end on the embedded dataset and reports a converged dual form."""
 
+import numpy as np
+
 from numpyro_pc.cli import demo
 
 
@@ -25,3 +27,6 @@ def test_demo_fast(tmp_path, capsys):
     assert result["trust"]["residual"] < 1e-8 and "plate 'data' keeps size" in result["trust"]["refused"]
     assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
     assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section
+    criticism = result["criticism"]  # all-N LOO: finite, the richer model preferred, refits of the flagged ones
+    assert np.isfinite(criticism["elpd_loo"]) and criticism["best"] == "30 features"
+    assert np.isfinite(criticism["refitted_elpd"]) and (tmp_path / "criticism.png").stat().st_size > 10_000
