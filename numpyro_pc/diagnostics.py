@@ -41,7 +41,7 @@ __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "e
            "log_normaliser", "count_compilations"]
 
 
-def kl(q, p):
+def kl(q, p) -> jax.Array:
     """``KL(q ‖ p)`` between two :class:`~numpyro_pc.DualPosterior` of the same model and family."""
     return q.kl(p)
 
@@ -76,7 +76,7 @@ def _dense(family, precision):
     return precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
 
 
-def information_gain(old, new):
+def information_gain(old, new) -> dict[str, float]:
     """Decompose ``KL(new ‖ old)`` into new-data, correction, removed and normaliser terms.
 
     :return: dict with ``kl`` (closed form), ``new_data``, ``correction``, ``removed``,
@@ -122,7 +122,7 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
 
 
-def correction_magnitude(post, *args, **kwargs):
+def correction_magnitude(post, *args, **kwargs) -> dict:
     """Interference map: how much each retained past example's site would go stale under new data.
 
     The new batch (``args``/``kwargs`` as for the model) is added without correction (VCL);

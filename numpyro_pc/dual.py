@@ -18,6 +18,7 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from . import guides as _guides
 from .errors import (
@@ -201,7 +202,8 @@ class DualPosteriorBase:
 
     # ------------------------------------------------------------------ refine
     @in_own_precision
-    def refine(self, tol=None, max_iters=100, step_size=1.0, raise_on_failure=True, progress=False, _start=None):
+    def refine(self, tol: float | None = None, max_iters: int = 100, step_size: float = 1.0,
+               raise_on_failure: bool = True, progress: bool = False, _start=None) -> DualPosteriorBase:
         """Natural-gradient steps until the dual-form residual is below ``tol``.
 
         :param float tol: default ``1e-8`` in float64, ``1e-5`` in float32.
@@ -238,17 +240,17 @@ class DualPosteriorBase:
 
     # ------------------------------------------------------------------ probability
     @in_own_precision
-    def log_prob(self, z):
+    def log_prob(self, z: ArrayLike) -> jax.Array:
         """Log-density of flat unconstrained values ``z`` (trailing axis ``d``)."""
         return self.family.log_prob(self.state, jnp.asarray(z))
 
     @in_own_precision
-    def entropy(self):
+    def entropy(self) -> jax.Array:
         """Entropy of the posterior in unconstrained space."""
         return self.family.entropy(self.state)
 
     @in_own_precision
-    def kl(self, other):
+    def kl(self, other: DualPosteriorBase) -> jax.Array:
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
         if other.latent.signature() != self.latent.signature():
             raise IncompatiblePosteriorsError("the posteriors belong to models with different latent sites")
@@ -265,7 +267,7 @@ class DualPosteriorBase:
         return self.family.fixed_precision and self.rule.kind == "delta"
 
     @in_own_precision
-    def sample_unconstrained(self, key, num_samples):
+    def sample_unconstrained(self, key: jax.Array, num_samples: int) -> jax.Array:
         """Draws of the flat unconstrained vector, shape ``(num_samples, d)``.
 
         A point estimate (:attr:`is_point_estimate`, e.g. from ``AutoDelta``) returns its
@@ -281,13 +283,13 @@ class DualPosteriorBase:
         return self.family.sample(self.state, key, num_samples)
 
     @in_own_precision
-    def sample(self, key, num_samples):
+    def sample(self, key: jax.Array, num_samples: int) -> dict[str, jax.Array]:
         """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``."""
         z = self.sample_unconstrained(key, num_samples)
         return jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
 
     @in_own_precision
-    def log_likelihood(self, z):
+    def log_likelihood(self, z: ArrayLike) -> dict[str, jax.Array]:
         """Per-site, per-example log-likelihood at flat values ``z`` (``{site: (..., N)}``)."""
         z = jnp.asarray(z)
         fn = lambda zz: jax.vmap(lambda ex: example_site_log_likelihoods(self.spec, zz, ex, self.data.shared))(  # noqa: E731
@@ -297,7 +299,7 @@ class DualPosteriorBase:
                 for name, v in zip(self.spec.observed, values)}
 
     @in_own_precision
-    def to_arviz(self, key, num_samples=1000):
+    def to_arviz(self, key: jax.Array, num_samples: int = 1000):
         """ArviZ ``InferenceData`` with ``posterior``, ``log_likelihood`` and ``observed_data`` groups (one chain).
 
         ``log_likelihood`` holds one ``(chain, draw, N)`` variable per observed site of the
@@ -323,7 +325,7 @@ class DualPosteriorBase:
         return az.from_dict(posterior=posterior, log_likelihood=log_likelihood, observed_data=observed, dims=dims)
 
     @in_own_precision
-    def to_guide_params(self, guide=None):
+    def to_guide_params(self, guide=None) -> dict[str, jax.Array]:
         """Parameters of ``guide`` (default: the guide this posterior came from) describing it."""
         guide = guide if guide is not None else self.guide
         if guide is None:
@@ -332,7 +334,7 @@ class DualPosteriorBase:
                                        constrain_fn=lambda z: constrain(self.spec, z, self.data))
 
     @in_own_precision
-    def site_curvature(self):
+    def site_curvature(self) -> jax.Array:
         """Per-example ``tr Ĥ_i`` — how much each example contributes to the precision."""
         return self.sites.curvature_trace()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -530,7 +531,7 @@ _FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic"
 _ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
 
 
-def register_family(family, aliases=()):
+def register_family(family: ExponentialFamily, aliases: Iterable[str] = ()) -> ExponentialFamily:
     """Make ``family`` (an :class:`ExponentialFamily` instance) available by its ``name``.
 
     After registration ``pc.fit(..., family=name)``, saved files and every operation accept
@@ -555,7 +556,7 @@ def registered_families():
     return dict(_FAMILIES)
 
 
-def get_family(family):
+def get_family(family: str | ExponentialFamily) -> ExponentialFamily:
     """Return a family instance from a registered name (``"full"``, ``"diagonal"``, ``"isotropic"``, …) or instance."""
     if isinstance(family, ExponentialFamily):
         return family

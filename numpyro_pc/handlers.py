@@ -20,6 +20,8 @@ never leak sites to outer handlers.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,7 +121,8 @@ def _prior_site_value(sites, z):
     return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature @ diff
 
 
-def correction_factor(posterior, memory="all", correct_prior=True, removed=()):
+def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_prior: bool = True,
+                      removed: Iterable[int] = ()) -> Callable:
     """``z ↦`` the log-density of the correction terms (paper §3.1).
 
     ``−Σ_{i∈C}(ℓ_i(z) − ℓ̂_i(z))`` over the memory ``C`` (and the prior when
@@ -154,7 +157,7 @@ def correction_factor(posterior, memory="all", correct_prior=True, removed=()):
     return log_density
 
 
-def update(model, posterior, memory="all", correct_prior=True):
+def update(model: Callable, posterior, memory: str | Iterable[int] = "all", correct_prior: bool = True) -> Callable:
     """A NumPyro model whose posterior on new data is the corrected update of ``posterior``.
 
     Call it with the new batch like the original model; e.g.
@@ -209,7 +212,8 @@ def check_same_model(model, posterior, num_probes=3):
                     "with the model it was fitted to (refit for a new prior or likelihood).")
 
 
-def forget(model, posterior, ids, memory="all", correct_prior=True):
+def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterable[int] = "all",
+           correct_prior: bool = True) -> Callable:
     """A NumPyro model (called with no arguments) whose posterior deletes ``ids`` from ``posterior``.
 
     Its density is the deletion objective (paper §3.2; docs/adapting.md, "Deleting data"): the deleted sites are divided out

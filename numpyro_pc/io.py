@@ -22,16 +22,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from .archive import manifest_limit, npy_bytes, read_archive, write_atomic
-from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
-                     IntegrityError, MissingFileError, ModelMismatchError, OversizedFileError, PersistenceError,
-                     PosteriorCorrectionError, SavedModelMismatchError)
+from .dual import DualPosteriorBase
+from .errors import (
+    CorruptFileError,
+    DtypeMismatchError,
+    FormatVersionError,
+    InconsistentFileError,
+    IntegrityError,
+    MissingFileError,
+    ModelMismatchError,
+    OversizedFileError,
+    PersistenceError,
+    PosteriorCorrectionError,
+    SavedModelMismatchError,
+)
 from .expectations import ExpectationRule
 from .families import Gaussian, GaussianNatural, get_family
 from .fingerprint import compare_fingerprints, model_fingerprint
@@ -39,9 +53,7 @@ from .likelihood import ModelData, bind_model
 from .rowops import to_device
 from .sites import Sites
 from .solvers import dual_residual
-from .dual import DualPosteriorBase
-from .validation import (DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest,
-                         check_residual)
+from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
@@ -77,7 +89,7 @@ def _arrays(post):
     return arrays
 
 
-def save(post, path, key=None):
+def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     """Write ``post`` to ``path`` atomically (see the module docstring for the format).
 
     The file is checked as :func:`load` would check it before anything is written, so a
@@ -145,7 +157,7 @@ def _argument_layout(spec):
                                "containers) can be saved") from None
 
 
-def load(path, model, key=None):
+def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase:
     """Read a posterior saved by :func:`save` and bind it to ``model``, checking everything.
 
     The file is untrusted input: what is read is bounded by the declared sizes, the

@@ -44,17 +44,23 @@ posterior (retraining from the merged start).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import (IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError,
-                     UnsupportedModelError)
+from .dual import DualPosteriorBase, build_posterior
+from .errors import (
+    IncompatiblePosteriorsError,
+    InvalidOptionError,
+    NonFiniteResultError,
+    NotPositiveDefiniteError,
+    UnsupportedModelError,
+)
 from .families import Gaussian
 from .likelihood import losses, prior_loss
-from .dual import build_posterior
 from .rows import concat_data, take_data
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
@@ -178,7 +184,8 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
     return Gaussian(mean, family.keep_fixed(base_q.precision, family.project_curvature(h)))
 
 
-def merge(base, posteriors, alphas=None, method="bayesian", rule=None):
+def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase], alphas: Sequence[float] | None = None,
+          method: str = "bayesian", rule=None) -> DualPosteriorBase:
     """Merge task posteriors fitted from a shared base (see the module docstring).
 
     :param base: the shared :class:`~numpyro_pc.posterior.DualPosterior` the tasks started

@@ -14,7 +14,10 @@ the prior without SVI.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -25,7 +28,7 @@ from . import guides as _guides
 from .dual import DualPosteriorBase, build_posterior, in_own_precision
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
-from .families import Gaussian, get_family
+from .families import ExponentialFamily, Gaussian, get_family
 from .io import load as _load
 from .io import save as _save
 from .likelihood import bind_model, prior_loss
@@ -56,13 +59,15 @@ class DualPosterior(DualPosteriorBase):
     __slots__ = ()
 
     @classmethod
-    def adopt(cls, posterior):
+    def adopt(cls, posterior: DualPosteriorBase) -> DualPosterior:
         """``posterior`` (a :class:`~numpyro_pc.dual.DualPosteriorBase`) as a :class:`DualPosterior`."""
         return posterior if isinstance(posterior, cls) else cls(**posterior.constructor_fields())
 
     # ------------------------------------------------------------------ adaptation
-    def update(self, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-               max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
+    def update(self, *args, correction: str = "exact", memory: int | float | None = None, selection: str = "random",
+               keep: str | int = "all", seed: int = 0, tol: float | None = None, max_iters: int = 100,
+               progress: bool = False, raise_on_failure: bool = True, batch_fraction: float = 0.1,
+               epochs: int | None = None, **kwargs) -> DualPosterior:
         """Add a batch of examples: the corrected streaming update (paper §3.1; docs/adapting.md).
 
         New examples get the next free ids. ``correction`` chooses the past terms whose
@@ -86,7 +91,8 @@ class DualPosterior(DualPosteriorBase):
                       batch_fraction=batch_fraction, epochs=epochs, **kwargs)
 
     @in_own_precision
-    def delete(self, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
+    def delete(self, ids: Iterable[int], method: str = "remove_site", damping: bool = False, tol: float | None = None,
+               max_iters: int = 100, raise_on_failure: bool = True) -> DualPosterior:
         """Remove examples from the posterior (unlearning); see :mod:`numpyro_pc.unlearning`.
 
         :param ids: example ids to delete (any number).
@@ -98,20 +104,22 @@ class DualPosterior(DualPosteriorBase):
         return _delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
                       raise_on_failure=raise_on_failure)
 
-    def save(self, path, key=None):
+    def save(self, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
         """Write the posterior atomically to ``path`` (see :mod:`numpyro_pc.io`); ``key`` signs it (HMAC)."""
         return _save(self, path, key=key)
 
 
-def load(path, model, key=None):
+def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosterior:
     """Load a posterior saved with :meth:`DualPosterior.save`; see :func:`numpyro_pc.io.load`,
     which checks the file and the model, for the parameters and the errors raised."""
     return DualPosterior.adopt(_load(path, model, key=key))
 
 
-def dual_form(model, guide, params, *args, expectation=None, curvature="hessian", storage="auto", refine=True,
-              tol=None, max_iters=100, num_samples=64, seed=0, num_nodes=64, chunk_size=None, data_plate=None,
-              shared=(), progress=False, raise_on_failure=True, **kwargs):
+def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",
+              storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int = 100,
+              num_samples: int = 64, seed: int = 0, num_nodes: int = 64, chunk_size: int | None = None,
+              data_plate: str | None = None, shared: tuple = (), progress: bool = False,
+              raise_on_failure: bool = True, **kwargs) -> DualPosterior:
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
 
     :param model: the NumPyro model the guide was fitted to.
@@ -158,9 +166,11 @@ def dual_form(model, guide, params, *args, expectation=None, curvature="hessian"
         return post.evolve(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
 
 
-def fit(model, *args, family="full", expectation=None, curvature="hessian", storage="auto", tol=None,
-        max_iters=100, num_samples=64, seed=0, num_nodes=64, init=None, chunk_size=None, data_plate=None,
-        shared=(), progress=False, raise_on_failure=True, **kwargs):
+def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expectation: str | None = None,
+        curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int = 100,
+        num_samples: int = 64, seed: int = 0, num_nodes: int = 64, init=None, chunk_size: int | None = None,
+        data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
+        **kwargs) -> DualPosterior:
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 
     The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature

@@ -99,7 +99,8 @@ class StepInfo(NamedTuple):
     overflow: jax.Array
 
 
-def from_posterior(post, capacity, tol=None, max_iters=50):
+def from_posterior(post, capacity: int, tol: float | None = None,
+                   max_iters: int = 50) -> tuple[StreamConfig, StreamState]:
     """Start a stream from a fitted posterior whose every site has its data retained.
 
     :param post: a :class:`~numpyro_pc.posterior.DualPosterior` (e.g. ``pc.fit`` on a first batch).
@@ -150,7 +151,8 @@ def _newton(config, q, data, weights):
     return residual, Gaussian(mean, precision)
 
 
-def stream_step(config, state, batch, mask):
+def stream_step(config: StreamConfig, state: StreamState, batch: ModelData,
+                mask: jax.Array) -> tuple[StreamState, StepInfo]:
     """Add one batch and solve the exact update (pure; jit or scan it).
 
     :param StreamConfig config: static options (from :func:`from_posterior`).
@@ -196,7 +198,8 @@ def stream_step(config, state, batch, mask):
     return new_state, StepInfo(residual, iterations, converged, overflow)
 
 
-def run_stream(config, state, batches, masks):
+def run_stream(config: StreamConfig, state: StreamState, batches: ModelData,
+               masks: jax.Array) -> tuple[StreamState, StepInfo]:
     """Run :func:`stream_step` over ``T`` batches with ``jax.lax.scan`` (one compilation).
 
     :param batches: :class:`~numpyro_pc.likelihood.ModelData` whose per-example arrays have
@@ -223,7 +226,7 @@ def _scan(config, state, batches, masks):
     return jax.lax.scan(body, state, (batches.per_example, masks))
 
 
-def split_batches(data, batch_size):
+def split_batches(data: ModelData, batch_size: int) -> tuple[ModelData, jax.Array]:
     """Rows of ``data`` (a :class:`~numpyro_pc.likelihood.ModelData`) as ``(batches, masks)``
     for :func:`run_stream`: ``T = ⌈N / batch_size⌉`` batches, the last padded with masked rows."""
     num = int(data.per_example[0].shape[0])
@@ -238,7 +241,7 @@ def split_batches(data, batch_size):
     return ModelData(per_example, data.shared), masks
 
 
-def to_posterior(config, state, like):
+def to_posterior(config: StreamConfig, state: StreamState, like):
     """The stream's posterior as a :class:`~numpyro_pc.posterior.DualPosterior` (sites recomputed once at ``q``).
 
     :param like: the posterior the stream started from (its class and guide are kept).
