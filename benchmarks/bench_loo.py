@@ -365,9 +365,10 @@ def elpd_main(args):
             taylor, t_taylor_first = _timed(pc.loo, post, method="taylor")
             taylor, t_taylor = _timed(pc.loo, post, method="taylor")
             err_t = taylor.pointwise[subset] - brute.pointwise[subset]
+            n_conv = int(np.sum(taylor["taylor_converged"]))
         except pc.errors.InvalidOptionError as exc:
             log(f"  taylor: {exc}")
-            taylor = err_t = None
+            taylor = err_t = n_conv = None
             t_taylor = t_taylor_first = float("nan")
         err_c = fixed.pointwise[subset] - brute.pointwise[subset]
         psis, psis_i, psis_flat, psis_failed, t_nuts, t_psis = _psis(mdl, margs, mkw, args.warmup, args.draws,
@@ -391,7 +392,7 @@ def elpd_main(args):
                    max_err_flagged=float(flag_err.max()) if flag_err.size else 0.0,
                    khat_err_spearman=_spearman(res.khat[subset], np.abs(err)),
                    t_taylor=t_taylor, t_taylor_first=t_taylor_first, ratio_taylor_fit=t_taylor / t_fit,
-                   sum_err_taylor=float(np.sum(err_t)) if err_t is not None else None,
+                   sum_err_taylor=float(np.sum(err_t)) if err_t is not None else None, taylor_converged=n_conv,
                    max_err_taylor=float(np.max(np.abs(err_t))) if err_t is not None else None)
         if subset.size < n:  # extrapolated to all N (stated as such)
             row["sum_err_pc_scaled"] = row["sum_err_pc"] * n / subset.size
@@ -527,7 +528,8 @@ def render_elpd(res):
              f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}.", "",
              "| model | N | d | rule | pc.fit s | pc.loo s (first) | loo/fit | elpd pc.loo | elpd PSIS | "
              "refits (s each) | Σ err pc | k̂>0.7 | + refit flagged: s, Σ err | Σ err PSIS | max |err_i| pc | "
-             "PSIS | ρ(k̂, |err|) | NUTS s + loo s | taylor s (first), Σ err, max |err_i| |", "|" + "---|" * 19]
+             "PSIS | ρ(k̂, |err|) | NUTS s + loo s | taylor s (first), converged, Σ err, max |err_i| |",
+             "|" + "---|" * 19]
     for r in res["rows"]:
         lines.append(
             f"| {r['name']} | {r['N']} | {r['d']} | {r['rule']} | {r['t_fit']:.2f} | {r['t_loo']:.2f} "
@@ -536,7 +538,7 @@ def render_elpd(res):
             f"{r['flagged']} | {r['t_loo_corrected']:.2f}, {r['sum_err_corrected']:+.1e} | "
             f"{r['sum_err_psis']:+.1e} | {r['max_err_pc']:.1e} | {r['max_err_psis']:.1e} | "
             f"{r['khat_err_spearman']:.2f} | {r['t_nuts']:.1f} + {r['t_psis']:.2f} | " + (
-                f"{r['t_taylor']:.2f} ({r['t_taylor_first']:.2f}), {r['sum_err_taylor']:+.1e}, "
+                f"{r['t_taylor']:.2f} ({r['t_taylor_first']:.2f}), {r['taylor_converged']}, {r['sum_err_taylor']:+.1e}, "
                 f"{r['max_err_taylor']:.1e} |" if r["sum_err_taylor"] is not None else "refused (d too large) |"))
     return "\n".join(lines)
 

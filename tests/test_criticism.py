@@ -259,5 +259,6 @@ def test_taylor_cavities_are_closer_to_brute_force_refits_than_site_removal(x64)
     assert abs(np.sum(err_taylor)) < 0.25 * abs(np.sum(err_cheap))
     assert np.max(np.abs(err_taylor)) < 0.25 * np.max(np.abs(err_cheap))
     np.testing.assert_array_equal(taylor.khat, cheap.khat)  # the reliability is the cavity's
+    assert taylor["taylor_converged"].all()
     with pytest.raises(UnsupportedGuideError, match="full Gaussian"):
         pc.loo(pc.fit(_scale_model, X, y, family="diagonal"), method="taylor")

@@ -271,7 +271,8 @@ def _refit_predictive(spec, rule, family, data, means, precisions):
     return jax.lax.map(one, (data.per_example, means, precisions), batch_size=8)
 
 
-TAYLOR_ITERS = 3  # fixed-point iterations of the deletion under the Taylor model (2 already converge on kidiq)
+TAYLOR_ITERS = 30  # most fixed-point iterations of the deletion under the Taylor model
+TAYLOR_TOL = 1e-10  # convergence: squared Mahalanobis length of the last mean step
 _FD_STEP = 1e-3  # central-difference step, in units of the posterior's standard deviations
 _TAYLOR_BUDGET = 2**26  # numbers in ∂H/∂Σ (d(d+1)/2 · d²) that method="taylor" may form
 
@@ -293,13 +294,18 @@ def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS):
 
     (``δ = m_i − m``, ``Δ = Σ_i − Σ``, ``T = ∂H/∂m``), the removed example's own site is
     evaluated exactly at each iterate, ``g_i``, ``h_i``, and the deletion's fixed-point map
-    ``S_i ← H − h_i``, ``m_i ← m_i − S_i^{-1}(G − g_i)`` runs ``iters`` times from the cavity.
+    ``S_i ← H − h_i``, ``m_i ← m_i − S_i^{-1}(G − g_i)`` runs from the cavity to convergence.
     The derivatives come from central differences along ``d + d(d+1)/2`` directions at ``q``
     (two site passes each, once for all examples); each iterate then costs one site evaluation
     of its own example: ``O(N)`` site evaluations in all, ``O(N d⁴)`` arithmetic, and a
     ``d³(d+1)/2`` tensor (refused above :data:`_TAYLOR_BUDGET` numbers, ``d ≳ 90``).
 
-    :return: ``(means, precisions)``, ``(N, d)`` and ``(N, d, d)``.
+    The iteration stops being trusted unless its last mean step is below :data:`TAYLOR_TOL`
+    in the Mahalanobis norm of the new precision after ``iters`` steps (it can diverge when
+    deleting one example moves the posterior far, e.g. eight schools with ``N = 8``): those
+    examples keep their site-removal cavity and are reported.
+
+    :return: ``(means, precisions, converged)``, ``(N, d)``, ``(N, d, d)`` and ``(N,)`` booleans.
     """
     d = post.dim
     if d * d * d * (d + 1) // 2 > _TAYLOR_BUDGET:
@@ -357,7 +363,7 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
         mean = state.mean + sh
 
         def step(carry, _):
-            mean, prec = carry
+            mean, prec, _ = carry
             cov = jnp.linalg.inv(prec)
             cov = 0.5 * (cov + cov.T)
             delta, change = mean - state.mean, (cov - cov0)[upper]
@@ -367,9 +373,12 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
             g_i, h_i, _, _ = expected(one_spec, one_data, mean, cov)
             new_prec = hess - h_i
             new_prec = 0.5 * (new_prec + new_prec.T)
-            return (mean - jnp.linalg.solve(new_prec, grad - g_i), new_prec), None
+            move = jnp.linalg.solve(new_prec, grad - g_i)
+            return (mean - move, new_prec, move @ new_prec @ move), None
 
-        (mean, prec), _ = jax.lax.scan(step, (mean, prec), None, length=iters)
-        return mean, prec
+        start = (mean, prec)
+        (mean, prec, last), _ = jax.lax.scan(step, (mean, prec, jnp.asarray(jnp.inf, dtype)), None, length=iters)
+        converged = jnp.isfinite(last) & (last <= TAYLOR_TOL) & jnp.all(jnp.isfinite(mean))
+        return (jnp.where(converged, mean, start[0]), jnp.where(converged, prec, start[1]), converged)
 
     return jax.lax.map(one, (data.per_example, curv, shift), batch_size=min(num, 64))

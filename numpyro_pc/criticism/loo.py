@@ -174,8 +174,10 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
             if post.family.curvature_detail != FULL:
                 raise UnsupportedGuideError("method='taylor' needs the full Gaussian family (a dense covariance); "
                                             "use method='remove_site' or 'corrected'.")
-            means, precisions = taylor_cavities(post, post.sites.take(rows), post.data, cav.shift)
-            pointwise = np.array(refit_predictive(post, post.data, means, precisions), dtype=np.float64)
+            means, precisions, converged = taylor_cavities(post, post.sites.take(rows), post.data, cav.shift)
+            converged = np.asarray(converged)
+            moved = np.array(refit_predictive(post, post.data, means, precisions), dtype=np.float64)
+            pointwise = np.where(converged, moved, pointwise)  # the others keep site removal
         refit = np.zeros(ids.size, bool)
         if method == "corrected":
             chosen = _where_rows(where, ids, khat, good_k)
@@ -196,6 +198,8 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     result = elpd_data(pointwise, lppd, khat, ids, post.spec.plate, nodes, good_k, refit, method)
     result["leverage"] = leverage
     result["kl"] = np.asarray(cav.kl)
+    if method == "taylor":
+        result["taylor_converged"] = converged
     result["seconds"] = time.perf_counter() - start
     return result
 
