@@ -255,7 +255,7 @@ def test_taylor_cavities_are_closer_to_brute_force_refits_than_site_removal(x64)
     exact = pc.loo(post, method="corrected", where=np.ones(40, bool))  # the oracle: 40 exact refits
     err_cheap, err_taylor = cheap.pointwise - exact.pointwise, taylor.pointwise - exact.pointwise
     # measured (deterministic data and algorithm): Σ err −6.3e−2 → +1.2e−2, max |err| 3.2e−2 → 5.3e−3;
-    # with N = 40 the third-order terms the expansion drops are still sizeable (kidiq, N = 434: 80×)
+    # with N = 40 the third-order terms the expansion drops are still sizeable (kidiq, N = 434: 117×)
     assert abs(np.sum(err_taylor)) < 0.25 * abs(np.sum(err_cheap))
     assert np.max(np.abs(err_taylor)) < 0.25 * np.max(np.abs(err_cheap))
     np.testing.assert_array_equal(taylor.khat, cheap.khat)  # the reliability is the cavity's

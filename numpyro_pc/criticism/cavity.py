@@ -65,9 +65,11 @@ from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import logsumexp
 
 from ..curvature import FULL
+from ..errors import InvalidOptionError
 from ..expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from ..families import Gaussian, GaussianNatural
 from ..likelihood import ModelData, example_loss, example_params
+from ..sites import compute_sites
 
 __all__ = ["Cavities", "cavities", "downdates", "log_predictive", "refit_predictive", "rule_nodes", "taylor_cavities"]
 
@@ -309,8 +311,6 @@ def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS):
     """
     d = post.dim
     if d * d * d * (d + 1) // 2 > _TAYLOR_BUDGET:
-        from ..errors import InvalidOptionError
-
         raise InvalidOptionError(
             f"method='taylor' forms ∂H/∂Σ with d³(d+1)/2 = {d ** 3 * (d + 1) // 2:,} numbers for d = {d} (limit "
             f"{_TAYLOR_BUDGET:,}); use method='remove_site' or 'corrected'.")
@@ -321,8 +321,6 @@ def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS):
 
 @partial(jax.jit, static_argnames=("spec", "rule", "family", "curvature", "storage", "chunk_size", "iters"))
 def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, data, curv, shift):
-    from ..sites import compute_sites
-
     num, d = shift.shape
     dtype = shift.dtype
     one_spec = replace(spec, num_examples=1)
