@@ -171,7 +171,11 @@ def main(argv=None):
     parser.add_argument("--subset", type=int, default=40, help="--elpd: refits on a7a (random subset)")
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--draws", type=int, default=1000)
+    parser.add_argument("--diagnose", default=None, metavar="DATASET",
+                        help="split pc.loo's error on DATASET into cavity and quadrature parts (issue 14)")
     args = parser.parse_args(argv)
+    if args.diagnose:
+        return diagnose_main(args)
     if args.elpd:
         return elpd_main(args)
     if args.quick:
@@ -306,7 +310,34 @@ def _psis(mdl, margs, mkw, warmup, draws, seed):
               f"{int(np.sum(mcmc.get_extra_fields()['diverging']))}", flush=True)
     posterior = {k: np.asarray(v)[None] for k, v in samples.items()}
     res = az.loo(az.from_dict(posterior=posterior, log_likelihood={"joint": joint[None]}), pointwise=True)
-    return res, t_nuts, time.perf_counter() - t0
+    pointwise, flat, failed = _psis_pointwise(res, joint)
+    return res, pointwise, flat, failed, t_nuts, time.perf_counter() - t0
+
+
+FLAT_SPAN = 1e-10  # log-likelihood range across draws below which importance weights are uniform to rounding
+
+
+def _psis_pointwise(res, joint):
+    """PSIS's ``loo_i`` with the examples whose log likelihood is flat across draws filled in.
+
+    ``arviz.loo`` returns NaN for an example whose log likelihood varies across the draws by
+    less than float64 can resolve after ``exp`` (breast cancer: example 461, log likelihood in
+    [−3.9e−14, −6e−43]): the generalised-Pareto fit of the tail weights ``exp(x) − exp(x_cut)``
+    divides by a zero quantile and returns σ = NaN, which propagates into every smoothed weight.
+    The importance weights ``1/p(y_i | θ_s)`` of such an example are equal to within
+    ``exp(range) − 1``, so any weighting — Pareto-smoothed or raw — gives a value inside
+    ``[min_s ℓ_is, max_s ℓ_is]``; we use the raw importance-sampling estimate
+    ``−log mean_s exp(−ℓ_is)`` (error below the range, ≤ 1e−10). Examples that are NaN with a
+    larger range are genuine PSIS failures and stay NaN (counted in ``failed``).
+    """
+    from scipy.special import logsumexp
+
+    pointwise = np.array(res.loo_i.values, dtype=np.float64)
+    nan = ~np.isfinite(pointwise)
+    flat = nan & (np.ptp(joint, axis=0) <= FLAT_SPAN)
+    raw = -(logsumexp(-joint, axis=0) - np.log(joint.shape[0]))
+    pointwise[flat] = raw[flat]
+    return pointwise, np.flatnonzero(flat), np.flatnonzero(nan & ~flat)
 
 
 def elpd_main(args):
@@ -330,17 +361,27 @@ def elpd_main(args):
         brute, t_brute = _timed(pc.loo, post, method="corrected", where=mask)
         err = res.pointwise[subset] - brute.pointwise[subset]
         fixed, t_fixed = _timed(pc.loo, post, method="corrected")  # refits only where k̂ > 0.7
+        try:  # second-order expansion of the retained sites (refused for large d)
+            taylor, t_taylor_first = _timed(pc.loo, post, method="taylor")
+            taylor, t_taylor = _timed(pc.loo, post, method="taylor")
+            err_t = taylor.pointwise[subset] - brute.pointwise[subset]
+            n_conv = int(np.sum(taylor["taylor_converged"]))
+        except pc.errors.InvalidOptionError as exc:
+            log(f"  taylor: {exc}")
+            taylor = err_t = n_conv = None
+            t_taylor = t_taylor_first = float("nan")
         err_c = fixed.pointwise[subset] - brute.pointwise[subset]
-        psis, t_nuts, t_psis = _psis(mdl, margs, mkw, args.warmup, args.draws, args.seed)
-        psis_i = np.asarray(psis.loo_i.values)
+        psis, psis_i, psis_flat, psis_failed, t_nuts, t_psis = _psis(mdl, margs, mkw, args.warmup, args.draws,
+                                                                      args.seed)
         perr = psis_i[subset] - brute.pointwise[subset]
         flag_err = np.abs(err)[res.flagged[subset]]
         row = dict(name=name, N=n, d=int(post.dim), rule=post.rule.kind, storage=post.sites.storage,
                    t_fit=t_fit, t_fit_first=t_fit_first, t_loo=t_loo, t_loo_first=t_loo_first,
                    ratio_loo_fit=t_loo / t_fit, ratio_loo_first_fit_first=t_loo_first / t_fit_first,
                    elpd_pc=float(res.elpd_loo), se=float(res.se), p_loo=float(res.p_loo),
-                   elpd_psis=float(psis.elpd_loo), p_loo_psis=float(psis.p_loo),
-                   psis_khat_max=float(np.max(psis.pareto_k.values)), pc_khat_max=float(np.max(res.khat)),
+                   elpd_psis=float(np.sum(psis_i)), elpd_psis_arviz=float(psis.elpd_loo),
+                   psis_flat=psis_flat.tolist(), psis_failed=psis_failed.tolist(), p_loo_psis=float(psis.p_loo),
+                   psis_khat_max=float(np.nanmax(psis.pareto_k.values)), pc_khat_max=float(np.max(res.khat)),
                    flagged=int(res.flagged.sum()), num_refits=int(subset.size), t_refits=t_brute,
                    t_per_refit=t_brute / max(subset.size, 1), t_nuts=t_nuts, t_psis=t_psis,
                    sum_err_pc=float(np.sum(err)), sum_err_psis=float(np.sum(perr)),
@@ -349,7 +390,10 @@ def elpd_main(args):
                    max_err_pc=float(np.max(np.abs(err))), max_err_psis=float(np.max(np.abs(perr))),
                    mean_abs_err_pc=float(np.mean(np.abs(err))), mean_abs_err_psis=float(np.mean(np.abs(perr))),
                    max_err_flagged=float(flag_err.max()) if flag_err.size else 0.0,
-                   khat_err_spearman=_spearman(res.khat[subset], np.abs(err)))
+                   khat_err_spearman=_spearman(res.khat[subset], np.abs(err)),
+                   t_taylor=t_taylor, t_taylor_first=t_taylor_first, ratio_taylor_fit=t_taylor / t_fit,
+                   sum_err_taylor=float(np.sum(err_t)) if err_t is not None else None, taylor_converged=n_conv,
+                   max_err_taylor=float(np.max(np.abs(err_t))) if err_t is not None else None)
         if subset.size < n:  # extrapolated to all N (stated as such)
             row["sum_err_pc_scaled"] = row["sum_err_pc"] * n / subset.size
         rows.append(row)
@@ -365,10 +409,103 @@ def elpd_main(args):
             f"{abs(r['sum_err_corrected']):.2e} vs {abs(r['sum_err_psis']):.2e}" + (
                 f" (on {r['num_refits']} of {r['N']})" if r["num_refits"] < r["N"] else "")),
             met=bool(abs(r["sum_err_corrected"]) < abs(r["sum_err_psis"]))))
+        if r["sum_err_taylor"] is not None:
+            targets.append(dict(target=f"{r['name']}: method='taylor' ≤ 3× one pc.fit",
+                                measured=f"{r['ratio_taylor_fit']:.2f}×", met=bool(r["ratio_taylor_fit"] <= 3.0)))
+            targets.append(dict(target=f"{r['name']}: |elpd − brute force| < PSIS's (method='taylor')",
+                                measured=f"{abs(r['sum_err_taylor']):.2e} vs {abs(r['sum_err_psis']):.2e}",
+                                met=bool(abs(r["sum_err_taylor"]) < abs(r["sum_err_psis"]))))
         if r["name"] == "a7a":
             targets.append(dict(target="a7a all-N LOO under a minute", measured=f"{r['t_loo']:.1f} s "
                                 f"(first call {r['t_loo_first']:.1f} s)", met=bool(r["t_loo_first"] < 60)))
     write_results("bench_loo_elpd", args.out, result, render_elpd(result), targets)
+    return 0
+
+
+def diagnose_main(args):
+    """Where pc.loo's error comes from on one model, against exact refits of a random subset.
+
+    For ``--subset`` random examples (seed ``--seed``): the predictive density by the
+    posterior's rule under (a) the site-removal cavity, (b) the exact refit
+    ``post.delete([i], method="corrected", tol=1e-12)``, (c) the cavity's mean with the
+    refit's precision and vice versa; the rule against an 80-nodes-per-dimension Gauss–Hermite
+    rule on the refits and the cavities; and one and two exact fixed-point iterations of the
+    deletion from the cavity (every other site re-evaluated at the iterate, one site pass each:
+    ``O(N)`` per example, ``O(N²)`` for all).
+    """
+    from dataclasses import replace as _replace
+
+    import numpyro_pc.expectations as expectations
+    from numpyro_pc.criticism import cavity as cv
+    from numpyro_pc.families import Gaussian
+    from numpyro_pc.rows import positions, take_data
+    from numpyro_pc.sites import compute_sites
+
+    mdl, margs, mkw = _problem(args.diagnose)
+    post = _quiet(pc.fit, mdl, *margs, **mkw)
+    ids = np.asarray(post.data_ids)
+    n = ids.size
+    idx = np.sort(np.random.default_rng(args.seed).choice(n, size=min(args.subset, n), replace=False))
+    sites = post.sites.take(positions(np.asarray(post.sites.ids), ids))
+    cav = cv.cavities(post, sites, post.data)
+    m, S = post.state.mean, post.state.precision
+    H = post.family.site_curvatures(sites.curv)
+    cav_mean = m + cav.shift[idx]
+    cav_prec = S[None] - H[idx]
+    means, precs = [], []
+    for i in idx:
+        refit = _quiet(post.delete, [int(ids[i])], method="corrected", tol=1e-12)
+        means.append(refit.state.mean)
+        precs.append(refit.state.precision)
+    means, precs = jnp.stack(means), jnp.stack(precs)
+    data = take_data(post.data, idx)
+    score = lambda mu, pr, rule=None: np.asarray(  # noqa: E731
+        cv._refit_predictive(_replace(post.spec, num_examples=int(idx.size)), rule or post.rule, post.family, data,
+                             mu, pr))
+    ref = score(means, precs)
+    lines = [f"{args.diagnose}: N={n}, d={post.dim}, rule {post.rule.kind} ({post.rule.nodes_per_dim} nodes per "
+             f"dimension, subspace {post.rule.subspace_dim}); {idx.size} random examples (seed {args.seed}), errors "
+             "against the exact refits scored by the same rule:", ""]
+    report = lambda label, v: lines.append(  # noqa: E731
+        f"* {label}: Σ {np.sum(v - ref):+.3e} (× N/n = {np.sum(v - ref) * n / idx.size:+.2e}), "
+        f"max |·| {np.max(np.abs(v - ref)):.2e}")
+    report("site-removal cavity (= pc.loo)", score(cav_mean, cav_prec))
+    report("cavity mean, refit precision", score(cav_mean, precs))
+    report("refit mean, cavity precision", score(means, cav_prec))
+    saved = expectations._NODE_BUDGET
+    expectations._NODE_BUDGET = 80 ** max(1, post.rule.subspace_dim)
+    try:
+        fine = _replace(post.rule, num_nodes=80)
+        ref_fine, cav_fine = score(means, precs, fine), score(cav_mean, cav_prec, fine)
+        nodes_fine = fine.nodes_per_dim
+    finally:
+        expectations._NODE_BUDGET = saved
+    lines.append(f"* the rule vs {nodes_fine} nodes per dimension on the refits: max |·| "
+                 f"{np.max(np.abs(ref - ref_fine)):.1e}; on the cavities {np.max(np.abs(score(cav_mean, cav_prec) - cav_fine)):.1e}")
+
+    @jax.jit
+    def others(mean, precision, weights):
+        out, _ = compute_sites(post.spec, post.data, post.family, Gaussian(mean, precision), post.rule,
+                               curvature=post.curvature, storage=post.sites.storage, chunk_size=post.chunk_size,
+                               num_devices=1)
+        return weights @ out.grad + out.prior_grad, out.curv.weighted_dense(weights) + out.prior_curvature
+
+    state = [(cav_mean[k], cav_prec[k]) for k in range(idx.size)]
+    t0 = time.perf_counter()
+    for step in (1, 2):
+        for k, i in enumerate(idx):
+            weights = jnp.ones(n).at[i].set(0.0)
+            grad, hess = others(*state[k], weights)
+            state[k] = (state[k][0] - jnp.linalg.solve(hess, grad), hess)
+        report(f"{step} exact fixed-point iteration(s) from the cavity",
+               score(jnp.stack([a for a, _ in state]), jnp.stack([b for _, b in state])))
+    lines.append(f"* those iterations: {(time.perf_counter() - t0) / (2 * idx.size):.4f} s per example and step "
+                 f"(one site pass each; pc.fit {post.history[-1]['iteration']} iterations)")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"bench_loo_diagnose_{args.diagnose}.md"), "w") as fh:
+        fh.write(text + "\n")
     return 0
 
 
@@ -379,6 +516,11 @@ def _spearman(a, b):
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def _psis_note(r):
+    flat, failed = len(r.get("psis_flat", [])), len(r.get("psis_failed", []))
+    return (f" ({flat} flat)" if flat else "") + (f" ({failed} NaN)" if failed else "")
+
+
 def render_elpd(res):
     info = res["machine"]
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, JAX {info['jax']} ({info['backend']}), NumPyro "
@@ -386,15 +528,18 @@ def render_elpd(res):
              f"{', '.join(f'{x:.1f}' for x in info['loadavg'])}.", "",
              "| model | N | d | rule | pc.fit s | pc.loo s (first) | loo/fit | elpd pc.loo | elpd PSIS | "
              "refits (s each) | Σ err pc | k̂>0.7 | + refit flagged: s, Σ err | Σ err PSIS | max |err_i| pc | "
-             "PSIS | ρ(k̂, |err|) | NUTS s + loo s |", "|" + "---|" * 18]
+             "PSIS | ρ(k̂, |err|) | NUTS s + loo s | taylor s (first), converged, Σ err, max |err_i| |",
+             "|" + "---|" * 19]
     for r in res["rows"]:
         lines.append(
             f"| {r['name']} | {r['N']} | {r['d']} | {r['rule']} | {r['t_fit']:.2f} | {r['t_loo']:.2f} "
             f"({r['t_loo_first']:.2f}) | {r['ratio_loo_fit']:.2f} | {r['elpd_pc']:.2f} ± {r['se']:.1f} | "
-            f"{r['elpd_psis']:.2f} | {r['num_refits']} ({r['t_per_refit']:.3f}) | {r['sum_err_pc']:+.1e} | "
+            f"{r['elpd_psis']:.2f}{_psis_note(r)} | {r['num_refits']} ({r['t_per_refit']:.3f}) | {r['sum_err_pc']:+.1e} | "
             f"{r['flagged']} | {r['t_loo_corrected']:.2f}, {r['sum_err_corrected']:+.1e} | "
             f"{r['sum_err_psis']:+.1e} | {r['max_err_pc']:.1e} | {r['max_err_psis']:.1e} | "
-            f"{r['khat_err_spearman']:.2f} | {r['t_nuts']:.1f} + {r['t_psis']:.2f} |")
+            f"{r['khat_err_spearman']:.2f} | {r['t_nuts']:.1f} + {r['t_psis']:.2f} | " + (
+                f"{r['t_taylor']:.2f} ({r['t_taylor_first']:.2f}), {r['taylor_converged']}, {r['sum_err_taylor']:+.1e}, "
+                f"{r['max_err_taylor']:.1e} |" if r["sum_err_taylor"] is not None else "refused (d too large) |"))
     return "\n".join(lines)
 
 
