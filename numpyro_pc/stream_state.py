@@ -10,6 +10,8 @@ kernels and NumPyro's ``SVIState``: a pytree :class:`StreamState`, a static
 .. code-block:: python
 
     state, info = stream_step(config, state, batch, mask)      # one batch, jittable
+    state, info = delete_step(config, state, rows)             # exact deletion of table rows
+    state, info = window_step(config, state, batch, mask)      # add a batch, forget the oldest rows
     state, infos = run_stream(config, state, batches, masks)   # T batches under lax.scan
 
 The state holds a table of ``capacity`` examples (the retained data, weight 1 for live rows
@@ -44,8 +46,8 @@ from .likelihood import ModelData
 from .sites import compute_sites
 from .solvers import default_tol
 
-__all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "run_stream",
-           "split_batches", "to_posterior"]
+__all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "window_step", "delete_step",
+           "run_stream", "split_batches", "to_posterior"]
 
 
 class StreamState(NamedTuple):
@@ -91,7 +93,9 @@ class StreamConfig:
 
 
 class StepInfo(NamedTuple):
-    """What one step did: final ``residual``, ``iterations`` taken, ``converged``, ``overflow``."""
+    """What one step did: final ``residual``, ``iterations`` taken, ``converged``, and
+    ``overflow``: the step could not be taken (a batch larger than the free rows, a deleted
+    row outside the table) and left the state unchanged."""
 
     residual: jax.Array
     iterations: jax.Array
@@ -151,25 +155,9 @@ def _newton(config, q, data, weights):
     return residual, Gaussian(mean, precision)
 
 
-def stream_step(config: StreamConfig, state: StreamState, batch: ModelData,
-                mask: jax.Array) -> tuple[StreamState, StepInfo]:
-    """Add one batch and solve the exact update (pure; jit or scan it).
-
-    :param StreamConfig config: static options (from :func:`from_posterior`).
-    :param StreamState state: the stream so far.
-    :param batch: the batch's :class:`~numpyro_pc.likelihood.ModelData` (``B`` rows; its
-        shared arrays are ignored: the stream's are used).
-    :param mask: ``(B,)`` booleans, false for padding rows (kept out of the posterior).
-    :return: ``(state, StepInfo)``.
-    """
-    size = mask.shape[0]
-    capacity = state.weights.shape[0]
-    overflow = state.count + size > capacity
-    start = jnp.minimum(state.count, capacity - size)
-    per_example = tuple(jax.lax.dynamic_update_slice_in_dim(x, b.astype(x.dtype), start, 0)
-                        for x, b in zip(state.data.per_example, batch.per_example))
-    weights = jax.lax.dynamic_update_slice_in_dim(state.weights, mask.astype(state.weights.dtype), start, 0)
-    data = ModelData(per_example, state.data.shared)
+def _solve(config, state, data, weights, count, extra_failure):
+    """Natural-gradient steps on the table ``(data, weights)`` from ``state.q`` until the residual is
+    below ``tol``; the new state, or the old one unchanged when ``extra_failure`` (e.g. an overflow)."""
     family = config.family
 
     def proper(q):
@@ -191,37 +179,115 @@ def stream_step(config: StreamConfig, state: StreamState, batch: ModelData,
 
     start = (state.q, *_newton(config, state.q, data, weights), jnp.asarray(0), jnp.asarray(False))
     q, residual, _, iterations, broke = jax.lax.while_loop(cond, body, start)
-    converged = (residual <= config.tol) & ~broke & ~overflow
-    candidate = StreamState(q, data, weights, state.count + size, converged)
-    unchanged = state._replace(converged=jnp.asarray(False))  # a batch that does not fit changes nothing
-    new_state = jax.tree.map(lambda old, new: jnp.where(overflow, old, new), unchanged, candidate)
-    return new_state, StepInfo(residual, iterations, converged, overflow)
+    converged = (residual <= config.tol) & ~broke & ~extra_failure
+    candidate = StreamState(q, data, weights, count, converged)
+    unchanged = state._replace(converged=jnp.asarray(False))  # a step that cannot be taken changes nothing
+    new_state = jax.tree.map(lambda old, new: jnp.where(extra_failure, old, new), unchanged, candidate)
+    return new_state, StepInfo(residual, iterations, converged, extra_failure)
 
 
-def run_stream(config: StreamConfig, state: StreamState, batches: ModelData,
-               masks: jax.Array) -> tuple[StreamState, StepInfo]:
-    """Run :func:`stream_step` over ``T`` batches with ``jax.lax.scan`` (one compilation).
+def _written(state, batch, mask, rows):
+    """The table with the batch's rows written at table rows ``rows`` (weights: the mask)."""
+    per_example = tuple(x.at[rows].set(b.astype(x.dtype)) for x, b in zip(state.data.per_example, batch.per_example))
+    weights = state.weights.at[rows].set(mask.astype(state.weights.dtype))
+    return ModelData(per_example, state.data.shared), weights
+
+
+def stream_step(config: StreamConfig, state: StreamState, batch: ModelData,
+                mask: jax.Array) -> tuple[StreamState, StepInfo]:
+    """Add one batch and solve the exact update (pure; jit or scan it).
+
+    :param StreamConfig config: static options (from :func:`from_posterior`).
+    :param StreamState state: the stream so far.
+    :param batch: the batch's :class:`~numpyro_pc.likelihood.ModelData` (``B`` rows; its
+        shared arrays are ignored: the stream's are used).
+    :param mask: ``(B,)`` booleans, false for padding rows (kept out of the posterior).
+    :return: ``(state, StepInfo)``; a batch that does not fit in the free rows leaves the
+        state unchanged with ``info.overflow`` set.
+    """
+    size = mask.shape[0]
+    capacity = state.weights.shape[0]
+    overflow = state.count + size > capacity
+    rows = jnp.minimum(state.count, capacity - size) + jnp.arange(size)
+    data, weights = _written(state, batch, mask, rows)
+    return _solve(config, state, data, weights, state.count + size, overflow)
+
+
+def window_step(config: StreamConfig, state: StreamState, batch: ModelData,
+                mask: jax.Array) -> tuple[StreamState, StepInfo]:
+    """Add one batch to a sliding window and solve (pure; jit or scan it).
+
+    The table is a ring: the batch is written over the oldest ``B`` rows (table rows
+    ``count, …, count + B − 1`` modulo the capacity), so once the table is full every step
+    adds a batch *and* deletes the oldest examples, and the result is the batch posterior
+    of the last ``capacity`` table rows — a moving-window posterior whose deletions are
+    exact (every retained site is recomputed at the new posterior, as in
+    ``post.delete(ids, method="corrected")``).
+    """
+    size = mask.shape[0]
+    capacity = state.weights.shape[0]
+    rows = (state.count + jnp.arange(size)) % capacity
+    data, weights = _written(state, batch, mask, rows)
+    return _solve(config, state, data, weights, state.count + size, jnp.asarray(size > capacity))
+
+
+def delete_step(config: StreamConfig, state: StreamState, rows: jax.Array,
+                valid: jax.Array | None = None) -> tuple[StreamState, StepInfo]:
+    """Delete table rows exactly: the posterior of the remaining examples (pure; jit or scan it).
+
+    Equals ``post.delete(ids, method="corrected")`` with all data retained, i.e. retraining
+    without the rows (paper §3.2), reached by natural-gradient steps from the current ``q``.
+
+    :param rows: ``(K,)`` table rows to delete (the order examples entered the stream:
+        row ``j`` holds the ``j``-th example written, while the table has not wrapped).
+    :param valid: ``(K,)`` booleans, false for padding entries of ``rows`` (default: all valid),
+        so deletions of different sizes share one compiled program.
+    :return: ``(state, StepInfo)``; ``info.overflow`` is set, and nothing deleted, when a valid
+        row is outside the table.
+    """
+    rows = jnp.asarray(rows)
+    valid = jnp.ones(rows.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    capacity = state.weights.shape[0]
+    outside = jnp.any(valid & ((rows < 0) | (rows >= capacity)))
+    keep = jnp.where(valid, 0.0, 1.0).astype(state.weights.dtype)
+    weights = state.weights.at[jnp.clip(rows, 0, capacity - 1)].multiply(keep)
+    return _solve(config, state, state.data, weights, state.count, outside)
+
+
+def run_stream(config: StreamConfig, state: StreamState, batches: ModelData, masks: jax.Array,
+               window: bool = False) -> tuple[StreamState, StepInfo]:
+    """Run :func:`stream_step` (or :func:`window_step`) over ``T`` batches with ``jax.lax.scan``
+    (one compilation).
 
     :param batches: :class:`~numpyro_pc.likelihood.ModelData` whose per-example arrays have
         leading axes ``(T, B)`` (see :func:`split_batches`).
     :param masks: ``(T, B)`` booleans.
+    :param bool window: a sliding window over the table (:func:`window_step`): each batch
+        replaces the oldest rows once the table is full.
     :return: ``(final state, StepInfo with a leading axis T)``.
-    :raises InvalidOptionError: the batches do not fit in the table's free rows.
+    :raises InvalidOptionError: the batches do not fit in the table's free rows (or, with
+        ``window``, one batch is larger than the table).
     """
     masks = jnp.asarray(masks, bool)
     steps, size = masks.shape
-    free = int(state.weights.shape[0]) - int(state.count)
-    if steps * size > free:
+    capacity = int(state.weights.shape[0])
+    free = capacity - int(state.count)
+    if window and size > capacity:
+        raise InvalidOptionError(f"a window of {capacity} rows cannot hold a batch of {size} rows")
+    if not window and steps * size > free:
         raise InvalidOptionError(f"{steps} batches of {size} rows need {steps * size} free rows; the stream has "
-                                 f"{free} (capacity {state.weights.shape[0]}); start it with a larger capacity")
-    return _scan(config, state, batches, masks)
+                                 f"{free} (capacity {capacity}); start it with a larger capacity, or pass "
+                                 "window=True for a sliding window")
+    return _scan(config, bool(window), state, batches, masks)
 
 
-@partial(jax.jit, static_argnums=0)
-def _scan(config, state, batches, masks):
+@partial(jax.jit, static_argnums=(0, 1))
+def _scan(config, window, state, batches, masks):
+    step = window_step if window else stream_step
+
     def body(carry, xs):
         batch, mask = xs
-        return stream_step(config, carry, ModelData(batch, carry.data.shared), mask)
+        return step(config, carry, ModelData(batch, carry.data.shared), mask)
 
     return jax.lax.scan(body, state, (batches.per_example, masks))
 

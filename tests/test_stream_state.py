@@ -9,7 +9,14 @@ from conftest import linear_model, logistic_model, make_linear, make_logistic
 import numpyro_pc as pc
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError
 from numpyro_pc.likelihood import bind_model
-from numpyro_pc.stream_state import from_posterior, run_stream, split_batches, stream_step, to_posterior
+from numpyro_pc.stream_state import (
+    delete_step,
+    from_posterior,
+    run_stream,
+    split_batches,
+    stream_step,
+    to_posterior,
+)
 
 
 def _stream(model, X, y, first, batch_size, capacity, **fit_options):
@@ -77,3 +84,54 @@ def test_a_stream_needs_every_site_with_its_data(x64):
     post = pc.fit(linear_model, X[:20], y[:20]).update(X[20:], y[20:], keep="none")
     with pytest.raises(InvalidOptionError, match="keeps data"):
         from_posterior(post, 40)
+
+
+def test_a_pure_deletion_equals_the_fit_without_the_rows(x64):
+    # delete_step zeroes the rows' weights and solves: the result must be the batch fit on the
+    # remaining examples — the closed form for the linear model (1e-10), the batch fixed point
+    # for logistic regression (1e-8). Padding entries (valid=False) must delete nothing, and
+    # deletions of different sizes padded to one length compile once.
+    X, y = make_linear(60, 3)
+    post, config, state, _ = _stream(linear_model, X, y, 20, 20, 60)
+    step = jax.jit(delete_step, static_argnums=0)
+    gone = np.array([3, 17, 41, 0])
+    after, info = step(config, state, jnp.asarray(gone), jnp.array([True, True, True, False]))
+    assert bool(info.converged) and not bool(info.overflow)
+    keep = np.setdiff1d(np.arange(60), gone[:3])
+    oracle = pc.fit(linear_model, X[keep], y[keep], tol=1e-12)
+    np.testing.assert_allclose(after.q.mean, oracle.mean, rtol=1e-10)
+    np.testing.assert_allclose(after.q.precision, oracle.state.precision, rtol=1e-10)
+    again, _ = step(config, after, jnp.asarray([5, 6, 7, 8]), jnp.ones(4, bool))
+    assert step._cache_size() == 1
+    assert to_posterior(config, again, post).num_examples == 60 - 3 - 4
+    outside, info = step(config, state, jnp.asarray([60, 1, 2, 3]), jnp.ones(4, bool))
+    assert bool(info.overflow) and not bool(info.converged)
+    np.testing.assert_array_equal(outside.weights, state.weights)  # nothing deleted
+
+    X, y = make_logistic(80, 3)
+    post, config, state, _ = _stream(logistic_model, X, y, 40, 20, 80, tol=1e-10)
+    after, info = jax.jit(delete_step, static_argnums=0)(config, state, jnp.arange(10, 25))
+    assert bool(info.converged)
+    keep = np.setdiff1d(np.arange(80), np.arange(10, 25))
+    oracle = pc.fit(logistic_model, X[keep], y[keep], tol=1e-12)
+    np.testing.assert_allclose(after.q.mean, oracle.mean, rtol=1e-8, atol=1e-10)
+    corrected = post.update(X[40:], y[40:]).delete(np.arange(10, 25), method="corrected", tol=1e-12)
+    np.testing.assert_allclose(after.q.mean, corrected.mean, rtol=1e-8, atol=1e-10)
+
+
+def test_a_scanned_sliding_window_is_the_fit_on_the_last_rows(x64):
+    # A window of 30 rows over 100 examples in batches of 10: each step past the third adds a
+    # batch and forgets the oldest one, so the final posterior must be the conjugate fit on
+    # examples 70..99 alone (1e-10), reached under one scan.
+    X, y = make_linear(100, 2)
+    post = pc.fit(linear_model, X[:30], y[:30])
+    config, state = from_posterior(post, 30)
+    _, rest = bind_model(linear_model, (X[30:], y[30:]))
+    batches, masks = split_batches(rest, 10)
+    final, infos = run_stream(config, state, batches, masks, window=True)
+    assert infos.residual.shape == (7,) and bool(jnp.all(infos.converged))
+    oracle = pc.fit(linear_model, X[70:], y[70:], tol=1e-12)
+    np.testing.assert_allclose(final.q.mean, oracle.mean, rtol=1e-10)
+    np.testing.assert_allclose(final.q.precision, oracle.state.precision, rtol=1e-10)
+    with pytest.raises(InvalidOptionError, match="cannot hold"):
+        run_stream(config, state, *split_batches(rest, 40), window=True)
