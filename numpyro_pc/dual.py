@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,53 @@ from .errors import (
 )
 from .expectations import prepare_rule
 from .families import add_site
-from .likelihood import constrain, example_site_log_likelihoods, trace_at
+from .likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
 from .solvers import SiteProblem, default_tol, dual_residual, solve
 
-__all__ = ["DualPosteriorBase", "RowSelection", "build_posterior"]
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior"]
+
+
+class PosteriorState(NamedTuple):
+    """The numeric state of a dual-form posterior: a pytree, so it passes through ``jax.jit``,
+    ``jax.vmap`` and ``jax.lax.scan`` (see :meth:`DualPosteriorBase.tree`).
+
+    :ivar q: the family member (e.g. :class:`~numpyro_pc.families.Gaussian`).
+    :ivar sites: the :class:`~numpyro_pc.sites.Sites`, one row per example with a site.
+    :ivar offset: natural parameters attributed to no single site, or ``None``
+        (``λ = offset + Σ_i λ̂_i``).
+    :ivar data_ids: ids of the examples whose data is retained, aligned with the data rows.
+    :ivar tombstones: ids of deleted examples (never reused).
+    :ivar next_id: the id the next new example gets.
+    """
+
+    q: Any
+    sites: Any
+    offset: Any
+    data_ids: jax.Array
+    tombstones: jax.Array
+    next_id: jax.Array
+
+
+@dataclass(frozen=True)
+class PosteriorConfig:
+    """The static configuration of a dual-form posterior (hashable: a compiled program's key).
+
+    :ivar spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
+    :ivar family: the :class:`~numpyro_pc.families.ExponentialFamily`.
+    :ivar rule: the prepared expectation rule.
+    :ivar curvature: ``"hessian"`` or ``"ggn"``.
+    :ivar storage: the requested curvature storage (``"auto"`` or a store's name).
+    :ivar chunk_size: examples per chunk of the site computation (``None``: automatic).
+    """
+
+    spec: Any
+    family: Any
+    rule: Any
+    curvature: str
+    storage: str
+    chunk_size: int | None
 
 
 def in_own_precision(method):
@@ -199,6 +241,31 @@ class DualPosteriorBase:
         fields = self.constructor_fields()
         fields.update(changes)
         return type(self)(**fields)
+
+    @property
+    def config(self) -> PosteriorConfig:
+        """The static configuration (:class:`PosteriorConfig`)."""
+        return PosteriorConfig(self.spec, self.family, self.rule, self.curvature, self.storage, self.chunk_size)
+
+    def tree(self) -> tuple[PosteriorConfig, PosteriorState, ModelData]:
+        """The posterior as ``(config, state, data)``: static configuration, numeric pytree state
+        and retained data (deferred site and data selections are gathered).
+
+        :meth:`from_tree` rebuilds it; the provenance (``history``, ``guide``, ``record``) is
+        not part of the state and is passed to :meth:`from_tree` separately.
+        """
+        dtype = np.asarray(self.data_ids).dtype
+        state = PosteriorState(self.state, self.sites, self.offset, self.data_ids,
+                               to_device(np.asarray(self.tombstones, dtype)), to_device(np.asarray(self.next_id, dtype)))
+        return self.config, state, self.data
+
+    @classmethod
+    def from_tree(cls, config: PosteriorConfig, state: PosteriorState, data: ModelData, history=(), guide=None,
+                  record=None) -> DualPosteriorBase:
+        """The posterior of ``(config, state, data)`` (see :meth:`tree`), of this class."""
+        return cls(config.spec, data, config.family, state.q, state.sites, config.rule, config.curvature,
+                   config.storage, config.chunk_size, history, guide, state.data_ids,
+                   tuple(int(t) for t in np.asarray(state.tombstones)), int(state.next_id), record, state.offset)
 
     # ------------------------------------------------------------------ refine
     @in_own_precision

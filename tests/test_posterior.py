@@ -283,3 +283,24 @@ def test_fits_at_sizes_in_one_bucket_reuse_the_compiled_site_computation(x64):
     exact = closed_form_linear(Xl, yl)
     linear = pc.fit(linear_model, Xl, yl, family="full", tol=1e-12)
     assert linear.num_examples == 103 and float(FullGaussian().kl(linear.state, exact)) < 1e-12
+
+
+def test_the_state_is_a_pytree_apart_from_the_configuration(x64):
+    # tree() splits the posterior into a hashable configuration and a pytree state: the state
+    # must pass through jit and tree maps unchanged, and from_tree must rebuild a posterior
+    # that answers and updates exactly like the original (same class, same ids, same result).
+    X, y = make_logistic(60, 3)
+    post = pc.fit(logistic_model, X[:40], y[:40]).delete([3, 7])
+    config, state, data = post.tree()
+    hash(config)
+    leaves = jax.tree.leaves(state)
+    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    doubled = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s))(state)
+    np.testing.assert_array_equal(doubled.q.mean, 2 * post.mean)
+    back = type(post).from_tree(config, state, data, guide=post.guide)
+    assert type(back) is type(post) and back.tombstones == (3, 7) and back.next_id == post.next_id
+    np.testing.assert_array_equal(back.ids, post.ids)
+    assert float(back.residual) == float(post.residual)
+    a, b = post.update(X[40:], y[40:]), back.update(X[40:], y[40:])
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
