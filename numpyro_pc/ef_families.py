@@ -37,7 +37,7 @@ from functools import cached_property
 import jax
 import jax.numpy as jnp
 import numpyro.distributions as dist
-from jax.scipy.special import digamma, gammaln
+from jax.scipy.special import gammaln
 from numpyro.distributions import constraints
 
 from .ef_quadrature import beta_rule, gamma_rule
@@ -361,8 +361,10 @@ class ProductFamily:
             grad = self.expectation(lam) - mu
             direction = jnp.linalg.solve(self.fisher(lam), grad)
             cand = lam[None] - steps[:, None] * direction[None]
-            ok = jax.vmap(self.in_domain)(cand) & (jax.vmap(objective)(jnp.where(
-                jax.vmap(self.in_domain)(cand)[:, None], cand, lam[None])) <= objective(lam))
+            inside = jax.vmap(self.in_domain)(cand)
+            here = objective(lam)
+            values = jax.vmap(objective)(jnp.where(inside[:, None], cand, lam[None]))
+            ok = inside & (values <= here + 1e-12 * (1.0 + jnp.abs(here)))  # rounding near the optimum
             first = jnp.argmax(ok)
             return jnp.where(jnp.any(ok), cand[first], lam)
 

@@ -154,7 +154,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
-    if _ef_guides.is_hand_written(guide):
+    if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
                             num_nodes=num_nodes, num_samples=num_samples, seed=seed,
                             tol=tol or 1e-10, max_iters=max_iters, refine=refine,
