@@ -7,13 +7,13 @@ support (paper §2, eq. ``qdualform``):
 
     q(x) = \exp(\langle \lambda, T(x) \rangle - A(\lambda)),
 
-=========  ===================  ==========================  ====================================
+=========  ===================  ===========================  ==================================
 family     support              :math:`T(x)`                 :math:`\lambda`
-=========  ===================  ==========================  ====================================
+=========  ===================  ===========================  ==================================
 Beta       :math:`(0, 1)`       :math:`(\log x, \log(1-x))`  :math:`(a-1, b-1)`
 Gamma      :math:`(0, \infty)`  :math:`(\log x, x)`          :math:`(a-1, -r)` (rate :math:`r`)
 Dirichlet  simplex              :math:`\log x`               :math:`\alpha - 1`
-=========  ===================  ==========================  ====================================
+=========  ===================  ===========================  ==================================
 
 The base measure is constant, so the entropy is :math:`A(\lambda) - \langle\lambda, \mu\rangle`
 and a prior of the same family is a prior *site* :math:`\lambda_0` exactly (the paper's
@@ -256,6 +256,8 @@ def make_factor(family, site, shape, support):
 
 
 def _same_support(a, b):
+    while isinstance(a, constraints.independent):  # an element-wise factor over an expanded site
+        a = a.base_constraint
     return type(a) is type(b) and str(a) == str(b)
 
 

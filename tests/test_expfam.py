@@ -331,3 +331,36 @@ def test_solver_safeguards(x64):
         blr_solve(lambda lam: (lam, None), fam.in_domain, outside)
     lam, _, info = blr_solve(lambda lam: (jnp.array([4.0, 5.0]), None), fam.in_domain, jnp.zeros(2))
     assert info.converged and info.iterations == 1
+
+
+def grouped_rates(g, y=None):
+    p = numpyro.sample("p", dist.Beta(A0, B0).expand([3]).to_event(1))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(probs=p[g]), obs=y)
+
+
+def test_vector_beta_site_by_monte_carlo_regression(x64):
+    # a (3,) Beta site has no tensor Gauss rule here: fixed-seed draws, still exact for a conjugate loss
+    rng = np.random.default_rng(6)
+    g = rng.integers(0, 3, 90)
+    y = rng.binomial(1, np.array([0.2, 0.5, 0.8])[g]).astype(float)
+    post = pc.fit(grouped_rates, jnp.asarray(g), y=jnp.asarray(y), family={"p": "beta"})
+    assert post.config.rule == "mc"
+    ones = np.bincount(g, weights=y, minlength=3)
+    want = np.stack([A0 + ones, B0 + np.bincount(g, minlength=3) - ones], -1).T.ravel()
+    np.testing.assert_allclose(_args(post), want, rtol=RTOL)
+
+
+def test_dual_form_after_numpyro_svi(x64):
+    import optax
+    from numpyro.infer import SVI, Trace_ELBO
+
+    y = jnp.asarray(_data(7)["bern"])
+    svi = SVI(beta_bernoulli, beta_guide, optax.adam(0.05), Trace_ELBO())
+    res = svi.run(jax.random.PRNGKey(0), 300, y=y, progress_bar=False)
+    post = pc.dual_form(beta_bernoulli, beta_guide, res.params, y=y)
+    want = closed_form("bern", np.asarray(y))
+    np.testing.assert_allclose(_args(post), want, rtol=RTOL)
+    assert not np.allclose([res.params["a"], res.params["b"]], want, rtol=1e-3)  # SVI alone is not there
+    np.testing.assert_allclose([post.to_guide_params()[k] for k in "ab"], want, rtol=RTOL)
+    assert post.to_guide_params(beta_guide, kwargs=dict(y=y))["a"] == post.to_guide_params()["a"]
