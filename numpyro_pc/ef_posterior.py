@@ -29,14 +29,14 @@ import numpy as np
 
 from .ef_families import ProductFamily, make_factor
 from .ef_guides import read_guide, write_params
-from .ef_sites import CONJUGATE_RTOL, EFConfig, compute_sites
+from .ef_sites import EFConfig, compute_sites, conjugate_rtol
 from .ef_solver import blr_solve, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
                      UnknownExampleError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
 from .rowops import as_ids, join_rows, take_rows
 
-__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model"]
+__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "default_tol"]
 
 
 class EFState(NamedTuple):
@@ -144,7 +144,7 @@ class EFPosterior:
         return write_params(gmap, self.family, self.natural)
 
     # ------------------------------------------------------------------ operations
-    def update(self, *args, correction="exact", tol=1e-10, max_iters=200, raise_on_failure=True, **kwargs):
+    def update(self, *args, correction="exact", tol=None, max_iters=200, raise_on_failure=True, **kwargs):
         """Add a batch (paper §3.1). ``correction="exact"``: every retained site is recomputed
         at the new fixed point (the batch posterior); ``"none"``: VCL, the old sites and prior
         term stay frozen and only the new sites are solved for."""
@@ -162,15 +162,17 @@ class EFPosterior:
                           raise_on_failure)
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
         const = self.natural
-        cfg = replace(self.config, spec=replace(self.config.spec, num_examples=spec.num_examples))
+        cfg = _rows(self.config, spec.num_examples)
+        tol = default_tol(const.dtype) if tol is None else tol
         lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, new, False, const), self.family.in_domain,
                                      self.natural, tol, max_iters, raise_on_failure=raise_on_failure)
         state = EFState(lam, jnp.concatenate([self.state.grads, sites.grads]), self.state.prior,
                         jnp.concatenate([self.ids, ids]))
-        return self.evolve(data=_join(self.data, new), state=state,
+        return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
+                           data=_join(self.data, new), state=state,
                            record=dict(operation="update", correction="none", **info._asdict()))
 
-    def delete(self, ids, method="remove_site", tol=1e-10, max_iters=200, raise_on_failure=True):
+    def delete(self, ids, method="remove_site", tol=None, max_iters=200, raise_on_failure=True):
         """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;
         ``"corrected"``: then the retained sites are recomputed to the fixed point (exact).
 
@@ -195,7 +197,8 @@ class EFPosterior:
                 raise OutOfDomainError("removing the sites leaves a non-positive shape parameter "
                                        f"({self.family.describe(removed)}); use method='corrected'")
             state = EFState(removed, self.state.grads[keep], self.state.prior, self.ids[keep])
-            return self.evolve(data=data, state=state, record=dict(operation="delete", method=method))
+            return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
+                               record=dict(operation="delete", method=method))
         if keep.size == 0:
             raise DataShapeError("corrected deletion needs at least one retained example")
         post = _solve(self, data, self.ids[keep], removed if inside else self.natural, tol, max_iters,
@@ -211,6 +214,16 @@ class EFPosterior:
                 f", N={self.num_examples})")
 
 
+def default_tol(dtype):
+    """Relative residual tolerance of the fixed point: ``1e-10`` in float64, ``1e-5`` in float32."""
+    return 1e-10 if jnp.finfo(dtype).bits == 64 else 1e-5
+
+
+def _rows(config, num):
+    """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
+    return replace(config, spec=replace(config.spec, num_examples=num))
+
+
 def _join(a, b):
     return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
@@ -218,7 +231,8 @@ def _join(a, b):
 def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
     """Fixed point over all ``data`` (every site active); the prior is active unless conjugate-form."""
     num = int(ids.shape[0])
-    cfg = replace(post.config, spec=replace(post.config.spec, num_examples=num))
+    cfg = _rows(post.config, num)
+    tol = default_tol(start.dtype) if tol is None else tol
     const = -post.state.prior if post.conjugate_prior else jnp.zeros_like(start)
     lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
@@ -250,7 +264,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     opts = dict(options)
     cfg = EFConfig.make(spec, fam, opts.pop("expectation", "auto"), opts.pop("num_nodes", 32),
                         opts.pop("num_samples", 2048), opts.pop("seed", 0))
-    tol, max_iters = opts.pop("tol", 1e-10), opts.pop("max_iters", 200)
+    tol, max_iters = opts.pop("tol", None), opts.pop("max_iters", 200)
     raise_on_failure, refine = opts.pop("raise_on_failure", True), opts.pop("refine", True)
     if opts:
         raise InvalidOptionError(f"unknown options {sorted(opts)}")
@@ -258,7 +272,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     if not bool(fam.in_domain(lam)):
         raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
     _, sites = _target(cfg, lam, data, True, jnp.zeros_like(lam))
-    conjugate = bool(sites.prior_residual < CONJUGATE_RTOL)
+    conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
     ids = jnp.arange(spec.num_examples)
     post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)
     if not refine:
@@ -300,7 +314,7 @@ def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **opti
 _OPTIONS = ("expectation", "num_nodes", "num_samples", "seed", "tol", "max_iters", "raise_on_failure", "refine")
 
 
-def merge_ef(a, b, refine=False, tol=1e-10, max_iters=200):
+def merge_ef(a, b, refine=False, tol=None, max_iters=200):
     r"""Bayesian arithmetic of two posteriors of the same model and prior fitted on disjoint
     examples: :math:`\lambda = \lambda_a + \lambda_b - \lambda_0`, sites concatenated (exact
     for conjugate models). ``refine=True`` then recomputes every site at the fixed point.
@@ -323,7 +337,7 @@ def merge_ef(a, b, refine=False, tol=1e-10, max_iters=200):
         raise OutOfDomainError(f"the merged natural parameter is outside the domain: {a.family.describe(lam)}")
     data = _join(a.data, b.data)
     ids = jnp.concatenate([a.ids, b_ids])
-    cfg = replace(a.config, spec=replace(a.config.spec, num_examples=int(ids.shape[0])))
+    cfg = _rows(a.config, int(ids.shape[0]))
     state = EFState(lam, jnp.concatenate([a.state.grads, b.state.grads]), a.state.prior, ids)
     merged = a.evolve(config=cfg, data=data, state=state, record=dict(operation="merge", renumbered=renumbered))
     if refine:

@@ -27,7 +27,7 @@ gradient as the rule is refined. The points are
   sites), so the fixed point is deterministic.
 
 The regression residual says how far :math:`\ell_i` is from linear in :math:`T` over the
-points; a prior with (relative) residual below ``1e-9`` is conjugate-form and its site is
+points; a prior with (relative) residual below ``1e-9`` (float64) is conjugate-form and its site is
 kept as the constant :math:`\lambda_0`.
 
 Losses are evaluated with the model binding of :mod:`numpyro_pc.likelihood` at the
@@ -49,9 +49,12 @@ from .ef_families import ProductFamily
 from .errors import InvalidOptionError
 from .likelihood import ModelSpec, example_loss, prior_loss
 
-__all__ = ["EFConfig", "EFSites", "design", "point_losses", "regress", "compute_sites", "CONJUGATE_RTOL"]
+__all__ = ["EFConfig", "EFSites", "design", "point_losses", "regress", "compute_sites", "conjugate_rtol"]
 
-CONJUGATE_RTOL = 1e-9
+
+def conjugate_rtol(dtype):
+    """Regression residual below which a loss counts as linear in ``T``: 1e-9 (float64), 1e-4 (float32)."""
+    return 1e-9 if jnp.finfo(dtype).bits == 64 else 1e-4
 
 
 @dataclass(frozen=True)

@@ -364,3 +364,10 @@ def test_dual_form_after_numpyro_svi(x64):
     assert not np.allclose([res.params["a"], res.params["b"]], want, rtol=1e-3)  # SVI alone is not there
     np.testing.assert_allclose([post.to_guide_params()[k] for k in "ab"], want, rtol=RTOL)
     assert post.to_guide_params(beta_guide, kwargs=dict(y=y))["a"] == post.to_guide_params()["a"]
+
+
+def test_float32_uses_its_own_tolerances():
+    d = _data()["bern"]
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(d, jnp.float32), family={"p": "beta"})
+    assert post.natural.dtype == jnp.float32 and post.conjugate_prior and post.record["converged"]
+    np.testing.assert_allclose(_args(post), closed_form("bern", d), rtol=1e-4)
