@@ -16,7 +16,8 @@ initial params (one ``lax.scan`` under ``jit``). Times are wall seconds of the f
 the process (cold, compile included) and of a second identical call (warm), float64, on the
 CPU this runs on. Accuracy is ``KL(q ‖ q*)`` where ``q*`` is the
 closed-form posterior (conjugate) or pc's fixed point (non-conjugate; its own accuracy is
-checked against a scipy ELBO optimum in ``tests/test_expfam.py``).
+checked against a scipy ELBO optimum in ``tests/test_expfam.py``). An exponentially decaying
+step (0.05 → 5e-4) was tried and left SVI further away (KL 10–240), so the constant step stays.
 
 Usage::
 
@@ -149,7 +150,7 @@ def render(result):
             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         rows.append(f"| {r['problem']} | {r['N']} | {r['pc_cold_s']:.2f} / {r['pc_warm_s']:.3f} ({r['pc_iterations']})"
-                    f" | {r['svi_cold_s']:.2f} / {r['svi_warm_s']:.2f} | {r['warm_ratio']:.0f}× | "
+                    f" | {r['svi_cold_s']:.2f} / {r['svi_warm_s']:.2f} | {r['warm_ratio']:.2g}× | "
                     f"{r['pc_kl']:.1e} | {r['svi_kl']:.1e} |")
     return "\n".join(rows)
 
@@ -167,7 +168,7 @@ def main(argv=None):
     rows = [run(name, *spec, args.steps) for name, spec in problems(args.n, np.random.default_rng(0)).items()]
     result = dict(machine=info, argv=sys.argv[1:], rows=rows)
     targets = [dict(target=f"{r['problem']}: pc.fit (warm) faster than {r['svi_steps']} SVI steps and closer",
-                    measured=f"{r['warm_ratio']:.0f}×, KL {r['pc_kl']:.1e} vs {r['svi_kl']:.1e}",
+                    measured=f"{r['warm_ratio']:.2g}×, KL {r['pc_kl']:.1e} vs {r['svi_kl']:.1e}",
                     met=bool(r["warm_ratio"] > 1 and r["pc_kl"] < r["svi_kl"])) for r in rows]
     result["targets"] = targets
     write_results("bench_ef_guides", args.out, result, render(result), targets)

@@ -371,3 +371,17 @@ def test_float32_uses_its_own_tolerances():
     post = pc.fit(beta_bernoulli, y=jnp.asarray(d, jnp.float32), family={"p": "beta"})
     assert post.natural.dtype == jnp.float32 and post.conjugate_prior and post.record["converged"]
     np.testing.assert_allclose(_args(post), closed_form("bern", d), rtol=1e-4)
+
+
+def test_dual_form_of_dirichlet_guide(x64):
+    d = _data(8)["cat"]
+
+    def guide(y=None):
+        alpha = numpyro.param("alpha", jnp.ones(3), constraint=constraints.positive)
+        numpyro.sample("pi", dist.Dirichlet(alpha))
+
+    post = pc.dual_form(dirichlet_categorical, guide, {"alpha": jnp.array([5.0, 1.0, 2.0])}, y=_y("cat", d))
+    want = closed_form("cat", d)
+    np.testing.assert_allclose(post.to_guide_params()["alpha"], want, rtol=RTOL)
+    np.testing.assert_allclose(post.mean()["pi"], want / want.sum(), rtol=RTOL)
+    assert post.config.rule == "mc"
