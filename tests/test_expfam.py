@@ -318,6 +318,10 @@ def test_refusals_are_typed(x64):
     post = pc.fit(beta_bernoulli, y=y, family={"p": "beta"})
     with pytest.raises(pc.UnknownExampleError):
         post.delete([999])
+    with pytest.raises(pc.errors.InvalidOptionError, match="'exact' or 'none'"):
+        post.update(y=y, correction="memory")
+    with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
+        post.delete([0], method="influence")
 
 
 def test_solver_safeguards(x64):
@@ -385,3 +389,17 @@ def test_dual_form_of_dirichlet_guide(x64):
     np.testing.assert_allclose(post.to_guide_params()["alpha"], want, rtol=RTOL)
     np.testing.assert_allclose(post.mean()["pi"], want / want.sum(), rtol=RTOL)
     assert post.config.rule == "mc"
+
+
+def test_rule_choice():
+    from numpyro_pc.ef_sites import EFConfig
+    from numpyro_pc.errors import InvalidOptionError
+
+    scalars = ProductFamily(tuple(BetaFactor(f"p{k}", ()) for k in range(3)))
+    cfg = EFConfig.make(None, scalars, num_nodes=32)
+    assert cfg.rule == "quadrature" and cfg.num_nodes == 16  # 16^3 = 4096 points at most
+    assert EFConfig.make(None, ProductFamily((BetaFactor("p", (3,)),))).rule == "mc"
+    with pytest.raises(InvalidOptionError, match="scalar Beta or Gamma"):
+        EFConfig.make(None, ProductFamily((DirichletFactor("pi", (3,)),)), "quadrature")
+    with pytest.raises(InvalidOptionError, match="'auto', 'quadrature' or 'mc'"):
+        EFConfig.make(None, scalars, "gh")
