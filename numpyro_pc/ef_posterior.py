@@ -29,8 +29,7 @@ import numpy as np
 
 from .ef_families import ProductFamily, make_factor
 from .ef_guides import read_guide, write_params
-from .ef_sites import EFConfig, compute_sites, conjugate_rtol
-from .ef_solver import blr_solve, relative_residual
+from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
                      UnknownExampleError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at

@@ -18,10 +18,9 @@ from numpyro.distributions import constraints
 from scipy import special, stats
 
 import numpyro_pc as pc
-from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor, ProductFamily
+from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor, ProductFamily, beta_rule, gamma_rule
 from numpyro_pc.ef_posterior import EFPosterior
-from numpyro_pc.ef_quadrature import beta_rule, gamma_rule
-from numpyro_pc.ef_solver import blr_solve
+from numpyro_pc.ef_sites import blr_solve
 from numpyro_pc.errors import (ConvergenceError, GuideParamsError, NonFiniteResultError, OutOfDomainError,
                                UnsupportedGuideError, UnsupportedModelError)
 
