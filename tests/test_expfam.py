@@ -402,3 +402,22 @@ def test_rule_choice():
         EFConfig.make(None, ProductFamily((DirichletFactor("pi", (3,)),)), "quadrature")
     with pytest.raises(InvalidOptionError, match="'auto', 'quadrature' or 'mc'"):
         EFConfig.make(None, scalars, "gh")
+
+
+def poisson_exposure(e, y=None):
+    rate = numpyro.sample("rate", dist.Gamma(A0, 0.5))
+    with numpyro.plate("data", e.shape[0]):
+        numpyro.sample("y", dist.Poisson(rate * e), obs=y)
+
+
+def test_positional_data_update_and_delete(x64):
+    # exposures e_i: still conjugate, Gamma(a0 + Σ y, r0 + Σ e); the batch is passed positionally
+    rng = np.random.default_rng(9)
+    e = rng.uniform(0.5, 2.0, 30)
+    y = rng.poisson(3.0 * e).astype(float)
+    post = pc.fit(poisson_exposure, jnp.asarray(e[:12]), y=jnp.asarray(y[:12]), family={"rate": "gamma"})
+    post = post.update(jnp.asarray(e[12:]), y=jnp.asarray(y[12:]), correction="exact")
+    np.testing.assert_allclose(_args(post), [A0 + y.sum(), 0.5 + e.sum()], rtol=RTOL)
+    kept = np.setdiff1d(np.arange(30), [1, 20])
+    smaller = post.delete([1, 20], method="corrected")
+    np.testing.assert_allclose(_args(smaller), [A0 + y[kept].sum(), 0.5 + e[kept].sum()], rtol=RTOL)
