@@ -119,7 +119,8 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
 
 def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",
               storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int = 100,
-              num_samples: int = 64, seed: int = 0, num_nodes: int = 64, chunk_size: int | None = None,
+              num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None,
+              chunk_size: int | None = None,
               data_plate: str | None = None, shared: tuple = (), progress: bool = False,
               raise_on_failure: bool = True, **kwargs) -> DualPosterior | EFPosterior:
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
@@ -128,7 +129,8 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     Beta, Gamma or Dirichlet distribution with ``numpyro.param`` arguments gives an
     :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
     (:func:`numpyro_pc.ef_posterior.dual_form_ef`; ``expectation`` is then ``"auto"``,
-    ``"quadrature"`` or ``"mc"``, and ``num_nodes`` the Gauss nodes per site).
+    ``"quadrature"`` or ``"mc"``, ``num_nodes`` the Gauss nodes per site, default 32, and
+    ``num_samples`` the draws of ``"mc"``, default 2048).
 
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
@@ -146,9 +148,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations.
-    :param int num_samples: Monte Carlo draws (``"mc"``).
+    :param int num_samples: Monte Carlo draws (``"mc"``; default 64).
     :param int seed: seed of the fixed Monte Carlo noise.
-    :param int num_nodes: Gauss–Hermite nodes (``"gh"``).
+    :param int num_nodes: Gauss–Hermite nodes (``"gh"``; default 64).
     :param int chunk_size: examples per chunk of the site computation.
     :param str data_plate: the plate indexing examples when ambiguous.
     :param tuple shared: names of array arguments that are not per-example.
@@ -156,7 +158,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     """
     if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
-                            num_nodes=num_nodes, num_samples=num_samples, seed=seed,
+                            **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
                             tol=tol, max_iters=max_iters, refine=refine,
                             raise_on_failure=raise_on_failure, data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
@@ -181,7 +183,8 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
 
 def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
         curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int = 100,
-        num_samples: int = 64, seed: int = 0, num_nodes: int = 64, init=None, chunk_size: int | None = None,
+        num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,
+        chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
         **kwargs) -> DualPosterior | EFPosterior:
     """Variational Bayes with the natural-gradient solver, starting from the prior.
@@ -210,7 +213,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     """
     if isinstance(family, dict):
         return fit_ef(model, *args, family=family, expectation=expectation or "auto",
-                      num_nodes=num_nodes, num_samples=num_samples, seed=seed,
+                      **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
                       tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
                       data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
@@ -275,7 +278,14 @@ def _float_dtype():
     return jnp.result_type(float)
 
 
+def _given(**options):
+    """The options that were given (``None`` leaves the Beta/Gamma/Dirichlet path its own defaults)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def _rule_options(expectation, num_samples, seed, num_nodes):
+    num_samples = 64 if num_samples is None else num_samples  # the Gaussian rules' defaults
+    num_nodes = 64 if num_nodes is None else num_nodes
     kind = getattr(expectation, "kind", expectation)
     if not isinstance(expectation, str):
         return {}
