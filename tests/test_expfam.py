@@ -321,6 +321,8 @@ def test_refusals_are_typed(x64):
         post.update(y=y, correction="memory")
     with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
         post.delete([0], method="influence")
+    with pytest.raises(pc.IncompatiblePosteriorsError, match="EFPosterior.merge"):
+        pc.merge(None, [post, post])
 
 
 def test_solver_safeguards(x64):
