@@ -27,6 +27,7 @@ from .errors import (
 from .expectations import ExpectationRule
 from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from .likelihood import bind_model
+from .ef_posterior import EFPosterior
 from .posterior import DualPosterior, dual_form, fit, load
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
@@ -34,7 +35,7 @@ from .diagnostics import correction_magnitude, information_gain, kl
 __version__ = "0.1.0"
 
 __all__ = [
-    "DualPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
+    "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "get_family",
     "errors", "families", "guides", "handlers", "diagnostics", "kl", "information_gain", "correction_magnitude", "load",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",

@@ -43,6 +43,10 @@ class NotPositiveDefiniteError(PosteriorCorrectionError, ValueError):
     """A precision (or covariance) matrix is not positive definite."""
 
 
+class OutOfDomainError(NotPositiveDefiniteError):
+    """A natural parameter left its family's domain (a Beta, Gamma or Dirichlet shape parameter ≤ 0)."""
+
+
 class ConvergenceError(PosteriorCorrectionError, RuntimeError):
     """An iterative solver stopped before reaching its tolerance.
 

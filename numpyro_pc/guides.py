@@ -36,7 +36,7 @@ from .errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteErr
 from .families import Gaussian, get_family
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
-           "from_guide", "to_guide_params"]
+           "from_guide", "to_guide_params", "is_registered"]
 
 
 class GuideAdapter(ABC):
@@ -176,6 +176,11 @@ for _cls, _adapter in ((AutoNormal, _Normal()), (AutoDiagonalNormal, _DiagonalNo
     register_guide(_cls, _adapter)
 
 SUPPORTED_GUIDES = tuple(_REGISTRY)
+
+
+def is_registered(guide):
+    """Whether an adapter is registered for ``guide``'s exact type."""
+    return type(guide) in _REGISTRY
 
 
 def _adapter(guide):

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dual import DualPosteriorBase, build_posterior
+from .ef_posterior import EFPosterior
 from .errors import (
     IncompatiblePosteriorsError,
     InvalidOptionError,
@@ -202,6 +203,9 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         ``record`` holds the method and weights.
     """
 
+    if any(isinstance(p, EFPosterior) for p in [base, *posteriors]):
+        raise IncompatiblePosteriorsError("Beta/Gamma/Dirichlet posteriors merge by Bayesian arithmetic with "
+                                          "EFPosterior.merge (numpyro_pc.ef_posterior.merge_ef), not pc.merge")
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
     family = first.family

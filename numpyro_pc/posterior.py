@@ -24,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import ef_guides as _ef_guides
 from . import guides as _guides
+from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
 from .dual import DualPosteriorBase, build_posterior, in_own_precision
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
@@ -37,7 +39,7 @@ from .start import map_laplace
 from .streaming import update as _update
 from .unlearning import delete as _delete
 
-__all__ = ["DualPosterior", "dual_form", "fit", "load"]
+__all__ = ["DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 
 
 class DualPosterior(DualPosteriorBase):
@@ -117,10 +119,18 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
 
 def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",
               storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int = 100,
-              num_samples: int = 64, seed: int = 0, num_nodes: int = 64, chunk_size: int | None = None,
+              num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None,
+              chunk_size: int | None = None,
               data_plate: str | None = None, shared: tuple = (), progress: bool = False,
-              raise_on_failure: bool = True, **kwargs) -> DualPosterior:
+              raise_on_failure: bool = True, **kwargs) -> DualPosterior | EFPosterior:
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
+
+    A hand-written guide (a plain function, not an autoguide) whose every sample site is a
+    Beta, Gamma or Dirichlet distribution with ``numpyro.param`` arguments gives an
+    :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
+    (:func:`numpyro_pc.ef_posterior.dual_form_ef`; ``expectation`` is then ``"auto"``,
+    ``"quadrature"`` or ``"mc"``, ``num_nodes`` the Gauss nodes per site, default 32, and
+    ``num_samples`` the draws of ``"mc"``, default 2048).
 
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
@@ -138,14 +148,19 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations.
-    :param int num_samples: Monte Carlo draws (``"mc"``).
+    :param int num_samples: Monte Carlo draws (``"mc"``; default 64).
     :param int seed: seed of the fixed Monte Carlo noise.
-    :param int num_nodes: Gauss–Hermite nodes (``"gh"``).
+    :param int num_nodes: Gauss–Hermite nodes (``"gh"``; default 64).
     :param int chunk_size: examples per chunk of the site computation.
     :param str data_plate: the plate indexing examples when ambiguous.
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
+    if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
+        return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
+                            **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
+                            tol=tol, max_iters=max_iters, refine=refine,
+                            raise_on_failure=raise_on_failure, data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=_float_dtype())
     if expectation is None:
@@ -166,11 +181,12 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         return post.evolve(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
 
 
-def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expectation: str | None = None,
+def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
         curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int = 100,
-        num_samples: int = 64, seed: int = 0, num_nodes: int = 64, init=None, chunk_size: int | None = None,
+        num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,
+        chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
-        **kwargs) -> DualPosterior:
+        **kwargs) -> DualPosterior | EFPosterior:
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 
     The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
@@ -180,7 +196,11 @@ def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expect
     site computation; the posterior holds exactly one site per real example.
 
     :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
-        the delta rule is MAP / ERM).
+        the delta rule is MAP / ERM); or a dict ``{latent site: "beta" | "gamma" |
+        "dirichlet"}`` naming every latent site: a mean-field product of those families over
+        the constrained values, fitted by the BLR in natural parameters
+        (:func:`numpyro_pc.ef_posterior.fit_ef`, docs/expfam.md), returning an
+        :class:`~numpyro_pc.ef_posterior.EFPosterior`.
     :param expectation: default ``"auto"``: Gauss–Hermite over each example's dependence
         subspace where the model has one of at most three dimensions (GLMs, regressions with a
         learned scale, hierarchical examples), else Monte Carlo with its error estimated
@@ -191,6 +211,11 @@ def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expect
 
     See :func:`dual_form` for the other options.
     """
+    if isinstance(family, dict):
+        return fit_ef(model, *args, family=family, expectation=expectation or "auto",
+                      **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
+                      tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
+                      data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     fam = get_family(family)
     dtype = _float_dtype()
@@ -253,7 +278,14 @@ def _float_dtype():
     return jnp.result_type(float)
 
 
+def _given(**options):
+    """The options that were given (``None`` leaves the Beta/Gamma/Dirichlet path its own defaults)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def _rule_options(expectation, num_samples, seed, num_nodes):
+    num_samples = 64 if num_samples is None else num_samples  # the Gaussian rules' defaults
+    num_nodes = 64 if num_nodes is None else num_nodes
     kind = getattr(expectation, "kind", expectation)
     if not isinstance(expectation, str):
         return {}

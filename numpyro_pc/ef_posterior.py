@@ -1,0 +1,344 @@
+r"""Dual-form posteriors in Beta/Gamma/Dirichlet mean-field families.
+
+The posterior over the constrained latent values is a product family member
+:math:`q(x) = \exp(\langle\lambda, T(x)\rangle - A(\lambda))` written as its sites
+(paper eq. ``qdualform``):
+
+.. math::
+
+    \lambda = -g_0 - \sum_{i=1}^N g_i, \qquad g_i = \nabla_\mu E_q[\ell_i],
+
+held in :class:`EFState` (a pytree). :class:`EFPosterior` is a thin immutable wrapper:
+:func:`fit_ef` reaches the fixed point from the prior, :func:`dual_form_ef` from a fitted
+hand-written guide; :meth:`EFPosterior.update`, :meth:`~EFPosterior.delete` and
+:func:`merge_ef` are the paper's operations in these families (§3.1 streaming with the
+exact correction or none, §3.2 deletion by site removal or corrected, Bayesian arithmetic
+:math:`\lambda_a + \lambda_b - \lambda_0`). With a conjugate-form prior and likelihood the
+sites are exact and constant, so all of these are exact Bayes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .ef_families import ProductFamily, make_factor
+from .ef_guides import read_guide, write_params
+from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
+from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
+                     UnknownExampleError, UnsupportedModelError)
+from .likelihood import ModelData, bind_model, trace_at
+from .rowops import as_ids, join_rows, take_rows
+
+__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "default_tol"]
+
+
+class EFState(NamedTuple):
+    """``natural (P,)``; ``grads (N, P)`` the sites :math:`g_i`; ``prior (P,)`` the prior term
+    :math:`g_0` (``-λ_0`` for a conjugate-form prior); ``ids (N,)``."""
+
+    natural: jax.Array
+    grads: jax.Array
+    prior: jax.Array
+    ids: jax.Array
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _target(config, lam, data, prior_active, const):
+    """:math:`\\tau(\\lambda) = c - \\sum_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``."""
+    sites = compute_sites(config, lam, data)
+    tau = const - jnp.sum(sites.grads, 0)
+    if prior_active:
+        tau = tau - sites.prior
+    return tau, sites
+
+
+class EFPosterior:
+    """A Beta/Gamma/Dirichlet product posterior with one cached site per example.
+
+    :ivar config: :class:`~numpyro_pc.ef_sites.EFConfig` (model binding, family, rule).
+    :ivar data: the retained examples (:class:`~numpyro_pc.likelihood.ModelData`).
+    :ivar state: :class:`EFState`.
+    :ivar conjugate_prior: whether the prior term is conjugate-form (constant :math:`\\lambda_0`).
+    :ivar guide_map: the hand-written guide's :class:`~numpyro_pc.ef_guides.GuideMap`, if any.
+    :ivar record: the last operation's diagnostics.
+    """
+
+    __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record")
+
+    def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None):
+        for k, v in dict(config=config, data=data, state=state, conjugate_prior=conjugate_prior,
+                         guide_map=guide_map, record=record or {}).items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("EFPosterior is immutable; operations return a new posterior")
+
+    def evolve(self, **changes):
+        fields = {k: getattr(self, k) for k in self.__slots__}
+        fields.update(changes)
+        return EFPosterior(**fields)
+
+    # ------------------------------------------------------------------ the distribution
+    @property
+    def family(self) -> ProductFamily:
+        return self.config.family
+
+    @property
+    def natural(self):
+        return self.state.natural
+
+    @property
+    def prior_natural(self):
+        """:math:`\\lambda_0 = -g_0` (constant for a conjugate-form prior, else at the current ``q``)."""
+        return -self.state.prior
+
+    @property
+    def ids(self):
+        return self.state.ids
+
+    @property
+    def num_examples(self):
+        return int(self.state.ids.shape[0])
+
+    def residual(self):
+        """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`."""
+        return relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0))
+
+    def mean(self):
+        """:math:`E_q[x]` per latent site (constrained values)."""
+        return self.family.mean(self.natural)
+
+    def sample(self, key, num_samples):
+        """``num_samples`` draws per latent site."""
+        return self.family.sample(key, self.natural, num_samples)
+
+    def distributions(self):
+        """Each latent site's factor as a NumPyro distribution."""
+        return {f.site: f.distribution(p) for f, p in zip(self.family.factors, self.family.split(self.natural))}
+
+    def entropy(self):
+        return self.family.entropy(self.natural)
+
+    def kl(self, other):
+        """:math:`KL(q \\| q_{other})`."""
+        return self.family.kl(self.natural, other.natural)
+
+    def to_guide_params(self, guide=None, args=(), kwargs=None):
+        """The hand-written guide's params describing this posterior.
+
+        :param guide: a guide to write for (default: the guide read by :func:`dual_form_ef`);
+            it is traced with its own initial params to find which param feeds which argument.
+        """
+        gmap = self.guide_map
+        if guide is not None:
+            gmap, _ = read_guide(guide, None, self.family.names, args, kwargs)
+        if gmap is None:
+            raise InvalidOptionError("this posterior was not read from a guide; pass guide= to to_guide_params")
+        return write_params(gmap, self.family, self.natural)
+
+    # ------------------------------------------------------------------ operations
+    def update(self, *args, correction="exact", tol=None, max_iters=200, raise_on_failure=True, **kwargs):
+        """Add a batch (paper §3.1). ``correction="exact"``: every retained site is recomputed
+        at the new fixed point (the batch posterior); ``"none"``: VCL, the old sites and prior
+        term stay frozen and only the new sites are solved for."""
+        if correction not in ("exact", "none"):
+            raise InvalidOptionError(f"correction for Beta/Gamma/Dirichlet posteriors is 'exact' or 'none'; "
+                                     f"got {correction!r}")
+        spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate)
+        if spec.latent != self.config.spec.latent or spec.observed != self.config.spec.observed:
+            raise DataShapeError("the new batch binds the model to other latent or observed sites")
+        start = int(np.max(np.asarray(self.ids))) + 1 if self.num_examples else 0
+        ids = jnp.arange(start, start + spec.num_examples)
+        if correction == "exact":
+            data = _join(self.data, new)
+            post = _solve(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
+                          raise_on_failure)
+            return post.evolve(record=dict(post.record, operation="update", correction="exact"))
+        const = self.natural
+        cfg = _rows(self.config, spec.num_examples)
+        tol = default_tol(const.dtype) if tol is None else tol
+        lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, new, False, const), self.family.in_domain,
+                                     self.natural, tol, max_iters, raise_on_failure=raise_on_failure)
+        state = EFState(lam, jnp.concatenate([self.state.grads, sites.grads]), self.state.prior,
+                        jnp.concatenate([self.ids, ids]))
+        return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
+                           data=_join(self.data, new), state=state,
+                           record=dict(operation="update", correction="none", **info._asdict()))
+
+    def delete(self, ids, method="remove_site", tol=None, max_iters=200, raise_on_failure=True):
+        """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;
+        ``"corrected"``: then the retained sites are recomputed to the fixed point (exact).
+
+        :raises OutOfDomainError: ``"remove_site"`` leaving a shape parameter non-positive.
+        :raises UnknownExampleError: ids that are not held.
+        """
+        if method not in ("remove_site", "corrected"):
+            raise InvalidOptionError(f"method for Beta/Gamma/Dirichlet posteriors is 'remove_site' or 'corrected'; "
+                                     f"got {method!r}")
+        wanted = np.asarray(as_ids(ids))
+        held = np.asarray(self.ids)
+        missing = sorted(set(wanted.tolist()) - set(held.tolist()))
+        if missing:
+            raise UnknownExampleError(f"example ids {missing[:10]} are not in this posterior")
+        drop = np.isin(held, wanted)
+        keep = np.flatnonzero(~drop)
+        removed = self.natural + jnp.sum(self.state.grads[np.flatnonzero(drop)], 0)
+        inside = bool(self.family.in_domain(removed))
+        data = ModelData(tuple(take_rows(x, keep) for x in self.data.per_example), self.data.shared)
+        if method == "remove_site":
+            if not inside:
+                raise OutOfDomainError("removing the sites leaves a non-positive shape parameter "
+                                       f"({self.family.describe(removed)}); use method='corrected'")
+            state = EFState(removed, self.state.grads[keep], self.state.prior, self.ids[keep])
+            return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
+                               record=dict(operation="delete", method=method))
+        if keep.size == 0:
+            raise DataShapeError("corrected deletion needs at least one retained example")
+        post = _solve(self, data, self.ids[keep], removed if inside else self.natural, tol, max_iters,
+                      raise_on_failure)
+        return post.evolve(record=dict(post.record, operation="delete", method=method))
+
+    def merge(self, other, refine=False, **options):
+        """See :func:`merge_ef`."""
+        return merge_ef(self, other, refine=refine, **options)
+
+    def __repr__(self):
+        return (f"EFPosterior({', '.join(f'{n}: {fam}' for n, (fam, _) in self.family.describe(self.natural).items())}"
+                f", N={self.num_examples})")
+
+
+def default_tol(dtype):
+    """Relative residual tolerance of the fixed point: ``1e-10`` in float64, ``1e-5`` in float32."""
+    return 1e-10 if jnp.finfo(dtype).bits == 64 else 1e-5
+
+
+def _rows(config, num):
+    """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
+    return replace(config, spec=replace(config.spec, num_examples=num))
+
+
+def _join(a, b):
+    return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
+
+
+def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
+    """Fixed point over all ``data`` (every site active); the prior is active unless conjugate-form."""
+    num = int(ids.shape[0])
+    cfg = _rows(post.config, num)
+    tol = default_tol(start.dtype) if tol is None else tol
+    const = -post.state.prior if post.conjugate_prior else jnp.zeros_like(start)
+    lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, data, not post.conjugate_prior, const),
+                                 post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
+    prior = post.state.prior if post.conjugate_prior else sites.prior
+    state = EFState(lam, sites.grads, prior, ids)
+    return post.evolve(config=cfg, data=data, state=state, record=dict(info._asdict(),
+                       max_site_nonlinearity=float(jnp.max(sites.residual))))
+
+
+def family_for_model(spec, data, family):
+    """The :class:`ProductFamily` of a ``{site: "beta" | "gamma" | "dirichlet"}`` dict, in trace order.
+
+    :raises UnsupportedModelError: a latent site without a family, or unknown sites.
+    """
+    names = spec.latent.names
+    unknown = sorted(set(family) - set(names))
+    missing = [n for n in names if n not in family]
+    if unknown or missing:
+        raise UnsupportedModelError(
+            f"family= must name every latent site {list(names)} (missing {missing}, unknown {unknown}); a mix of "
+            "Beta/Gamma/Dirichlet sites with Gaussian blocks is not supported yet")
+    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
+    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
+    return ProductFamily(tuple(make_factor(family[n], n, spec.latent.shapes[k], trace[n]["fn"].support)
+                               for k, n in enumerate(names)))
+
+
+def _build(spec, data, fam, lam, guide_map, options):
+    opts = dict(options)
+    cfg = EFConfig.make(spec, fam, opts.pop("expectation", "auto"), opts.pop("num_nodes", 32),
+                        opts.pop("num_samples", 2048), opts.pop("seed", 0))
+    tol, max_iters = opts.pop("tol", None), opts.pop("max_iters", 200)
+    raise_on_failure, refine = opts.pop("raise_on_failure", True), opts.pop("refine", True)
+    if opts:
+        raise InvalidOptionError(f"unknown options {sorted(opts)}")
+    lam = jnp.asarray(lam, jnp.result_type(float))
+    if not bool(fam.in_domain(lam)):
+        raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
+    _, sites = _target(cfg, lam, data, True, jnp.zeros_like(lam))
+    conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
+    ids = jnp.arange(spec.num_examples)
+    post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)
+    if not refine:
+        return post.evolve(record=dict(operation="read", residual=post.residual()))
+    if guide_map is None and conjugate:
+        lam = -sites.prior  # from the prior itself
+        post = post.evolve(state=post.state._replace(natural=lam))
+    return _solve(post, data, ids, lam, tol, max_iters, raise_on_failure)
+
+
+def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
+    """Fit a Beta/Gamma/Dirichlet mean-field posterior by the BLR from the prior.
+
+    :param dict family: ``{latent site: "beta" | "gamma" | "dirichlet"}`` covering every site.
+    :param options: ``expectation`` (``"auto"``, ``"quadrature"``, ``"mc"``), ``num_nodes``,
+        ``num_samples``, ``seed``, ``tol``, ``max_iters``, ``raise_on_failure``; the rest are
+        the model's keyword arguments.
+    """
+    opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
+    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared)
+    fam = family_for_model(spec, data, family)
+    return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts)
+
+
+def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options):
+    """A fitted hand-written Beta/Gamma/Dirichlet guide as an :class:`EFPosterior`
+    (sites computed at the guide, then refined to the fixed point unless ``refine=False``)."""
+    opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
+    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared)
+    gmap, lam = read_guide(guide, params, spec.latent.names, args, options)
+    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
+    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
+    for f in gmap.family.factors:  # the guide's factors must fit the model's supports and shapes
+        make_factor(f.family_name, f.site, spec.latent.shapes[spec.latent.names.index(f.site)],
+                    trace[f.site]["fn"].support)
+    return _build(spec, data, gmap.family, lam, gmap, opts)
+
+
+_OPTIONS = ("expectation", "num_nodes", "num_samples", "seed", "tol", "max_iters", "raise_on_failure", "refine")
+
+
+def merge_ef(a, b, refine=False, tol=None, max_iters=200):
+    r"""Bayesian arithmetic of two posteriors of the same model and prior fitted on disjoint
+    examples: :math:`\lambda = \lambda_a + \lambda_b - \lambda_0`, sites concatenated (exact
+    for conjugate models). ``refine=True`` then recomputes every site at the fixed point.
+
+    Ids of ``b`` that collide with ``a``'s are shifted past ``a``'s (``record["renumbered"]``).
+
+    :raises IncompatiblePosteriorsError: other models, families or priors.
+    """
+    if a.config.spec.model is not b.config.spec.model or a.family != b.family:
+        raise IncompatiblePosteriorsError("merging needs posteriors of the same model and family")
+    if a.conjugate_prior != b.conjugate_prior or (a.conjugate_prior and not bool(
+            jnp.allclose(a.state.prior, b.state.prior, rtol=1e-12, atol=1e-12))):
+        raise IncompatiblePosteriorsError("merging needs posteriors of the same prior")
+    b_ids = b.ids
+    renumbered = bool(np.intersect1d(np.asarray(a.ids), np.asarray(b_ids)).size)
+    if renumbered:  # separately fitted shards both count from 0: b's examples get ids after a's
+        b_ids = b_ids - jnp.min(b_ids) + int(np.max(np.asarray(a.ids))) + 1
+    lam = a.natural + b.natural + b.state.prior
+    if not bool(a.family.in_domain(lam)):
+        raise OutOfDomainError(f"the merged natural parameter is outside the domain: {a.family.describe(lam)}")
+    data = _join(a.data, b.data)
+    ids = jnp.concatenate([a.ids, b_ids])
+    cfg = _rows(a.config, int(ids.shape[0]))
+    state = EFState(lam, jnp.concatenate([a.state.grads, b.state.grads]), a.state.prior, ids)
+    merged = a.evolve(config=cfg, data=data, state=state, record=dict(operation="merge", renumbered=renumbered))
+    if refine:
+        merged = _solve(merged, data, ids, lam, tol, max_iters, True)
+    return merged
