@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import bind_batch
+from .dual import require_gaussian
 from .errors import InvalidOptionError
 from .rows import positions
 from .sites import compute_sites
@@ -83,6 +84,8 @@ def information_gain(old, new) -> dict[str, float]:
         ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``).
     :raises ValueError: for the isotropic family, whose sites carry no curvature.
     """
+    require_gaussian(old, "pc.information_gain")
+    require_gaussian(new, "pc.information_gain")
     if new.family.fixed_precision:
         raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
@@ -132,6 +135,7 @@ def correction_magnitude(post, *args, **kwargs) -> dict:
     :return: dict with ``ids``, ``magnitude`` (per example), ``gradient`` and ``curvature``
         parts, and ``total`` (sum of magnitudes).
     """
+    require_gaussian(post, "pc.correction_magnitude")
     bind_batch(post, args, kwargs)
     vcl = post.update(*args, correction="none", **kwargs)
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):

@@ -28,6 +28,7 @@ from .errors import (
     InvalidOptionError,
     MonteCarloErrorWarning,
     PointEstimateWarning,
+    UnsupportedGuideError,
 )
 from .expectations import prepare_rule
 from .families import add_site
@@ -36,7 +37,17 @@ from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
 from .solvers import SiteProblem, default_tol, dual_residual, solve
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior"]
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
+           "require_gaussian"]
+
+
+def require_gaussian(post, operation: str):
+    """Refuse, with a typed error, anything but a Gaussian dual-form posterior (e.g. a
+    Beta/Gamma/Dirichlet :class:`~numpyro_pc.ef_posterior.EFPosterior`) as input of ``operation``."""
+    if not isinstance(post, DualPosteriorBase):
+        raise UnsupportedGuideError(
+            f"{operation} needs a Gaussian dual-form posterior (pc.fit / pc.dual_form with a Gaussian family); "
+            f"found {type(post).__name__}")
 
 
 class PosteriorState(NamedTuple):

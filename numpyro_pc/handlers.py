@@ -30,6 +30,7 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
+from .dual import require_gaussian
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
@@ -54,6 +55,7 @@ class posterior_prior(Messenger):
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
+        require_gaussian(posterior, "posterior_prior")
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
@@ -130,6 +132,7 @@ def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_pr
 
     :param memory: ``"all"`` (every retained example), ``"none"`` or a list of ids.
     """
+    require_gaussian(posterior, "correction_factor")
     post = posterior
     retained = np.asarray(post.data_ids)
     if isinstance(memory, str):

@@ -323,6 +323,11 @@ def test_refusals_are_typed(x64):
         post.delete([0], method="influence")
     with pytest.raises(pc.IncompatiblePosteriorsError, match="EFPosterior.merge"):
         pc.merge(None, [post, post])
+    # the Gaussian-only operations refuse it with a typed error, not an AttributeError
+    for operation in (pc.loo, pc.influence, lambda p: pc.correction_magnitude(p, y=y),
+                      lambda p: pc.handlers.correction_factor(p)):
+        with pytest.raises(UnsupportedGuideError, match="Gaussian dual-form posterior"):
+            operation(post)
 
 
 def test_solver_safeguards(x64):

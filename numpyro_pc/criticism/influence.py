@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..dual import require_gaussian
 from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from ..expectations import get_rule
 from ..families import FullGaussian, Gaussian
@@ -89,6 +90,7 @@ def influence(post, fn=None, estimators=ESTIMATORS):
     :raises NotPositiveDefiniteError: the Hessian at the mean (influence) is not positive
         definite, or a site removal leaves an indefinite precision.
     """
+    require_gaussian(post, "pc.influence")
     estimators = tuple(estimators)
     unknown = [e for e in estimators if e not in ESTIMATORS]
     if unknown or not estimators:

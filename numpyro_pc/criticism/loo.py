@@ -34,6 +34,7 @@ import numpy as np
 from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..rows import positions, take_data
 from ..curvature import FULL
+from ..dual import require_gaussian
 from .cavity import cavities, refit_predictive, rule_nodes, taylor_cavities
 
 __all__ = ["loo", "LooResult", "elpd_data", "kl_shape", "METHODS", "GOOD_K"]
@@ -153,6 +154,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     :raises NotPositiveDefiniteError: an example's cavity is not positive definite
         (``k̂_i ≥ 1``) and it is not among the refitted ones.
     """
+    require_gaussian(post, "pc.loo")
     if method not in METHODS:
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
     if post.family.fixed_precision:

@@ -23,6 +23,7 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
+from ..dual import require_gaussian
 from ..errors import InvalidOptionError
 from ..likelihood import trace_at, constrain
 from ..rows import positions
@@ -92,6 +93,7 @@ def loo_pit(post, key, num_samples=1000, var_name=None):
     :param str var_name: the observed site (default: the first in the data plate).
     :return: ``(N,)`` LOO-PIT values (uniform for a calibrated model).
     """
+    require_gaussian(post, "pc.loo_pit")
     import arviz as az
 
     k1, k2 = jax.random.split(key)
