@@ -106,6 +106,10 @@ class CurvatureStore(ABC):
         """``Σ_i w_i diag(Ĥ_i)``, ``(d,)``."""
         raise SiteStorageError(f"sites stored as {self.name!r} carry no curvature")
 
+    def weighted_matmat(self, weights, mat):
+        """``(Σ_i w_i Ĥ_i) V`` for a ``(d, p)`` matrix ``V`` (matrix-free where the store allows)."""
+        raise SiteStorageError(f"sites stored as {self.name!r} cannot give curvature products")
+
     @abstractmethod
     def dense(self):
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
@@ -180,6 +184,10 @@ class Factor(CurvatureStore):
     def weighted_diagonal(self, weights):
         return jnp.einsum("n,nkd,nkl,nld->d", weights, self.jac, self.lam, self.jac)
 
+    def weighted_matmat(self, weights, mat):
+        proj = jnp.einsum("nkd,dp->nkp", self.jac, mat)  # O(N k d p), no d × d
+        return jnp.einsum("nkd,nkp->dp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
+
     def dense(self):
         return jnp.einsum("nkd,nkl,nle->nde", self.jac, self.lam, self.jac)
 
@@ -244,6 +252,9 @@ class Dense(CurvatureStore):
     def weighted_diagonal(self, weights):
         return weights @ jnp.diagonal(self.curvature, axis1=1, axis2=2)
 
+    def weighted_matmat(self, weights, mat):
+        return jnp.einsum("n,nde,ep->dp", weights, self.curvature, mat)
+
     def dense(self):
         return self.curvature
 
@@ -281,6 +292,9 @@ class Diagonal(CurvatureStore):
 
     def weighted_diagonal(self, weights):
         return weights @ self.curvature
+
+    def weighted_matmat(self, weights, mat):
+        return (weights @ self.curvature)[:, None] * mat
 
     def dense(self):
         return jax.vmap(jnp.diag)(self.curvature)

@@ -170,7 +170,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expect
         curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int = 100,
         num_samples: int = 64, seed: int = 0, num_nodes: int = 64, init=None, chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
-        **kwargs) -> DualPosterior:
+        rank: int | None = None, **kwargs) -> DualPosterior:
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 
     The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
@@ -179,8 +179,11 @@ def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expect
     at nearby sizes (cross-validation folds, refits of growing data) reuse the compiled
     site computation; the posterior holds exactly one site per real example.
 
-    :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
-        the delta rule is MAP / ERM).
+    :param family: ``"full"``, ``"diagonal"``, ``"isotropic"`` (the isotropic family with
+        the delta rule is MAP / ERM) or ``"lowrank"`` with ``rank`` (precision
+        ``diag(D) + UUᵀ``, :class:`~numpyro_pc.lowrank.LowRankGaussian`).
+    :param int rank: the number of columns of ``U`` for ``family="lowrank"`` (``1 ≤ rank ≤ d``);
+        a family that takes no rank refuses one.
     :param expectation: default ``"auto"``: Gauss–Hermite over each example's dependence
         subspace where the model has one of at most three dimensions (GLMs, regressions with a
         learned scale, hierarchical examples), else Monte Carlo with its error estimated
@@ -192,7 +195,8 @@ def fit(model: Callable, *args, family: str | ExponentialFamily = "full", expect
     See :func:`dual_form` for the other options.
     """
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
-    fam = get_family(family)
+    fam = get_family(family, rank=rank)
+    fam.check_dimension(spec.latent.dim)
     dtype = _float_dtype()
     start = _start(spec, data, fam, init, dtype)
     if expectation is None:
