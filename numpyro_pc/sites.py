@@ -271,7 +271,8 @@ def default_chunk_size(spec, storage, curvature, num_examples):
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
-    dense_transient = storage is Dense or not _uses_params(spec, storage, curvature)
+    # only the factorised store keeps J_i, Λ_i as they come; the others form J_iᵀ Λ_i J_i (d × d) per example
+    dense_transient = not storage.keeps_jacobian or not _uses_params(spec, storage, curvature)
     per_example = d * d if dense_transient else 4 * k * d
     largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
     chunks = int(math.ceil(num_examples / largest))
