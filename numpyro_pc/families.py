@@ -681,5 +681,6 @@ def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
         if options:
             raise InvalidOptionError(f"the {key!r} family takes no options (got {sorted(options)})")
     if not isinstance(key, str) or key not in _FAMILIES:
-        raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
+        raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES) + sorted(_FACTORIES)} "
+                                 "or an ExponentialFamily")
     return _FAMILIES[key]
