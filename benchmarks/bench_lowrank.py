@@ -185,6 +185,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=1500)
     parser.add_argument("--svi-seconds", type=float, default=300.0)
     parser.add_argument("--diag-timeout", type=int, default=600)
+    parser.add_argument("--sizes", help="comma-separated dxN pairs, e.g. 10000x10000 (overrides the defaults)")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
@@ -194,6 +195,8 @@ def main():
     out_dir = os.path.join(HERE, "_out")
     os.makedirs(out_dir, exist_ok=True)
     sizes = [(2000, 2000)] if args.quick else [(20000, 10000), (100000, 10000)]
+    if args.sizes:
+        sizes = [tuple(int(v) for v in pair.split("x")) for pair in args.sizes.split(",")]
     rows = []
     for d, n in sizes:
         ref = os.path.join(out_dir, f"bench_lowrank_ref_{d}.npz")
