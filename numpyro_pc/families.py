@@ -21,8 +21,11 @@ parameters ``(Ĥ m_t − ĝ, Ĥ)``: ``exp(−ℓ̂)`` is an unnormalised Gaussia
 removing and scaling sites is arithmetic on these pairs (:func:`add_site`,
 :func:`remove_site`, :func:`scale_site`).
 
-New exponential families (Bernoulli, categorical, ...) subclass
-:class:`ExponentialFamily` and provide the same methods.
+A fourth, :class:`~numpyro_pc.lowrank.LowRankGaussian` (precision ``diag(D) + UUᵀ`` as a
+``(d, r + 1)`` array), lives in :mod:`numpyro_pc.lowrank` and is registered through
+:func:`register_family_factory` (names ``"lowrank-r"``). New exponential families
+(Bernoulli, categorical, ...) subclass :class:`ExponentialFamily` and provide the same methods
+(docs/architecture.md, "Adding a family").
 """
 
 from __future__ import annotations
