@@ -7,7 +7,7 @@ The package never enables 64-bit mode globally; use ``jax.config.update("jax_ena
 True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
 """
 
-from . import diagnostics, errors, families, guides, handlers
+from . import diagnostics, errors, families, guides, handlers, lowrank
 from .errors import (
     ConvergenceError,
     DataShapeError,
@@ -28,6 +28,7 @@ from .expectations import ExpectationRule
 from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from .likelihood import bind_model
 from .ef_posterior import EFPosterior
+from .lowrank import LowRankGaussian
 from .posterior import DualPosterior, dual_form, fit, load
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
@@ -36,8 +37,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
-    "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "get_family",
-    "errors", "families", "guides", "handlers", "diagnostics", "kl", "information_gain", "correction_magnitude", "load",
+    "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "LowRankGaussian",
+    "get_family", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl", "information_gain",
+    "correction_magnitude", "load",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
     "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError", "ModelMismatchError",

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .curvature import FULL
+from .errors import UnsupportedModelError
 from .families import add_site, remove_site, scale_site
 from .rowops import filled
 from .rows import concat_data, pad_to_bucket, positions, take_data
@@ -37,6 +38,11 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):
         zero = remove_site(natural, natural)
         return zero if post.offset is None else add_site(zero, post.offset)
     cavity = natural
+    if not family.linear_precision:
+        raise UnsupportedModelError(
+            f"the {family.name} family's precision is a projection of the site sum, not the sum itself: a "
+            "posterior with stale sites is not their product, and dividing some sites out is not defined; use "
+            "correction='exact' (every site recomputed)")
     if corrected_sum is not None:
         cavity = remove_site(cavity, corrected_sum, weight)
     if correct_prior:
@@ -66,9 +72,10 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     family = post.family
     if stale is None:
         stale = post.sites.take(positions(post.sites.ids, corrected))
-    stale_sum = stale.natural_sum(family) if corrected.size else None
     corrects_all = corrected.size == post.sites.num_examples and np.array_equal(
         np.sort(corrected), np.sort(np.asarray(post.sites.ids)))
+    needs_sum = corrected.size and not (corrects_all and correct_prior and weight == 1.0)
+    stale_sum = stale.natural_sum(family) if needs_sum else None
     cavity = _cavity(post, stale_sum, correct_prior, weight, corrects_all)
     data_rows = positions(post.data_ids, corrected)
     active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
@@ -123,5 +130,5 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     start = replace(start, ids=problem.ids, ref_means=mean[None, :],
                     ref_index=filled([(start.num_examples, 0)], start.ref_index.dtype))
     hessian = (start.curv.weighted_dense(weights) if problem.family.needs_dense_sum
-               else jnp.zeros(2 * mean.shape, mean.dtype))
+               else jnp.zeros((), mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)

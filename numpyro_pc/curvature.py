@@ -106,6 +106,10 @@ class CurvatureStore(ABC):
         """``Σ_i w_i diag(Ĥ_i)``, ``(d,)``."""
         raise SiteStorageError(f"sites stored as {self.name!r} carry no curvature")
 
+    def weighted_matmat(self, weights, mat):
+        """``(Σ_i w_i Ĥ_i) V`` for a ``(d, p)`` matrix ``V`` (matrix-free where the store allows)."""
+        raise SiteStorageError(f"sites stored as {self.name!r} cannot give curvature products")
+
     @abstractmethod
     def dense(self):
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
@@ -126,21 +130,31 @@ class CurvatureStore(ABC):
     def trace_quad(self, cov, diff):
         """``(tr(Ĥ_i Σ), dᵢᵀ Ĥ_i dᵢ)`` per example, for a dense covariance ``Σ`` and rows ``diff``."""
 
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self)[0].dtype
+
     def low_rank_factors(self):
         """``(J, Λ)`` with ``Ĥ_i = J_iᵀ Λ_i J_i`` when the store keeps them, else ``None``."""
         return None
 
-    def mismatch(self, stale, cov, shared_jacobian):
-        """``½ tr((δH_i Σ)²)`` per example with ``δH_i = Ĥ_i − Ĥ_i^{stale}`` (aligned rows).
+    def mismatch(self, stale, cov_rows, shared_jacobian):
+        """``½ tr((δH_i Σ)²)`` per example with ``δH_i = Ĥ_i − Ĥ_i^{stale}`` (aligned rows);
+        ``cov_rows(M)`` is ``M Σ`` for an ``(m, d)`` matrix ``M`` (the family applies its covariance).
 
-        The generic form materialises ``(N, d, d)`` differences; kinds with a cheaper
+        The generic form materialises ``(N, d, d)`` differences and ``Σ``; kinds with a cheaper
         factorised form override it for a ``stale`` of their own kind.
         """
         if stale.detail == NONE:
-            return jnp.zeros(self.num_examples, cov.dtype)
+            return jnp.zeros(self.num_examples, self.dtype)
         dh = self.dense() - stale.dense()
+        cov = _dense_cov(cov_rows, dh.shape[-1], dh.dtype)
         m = jnp.einsum("nde,ef->ndf", dh, cov)
         return 0.5 * jnp.einsum("nde,ned->n", m, m)
+
+
+def _dense_cov(cov_rows, dim, dtype):
+    return cov_rows(jnp.eye(dim, dtype=dtype))
 
 
 def _register(cls):
@@ -180,6 +194,10 @@ class Factor(CurvatureStore):
     def weighted_diagonal(self, weights):
         return jnp.einsum("n,nkd,nkl,nld->d", weights, self.jac, self.lam, self.jac)
 
+    def weighted_matmat(self, weights, mat):
+        proj = jnp.einsum("nkd,dp->nkp", self.jac, mat)  # O(N k d p), no d × d
+        return jnp.einsum("nkd,nkp->dp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
+
     def dense(self):
         return jnp.einsum("nkd,nkl,nle->nde", self.jac, self.lam, self.jac)
 
@@ -198,11 +216,11 @@ class Factor(CurvatureStore):
         proj = jnp.einsum("nkd,nd->nk", self.jac, diff)
         return trace, jnp.einsum("nk,nkl,nl->n", proj, self.lam, proj)
 
-    def mismatch(self, stale, cov, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian):
         r"""``tr((C G)²)/2`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and ``G = U Σ Uᵀ``:
-        no ``d × d`` matrix per example (``shared_jacobian``: ``U = J``, ``C = Λ − Λ^{stale}``)."""
+        no ``d × d`` matrix (``shared_jacobian``: ``U = J``, ``C = Λ − Λ^{stale}``)."""
         if not isinstance(stale, Factor):
-            return super().mismatch(stale, cov, shared_jacobian)
+            return super().mismatch(stale, cov_rows, shared_jacobian)
         if shared_jacobian:
             stacked, signed = self.jac, self.lam - stale.lam
         else:
@@ -210,7 +228,7 @@ class Factor(CurvatureStore):
             zeros = jnp.zeros_like(self.lam)
             signed = jnp.concatenate([jnp.concatenate([self.lam, zeros], 2),
                                       jnp.concatenate([zeros, -stale.lam], 2)], 1)  # blockdiag(Λ, −Λ_stale)
-        projected = jnp.reshape(jnp.reshape(stacked, (-1, stacked.shape[-1])) @ cov, stacked.shape)
+        projected = jnp.reshape(cov_rows(jnp.reshape(stacked, (-1, stacked.shape[-1]))), stacked.shape)
         gram = jnp.sum(projected[:, :, None, :] * stacked[:, None, :, :], -1)  # U Σ Uᵀ per example
         cg = jnp.sum(signed[:, :, :, None] * gram[:, None, :, :], 2)
         return 0.5 * jnp.sum(cg * jnp.swapaxes(cg, 1, 2), (1, 2))
@@ -243,6 +261,9 @@ class Dense(CurvatureStore):
 
     def weighted_diagonal(self, weights):
         return weights @ jnp.diagonal(self.curvature, axis1=1, axis2=2)
+
+    def weighted_matmat(self, weights, mat):
+        return jnp.einsum("n,nde,ep->dp", weights, self.curvature, mat)
 
     def dense(self):
         return self.curvature
@@ -282,6 +303,9 @@ class Diagonal(CurvatureStore):
     def weighted_diagonal(self, weights):
         return weights @ self.curvature
 
+    def weighted_matmat(self, weights, mat):
+        return (weights @ self.curvature)[:, None] * mat
+
     def dense(self):
         return jax.vmap(jnp.diag)(self.curvature)
 
@@ -297,11 +321,12 @@ class Diagonal(CurvatureStore):
     def trace_quad(self, cov, diff):
         return self.curvature @ jnp.diag(cov), jnp.sum(self.curvature * diff**2, 1)
 
-    def mismatch(self, stale, cov, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian):
         """``δhᵀ (Σ∘Σ) δh / 2`` for diagonal differences."""
         if not isinstance(stale, Diagonal):
-            return super().mismatch(stale, cov, shared_jacobian)
+            return super().mismatch(stale, cov_rows, shared_jacobian)
         dh = self.curvature - stale.curvature
+        cov = _dense_cov(cov_rows, dh.shape[-1], dh.dtype)
         return 0.5 * jnp.sum((dh @ (cov * cov)) * dh, 1)
 
 
@@ -344,8 +369,8 @@ class NoCurvature(CurvatureStore):
         zero = jnp.zeros(self.rows.shape[0], diff.dtype)
         return zero, zero
 
-    def mismatch(self, stale, cov, shared_jacobian):
-        return jnp.zeros(self.rows.shape[0], cov.dtype)
+    def mismatch(self, stale, cov_rows, shared_jacobian):
+        return jnp.zeros(self.rows.shape[0], self.rows.dtype)
 
 
 STORES = {cls.name: cls for cls in (Factor, Dense, Diagonal, NoCurvature)}

@@ -118,10 +118,11 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
         distribution parameters are affine in ``z``), so ``U = J`` and ``C = Λ_f − Λ_s``:
         half the work.
     """
-    cov = family.dense_covariance(q)
+    operand = family.covariance_operand(q)
+    cov_rows = lambda mat: family.cov_times(q, operand, mat.T).T  # noqa: E731  (M Σ, Σ symmetric)
     dg = fresh.grad - stale.grad_at(q.mean)
-    grad_part = jnp.sum((dg @ cov) * dg, 1)
-    curv_part = fresh.curv.mismatch(stale.curv, cov, shared_jacobian)
+    grad_part = jnp.sum(cov_rows(dg) * dg, 1)
+    curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
 
 

@@ -21,8 +21,11 @@ parameters ``(Ĥ m_t − ĝ, Ĥ)``: ``exp(−ℓ̂)`` is an unnormalised Gaussia
 removing and scaling sites is arithmetic on these pairs (:func:`add_site`,
 :func:`remove_site`, :func:`scale_site`).
 
-New exponential families (Bernoulli, categorical, ...) subclass
-:class:`ExponentialFamily` and provide the same methods.
+A fourth, :class:`~numpyro_pc.lowrank.LowRankGaussian` (precision ``diag(D) + UUᵀ`` as a
+``(d, r + 1)`` array), lives in :mod:`numpyro_pc.lowrank` and is registered through
+:func:`register_family_factory` (names ``"lowrank-r"``). New exponential families
+(Bernoulli, categorical, ...) subclass :class:`ExponentialFamily` and provide the same methods
+(docs/architecture.md, "Adding a family").
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedModelError
+from .errors import InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError, UnsupportedModelError
 
 __all__ = [
     "Gaussian",
@@ -49,7 +52,9 @@ __all__ = [
     "IsotropicGaussian",
     "get_family",
     "register_family",
+    "register_family_factory",
     "registered_families",
+    "regularised_chol",
     "add_site",
     "remove_site",
     "scale_site",
@@ -188,6 +193,58 @@ class ExponentialFamily(ABC):
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True
 
+    #: the precision is linear in the site precisions (``S = Σ Ĥ_i`` in the family's format), so
+    #: dividing some sites out of a posterior (a cavity) is defined; ``False`` for a family whose
+    #: precision is a non-linear projection of the site sum (the low-rank family)
+    linear_precision = True
+    #: the fixed point is a stationary point of the variational objective, so the solver may judge a
+    #: step by the objective; ``False`` (a projected fixed point): by the dual-form residual alone
+    minimises_objective = True
+    #: host-side checks may materialise the dense ``(d, d)`` precision (the float32 representability check)
+    dense_checks = True
+
+    def check_dimension(self, dim):
+        """Raise :class:`~numpyro_pc.errors.InvalidOptionError` if the family cannot describe ``dim`` latents."""
+
+    def target_precision(self, store, weights, prior_curvature=None, base=None):
+        """``Σ_i w_i Ĥ_i`` (``+ Ĥ_0`` from the dense ``prior_curvature``, ``+ B`` a precision in
+        the family's format) in the family's format: the precision the fixed point asks for."""
+        curv = self.curvature_sum(store, weights)
+        if prior_curvature is not None:
+            curv = curv + self.project_curvature(prior_curvature)
+        if base is not None:
+            curv = curv + base
+        return curv
+
+    def precondition(self, pre, grad):
+        """``P⁻¹ grad`` for the mean preconditioner ``P`` of :meth:`fixed_point` (a dense
+        matrix here: Cholesky, with the smallest jitter in a geometric ladder that works)."""
+        chol, _ = regularised_chol(pre)
+        return cho_solve((chol, True), grad)
+
+    def blend(self, current, target, rho):
+        """The precision ``(1 − ρ) S + ρ T`` of a damped step, in the family's format."""
+        return (1.0 - rho) * current + rho * target
+
+    def arithmetic(self, base, naturals, alphas):
+        """Bayesian arithmetic ``λ_base + Σ_k α_k (λ_k − λ_base)`` of natural parameters (merging)."""
+        total = base
+        for a, lam in zip(alphas, naturals):
+            total = jax.tree.map(lambda acc, x, b: acc + a * (x - b), total, lam, base)
+        return total
+
+    def marginal_variance(self, q):
+        """The diagonal of the covariance ``Σ``, ``(d,)``."""
+        return jnp.diag(self.dense_covariance(q))
+
+    def trace_with_covariance(self, q, precision):
+        """``tr(B Σ_q)`` for a precision ``B`` in the family's format."""
+        return jnp.sum(self.dense_precision(Gaussian(q.mean, precision)) * self.dense_covariance(q))
+
+    def trace_dense_with_covariance(self, q, dense):
+        """``tr(H Σ_q)`` for a dense ``(d, d)`` matrix ``H``."""
+        return jnp.sum(dense * self.dense_covariance(q))
+
     def relative_eigenvalues(self, q, curvature):
         """Eigenvalues of ``Σ^{1/2} H Σ^{1/2}`` for a curvature ``H`` in this family's format
         (``H``'s share of the precision, direction by direction; all below 1 iff ``S − H ≻ 0``)."""
@@ -231,6 +288,11 @@ class ExponentialFamily(ABC):
     def precision_spectrum(self, precision):
         """``(symmetric, eigenvalues)`` of a host-side precision (``eigenvalues`` ``None``: nothing to check)."""
         return True, np.sort(np.asarray(precision))
+
+    def saved_precision_problem(self, precision):
+        """Host-side check of a precision read from a file: ``None`` if valid, else ``"asymmetric"``
+        or ``"indefinite"`` (here: every entry must be positive)."""
+        return None if np.all(np.asarray(precision, np.float64) > 0) else "indefinite"
 
     def check_positive_definite(self, precision, what="precision"):
         """Raise :class:`NotPositiveDefiniteError` unless the precision is positive definite."""
@@ -343,6 +405,17 @@ class FullGaussian(ExponentialFamily):
         w, v = jnp.linalg.eigh(precision + scale * (z + jnp.triu(z, 1).T))
         projected = (v * jnp.maximum(w, 0.0)) @ v.T
         return 0.5 * (projected + projected.T)
+
+    def saved_precision_problem(self, precision):
+        p = np.asarray(precision, np.float64)
+        tol = 10 * np.sqrt(np.finfo(precision.dtype).eps) * max(float(np.max(np.abs(p), initial=0.0)), 1e-300)
+        if p.size and np.max(np.abs(p - p.T)) > tol:
+            return "asymmetric"
+        try:
+            np.linalg.cholesky(p)
+            return None
+        except np.linalg.LinAlgError:
+            return "indefinite"
 
     def precision_spectrum(self, precision):
         precision = np.asarray(precision)
@@ -527,8 +600,41 @@ class IsotropicGaussian(ExponentialFamily):
         return True, None
 
 
+def regularised_chol(matrix):
+    """Cholesky of ``matrix + μI`` with the smallest ``μ`` in a geometric ladder that works: ``(chol, μ)``."""
+    chol = _chol_or_none(matrix)
+    if chol is not None:
+        return chol, 0.0
+    scale = float(jnp.mean(jnp.abs(jnp.diag(matrix)))) or 1.0
+    eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
+    for power in range(-10, 4):
+        jitter = scale * 10.0**power
+        chol = _chol_or_none(matrix + jitter * eye)
+        if chol is not None:
+            return chol, jitter
+    raise NonFiniteResultError("the expected Hessian could not be regularised to positive definiteness")
+
+
+def _chol_or_none(matrix):
+    chol = jnp.linalg.cholesky(matrix)
+    return chol if bool(jnp.all(jnp.isfinite(chol))) else None
+
+
 _FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic": IsotropicGaussian()}
 _ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
+_FACTORIES = {}
+
+
+def register_family_factory(prefix: str, build, parse) -> None:
+    """Make a parametrised family available as ``prefix`` with options and as ``"prefix-suffix"``.
+
+    ``get_family(prefix, **options)`` returns ``build(**options)`` and ``get_family("prefix-s")``
+    returns ``build(**parse("s"))``; the family built must be named ``"prefix-s"`` so that saved
+    files name it completely (``LowRankGaussian(rank=5)`` is ``"lowrank-5"``).
+    """
+    if prefix in _FAMILIES or prefix in _ALIASES:
+        raise InvalidOptionError(f"the family name {prefix!r} is taken")
+    _FACTORIES[prefix] = (build, parse)
 
 
 def register_family(family: ExponentialFamily, aliases: Iterable[str] = ()) -> ExponentialFamily:
@@ -556,11 +662,28 @@ def registered_families():
     return dict(_FAMILIES)
 
 
-def get_family(family: str | ExponentialFamily) -> ExponentialFamily:
-    """Return a family instance from a registered name (``"full"``, ``"diagonal"``, ``"isotropic"``, …) or instance."""
+def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
+    """Return a family instance from a registered name (``"full"``, ``"diagonal"``, ``"isotropic"``,
+    ``"lowrank-5"``, …) or instance; ``options`` parametrise a family registered with
+    :func:`register_family_factory` (``get_family("lowrank", rank=5)``).
+
+    :raises InvalidOptionError: an unknown name, or options for a family that takes none.
+    """
+    options = {k: v for k, v in options.items() if v is not None}
     if isinstance(family, ExponentialFamily):
+        if options:
+            raise InvalidOptionError(f"options {sorted(options)} apply to a family name, not to {family!r}")
         return family
     key = _ALIASES.get(family, family) if isinstance(family, str) else family
+    if isinstance(key, str):
+        head, sep, tail = key.partition("-")
+        if head in _FACTORIES and (sep or options or key not in _FAMILIES):
+            build, parse = _FACTORIES[head]
+            made = build(**{**(parse(tail) if sep else {}), **options})
+            return _FAMILIES.get(made.name) or register_family(made)
+        if options:
+            raise InvalidOptionError(f"the {key!r} family takes no options (got {sorted(options)})")
     if not isinstance(key, str) or key not in _FAMILIES:
-        raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES)} or an ExponentialFamily")
+        raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES) + sorted(_FACTORIES)} "
+                                 "or an ExponentialFamily")
     return _FAMILIES[key]

@@ -6,10 +6,17 @@ guide                                  family         default expectation
 ``AutoNormal``                         diagonal       ``gh`` if GLM else ``mc``
 ``AutoDiagonalNormal``                 diagonal       ``gh`` if GLM else ``mc``
 ``AutoMultivariateNormal``             full           ``gh`` if GLM else ``mc``
-``AutoLowRankMultivariateNormal``      full           ``gh`` if GLM else ``mc``
+``AutoLowRankMultivariateNormal``      lowrank-r      ``gh`` if GLM else ``mc``
 ``AutoLaplaceApproximation``           full           ``delta`` (its fixed point is the Laplace approximation)
 ``AutoDelta``                          isotropic      ``delta`` (ERM / MAP)
 =====================================  =============  =====================
+
+``AutoLowRankMultivariateNormal`` of rank ``r`` (NumPyro's default ``round(√d)``) maps to
+:class:`~numpyro_pc.lowrank.LowRankGaussian` of the same rank, both ways in ``O(d r²)``
+without a ``d × d`` array: its covariance ``diag(c) + WWᵀ`` is read as the precision
+``diag(1/c) − VVᵀ`` (Woodbury) projected onto ``diag(D) + UUᵀ``, and written back as the
+projection of the posterior's covariance onto ``diag(c) + WWᵀ``; both are exact when
+``r ≥ d − 1`` (see :mod:`numpyro_pc.lowrank`).
 
 The flat vector follows the guide's own latent order (model trace order), checked
 against the model binding.
@@ -34,6 +41,7 @@ from numpyro.infer.autoguide import (
 
 from .errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from .families import Gaussian, get_family
+from .lowrank import lowrank_from_covariance, project_operator
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]
@@ -53,6 +61,10 @@ class GuideAdapter(ABC):
 
     family = "full"
     expectation = "auto"
+
+    def family_for(self, guide, latent):
+        """The family instance this guide maps to (``latent``: the model's latent space, or ``None``)."""
+        return get_family(self.family)
 
     @abstractmethod
     def read(self, guide, params, latent, dtype):
@@ -75,27 +87,39 @@ class _MultivariateNormal(GuideAdapter):
         return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale_tril": jnp.linalg.cholesky(cov)}
 
 
+def _guide_rank(guide, dim):
+    """The guide's rank (NumPyro's default ``round(√d)``), at least 1 and at most ``d``."""
+    rank = guide.rank if guide.rank is not None else int(round(dim**0.5))
+    return max(1, min(int(rank), dim))
+
+
 class _LowRankMultivariateNormal(GuideAdapter):
+    family = "lowrank"
+
+    def family_for(self, guide, latent):
+        dim = latent.dim if latent is not None else guide.latent_dim
+        return get_family("lowrank", rank=_guide_rank(guide, dim))
+
     def read(self, guide, params, latent, dtype):
         cast = partial(jnp.asarray, dtype=dtype)
         d, prefix = latent.dim, guide.prefix
         loc = _param(params, f"{prefix}_loc", (d,), guide)
         factor = jnp.asarray(params.get(f"{prefix}_cov_factor", jnp.zeros((d, 0))))
         _param(params, f"{prefix}_cov_factor", (d, factor.shape[-1]), guide)
-        scale = _param(params, f"{prefix}_scale", (d,), guide)
-        cov = cast(factor) @ cast(factor).T + jnp.diag(cast(scale) ** 2)
-        return Gaussian(cast(loc), _inverse_spd(cov, "low-rank covariance"))
+        scale = cast(_param(params, f"{prefix}_scale", (d,), guide))
+        if not bool(jnp.all(jnp.isfinite(scale)) & jnp.all(scale != 0)):
+            raise NotPositiveDefiniteError("the low-rank covariance is not positive definite (a zero scale)")
+        rank = self.family_for(guide, latent).rank
+        return Gaussian(cast(loc), lowrank_from_covariance(scale**2, cast(factor), rank))
 
     def write(self, guide, family, q, latent, constrain_fn):
-        cov = family.dense_covariance(q)
-        rank = guide.rank if guide.rank is not None else int(round(latent.dim**0.5))
-        vals, vecs = jnp.linalg.eigh(cov)
-        vals, vecs = vals[::-1][:rank], vecs[:, ::-1][:, :rank]
-        factor = vecs * jnp.sqrt(jnp.maximum(vals, 0.0))
-        resid = jnp.diag(cov) - jnp.sum(factor**2, 1)
-        floor = 1e-6 * jnp.diag(cov)
-        return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_cov_factor": factor,
-                f"{guide.prefix}_scale": jnp.sqrt(jnp.maximum(resid, floor))}
+        d = latent.dim
+        operand = family.covariance_operand(q)
+        variance = family.marginal_variance(q)
+        proj = project_operator(lambda v: family.cov_times(q, operand, v), variance, _guide_rank(guide, d), d,
+                                q.mean.dtype)
+        return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_cov_factor": proj[:, 1:],
+                f"{guide.prefix}_scale": jnp.sqrt(jnp.maximum(proj[:, 0], 1e-6 * variance))}
 
 
 class _Laplace(GuideAdapter):
@@ -199,7 +223,7 @@ def guide_family(guide):
 
     :raises UnsupportedGuideError: for any other guide (AutoIAFNormal, AutoBNAFNormal, AutoDAIS, ...).
     """
-    return get_family(_adapter(guide).family)
+    return _adapter(guide).family_for(guide, None)
 
 
 def default_expectation(guide, spec):
@@ -210,7 +234,7 @@ def default_expectation(guide, spec):
 
 
 def _marginal_sd(family, q):
-    return jnp.sqrt(jnp.diag(family.dense_covariance(q)))
+    return jnp.sqrt(family.marginal_variance(q))
 
 
 def _ensure_setup(guide, args, kwargs):
@@ -256,7 +280,7 @@ def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
         raise GuideParamsError(f"params must be a dict of guide parameters, got {type(params).__name__}")
     _ensure_setup(guide, args, kwargs)
     _check_order(guide, latent)
-    family = get_family(adapter.family)
+    family = adapter.family_for(guide, latent)
     dtype = dtype or jnp.result_type(float)
     q = adapter.read(guide, params, latent, dtype)
     if not bool(jnp.all(jnp.isfinite(q.mean))):

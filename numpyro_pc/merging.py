@@ -157,10 +157,7 @@ def _loss_hessian(post, data, at, with_prior):
 
 
 def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian):
-    nats = [p.natural for p in posts]
-    ba = base_nat
-    for a, lam in zip(alphas, nats):
-        ba = jax.tree.map(lambda acc, x, b: acc + a * (x - b), ba, lam, base_nat)
+    ba = family.arithmetic(base_nat, [p.natural for p in posts], alphas)
     if method == "bayesian":
         return family.from_natural(ba)
     if method == "task_arithmetic":

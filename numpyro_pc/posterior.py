@@ -186,7 +186,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
         num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,
         chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
-        **kwargs) -> DualPosterior | EFPosterior:
+        rank: int | None = None, **kwargs) -> DualPosterior | EFPosterior:
     """Variational Bayes with the natural-gradient solver, starting from the prior.
 
     The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
@@ -195,12 +195,15 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     at nearby sizes (cross-validation folds, refits of growing data) reuse the compiled
     site computation; the posterior holds exactly one site per real example.
 
-    :param family: ``"full"``, ``"diagonal"`` or ``"isotropic"`` (the isotropic family with
-        the delta rule is MAP / ERM); or a dict ``{latent site: "beta" | "gamma" |
-        "dirichlet"}`` naming every latent site: a mean-field product of those families over
-        the constrained values, fitted by the BLR in natural parameters
-        (:func:`numpyro_pc.ef_posterior.fit_ef`, docs/expfam.md), returning an
-        :class:`~numpyro_pc.ef_posterior.EFPosterior`.
+    :param family: ``"full"``, ``"diagonal"``, ``"isotropic"`` (the isotropic family with
+        the delta rule is MAP / ERM) or ``"lowrank"`` with ``rank`` (precision
+        ``diag(D) + UUᵀ``, :class:`~numpyro_pc.lowrank.LowRankGaussian`); or a dict
+        ``{latent site: "beta" | "gamma" | "dirichlet"}`` naming every latent site: a
+        mean-field product of those families over the constrained values, fitted by the BLR
+        in natural parameters (:func:`numpyro_pc.ef_posterior.fit_ef`, docs/expfam.md),
+        returning an :class:`~numpyro_pc.ef_posterior.EFPosterior`.
+    :param int rank: the number of columns of ``U`` for ``family="lowrank"`` (``1 ≤ rank ≤ d``);
+        a family that takes no rank refuses one.
     :param expectation: default ``"auto"``: Gauss–Hermite over each example's dependence
         subspace where the model has one of at most three dimensions (GLMs, regressions with a
         learned scale, hierarchical examples), else Monte Carlo with its error estimated
@@ -212,12 +215,15 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     See :func:`dual_form` for the other options.
     """
     if isinstance(family, dict):
+        if rank is not None:
+            raise InvalidOptionError(f"rank={rank} is an option of family='lowrank'; a dict of per-site families takes none")
         return fit_ef(model, *args, family=family, expectation=expectation or "auto",
                       **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
                       tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
                       data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
-    fam = get_family(family)
+    fam = get_family(family, rank=rank)
+    fam.check_dimension(spec.latent.dim)
     dtype = _float_dtype()
     start = _start(spec, data, fam, init, dtype)
     if expectation is None:

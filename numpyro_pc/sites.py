@@ -102,7 +102,8 @@ class Sites:
 
     def curvature_sum(self, family):
         """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
-        return family.project_curvature(self.prior_curvature) + self.example_curvature_sum(family)
+        w = jnp.ones(self.num_examples, self.grad.dtype)
+        return family.target_precision(self.curv, w, self.prior_curvature)
 
     def example_curvature_sum(self, family, weights=None):
         """``Σ_{i=1..N} w_i Ĥ_i`` in the family's precision format (``w_i = 1`` by default)."""
@@ -242,6 +243,7 @@ class SiteConfig:
 def resolve_storage(storage, family, spec, rule, curvature):
     """The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model."""
     d, n = spec.latent.dim, spec.num_examples
+    family.check_dimension(d)
     factorisable = rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
     if isinstance(storage, str) and storage == "auto":
         if family.default_storage is not None:
@@ -269,7 +271,8 @@ def default_chunk_size(spec, storage, curvature, num_examples):
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
-    dense_transient = storage is Dense or not _uses_params(spec, storage, curvature)
+    # only the factorised store keeps J_i, Λ_i as they come; the others form J_iᵀ Λ_i J_i (d × d) per example
+    dense_transient = not storage.keeps_jacobian or not _uses_params(spec, storage, curvature)
     per_example = d * d if dense_transient else 4 * k * d
     largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
     chunks = int(math.ceil(num_examples / largest))
@@ -306,14 +309,13 @@ def _point_terms(spec, cfg, z, ex, shared):
 def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     """Stored per-example terms of a chunk and its masked, weighted dense-curvature sum."""
     rule = cfg.rule
-    d = spec.latent.dim
     *ex_chunk, example_weights = ex_chunk
     ex_chunk = tuple(ex_chunk)
     weights = mask.astype(q.mean.dtype) * example_weights
 
     def dense_sum(dense):
         if dense is None or not cfg.need_hessian_sum:
-            return jnp.zeros((d, d), q.mean.dtype)
+            return jnp.zeros((), q.mean.dtype)  # not asked for: no (d, d) carry
         return jnp.einsum("n,nde->de", weights, dense)
 
     if rule.kind == "gh" and rule.subspace_dim:
@@ -370,7 +372,7 @@ def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         total, _ = jax.lax.scan(body_reparam, init, (draws, eps))
         loss, grad, cross = jax.tree.map(lambda x: x / draws.shape[0], total)
-        return (loss, grad, None, cross), jnp.zeros((d, d), q.mean.dtype)  # cross → Ĥ in _compute
+        return (loss, grad, None, cross), dense_sum(None)  # cross → Ĥ in _compute
 
     samples = extra  # (S, d) fixed draws
     jac_at_mean = None
@@ -517,19 +519,23 @@ def _prior_terms(spec, rule, family, q, data, extra):
         return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
     if rule.prior_mode == "quadratic":
         loss, grad, hess = vgh(q.mean)
-        cov = family.dense_covariance(q)
-        return loss + 0.5 * jnp.sum(hess * cov), grad, hess
+        return loss + 0.5 * family.trace_dense_with_covariance(q, hess), grad, hess
     if rule.prior_mode == "qmc":
         chol = jnp.linalg.cholesky(family.dense_covariance(q))
         points = q.mean[None, :] + _sobol_normals(rule.num_prior_points, q.mean.shape[0], rule.seed, q.mean.dtype) @ chol.T
         vals = jax.lax.map(vgh, points, batch_size=32)
         return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
     nodes, node_w = extra[:2] if rule.subspace_dim == 0 else hermite_nodes(rule.num_nodes, q.mean.dtype)
-    std = jnp.sqrt(jnp.diag(family.dense_covariance(q)))
-    vals = jax.lax.map(lambda xi: vgh(q.mean + std * xi), nodes, batch_size=8)
+    std = jnp.sqrt(family.marginal_variance(q))
+
+    def vgd(z):  # separable prior: its Hessian is diagonal, so diag H = H·1 (one product, no d × d per node)
+        value, grad = jax.value_and_grad(f)(z)
+        return value, grad, jax.jvp(jax.grad(f), (z,), (jnp.ones_like(z),))[1]
+
+    vals = jax.lax.map(lambda xi: vgd(q.mean + std * xi), nodes, batch_size=8)
     loss = jnp.dot(node_w, vals[0])
     grad = node_w @ vals[1]
-    hess = jnp.diag(node_w @ jax.vmap(jnp.diag)(vals[2]))
+    hess = jnp.diag(node_w @ vals[2])
     return loss, grad, hess
 
 

@@ -88,8 +88,8 @@ def _base_terms(family, q, base):
     """
     b_mean = family.natural(Gaussian(q.mean, base.precision)).linear  # B m
     grad = b_mean - base.linear
-    dense_b = family.dense_precision(Gaussian(q.mean, base.precision))
-    loss = 0.5 * (q.mean @ b_mean + jnp.sum(dense_b * family.dense_covariance(q))) - base.linear @ q.mean
+    dense_b = family.dense_precision(Gaussian(q.mean, base.precision)) if family.needs_dense_sum else None
+    loss = 0.5 * (q.mean @ b_mean + family.trace_with_covariance(q, base.precision)) - base.linear @ q.mean
     return grad, base.precision, dense_b, loss
 
 
@@ -105,20 +105,23 @@ def _totals_jit(family, include_prior, q, sites, sums, base, weights):
         grads = grads * weights[:, None]
     grad = jnp.sum(grads, 0)
     norms = jnp.sum(jnp.linalg.norm(grads, axis=1))
-    curv = sites.example_curvature_sum(family, weights)
-    dense = None if sums is None else sums.hessian
+    w = jnp.ones(sites.num_examples, grad.dtype) if weights is None else weights
+    dense = None if sums is None or not family.needs_dense_sum else sums.hessian
     loss = None if sums is None else sums.loss
+    prior_curvature = b_curv = None
     if include_prior:
         p_grad = sites.prior_grad_at(q.mean)
         grad, norms = grad + p_grad, norms + jnp.linalg.norm(p_grad)
-        curv = curv + family.project_curvature(sites.prior_curvature)
+        prior_curvature = sites.prior_curvature
         dense = None if dense is None else dense + sites.prior_curvature
         loss = None if loss is None else loss + sites.prior_loss
     if base is not None:
         b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, base)
-        grad, norms, curv = grad + b_grad, norms + jnp.linalg.norm(b_grad), curv + b_curv
+        grad, norms = grad + b_grad, norms + jnp.linalg.norm(b_grad)
         dense = None if dense is None else dense + b_dense
         loss = None if loss is None else loss + b_loss
+    # the family forms the target from all its parts at once (a non-linear projection sees their sum)
+    curv = family.target_precision(sites.curv, w, prior_curvature, b_curv)
     return grad, norms, curv, dense, loss
 
 
@@ -174,26 +177,6 @@ def _objective_from_totals(problem, q, totals):
     return float(value)
 
 
-def _chol_or_none(matrix):
-    chol = jnp.linalg.cholesky(matrix)
-    return chol if bool(jnp.all(jnp.isfinite(chol))) else None
-
-
-def _regularised_chol(matrix):
-    """Cholesky of ``matrix + μI`` with the smallest ``μ`` in a geometric ladder that works."""
-    chol = _chol_or_none(matrix)
-    if chol is not None:
-        return chol, 0.0
-    scale = float(jnp.mean(jnp.abs(jnp.diag(matrix)))) or 1.0
-    eye = jnp.eye(matrix.shape[0], dtype=matrix.dtype)
-    for power in range(-10, 4):
-        jitter = scale * 10.0**power
-        chol = _chol_or_none(matrix + jitter * eye)
-        if chol is not None:
-            return chol, jitter
-    raise NonFiniteResultError("the expected Hessian could not be regularised to positive definiteness")
-
-
 def _check_finite(sites):
     if not (all_finite(sites.grad) and all_finite(sites.prior_grad)):
         raise NonFiniteResultError(
@@ -206,8 +189,7 @@ def _fixed_point_map(problem, point):
     """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
     grad, _, target, dense, _ = point.totals
     target, pre = problem.family.fixed_point(point.q, target, dense)
-    chol, _ = _regularised_chol(pre)
-    return -cho_solve((chol, True), grad), target
+    return -problem.family.precondition(pre, grad), target
 
 
 def _pack(q):
@@ -276,9 +258,9 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         slack = 1e-12 * (1.0 + abs(point.objective))
         # far from the fixed point only a lower objective counts: a falling residual ratio
         # there can come from running away (non-log-concave models)
-        local = candidate.residual < _LOCAL or permissive
-        if np.isfinite(candidate.residual) and ((local and candidate.residual < reference)
-                                                or candidate.objective <= point.objective + slack):
+        local = candidate.residual < _LOCAL or permissive or not family.minimises_objective
+        descent = family.minimises_objective and candidate.objective <= point.objective + slack
+        if np.isfinite(candidate.residual) and ((local and candidate.residual < reference) or descent):
             return candidate
         return None
 
@@ -308,7 +290,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
             for permissive in (False, True):  # a falling residual far away counts only as a last resort
                 rho = float(step_size)
                 while rho >= min_step and outcome is None:
-                    trial = _damped_trial(q, direction, target, point.totals[0], rho, target_pd)
+                    trial = _damped_trial(q, direction, target, point.totals[0], rho, target_pd, family)
                     outcome = attempt(trial, permissive)
                     if outcome is None:
                         rho *= 0.5
@@ -341,7 +323,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     return point.q, point.sites, history
 
 
-def _damped_trial(q, direction, target, grad, rho, target_pd):
+def _damped_trial(q, direction, target, grad, rho, target_pd, family=None):
     r"""The step of rate ``ρ`` towards the fixed-point map's ``(m + direction, target)``.
 
     While the target precision ``T = Σ_i Ĥ_i`` is positive definite this is the plain
@@ -357,7 +339,9 @@ def _damped_trial(q, direction, target, grad, rho, target_pd):
     which is positive definite for every ``ρ`` and has the same fixed points.
     """
     if target_pd:
-        return Gaussian(q.mean + rho * direction, (1.0 - rho) * q.precision + rho * target)
+        precision = (1.0 - rho) * q.precision + rho * target if family is None else family.blend(q.precision, target,
+                                                                                                    rho)
+        return Gaussian(q.mean + rho * direction, precision)
     gap = target - q.precision
     chol = jnp.linalg.cholesky(q.precision)
     precision = q.precision + rho * gap + 0.5 * rho**2 * (gap @ cho_solve((chol, True), gap))
@@ -375,7 +359,7 @@ def _check_representable(problem, point):
     result is refused — however small its residual.
     """
     family, q, sites = problem.family, point.q, point.sites
-    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE:
+    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE or not family.dense_checks:
         return
     w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731

@@ -146,7 +146,7 @@ def _newton(config, q, data, weights):
     grads = sites.grad * weights[:, None]
     grad = jnp.sum(grads, 0) + sites.prior_grad
     norms = jnp.sum(jnp.linalg.norm(grads, axis=1)) + jnp.linalg.norm(sites.prior_grad)
-    target = family.curvature_sum(sites.curv, weights) + family.project_curvature(sites.prior_curvature)
+    target = family.target_precision(sites.curv, weights, sites.prior_curvature)
     dense = sums.hessian + sites.prior_curvature
     precision, pre = family.fixed_point(q, target, dense)
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),

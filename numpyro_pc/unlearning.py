@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
+from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, remove_site
 from .dual import RowSelection
@@ -157,6 +157,13 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
     data_keep = np.flatnonzero(~np.isin(retained, ids))
     alpha, history = 1.0, ()
 
+    if method in ("remove_site", "corrected") and not family.linear_precision:
+        lacking = np.setdiff1d(np.asarray(post.sites.ids)[keep_rows], retained)
+        if method == "remove_site" or lacking.size:
+            raise UnsupportedModelError(
+                f"the {family.name} family's precision is a projection of the site sum, not the sum itself, so "
+                "dividing sites out of it is not defined; use method='corrected' with the data of every remaining "
+                "example kept (every site recomputed), or method='retrain'")
     if method == "remove_site":
         q, alpha = _remove(post, _removed_natural(post, site_rows), damping, "site removal")
         sites = RowSelection.of(post.raw_sites, keep_rows)
@@ -183,7 +190,12 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=1
         live = retained[data_keep]
         live_rows = positions(post.sites.ids, live)
         frozen_rows = np.setdiff1d(keep_rows, live_rows)
-        if method == "corrected":
+        if method == "corrected" and not frozen_rows.size:
+            # every remaining site is recomputed: by the dual form λ_t = offset + λ̂_0 + Σ_i λ̂_i the
+            # fixed factor is the offset alone (taken so, not as a difference of large sums; see
+            # correction._cavity)
+            base = post.offset
+        elif method == "corrected":
             natural = family.natural(post.state)
             natural = remove_site(natural, post.sites.take(np.concatenate([site_rows, live_rows])).natural_sum(family))
             base = remove_site(natural, post.sites.prior_natural(family))

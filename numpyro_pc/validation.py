@@ -24,7 +24,7 @@ import re
 import numpy as np
 
 from .curvature import STORES
-from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError
+from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
 
 __all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND", "check_manifest",
@@ -41,8 +41,14 @@ DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
                "float32", "float64")
 
 
-def _family_storage():
-    """``{family name: storages that hold what the family needs of the curvature}`` (registered families)."""
+def _family_storage(name=None):
+    """``{family name: storages that hold what the family needs of the curvature}`` (registered families;
+    a parametrised family's ``name``, e.g. ``"lowrank-5"``, is built and registered first)."""
+    if isinstance(name, str) and len(name) <= 64:
+        try:
+            get_family(name)
+        except InvalidOptionError:
+            pass  # reported as an unknown family below
     return {name: tuple(s for s, store in STORES.items() if store.detail >= family.curvature_detail)
             for name, family in registered_families().items()}
 
@@ -125,7 +131,7 @@ def check_manifest(manifest):
     unknown = sorted(set(manifest) - _FIELDS, key=str)
     if unknown:
         _fail(unknown[0], f"only the fields {sorted(_FIELDS)}", manifest[unknown[0]])
-    storages = _family_storage()
+    storages = _family_storage(manifest.get("family"))
     family = _choice(manifest, "family", tuple(storages))
     _choice(manifest, "dtype", FLOAT_DTYPES)
     _choice(manifest, "curvature", ("hessian", "ggn"))
@@ -264,18 +270,11 @@ def _check_ids(manifest, arrays, refs):
 
 
 def _check_precision(family, precision):
-    p = np.asarray(precision, np.float64)
-    if family == "full":
-        tol = 10 * np.sqrt(np.finfo(precision.dtype).eps) * max(float(np.max(np.abs(p), initial=0.0)), 1e-300)
-        if p.size and np.max(np.abs(p - p.T)) > tol:
-            _inconsistent("precision", "a symmetric matrix", "an asymmetric one")
-        try:
-            np.linalg.cholesky(p)
-            return
-        except np.linalg.LinAlgError:
-            pass
-    elif np.all(p > 0):
+    verdict = get_family(family).saved_precision_problem(np.asarray(precision))
+    if verdict is None:
         return
+    if verdict == "asymmetric":
+        _inconsistent("precision", "a symmetric matrix", "an asymmetric one")
     _inconsistent("precision", "a positive definite precision", "a matrix that is not (a Cholesky factor or "
                   "a variance fails)")
 

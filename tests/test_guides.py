@@ -64,7 +64,8 @@ def test_every_supported_guide_refines_to_the_reference(x64, logistic_data, guid
         jax.random.PRNGKey(0), 800, X, y, progress_bar=False)
     post = pc.dual_form(logistic_model, guide, res.params, X, y)
     assert post.residual < 1e-8
-    family = {AutoNormal: "diagonal", AutoDiagonalNormal: "diagonal", AutoDelta: "isotropic"}.get(guide_cls, "full")
+    family = {AutoNormal: "diagonal", AutoDiagonalNormal: "diagonal", AutoDelta: "isotropic",
+              AutoLowRankMultivariateNormal: "lowrank-2"}.get(guide_cls, "full")  # rank round(√5) = 2
     assert post.family.name == family
     rule = "delta" if guide_cls in (AutoLaplaceApproximation, AutoDelta) else "gh"
     assert post.rule.kind == rule
@@ -92,9 +93,9 @@ def test_params_round_trip_exactly(x64, logistic_data, guide_cls):
         np.testing.assert_allclose(value, res.params[key], rtol=1e-9, atol=1e-12)
 
 
-def test_low_rank_guide_maps_to_full_covariance(x64, logistic_data):
+def test_low_rank_guide_of_rank_d_minus_1_maps_exactly(x64, logistic_data):
     X, y = logistic_data
-    guide = AutoLowRankMultivariateNormal(logistic_model, rank=2)
+    guide = AutoLowRankMultivariateNormal(logistic_model, rank=4)  # d = 5
     res = SVI(logistic_model, guide, optax.adam(0.02), Trace_ELBO()).run(
         jax.random.PRNGKey(0), 50, X, y, progress_bar=False)
     spec, _ = bind_model(logistic_model, (X, y))

@@ -1,0 +1,435 @@
+r"""The low-rank-plus-diagonal Gaussian family (precision form).
+
+A member is ``q = N(m, S⁻¹)`` with
+
+.. math::
+
+    S = \operatorname{diag}(D) + U U^\top, \qquad D \in \mathbb{R}^d_{>0},\; U \in \mathbb{R}^{d\times r},
+
+stored as one ``(d, r + 1)`` array ``[D | U]`` (column 0 the diagonal, columns ``1..r`` the
+factor), so that files, messages and the solver's packing see one array as for the other
+families. Every operation costs ``O(d r²)`` and forms no ``d × d`` array: solves
+(Woodbury), ``log|S| = Σ log D_j + log|I + UᵀD⁻¹U|`` (matrix determinant lemma), the
+covariance ``Σ = diag(1/D) − W Wᵀ`` with ``W = D⁻¹ U L⁻ᵀ``, ``L Lᵀ = I + UᵀD⁻¹U``, and
+draws ``z = m + D^{-1/2}(I + ÛÛᵀ)^{-1/2} ε`` with ``Û = D^{-1/2}U`` (the symmetric square
+root through a thin SVD of ``Û``).
+
+**Why the precision form.** Sites add to the precision: the dual form is
+``S = Σ_{i≥0} Ĥ_i`` (paper Table 1). In precision form the target ``T = Ĥ_0 + Σ_i w_i Ĥ_i``
+(plus a fixed Gaussian factor when there is one) is a positive semi-definite operator whose
+products ``T V`` the curvature store gives matrix-free
+(:meth:`~numpyro_pc.curvature.CurvatureStore.weighted_matmat`); its projection onto the
+family needs only ``T V`` for ``r + 10`` vectors and ``diag T``. The covariance form of
+``AutoLowRankMultivariateNormal`` (``Σ = diag + WWᵀ``) would need the *smallest*
+eigen-directions of ``T`` (solves with ``T``) at every step. The two forms convert into one
+another in ``O(d r²)`` by Woodbury, which is how the guide adapter reads and writes that
+guide (:mod:`numpyro_pc.guides`); since the two sets differ (the inverse of ``diag + WWᵀ``
+is ``diag − VVᵀ``) the conversion is a projection, exact when ``r ≥ d − 1``.
+
+**The projection** ``Π_r(T)``, which defines the family's fixed point ``S = Π_r(T)``:
+
+* ``r < d − 1``: ``U Uᵀ`` is the best rank-``r`` part of the Nyström approximation
+  ``T_Ω = Y (Ωᵀ Y)⁻¹ Yᵀ``, ``Y = T Ω``, of ``T`` on a subspace ``Ω`` found by randomized
+  subspace iteration (fixed seed: ``Π_r`` is a deterministic function of ``T``), and
+  ``D = diag T − diag(U Uᵀ)``. Since ``U Uᵀ ⪯ T_Ω ⪯ T``, ``D ≥ diag(T − T_Ω) ≥ 0``:
+  the projection keeps the diagonal of ``T`` exactly (the marginal precisions of the
+  diagonal family; ``r = 0`` would be that family) and ``U Uᵀ`` holds the leading ``r``
+  eigenpairs of ``T`` as far as the subspace iteration resolves them. Cost ``O((r + 10)·cost(T V))``, no ``d × d`` array.
+* ``r ≥ d − 1``: every positive definite ``T`` is ``λ_min I + Σ_{j<d}(λ_j − λ_min) v_j v_jᵀ``,
+  so ``Π_r(T) = T`` exactly. This is computed from a dense eigendecomposition of ``T``,
+  which is only reached when the family's own array already holds ``d²`` numbers (small
+  ``d``, the regime of the "equals the full family" check).
+
+Because ``Π_r`` is not linear, the precision of a member is not a sum of site precisions:
+an operation that divides *some* sites out of a posterior (a partial correction, site
+removal) has no meaning in this family, and the family says so
+(:attr:`~numpyro_pc.families.ExponentialFamily.linear_precision` is ``False``; those
+operations raise :class:`~numpyro_pc.errors.UnsupportedModelError`). Operations that
+recompute every site — the exact update, corrected deletion with the data kept,
+retraining, merging followed by refinement — are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.linalg import solve_triangular
+
+from .errors import InvalidOptionError, UnsupportedModelError
+from .families import ExponentialFamily, Gaussian, GaussianNatural, register_family_factory
+
+__all__ = ["LowRankGaussian", "project_operator", "lowrank_from_covariance"]
+
+_LOG_2PI = math.log(2.0 * math.pi)
+_OVERSAMPLE = 10  # extra subspace vectors of the randomized projection
+_POWER = 3  # subspace iterations
+
+
+def _split(p):
+    return p[..., 0], p[..., 1:]
+
+
+def _join(diag, factor):
+    return jnp.concatenate([diag[..., None], factor], -1)
+
+
+def _apply(p, v):
+    """``S v`` for ``v`` of shape ``(d,)`` or ``(d, k)``."""
+    diag, factor = _split(p)
+    scale = diag if v.ndim == 1 else diag[:, None]
+    return scale * v + factor @ (factor.T @ v)
+
+
+def _inner_chol(p):
+    """``L`` with ``L Lᵀ = I + Uᵀ D⁻¹ U`` (``r × r``)."""
+    diag, factor = _split(p)
+    inner = jnp.eye(factor.shape[1], dtype=p.dtype) + (factor / diag[:, None]).T @ factor
+    return jnp.linalg.cholesky(inner)
+
+
+def _cov_factor(p):
+    """``W = D⁻¹ U L⁻ᵀ`` with ``Σ = diag(1/D) − W Wᵀ`` (``d × r``)."""
+    diag, factor = _split(p)
+    chol = _inner_chol(p)
+    return solve_triangular(chol, (factor / diag[:, None]).T, lower=True).T
+
+
+def _solve(p, b):
+    """``S⁻¹ b`` by Woodbury (``b`` of shape ``(d,)`` or ``(d, k)``)."""
+    diag, _ = _split(p)
+    w = _cov_factor(p)
+    scale = diag if b.ndim == 1 else diag[:, None]
+    return b / scale - w @ (w.T @ b)
+
+
+def _logdet(p):
+    diag, _ = _split(p)
+    return jnp.sum(jnp.log(diag)) + 2.0 * jnp.sum(jnp.log(jnp.diag(_inner_chol(p))))
+
+
+def _fix_signs(factor):
+    """Columns with their largest-magnitude entry positive (a deterministic sign per column)."""
+    if factor.shape[1] == 0:
+        return factor
+    pick = jnp.take_along_axis(factor, jnp.argmax(jnp.abs(factor), 0)[None, :], 0)
+    return factor * jnp.where(pick < 0, -1.0, 1.0).astype(factor.dtype)
+
+
+def _gram_fro2(a, b):
+    """``⟨A Aᵀ, B Bᵀ⟩_F = ‖Aᵀ B‖_F²``."""
+    return jnp.sum((a.T @ b) ** 2)
+
+
+def _fro_inner(p, q):
+    """``⟨S_p, S_q⟩_F`` for two members in ``O(d r²)``."""
+    dp, up = _split(p)
+    dq, uq = _split(q)
+    return (jnp.sum(dp * dq) + jnp.sum(dp * jnp.sum(uq**2, 1)) + jnp.sum(dq * jnp.sum(up**2, 1))
+            + _gram_fro2(up, uq))
+
+
+def _exact(dense, rank):
+    """``[λ_min 1 | V (λ − λ_min)^{1/2}]`` with ``r`` columns: equal to ``dense`` when ``r ≥ d − 1``."""
+    d = dense.shape[-1]
+    vals, vecs = jnp.linalg.eigh(0.5 * (dense + dense.T))
+    low = vals[0]
+    factor = vecs[:, ::-1][:, : d - 1] * jnp.sqrt(jnp.maximum(vals[::-1][: d - 1] - low, 0.0))
+    factor = jnp.pad(_fix_signs(factor), ((0, 0), (0, rank - (d - 1))))
+    return _join(jnp.full((d,), low, dense.dtype), factor)
+
+
+def project_operator(matmat, diag, rank, dim, dtype):
+    r"""Project a positive semi-definite operator ``T`` onto ``diag(D) + U Uᵀ`` with ``r`` columns.
+
+    :param matmat: ``V ↦ T V`` for ``V`` of shape ``(d, p)``.
+    :param diag: ``diag T``, shape ``(d,)``.
+    :param int rank: ``r``.
+    :param int dim: ``d``.
+    :return: the ``(d, r + 1)`` array ``[D | U]`` (see the module docstring for ``Π_r``).
+    """
+    if rank >= dim - 1:  # exact; the family's array holds d² numbers anyway
+        return _exact(matmat(jnp.eye(dim, dtype=dtype)), rank)
+    width = min(dim, rank + _OVERSAMPLE)
+    basis = jax.random.normal(jax.random.PRNGKey(0), (dim, width), dtype)
+    for _ in range(_POWER):
+        basis = jnp.linalg.qr(matmat(basis))[0]
+    image = matmat(basis)  # T Q
+    core = 0.5 * (basis.T @ image + image.T @ basis)  # Qᵀ T Q
+    eps = jnp.finfo(dtype).eps
+    shift = 10.0 * eps * jnp.maximum(jnp.trace(core), jnp.finfo(dtype).tiny)
+    chol = jnp.linalg.cholesky(core + shift * jnp.eye(width, dtype=dtype))
+    nystrom = solve_triangular(chol, image.T, lower=True).T  # T Q (QᵀTQ + νI)^{-1/2}: F Fᵀ ⪯ T
+    left, sing, _ = jnp.linalg.svd(nystrom, full_matrices=False)
+    factor = _fix_signs(left[:, :rank] * sing[:rank])
+    floor = 10.0 * eps * jnp.max(diag)
+    return _join(jnp.maximum(diag - jnp.sum(factor**2, 1), floor), factor)
+
+
+def _compress(diag, factor, rank):
+    """``[diag | top-r part of factor factorᵀ]`` with the dropped part folded into the diagonal (exact ``O(d m²)``)."""
+    q, r = jnp.linalg.qr(factor)
+    vals, vecs = jnp.linalg.eigh(r @ r.T)
+    vals, vecs = vals[::-1][:rank], vecs[:, ::-1][:, :rank]
+    top = _fix_signs((q @ vecs) * jnp.sqrt(jnp.maximum(vals, 0.0)))
+    total = diag + jnp.sum(factor**2, 1)
+    return _join(total - jnp.sum(top**2, 1), top)  # the dropped part is PSD: its diagonal is ≥ 0
+
+
+def lowrank_from_covariance(scale_diag, cov_factor, rank):
+    r"""``[D | U]`` of the precision ``(diag(c) + W Wᵀ)⁻¹`` projected with ``r`` columns, in ``O(d r²)``.
+
+    ``(diag(c) + WWᵀ)⁻¹ = diag(1/c) − V Vᵀ`` by Woodbury; that operator is handed to
+    :func:`project_operator` (exact when ``r ≥ d − 1``).
+    """
+    c, w = scale_diag, cov_factor
+    dim = c.shape[0]
+    inner = jnp.eye(w.shape[1], dtype=c.dtype) + (w / c[:, None]).T @ w
+    chol = jnp.linalg.cholesky(inner)
+    v = solve_triangular(chol, (w / c[:, None]).T, lower=True).T  # D⁻¹ W L⁻ᵀ
+    matmat = lambda m: m / c[:, None] - v @ (v.T @ m)  # noqa: E731
+    return project_operator(matmat, 1.0 / c - jnp.sum(v**2, 1), rank, dim, c.dtype)
+
+
+@dataclass(frozen=True, repr=False)
+class LowRankGaussian(ExponentialFamily):
+    r"""Gaussian with precision ``diag(D) + U Uᵀ``, ``U`` of ``rank`` columns (see the module docstring).
+
+    Obtain it as ``get_family("lowrank", rank=r)``, the name ``"lowrank-r"``, or
+    ``pc.fit(..., family="lowrank", rank=r)``.
+
+    :param int rank: number of columns ``r ≥ 1`` of ``U``.
+    """
+
+    rank: int = 1
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
+            raise InvalidOptionError(f"the lowrank family needs an integer rank >= 1, got {self.rank!r}")
+        object.__setattr__(self, "rank", int(self.rank))
+        object.__setattr__(self, "name", f"lowrank-{self.rank}")
+
+    def __hash__(self):
+        return hash((type(self), self.rank))
+
+    def __repr__(self):
+        return f"LowRankGaussian(rank={self.rank})"
+
+    curvature_detail = 2
+    needs_dense_sum = False
+    linear_precision = False
+    minimises_objective = False
+    dense_checks = False
+
+    # --- parameters and densities ---------------------------------------------------------
+    def natural(self, q):
+        return GaussianNatural(_apply(q.precision, q.mean), q.precision)
+
+    def from_natural(self, natural):
+        return Gaussian(_solve(natural.precision, natural.linear), natural.precision)
+
+    def expectation(self, q):
+        """``(m, m mᵀ + Σ)``: the second moment is a dense ``(d, d)`` matrix (not used by any operation)."""
+        return q.mean, jnp.outer(q.mean, q.mean) + self.dense_covariance(q)
+
+    def from_expectation(self, mu):
+        """The member from ``(m, E[z zᵀ])`` (dense input): the projection of ``(E[zzᵀ] − mmᵀ)⁻¹``."""
+        mean, second = mu
+        return Gaussian(mean, self.project_curvature(jnp.linalg.inv(second - jnp.outer(mean, mean))))
+
+    def log_prob(self, q, z):
+        diag, factor = _split(q.precision)
+        diff = z - q.mean
+        quad = jnp.sum(diag * diff**2, -1) + jnp.sum((diff @ factor) ** 2, -1)
+        return -0.5 * quad + 0.5 * _logdet(q.precision) - 0.5 * q.mean.shape[-1] * _LOG_2PI
+
+    def entropy(self, q):
+        return 0.5 * q.mean.shape[-1] * (1.0 + _LOG_2PI) - 0.5 * _logdet(q.precision)
+
+    def kl(self, q, p):
+        r"""``½[tr(S_p Σ_q) + Δᵀ S_p Δ − d + log|S_q| − log|S_p|]`` in ``O(d r²)``."""
+        dq, _ = _split(q.precision)
+        dp, up = _split(p.precision)
+        wq = _cov_factor(q.precision)
+        trace = (jnp.sum(dp / dq) - jnp.sum(dp * jnp.sum(wq**2, 1)) + jnp.sum(up**2 / dq[:, None])
+                 - jnp.sum((wq.T @ up) ** 2))
+        diff = p.mean - q.mean
+        maha = diff @ _apply(p.precision, diff)
+        return 0.5 * (trace + maha - q.mean.shape[-1] + _logdet(q.precision) - _logdet(p.precision))
+
+    def draws(self, q, noise):
+        diag, factor = _split(q.precision)
+        root = jnp.sqrt(diag)
+        basis, tri = jnp.linalg.qr(factor / root[:, None])
+        left, sing, _ = jnp.linalg.svd(tri)
+        vecs = basis @ left  # Û = vecs diag(sing) (...)ᵀ
+        shrink = 1.0 / jnp.sqrt(1.0 + sing**2) - 1.0
+        white = noise + ((noise @ vecs) * shrink) @ vecs.T  # (I + ÛÛᵀ)^{-1/2} ε, row-wise
+        return q.mean + white / root
+
+    def marginal_variance(self, q):
+        diag, _ = _split(q.precision)
+        return 1.0 / diag - jnp.sum(_cov_factor(q.precision) ** 2, 1)
+
+    # --- site algebra ------------------------------------------------------------------------
+    def site_natural(self, grad, curvature, ref_mean):
+        return GaussianNatural(_apply(curvature, ref_mean) - grad, curvature)
+
+    def dense_precision(self, q):
+        """``diag(D) + UUᵀ`` as a dense ``(d, d)`` matrix (for small ``d``: inspection and files of other families)."""
+        diag, factor = _split(q.precision)
+        return jnp.diag(diag) + factor @ factor.T
+
+    def dense_covariance(self, q):
+        """``Σ`` as a dense ``(d, d)`` matrix (for small ``d``)."""
+        diag, _ = _split(q.precision)
+        w = _cov_factor(q.precision)
+        return jnp.diag(1.0 / diag) - w @ w.T
+
+    def project_curvature(self, dense):
+        if dense.ndim > 2:
+            return jax.vmap(self.project_curvature)(dense)
+        dim = dense.shape[-1]
+        return project_operator(lambda v: dense @ v, jnp.diagonal(dense), self.rank, dim, dense.dtype)
+
+    def is_positive_definite(self, precision):
+        diag, _ = _split(precision)
+        return jnp.all(jnp.isfinite(precision)) & jnp.all(diag > 0)
+
+    def check_dimension(self, dim):
+        if self.rank > dim:
+            raise InvalidOptionError(f"the lowrank family's rank ({self.rank}) exceeds the latent dimension ({dim}); "
+                                     f"use rank <= {dim} (rank >= {dim - 1} already represents every precision)")
+
+    # --- what the solver, sites and operations ask ----------------------------------------
+    def curvature_sum(self, store, weights):
+        return self.target_precision(store, weights)
+
+    def target_precision(self, store, weights, prior_curvature=None, base=None):
+        r"""``Π_r(Σ w_i Ĥ_i + Ĥ_0 + B)`` from products with the store, the dense prior curvature and ``B``."""
+        diag = store.weighted_diagonal(weights)
+        dim = diag.shape[0]
+
+        def matmat(v):
+            out = store.weighted_matmat(weights, v)
+            if prior_curvature is not None:
+                out = out + prior_curvature @ v
+            if base is not None:
+                out = out + _apply(base, v)
+            return out
+
+        if prior_curvature is not None:
+            diag = diag + jnp.diagonal(prior_curvature)
+        if base is not None:
+            b_diag, b_factor = _split(base)
+            diag = diag + b_diag + jnp.sum(b_factor**2, 1)
+        return project_operator(matmat, diag, self.rank, dim, diag.dtype)
+
+    def site_curvatures(self, store):
+        """Per-example site precisions, each projected (materialises each ``Ĥ_i``: small ``d`` only)."""
+        return self.project_curvature(store.dense())
+
+    def precision_residual(self, precision, target):
+        norm2 = lambda p: _fro_inner(p, p)  # noqa: E731
+        diff2 = norm2(precision) + norm2(target) - 2.0 * _fro_inner(precision, target)
+        return jnp.sqrt(jnp.maximum(diff2, 0.0) / norm2(precision))
+
+    def fixed_point(self, q, target, dense):
+        return target, target
+
+    def precondition(self, pre, grad):
+        return _solve(pre, grad)
+
+    def blend(self, current, target, rho):
+        if rho == 1.0:
+            return target
+        dc, uc = _split(current)
+        dt, ut = _split(target)
+        stacked = jnp.concatenate([math.sqrt(1.0 - rho) * uc, math.sqrt(rho) * ut], 1)
+        return _compress((1.0 - rho) * dc + rho * dt, stacked, self.rank)
+
+    def arithmetic(self, base, naturals, alphas):
+        r"""``λ_base + Σ_k α_k (λ_k − λ_base)`` in the family.
+
+        The combination ``Σ_k c_k S_k = diag(Σ c_k D_k) + V diag(±1) Vᵀ`` (``V`` the stacked
+        ``√|c_k| U_k``) is formed exactly; its mean ``(Σ c_k S_k)⁻¹ Σ c_k S_k m_k`` is solved by
+        Woodbury with the signed core, and its precision is ``Π_r`` of the combination.
+        """
+        coefficients = [1.0 - sum(alphas)] + list(alphas)
+        terms = [(c, n) for c, n in zip(coefficients, [base] + list(naturals)) if c != 0.0]
+        linear = sum(c * n.linear for c, n in terms)
+        diag = sum(c * _split(n.precision)[0] for c, n in terms)
+        stacked = jnp.concatenate([math.sqrt(abs(c)) * _split(n.precision)[1] for c, n in terms], 1)
+        signs = jnp.concatenate([jnp.full(self.rank, 1.0 if c > 0 else -1.0, linear.dtype) for c, _ in terms])
+        scaled = stacked / diag[:, None]
+        core = jnp.diag(signs) + stacked.T @ scaled  # C⁻¹ + Vᵀ D⁻¹ V with C = diag(signs)
+        mean = linear / diag - scaled @ jnp.linalg.solve(core, scaled.T @ linear)
+        matmat = lambda v: diag[:, None] * v + stacked @ (signs[:, None] * (stacked.T @ v))  # noqa: E731
+        total_diag = diag + jnp.sum(signs * stacked**2, 1)
+        precision = project_operator(matmat, total_diag, self.rank, linear.shape[0], linear.dtype)
+        return GaussianNatural(_apply(precision, mean), precision)
+
+    def trace_with_covariance(self, q, precision):
+        r"""``tr(B Σ_q)`` for ``B`` in the family's format, ``O(d r²)``."""
+        db, ub = _split(precision)
+        dq, _ = _split(q.precision)
+        wq = _cov_factor(q.precision)
+        return (jnp.sum(db / dq) - jnp.sum(db * jnp.sum(wq**2, 1)) + jnp.sum(ub**2 / dq[:, None])
+                - jnp.sum((wq.T @ ub) ** 2))
+
+    def trace_dense_with_covariance(self, q, dense):
+        wq = _cov_factor(q.precision)
+        dq, _ = _split(q.precision)
+        return jnp.sum(jnp.diagonal(dense) / dq) - jnp.sum(wq * (dense @ wq))
+
+    def relative_eigenvalues(self, q, curvature):
+        raise UnsupportedModelError("the lowrank family's precision is not a sum of site precisions; "
+                                    "removing sites from it is not defined (use method='corrected' or 'retrain')")
+
+    def covariance_operand(self, q):
+        return _cov_factor(q.precision)
+
+    def quad_form_cov(self, q, cov, a):
+        diag, _ = _split(q.precision)
+        return jnp.sum(a**2 / diag) - jnp.sum((a @ cov) ** 2)
+
+    def cov_times(self, q, cov, mat):
+        diag, _ = _split(q.precision)
+        return mat / diag[:, None] - cov @ (cov.T @ mat)
+
+    def precision_shape(self, dim):
+        return (dim, self.rank + 1)
+
+    def noisy_precision(self, precision, key, scale):
+        """Noise of sd ``scale`` on ``D`` (kept ``≥ 0``) and on every entry of ``U`` (``UUᵀ`` stays PSD)."""
+        noise = scale * jax.random.normal(key, precision.shape, precision.dtype)
+        diag, factor = _split(precision + noise)
+        return _join(jnp.maximum(diag, 0.0), factor)
+
+    def saved_precision_problem(self, precision):
+        """``None`` when every ``D_j > 0`` and every entry is finite (then ``S`` is positive definite)."""
+        p = np.asarray(precision, np.float64)
+        return None if np.all(np.isfinite(p)) and np.all(p[:, 0] > 0) else "indefinite"
+
+    def precision_spectrum(self, precision):
+        """``(True, sorted D)``: ``λ_min(S) ≥ min D``, so positive ``D`` certifies a positive definite ``S``."""
+        return True, np.sort(np.asarray(precision)[:, 0])
+
+
+def _build(rank=None):
+    if rank is None:
+        raise InvalidOptionError("the lowrank family needs a rank: family='lowrank', rank=r (or the name 'lowrank-r')")
+    return LowRankGaussian(rank=rank)
+
+
+def _parse(suffix):
+    if not suffix.isdigit():
+        raise InvalidOptionError(f"a lowrank family's name is 'lowrank-r' with an integer r, got 'lowrank-{suffix}'")
+    return {"rank": int(suffix)}
+
+
+register_family_factory("lowrank", _build, _parse)
