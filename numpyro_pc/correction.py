@@ -38,11 +38,13 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):
         zero = remove_site(natural, natural)
         return zero if post.offset is None else add_site(zero, post.offset)
     cavity = natural
-    if not family.linear_precision:
+    if not family.linear_precision and (corrected_sum is not None or correct_prior):
+        # correction="none" (VCL) divides nothing out: the old posterior itself is the prior of the new
+        # batch, well defined in any family
         raise UnsupportedModelError(
             f"the {family.name} family's precision is a projection of the site sum, not the sum itself: a "
             "posterior with stale sites is not their product, and dividing some sites out is not defined; use "
-            "correction='exact' (every site recomputed)")
+            "correction='exact' (every site recomputed) or 'none' (the old posterior as the prior)")
     if corrected_sum is not None:
         cavity = remove_site(cavity, corrected_sum, weight)
     if correct_prior:

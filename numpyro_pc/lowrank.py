@@ -46,7 +46,8 @@ removal) has no meaning in this family, and the family says so
 (:attr:`~numpyro_pc.families.ExponentialFamily.linear_precision` is ``False``; those
 operations raise :class:`~numpyro_pc.errors.UnsupportedModelError`). Operations that
 recompute every site — the exact update, corrected deletion with the data kept,
-retraining, merging followed by refinement — are exact.
+retraining, merging followed by refinement — are exact; the uncorrected update
+(``correction="none"``) divides nothing out and is VCL: ``S_new = Π_r(S_old + Σ_new Ĥ_i)``.
 """
 
 from __future__ import annotations

@@ -162,7 +162,29 @@ def test_partial_corrections_are_refused_with_a_typed_error(x64, data, batch_fit
     with pytest.raises(UnsupportedModelError, match="projection"):
         batch_fit.update(X[:5], y[:5], correction="memory", memory=10)
     with pytest.raises(UnsupportedModelError, match="stale sites"):
-        batch_fit.update(X[:5], y[:5], correction="none")
+        batch_fit.update(X[:5], y[:5], correction="prior")
+
+
+def test_an_uncorrected_update_is_vcl_with_the_old_posterior_as_prior(x64, data):
+    # correction="none" divides nothing out, so it is defined for a projected family: the new
+    # posterior is Π_r(S_old + new sites) at its fixed point. At r = d − 1 the projection is the
+    # identity, so the stream must equal the full family's VCL stream to solver accuracy (1e-8);
+    # at r = 2 it must run and differ from the exact (batch) answer by more than rounding.
+    X, y = data
+    d = X.shape[1] + 1
+    first, second, third = np.array_split(np.arange(X.shape[0]), 3)
+    streams = {}
+    for name, options in (("full", dict(family="full")), ("low", dict(family="lowrank", rank=d - 1)),
+                          ("rank2", dict(family="lowrank", rank=2))):
+        post = pc.fit(logistic_model, X[first], y[first], tol=TOL, **options)
+        for rows in (second, third):
+            post = post.update(X[rows], y[rows], correction="none", tol=TOL)
+        streams[name] = post
+    full, low = streams["full"], streams["low"]
+    np.testing.assert_allclose(low.mean, full.mean, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(low.precision, full.precision, rtol=1e-8, atol=1e-10)
+    batch = pc.fit(logistic_model, X, y, family="lowrank", rank=2, tol=TOL)
+    assert 1e-8 < float(streams["rank2"].kl(batch)) < 1.0
 
 
 def test_merge_then_refine_equals_the_joint_fit(x64, data, batch_fit):
