@@ -57,29 +57,16 @@ jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import numpyro  # noqa: E402
-import numpyro.distributions as dist  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
+from bench_continual import model as logistic  # noqa: E402  (the same a7a model)
 from numpyro_pc.datasets import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
-PRIOR_PRECISION = 5.0
-
-
-def logistic(X, y=None):
-    """Logistic regression with intercept, prior precision 5 on every coefficient."""
-    scale = 1.0 / np.sqrt(PRIOR_PRECISION)
-    b = numpyro.sample("b", dist.Normal(0.0, scale))
-    w = numpyro.sample("w", dist.Normal(0.0, scale).expand([X.shape[1]]).to_event(1))
-    with numpyro.plate("data", X.shape[0]):
-        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
-
-
 def load(name, quick):
     """``(model, X, y, fit options)`` of a benchmark model."""
     if name == "a7a":
