@@ -7,6 +7,7 @@ import pytest
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
 import numpyro_pc as pc
+from numpyro_pc.diagnostics import count_compilations
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError
 from numpyro_pc.likelihood import bind_model
 from numpyro_pc.stream_state import (
@@ -68,15 +69,17 @@ def test_a_stream_compiles_once_and_refuses_what_does_not_fit(x64):
         from_posterior(post, 5)
     # inside a trace nothing can raise: the step reports the overflow and leaves the state unchanged
     step = jax.jit(stream_step, static_argnums=0)
-    full, _ = step(config, state, jax.tree.map(lambda x: x[0], batches), masks[0])
-    full, _ = step(config, full, jax.tree.map(lambda x: x[1], batches), masks[1])
-    after, info = step(config, full, jax.tree.map(lambda x: x[2], batches), masks[2])
+    parts = [(jax.tree.map(lambda x: x[k], batches), masks[k]) for k in range(3)]  # sliced before counting
+    full, _ = step(config, state, *parts[0])
+    with count_compilations() as compiled:
+        full, _ = step(config, full, *parts[1])
+        after, info = step(config, full, *parts[2])
+    assert compiled.count == 0  # every batch had the same shapes: the first call's program serves them all
     assert bool(info.overflow) and not bool(info.converged)
     np.testing.assert_array_equal(after.q.mean, full.q.mean)
     assert int(after.count) == 30
     with pytest.raises(ConvergenceError):
         to_posterior(config, after, post)
-    assert step._cache_size() == 1  # every batch had the same shapes: one compilation
 
 
 def test_a_stream_needs_every_site_with_its_data(x64):
@@ -101,8 +104,10 @@ def test_a_pure_deletion_equals_the_fit_without_the_rows(x64):
     oracle = pc.fit(linear_model, X[keep], y[keep], tol=1e-12)
     np.testing.assert_allclose(after.q.mean, oracle.mean, rtol=1e-10)
     np.testing.assert_allclose(after.q.precision, oracle.state.precision, rtol=1e-10)
-    again, _ = step(config, after, jnp.asarray([5, 6, 7, 8]), jnp.ones(4, bool))
-    assert step._cache_size() == 1
+    rows, valid = jnp.asarray([5, 6, 7, 8]), jnp.ones(4, bool)
+    with count_compilations() as compiled:
+        again, _ = step(config, after, rows, valid)
+    assert compiled.count == 0  # a deletion of another size, padded to the same length, reuses the program
     assert to_posterior(config, again, post).num_examples == 60 - 3 - 4
     outside, info = step(config, state, jnp.asarray([60, 1, 2, 3]), jnp.ones(4, bool))
     assert bool(info.overflow) and not bool(info.converged)
