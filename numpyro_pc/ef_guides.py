@@ -1,4 +1,4 @@
-"""Hand-written Beta/Gamma/Dirichlet guides ⇄ natural parameters of a product family.
+"""Hand-written exponential-family guides ⇄ natural parameters of a product family.
 
 A hand-written guide such as ::
 
@@ -8,9 +8,12 @@ A hand-written guide such as ::
         numpyro.sample("p", dist.Beta(a, b))
 
 is read by tracing it with its parameters substituted: every sample site must be a
-Beta, Gamma or Dirichlet distribution (the factor of the latent site of the same name,
-:func:`numpyro_pc.ef_families.factor_from_distribution`) whose arguments are
-``numpyro.param`` values themselves. Which param feeds which argument is found from the
+distribution of a registered factor (Beta, Gamma, Dirichlet, Normal/LogNormal,
+MultivariateNormal, Bernoulli, Categorical: the factor of the latent site of the same
+name, :func:`numpyro_pc.ef_product.factor_from_distribution`) whose arguments are
+``numpyro.param`` values themselves. An ``AutoGuideList`` of such guides and of
+``AutoNormal`` parts is read the same way (AutoNormal's sites are Normals on the
+unconstrained values, its ``*_auto_loc``/``*_auto_scale`` params feed them). Which param feeds which argument is found from the
 Jacobian of the arguments with respect to the params (the identity for exactly one
 param), so :func:`write_params` can map a posterior back to the guide's own names.
 """
@@ -23,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
-from numpyro.infer.autoguide import AutoGuide
+from numpyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from .ef_families import ProductFamily, factor_from_distribution
+from .ef_product import ProductFamily, factor_from_distribution, unwrap_distribution
 from .errors import GuideParamsError, UnsupportedGuideError
 
 __all__ = ["GuideMap", "is_hand_written", "read_guide", "write_params"]
@@ -45,8 +48,9 @@ class GuideMap(NamedTuple):
 
 
 def is_hand_written(guide):
-    """Whether ``guide`` is a plain callable (not a NumPyro autoguide): the Beta/Gamma/Dirichlet path."""
-    return callable(guide) and not isinstance(guide, AutoGuide)
+    """Whether ``guide`` is read as an exponential-family product: a plain callable (not a
+    NumPyro autoguide) or an ``AutoGuideList``."""
+    return callable(guide) and (not isinstance(guide, AutoGuide) or isinstance(guide, AutoGuideList))
 
 
 def _trace(guide, params, args, kwargs):
@@ -57,17 +61,14 @@ def _trace(guide, params, args, kwargs):
         return handlers.trace(fn).get_trace(*args, **kwargs)
 
 
-def _base(fn):
-    return getattr(fn, "base_dist", fn)
-
-
-def read_guide(guide, params, latent_names, args=(), kwargs=None):
+def read_guide(guide, params, latent_names, args=(), kwargs=None, supports=None):
     """Read the guide as ``(GuideMap, natural parameter)``.
 
     :param params: the guide's params (constrained values, e.g. ``svi.get_params``), or
         ``None`` for the guide's initial values.
-    :param latent_names: the model's latent sites in trace order.
-    :raises UnsupportedGuideError: a sample site outside Beta/Gamma/Dirichlet, or guide
+    :param latent_names: the model's latent sites in the posterior's order.
+    :param dict supports: the model's support of each latent site (``None``: real).
+    :raises UnsupportedGuideError: a sample site of no registered factor, or guide
         sites that differ from the model's latent sites.
     :raises GuideParamsError: a distribution argument that is not one ``numpyro.param``.
     """
@@ -76,16 +77,19 @@ def read_guide(guide, params, latent_names, args=(), kwargs=None):
         trace = _trace(guide, params, args, kwargs)
     except Exception as err:  # the user's guide failed: say with what
         raise GuideParamsError(f"the guide raised {type(err).__name__}: {err} when run with the given params") from err
-    samples = {n: s for n, s in trace.items() if s["type"] == "sample" and not s["is_observed"]}
+    samples = {n: s for n, s in trace.items()
+               if s["type"] == "sample" and not s["is_observed"] and not s["infer"].get("is_auxiliary")}
     if set(samples) != set(latent_names):
         raise UnsupportedGuideError(f"the guide's sample sites {sorted(samples)} differ from the model's latent sites "
                                     f"{sorted(latent_names)}; a mean-field guide needs one site per latent")
-    read = {n: factor_from_distribution(n, samples[n]["fn"]) for n in latent_names}
+    supports = supports or {}
+    read = {n: factor_from_distribution(n, samples[n]["fn"], supports.get(n)) for n in latent_names}
     values = {n: s["value"] for n, s in trace.items() if s["type"] == "param"}
 
     def args_of(pv):
         t = _trace(guide, pv, args, kwargs)
-        return {n: tuple(jnp.asarray(getattr(_base(t[n]["fn"]), a)) for a in read[n][2]) for n in latent_names}
+        return {n: tuple(jnp.asarray(getattr(unwrap_distribution(t[n]["fn"])[0], a)) for a in read[n][2])
+                for n in latent_names}
 
     jac = jax.jacobian(args_of)(values)
     names = []

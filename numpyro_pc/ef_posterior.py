@@ -1,6 +1,8 @@
-r"""Dual-form posteriors in Beta/Gamma/Dirichlet mean-field families.
+r"""Dual-form posteriors in mean-field exponential-family products.
 
-The posterior over the constrained latent values is a product family member
+The posterior is a product of one factor per latent site (Beta, Gamma, Dirichlet on the
+constrained value; Normal or full Gaussian blocks on the unconstrained value; Bernoulli or
+Categorical on a discrete latent; :mod:`numpyro_pc.ef_product`), a family member
 :math:`q(x) = \exp(\langle\lambda, T(x)\rangle - A(\lambda))` written as its sites
 (paper eq. ``qdualform``):
 
@@ -27,15 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ef_families import ProductFamily, make_factor
+from .ef_product import ProductFamily, make_factor
 from .ef_guides import read_guide, write_params
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
-                     UnknownExampleError, UnsupportedModelError)
+                     UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
 from .rowops import as_ids, join_rows, take_rows
 
-__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "default_tol"]
+__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "site_names", "default_tol"]
 
 
 class EFState(NamedTuple):
@@ -59,7 +61,7 @@ def _target(config, lam, data, prior_active, const):
 
 
 class EFPosterior:
-    """A Beta/Gamma/Dirichlet product posterior with one cached site per example.
+    """A mean-field exponential-family posterior with one cached site per example.
 
     :ivar config: :class:`~numpyro_pc.ef_sites.EFConfig` (model binding, family, rule).
     :ivar data: the retained examples (:class:`~numpyro_pc.likelihood.ModelData`).
@@ -111,15 +113,17 @@ class EFPosterior:
         return relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0))
 
     def mean(self):
-        """:math:`E_q[x]` per latent site (constrained values)."""
+        """:math:`E_q[x]` per latent site (constrained values; the category probabilities of a
+        categorical site)."""
         return self.family.mean(self.natural)
 
     def sample(self, key, num_samples):
-        """``num_samples`` draws per latent site."""
-        return self.family.sample(key, self.natural, num_samples)
+        """``num_samples`` draws per latent site (constrained values, as the model's sites hold them)."""
+        return self.family.to_constrained(self.family.sample(key, self.natural, num_samples))
 
     def distributions(self):
-        """Each latent site's factor as a NumPyro distribution."""
+        """Each latent site's factor as a NumPyro distribution of the site's constrained value
+        (a Gaussian factor on a constrained site is a ``TransformedDistribution``)."""
         return {f.site: f.distribution(p) for f, p in zip(self.family.factors, self.family.split(self.natural))}
 
     def entropy(self):
@@ -150,7 +154,8 @@ class EFPosterior:
         if correction not in ("exact", "none"):
             raise InvalidOptionError(f"correction for Beta/Gamma/Dirichlet posteriors is 'exact' or 'none'; "
                                      f"got {correction!r}")
-        spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate)
+        spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate,
+                               allow_discrete=True)
         if spec.latent != self.config.spec.latent or spec.observed != self.config.spec.observed:
             raise DataShapeError("the new batch binds the model to other latent or observed sites")
         start = int(np.max(np.asarray(self.ids))) + 1 if self.num_examples else 0
@@ -241,28 +246,44 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
                        max_site_nonlinearity=float(jnp.max(sites.residual))))
 
 
+def site_names(spec):
+    """The posterior's latent sites: the continuous ones in trace order, then the discrete ones."""
+    return tuple(spec.latent.names) + tuple(spec.latent.discrete_names)
+
+
+def _supports(spec, data):
+    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
+    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
+    return {n: trace[n]["fn"].support for n in site_names(spec)}
+
+
+def _shape(spec, name):
+    latent = spec.latent
+    if name in latent.names:
+        return latent.shapes[latent.names.index(name)]
+    return latent.discrete_shapes[latent.discrete_names.index(name)]
+
+
 def family_for_model(spec, data, family):
-    """The :class:`ProductFamily` of a ``{site: "beta" | "gamma" | "dirichlet"}`` dict, in trace order.
+    """The :class:`~numpyro_pc.ef_product.ProductFamily` of a ``{site: family name}`` dict
+    (names in :data:`~numpyro_pc.ef_product.EF_FAMILIES`), in the posterior's site order.
 
     :raises UnsupportedModelError: a latent site without a family, or unknown sites.
     """
-    names = spec.latent.names
+    names = site_names(spec)
     unknown = sorted(set(family) - set(names))
     missing = [n for n in names if n not in family]
     if unknown or missing:
-        raise UnsupportedModelError(
-            f"family= must name every latent site {list(names)} (missing {missing}, unknown {unknown}); a mix of "
-            "Beta/Gamma/Dirichlet sites with Gaussian blocks is not supported yet")
-    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
-    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
-    return ProductFamily(tuple(make_factor(family[n], n, spec.latent.shapes[k], trace[n]["fn"].support)
-                               for k, n in enumerate(names)))
+        raise UnsupportedModelError(f"family= must name every latent site {list(names)} (missing {missing}, "
+                                    f"unknown {unknown})")
+    supports = _supports(spec, data)
+    return ProductFamily(tuple(make_factor(family[n], n, _shape(spec, n), supports[n]) for n in names))
 
 
 def _build(spec, data, fam, lam, guide_map, options):
     opts = dict(options)
     cfg = EFConfig.make(spec, fam, opts.pop("expectation", "auto"), opts.pop("num_nodes", 32),
-                        opts.pop("num_samples", 2048), opts.pop("seed", 0))
+                        opts.pop("num_samples", None), opts.pop("seed", 0))
     tol, max_iters = opts.pop("tol", None), opts.pop("max_iters", 200)
     raise_on_failure, refine = opts.pop("raise_on_failure", True), opts.pop("refine", True)
     if opts:
@@ -283,30 +304,34 @@ def _build(spec, data, fam, lam, guide_map, options):
 
 
 def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
-    """Fit a Beta/Gamma/Dirichlet mean-field posterior by the BLR from the prior.
+    """Fit a mean-field exponential-family posterior by the BLR from the prior.
 
-    :param dict family: ``{latent site: "beta" | "gamma" | "dirichlet"}`` covering every site.
+    :param dict family: ``{latent site: name}`` covering every site, names from
+        :data:`~numpyro_pc.ef_product.EF_FAMILIES` (``"beta"``, ``"gamma"``, ``"dirichlet"``,
+        ``"normal"``/``"lognormal"``, ``"full"``, ``"bernoulli"``, ``"categorical"``).
     :param options: ``expectation`` (``"auto"``, ``"quadrature"``, ``"mc"``), ``num_nodes``,
         ``num_samples``, ``seed``, ``tol``, ``max_iters``, ``raise_on_failure``; the rest are
         the model's keyword arguments.
     """
     opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
-    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared)
+    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
     fam = family_for_model(spec, data, family)
     return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts)
 
 
 def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options):
-    """A fitted hand-written Beta/Gamma/Dirichlet guide as an :class:`EFPosterior`
-    (sites computed at the guide, then refined to the fixed point unless ``refine=False``)."""
+    """A fitted exponential-family guide (hand-written, or an ``AutoGuideList`` of such parts
+    and ``AutoNormal``) as an :class:`EFPosterior` (sites computed at the guide, then refined
+    to the fixed point unless ``refine=False``)."""
     opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
-    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared)
-    gmap, lam = read_guide(guide, params, spec.latent.names, args, options)
-    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
-    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
+    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
+    supports = _supports(spec, data)
+    gmap, lam = read_guide(guide, params, site_names(spec), args, options, supports)
     for f in gmap.family.factors:  # the guide's factors must fit the model's supports and shapes
-        make_factor(f.family_name, f.site, spec.latent.shapes[spec.latent.names.index(f.site)],
-                    trace[f.site]["fn"].support)
+        expected = make_factor(f.family_name, f.site, _shape(spec, f.site), supports[f.site])
+        if expected.size != f.size:
+            raise UnsupportedGuideError(f"guide site {f.site!r} has {f.size} natural parameters but the model's site "
+                                        f"needs {expected.size} (shape {_shape(spec, f.site)})")
     return _build(spec, data, gmap.family, lam, gmap, opts)
 
 

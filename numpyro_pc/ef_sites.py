@@ -18,22 +18,27 @@ linear regression"): :math:`g_i = \hat F^{-1} \widehat{\mathrm{Cov}}(T, \ell_i)`
 moments taken under the same discrete measure. When :math:`\ell_i` is linear in
 :math:`T` — every conjugate pair — the regression is exact whatever the points, so the
 conjugate sites are exact to rounding; otherwise it converges to the true natural
-gradient as the rule is refined. The points are
+gradient as the rule is refined. The points (:meth:`numpyro_pc.ef_product.ProductFamily.design`)
+are
 
-* ``"quadrature"``: the tensor product of the factors' Gauss rules (Gauss–Jacobi for Beta,
-  generalised Gauss–Laguerre for Gamma; :func:`numpyro_pc.ef_families.beta_rule`, :func:`~numpyro_pc.ef_families.gamma_rule`), deterministic;
-  available when every latent site is a scalar Beta or Gamma;
-* ``"mc"``: ``num_samples`` draws of :math:`q` with a fixed seed (Dirichlet and vector
-  sites), so the fixed point is deterministic.
+* ``"quadrature"``: the tensor product of the factors' rules (Gauss–Jacobi for Beta,
+  generalised Gauss–Laguerre for Gamma, Gauss–Hermite for Normal, enumeration for discrete
+  sites; :mod:`numpyro_pc.ef_rules`), deterministic; available when every latent site is a
+  scalar continuous or a discrete site;
+* ``"mixed"``: that grid for the sites that have a rule times ``num_samples`` fixed draws
+  shared by the others (vector sites; moment-matched for Gaussian factors);
+* ``"mc"``: ``num_samples`` draws of every factor with a fixed seed, so the fixed point is
+  deterministic.
 
 The regression residual says how far :math:`\ell_i` is from linear in :math:`T` over the
 points; a prior with (relative) residual below ``1e-9`` (float64) is conjugate-form and its
 site is kept as the constant :math:`\lambda_0`.
 
 Losses are evaluated with the model binding of :mod:`numpyro_pc.likelihood` at the
-unconstrained image of each point; the prior term drops the Jacobian
-(:math:`\ell_0^{x}(x) = \ell_0(z) + \log|\det J_T(z)|`), since these families live on the
-constrained values.
+unconstrained image of each point (discrete values substituted as they are); for the
+factors that live on constrained values the prior term drops the Jacobian
+(:math:`\ell_0^{x}(x) = \ell_0(z) + \log|\det J_T(z)|`), Gaussian factors keep it (they
+are densities of the unconstrained value).
 
 **The fixed point.** The BLR (paper §2; Khan & Rue, 2023) with step :math:`\rho` iterates
 
@@ -52,7 +57,8 @@ term. At the fixed point :math:`\lambda = \tau(\lambda)`, which is the dual form
 The plain iteration converges linearly; Anderson mixing over the last few iterates
 (:func:`blr_solve`, ``memory``) accelerates it. Safeguards: the step is halved until
 every shape parameter of the new iterate is positive (the domain is convex, so this terminates when :math:`\lambda` is inside); the
-step is halved for the following iterations when the residual grows; the residual
+step is halved for the following iterations when the residual exceeds the largest of the
+last three; the residual
 :math:`\|\lambda - \tau(\lambda)\| / (1 + \|\tau(\lambda)\|)` must be finite to count as
 converged. Conjugate models converge in one full step (:math:`\tau` is constant).
 """
@@ -67,11 +73,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ef_families import ProductFamily
+from .ef_product import ProductFamily
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, OutOfDomainError
 from .likelihood import ModelSpec, example_loss, prior_loss
 
-__all__ = ["EFConfig", "EFSites", "design", "point_losses", "regress", "compute_sites", "conjugate_rtol",
+__all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "conjugate_rtol",
            "SolveInfo", "blr_solve", "relative_residual"]
 
 
@@ -86,7 +92,7 @@ class EFConfig:
 
     :ivar spec: the :class:`~numpyro_pc.likelihood.ModelSpec`.
     :ivar family: the :class:`~numpyro_pc.ef_families.ProductFamily` (trace order).
-    :ivar rule: ``"quadrature"`` or ``"mc"``.
+    :ivar rule: ``"quadrature"``, ``"mixed"`` or ``"mc"``.
     :ivar num_nodes: Gauss nodes per site (``"quadrature"``).
     :ivar num_samples: draws (``"mc"``).
     :ivar seed: seed of the fixed draws.
@@ -100,25 +106,48 @@ class EFConfig:
     seed: int = 0
 
     @classmethod
-    def make(cls, spec, family, expectation="auto", num_nodes=32, num_samples=2048, seed=0, max_points=4096):
-        """Choose the rule: ``"auto"`` is quadrature when every site has a Gauss rule and the
-        tensor grid has at most ``max_points`` points (nodes per site reduced to fit), else MC."""
+    def make(cls, spec, family, expectation="auto", num_nodes=32, num_samples=None, seed=0, max_points=4096,
+             max_mixed_points=8192):
+        """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
+        grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
+        to 4); else the mixed design when the grid times the draws fits in
+        ``max_mixed_points``; else Monte Carlo. ``num_samples`` defaults to 2048 draws for
+        Monte Carlo and 256 for the mixed design (its draws stand for vector sites only;
+        Gaussian blocks are exact for quadratic losses with any number of moment-matched draws).
+
+        :raises InvalidOptionError: an unknown ``expectation``; ``"quadrature"`` for a family
+            without a rule for every site; fewer draws than four per natural parameter integrated
+            by draws (a Gaussian block's regression needs them).
+        """
         if expectation not in ("auto", "quadrature", "mc"):
-            raise InvalidOptionError(f"expectation for Beta/Gamma/Dirichlet guides must be 'auto', 'quadrature' or "
+            raise InvalidOptionError(f"expectation for exponential-family products must be 'auto', 'quadrature' or "
                                      f"'mc'; got {expectation!r}")
-        k = len(family.factors)
-        fits = family.has_rule()
-        if expectation == "quadrature" and not fits:
-            raise InvalidOptionError("quadrature needs every latent site to be a scalar Beta or Gamma; use 'mc'")
-        if expectation != "mc" and fits:
+        if expectation == "quadrature" and not family.has_rule():
+            raise InvalidOptionError("quadrature needs every latent site to be a scalar continuous site or a discrete "
+                                     "site; use 'mc'")
+        choice = None
+        if expectation != "mc" and any(f.has_rule for f in family.factors):
+            mixed = not family.has_rule()
+            num_samples = int(num_samples if num_samples is not None else 256 if mixed else 2048)
+            draws = num_samples if mixed else 1
+            cap = max_points if draws == 1 else max_mixed_points
             nodes = int(num_nodes)
-            while nodes ** k > max_points and nodes > 4:
+            while family.grid_size(nodes) * draws > cap and nodes > 4:
                 nodes -= 1
-            if nodes ** k <= max_points:
-                return cls(spec, family, "quadrature", nodes, num_samples, seed)
-            if expectation == "quadrature":
-                raise InvalidOptionError(f"a tensor Gauss rule over {k} sites exceeds {max_points} points; use 'mc'")
-        return cls(spec, family, "mc", num_nodes, int(num_samples), int(seed))
+            if family.grid_size(nodes) * draws <= cap:
+                choice = cls(spec, family, "quadrature" if draws == 1 else "mixed", nodes, num_samples, int(seed))
+            elif expectation == "quadrature":
+                raise InvalidOptionError(f"a tensor Gauss rule over {len(family.factors)} sites exceeds {cap} points; "
+                                         "use 'mc'")
+        if choice is None:
+            num_samples = int(num_samples if num_samples is not None else 2048)
+            choice = cls(spec, family, "mc", int(num_nodes), num_samples, int(seed))
+        needed = family.drawn_size(choice.rule != "mc")
+        num_samples = choice.num_samples
+        if needed and num_samples < 4 * needed:
+            raise InvalidOptionError(f"{needed} natural parameters are integrated by draws; num_samples={num_samples} "
+                                     f"must be at least {4 * needed} for their regression (pass num_samples=)")
+        return choice
 
 
 class EFSites(NamedTuple):
@@ -132,35 +161,80 @@ class EFSites(NamedTuple):
 
 
 def design(config, lam):
-    """Points standing for ``q``: ``(values dict (S, ...), weights (S,))``."""
-    fam = config.family
-    if config.rule == "quadrature":
-        return fam.tensor_rule(lam, config.num_nodes)
-    values = fam.sample(jax.random.PRNGKey(config.seed), lam, config.num_samples)
-    return values, jnp.full((config.num_samples,), 1.0 / config.num_samples, lam.dtype)
+    """Points standing for ``q``: ``(values dict (S, ...), weights (S,))`` in the factors' coordinates."""
+    return config.family.design(lam, config.num_nodes, config.num_samples, config.seed,
+                                use_rules=config.rule != "mc")
 
 
-def _unconstrain(spec, values):
-    latent = spec.latent
+def model_point(spec, family, point):
+    """The model binding's arguments at one design point: ``(z, discrete values, log-det)``,
+    where the log-det is that of the factors living on constrained values (added back to the
+    prior term)."""
     parts, log_det = [], 0.0
-    for name, transform in zip(latent.names, latent.transforms):
-        x = values[name]
-        u = transform.inv(x)
+    for name, transform, ushape in zip(spec.latent.names, spec.latent.transforms, spec.latent.unconstrained_shapes):
+        factor, x = family.factor(name), point[name]
+        if factor.space == "unconstrained":
+            u = jnp.reshape(x, ushape)
+        else:
+            u = transform.inv(x)
+            log_det = log_det + jnp.sum(transform.log_abs_det_jacobian(u, x))
         parts.append(jnp.reshape(u, (-1,)))
-        log_det = log_det + jnp.sum(transform.log_abs_det_jacobian(u, x))
-    return jnp.concatenate(parts), log_det
+    z = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.result_type(float))
+    return z, {name: point[name] for name in spec.latent.discrete_names}, log_det
 
 
-def point_losses(spec, values, data):
+def _losses_at(spec, family, point, data):
+    """``(ℓ_1, …, ℓ_N, -log p_0)`` at one design point ``(N+1,)``."""
+    z, discrete, log_det = model_point(spec, family, point)
+    per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared, discrete))(data.per_example)
+    return jnp.concatenate([per, (prior_loss(spec, z, data, discrete) + log_det)[None]])
+
+
+def point_losses(spec, family, values, data):
     """``(ℓ_i(x_s))`` ``(N, S)`` and the prior term ``-log p_0(x_s)`` ``(S,)`` at the points."""
+    out = jax.vmap(lambda point: _losses_at(spec, family, point, data))(values)
+    return out[:, :-1].T, out[:, -1]
+
+
+def gaussian_moments(spec, family, values, weights, data):
+    r"""For each Gaussian factor, :math:`E[\nabla_u \ell_i]` ``(N+1, d)`` and
+    :math:`E[\nabla^2_u \ell_i]` ``(N+1, d, d)`` over the points (row ``N``: the prior term),
+    derivatives with respect to the factor's own unconstrained coordinates.
+
+    Memory grows as points × examples × d², so Gaussian factors are meant for blocks of
+    modest size (regression weights, a handful of scales); the Gaussian posteriors of
+    :mod:`numpyro_pc.posterior` are the path for large ``d``.
+    """
+    gaussian = [f for f in family.factors if f.space == "unconstrained"]
 
     def at(point):
-        z, log_det = _unconstrain(spec, point)
-        per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
-        return per, prior_loss(spec, z, data) + log_det
+        def place(blocks):
+            return model_point(spec, family, {**point, **{f.site: b for f, b in zip(gaussian, blocks)}})
 
-    per, prior = jax.vmap(at)(values)
-    return per.T, prior
+        def example(ex, blocks):
+            z, discrete, _ = place(blocks)
+            return example_loss(spec, z, ex, data.shared, discrete)
+
+        def prior(blocks):
+            z, discrete, log_det = place(blocks)
+            return prior_loss(spec, z, data, discrete) + log_det
+
+        blocks = [jnp.reshape(point[f.site], f.shape) for f in gaussian]
+        # one scalar loss at a time: d forward-over-reverse passes each, not (N+1) reverse passes
+        per_grad, per_hess = jax.vmap(lambda ex: (jax.grad(example, 1)(ex, blocks),
+                                                  jax.hessian(example, 1)(ex, blocks)))(data.per_example)
+        pri_grad, pri_hess = jax.grad(prior)(blocks), jax.hessian(prior)(blocks)
+        out = []
+        for k, f in enumerate(gaussian):
+            grad = jnp.concatenate([jnp.reshape(per_grad[k], (-1, f.dim)), jnp.reshape(pri_grad[k], (1, f.dim))])
+            hess = jnp.concatenate([jnp.reshape(per_hess[k][k], (-1, f.dim, f.dim)),
+                                    jnp.reshape(pri_hess[k][k], (1, f.dim, f.dim))])
+            out.append((grad, hess))
+        return out
+
+    moments = jax.vmap(at)(values)
+    return {f.site: (jnp.einsum("s,snd->nd", weights, g), jnp.einsum("s,snde->nde", weights, h))
+            for f, (g, h) in zip(gaussian, moments)}
 
 
 def regress(stats, weights, targets):
@@ -192,12 +266,42 @@ def regress(stats, weights, targets):
 
 @partial(jax.jit, static_argnums=0)
 def compute_sites(config, lam, data):
-    """:class:`EFSites` of every example and of the prior term at ``lam``."""
+    r""":class:`EFSites` of every example and of the prior term at ``lam``.
+
+    Factors on constrained values and discrete factors: the regression of the losses on their
+    statistics. Gaussian factors: Bonnet's and Price's theorems,
+    :math:`g = (E[\nabla\ell] - E[\nabla^2\ell]\,m,\ \tfrac12 E[\nabla^2\ell])` in the factor's
+    natural coordinates (:meth:`numpyro_pc.ef_gaussian.NormalFactor.site_from_moments`), exact
+    for a loss quadratic in the block whatever the points as long as they reproduce the mean —
+    which a regression on the block's own statistics is not when the loss couples its elements.
+    The prior term counts as conjugate-form when it is linear in *all* statistics (one more
+    regression on the full design, for its residual only).
+    """
+    family = config.family
     values, weights = design(config, lam)
-    stats = config.family.stats(values)
-    per, prior = point_losses(config.spec, values, data)
-    coef, resid = regress(stats, weights, jnp.concatenate([per, prior[None]], 0))
-    return EFSites(coef[:-1], coef[-1], resid[:-1], resid[-1])
+    per, prior = point_losses(config.spec, family, values, data)
+    targets = jnp.concatenate([per, prior[None]], 0)
+    regressed = [f for f in family.factors if f.space != "unconstrained"]
+    num = targets.shape[0]
+    blocks, resid = {}, jnp.zeros((num,), lam.dtype)
+    if regressed:
+        stats = jnp.concatenate([f.stats(values[f.site]) for f in regressed], -1)
+        coef, resid = regress(stats, weights, targets)
+        pos = 0
+        for f in regressed:
+            blocks[f.site] = coef[:, pos:pos + f.size]
+            pos += f.size
+    prior_resid = resid[-1]
+    if len(regressed) < len(family.factors):
+        moments = gaussian_moments(config.spec, family, values, weights, data)
+        parts = family.split(lam)
+        for f, part in zip(family.factors, parts):
+            if f.space == "unconstrained":
+                blocks[f.site] = f.site_from_moments(part, *moments[f.site])
+        _, full_resid = regress(family.stats(values), weights, prior[None])
+        prior_resid = full_resid[0]
+    grads = jnp.concatenate([blocks[f.site] for f in family.factors], -1)
+    return EFSites(grads[:-1], grads[-1], resid[:-1], prior_resid)
 
 
 # --------------------------------------------------------------------------- the BLR fixed point
@@ -223,8 +327,11 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
     ``memory`` iterates (type II; Walker & Ni, 2011): with :math:`f_k = \tau(\lambda_k) - \lambda_k`
     and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate is
     :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`. It is used only when it
-    lies inside the domain; otherwise, and whenever the residual grows (the history is then
-    cleared), the safeguarded plain step is taken. A conjugate model still converges in one
+    lies inside the domain; otherwise, and whenever the residual exceeds the largest of the
+    last three (the history is then cleared and the step halved), the safeguarded plain
+    step is taken. The test is non-monotone because simultaneous updates of the factors of
+    a product oscillate on their way to the fixed point (a residual that alternates between
+    two decreasing sequences, as coordinate-ascent VB updated in parallel does). A conjugate model still converges in one
     step (there is no history at the first step).
 
     :param target_fn: ``λ -> (τ(λ), aux)``: the fixed-point target and what was computed
@@ -240,7 +347,7 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
     if not bool(in_domain(lam)):
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
                                f"parameter: {np.asarray(lam).tolist()}")
-    previous = np.inf
+    recent = []  # the last few residuals: a non-monotone test, since block (Jacobi-type) updates oscillate
     step = float(rho)
     lams, fs = [], []
     for it in range(max_iters + 1):
@@ -253,10 +360,10 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
             return lam, aux, SolveInfo(it, res, True, step)
         if it == max_iters:
             break
-        if res > previous:
+        if recent and res > max(recent):
             step = max(step * 0.5, 1e-3)
             lams, fs = [], []
-        previous = res
+        recent = (recent + [res])[-3:]
         lams.append(lam)
         fs.append(target - lam)
         lams, fs = lams[-(memory + 1):], fs[-(memory + 1):]

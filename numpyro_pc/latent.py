@@ -37,21 +37,31 @@ class LatentSpace:
     shapes: tuple
     unconstrained_shapes: tuple
     transforms: tuple = field(compare=False, hash=False, repr=False)
+    discrete_names: tuple = ()
+    discrete_shapes: tuple = ()
 
     @classmethod
-    def from_trace(cls, trace):
+    def from_trace(cls, trace, allow_discrete=False):
         """Build the latent space from a NumPyro trace (in its insertion order).
 
         :param dict trace: a trace of the model, e.g. from ``handlers.trace(...).get_trace``.
-        :raises UnsupportedModelError: for discrete latent sites or when no latent exists.
+        :param bool allow_discrete: keep discrete latent sites aside (``discrete_names``; they
+            are not part of the flat vector ``z``) instead of refusing them — for posteriors
+            with discrete factors (:mod:`numpyro_pc.ef_discrete`).
+        :raises UnsupportedModelError: for discrete latent sites (unless allowed) or when no
+            latent exists.
         """
-        names, shapes, ushapes, transforms = [], [], [], []
+        names, shapes, ushapes, transforms, discrete, dshapes = [], [], [], [], [], []
         for name, site in trace.items():
             if site["type"] != "sample" or site["is_observed"]:
                 continue
             if site["infer"].get("is_auxiliary"):
                 continue
             support = site["fn"].support
+            if support.is_discrete and allow_discrete:
+                discrete.append(name)
+                dshapes.append(tuple(jnp.shape(site["value"])))
+                continue
             if support.is_discrete:
                 raise UnsupportedModelError(
                     f"latent site {name!r} is discrete (support {support}); the dual form "
@@ -65,9 +75,9 @@ class LatentSpace:
             shapes.append(shape)
             ushapes.append(tuple(transform.inverse_shape(shape)))
             transforms.append(transform)
-        if not names:
+        if not names and not discrete:
             raise UnsupportedModelError("the model has no latent sample site to place a posterior on.")
-        return cls(tuple(names), tuple(shapes), tuple(ushapes), tuple(transforms))
+        return cls(tuple(names), tuple(shapes), tuple(ushapes), tuple(transforms), tuple(discrete), tuple(dshapes))
 
     @property
     def sizes(self):
@@ -105,6 +115,8 @@ class LatentSpace:
             value = jnp.asarray(values[name])
             batch = value.shape[:batch_ndim]
             parts.append(jnp.reshape(value, batch + (-1,)))
+        if not parts:  # only discrete latents: an empty flat vector
+            return jnp.zeros((0,), jnp.result_type(float))
         return jnp.concatenate(parts, axis=-1)
 
     def unconstrain(self, constrained):

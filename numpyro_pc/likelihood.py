@@ -118,11 +118,15 @@ def _substitute_unconstrained(values, site):
     return value
 
 
-def trace_at(spec, z, per_example, shared):
+def trace_at(spec, z, per_example, shared, discrete=None):
+    """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
     args, kwargs = spec.build_args(per_example, shared)
     values = spec.latent.unravel(z)
+    discrete = discrete or {}
 
     def sub(site):
+        if site["type"] == "sample" and not site["is_observed"] and site["name"] in discrete:
+            return discrete[site["name"]]
         return _substitute_unconstrained(values, site)
 
     model = handlers.substitute(handlers.seed(spec.model, 0), substitute_fn=sub)
@@ -143,12 +147,12 @@ def _in_plate(site, plate):
     return any(f.name == plate for f in site["cond_indep_stack"])
 
 
-def prior_loss(spec, z, data):
+def prior_loss(spec, z, data, discrete=None):
     """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
     Jacobian of the constraining transforms) plus observed sites/factors outside the
-    data plate."""
+    data plate; ``discrete`` holds the values of discrete latents, if the binding has any."""
     first = tuple(x[:1] for x in data.per_example)
-    trace = trace_at(spec, z, first, data.shared)
+    trace = trace_at(spec, z, first, data.shared, discrete)
     total = 0.0
     for site in trace.values():
         if site["type"] != "sample":
@@ -163,9 +167,9 @@ def _example_args(example):
     return tuple(x[None] for x in example)
 
 
-def example_loss(spec, z, example, shared):
+def example_loss(spec, z, example, shared, discrete=None):
     """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
-    trace = trace_at(spec, z, _example_args(example), shared)
+    trace = trace_at(spec, z, _example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
@@ -254,7 +258,7 @@ def check_finite_argument(name, leaf):
                                      "clean or mask the data before fitting.")
 
 
-def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
+def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False):
     """Inspect a model with its data and return ``(spec, data)``.
 
     :param callable model: a NumPyro model with global latent sites and a plate over the data.
@@ -265,6 +269,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
     :param tuple shared: names of array arguments that are *not* per-example (e.g. a
         vector of prior scales); every other array argument with at least one axis must
         have the data plate's size as its leading dimension.
+    :param bool allow_discrete: accept global discrete latents (kept in
+        ``spec.latent.discrete_names``, outside ``z``) for exponential-family posteriors.
     :raises NonFiniteDataError: NaN or infinite values in a float argument.
     :raises DataShapeError: an argument's leading size disagrees with the data plate.
     :raises UnsupportedModelError: local latents, no data plate, ambiguous plates,
@@ -300,9 +306,9 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=()):
         raise ModelBindingError(f"the model raised {text} when called with the given arguments (shapes: "
                                 f"{shapes}).") from err
 
-    latent = LatentSpace.from_trace(trace)  # first: a discrete "latent" is often a forgotten observation
+    latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
     plate, size = _find_data_plate(trace, data_plate)
-    for name in latent.names:
+    for name in latent.names + latent.discrete_names:
         if _in_plate(trace[name], plate):
             raise UnsupportedModelError(
                 f"latent site {name!r} lies inside the data plate {plate!r} (a local latent variable); "

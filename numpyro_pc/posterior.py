@@ -125,12 +125,13 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
               raise_on_failure: bool = True, **kwargs) -> DualPosterior | EFPosterior:
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
 
-    A hand-written guide (a plain function, not an autoguide) whose every sample site is a
-    Beta, Gamma or Dirichlet distribution with ``numpyro.param`` arguments gives an
-    :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
+    A hand-written guide (a plain function, not an autoguide) or an ``AutoGuideList`` whose
+    every sample site is a Beta, Gamma, Dirichlet, Normal/LogNormal, MultivariateNormal,
+    Bernoulli or Categorical distribution with ``numpyro.param`` arguments (or an AutoNormal
+    part) gives an :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
     (:func:`numpyro_pc.ef_posterior.dual_form_ef`; ``expectation`` is then ``"auto"``,
     ``"quadrature"`` or ``"mc"``, ``num_nodes`` the Gauss nodes per site, default 32, and
-    ``num_samples`` the draws of ``"mc"``, default 2048).
+    ``num_samples`` the draws of ``"mc"``, default 2048, or of the vector sites of ``"mixed"``, default 256).
 
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).

@@ -18,7 +18,9 @@ from numpyro.distributions import constraints
 from scipy import special, stats
 
 import numpyro_pc as pc
-from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor, ProductFamily, beta_rule, gamma_rule
+from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor
+from numpyro_pc.ef_product import ProductFamily
+from numpyro_pc.ef_rules import beta_rule, gamma_rule
 from numpyro_pc.ef_posterior import EFPosterior
 from numpyro_pc.ef_sites import blr_solve
 from numpyro_pc.errors import (ConvergenceError, GuideParamsError, NonFiniteResultError, OutOfDomainError,
@@ -301,8 +303,14 @@ def test_refusals_are_typed(x64):
     def normal_guide(y=None):
         numpyro.sample("p", dist.Normal(numpyro.param("m", 0.0), 1.0))
 
-    with pytest.raises(UnsupportedGuideError, match="Beta, Gamma or Dirichlet"):
+    with pytest.raises(UnsupportedGuideError, match="unconstrained value"):  # a Normal on (0, 1) without sigmoid
         pc.dual_form(beta_bernoulli, normal_guide, {"m": 0.0}, y=y)
+
+    def student_guide(y=None):
+        numpyro.sample("p", dist.Uniform(numpyro.param("lo", 0.1), 0.9))
+
+    with pytest.raises(UnsupportedGuideError, match="Beta, Gamma, Dirichlet, Normal"):
+        pc.dual_form(beta_bernoulli, student_guide, {"lo": 0.1}, y=y)
 
     def derived_guide(y=None):
         s = numpyro.param("s", 1.0, constraint=constraints.positive)
@@ -405,7 +413,7 @@ def test_rule_choice():
     cfg = EFConfig.make(None, scalars, num_nodes=32)
     assert cfg.rule == "quadrature" and cfg.num_nodes == 16  # 16^3 = 4096 points at most
     assert EFConfig.make(None, ProductFamily((BetaFactor("p", (3,)),))).rule == "mc"
-    with pytest.raises(InvalidOptionError, match="scalar Beta or Gamma"):
+    with pytest.raises(InvalidOptionError, match="scalar continuous site or a discrete"):
         EFConfig.make(None, ProductFamily((DirichletFactor("pi", (3,)),)), "quadrature")
     with pytest.raises(InvalidOptionError, match="'auto', 'quadrature' or 'mc'"):
         EFConfig.make(None, scalars, "gh")

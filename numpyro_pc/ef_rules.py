@@ -1,0 +1,114 @@
+r"""Deterministic point sets standing for one factor of a mean-field posterior.
+
+**Gauss rules.** The nodes and weights of an ``n``-point Gauss rule are the eigenvalues of
+the symmetric tridiagonal Jacobi matrix of the monic orthogonal polynomials of the weight
+and the squared first components of its eigenvectors (Golub & Welsch, 1969). The
+recurrences are closed-form in the shape parameters, so the rules are computed inside
+``jit`` from the current natural parameters:
+
+* Gauss–Jacobi for :math:`\mathrm{Beta}(a, b)` (weight :math:`(1-t)^{b-1}(1+t)^{a-1}` on
+  :math:`[-1, 1]`, :math:`x = (1+t)/2`);
+* generalised Gauss–Laguerre for :math:`\mathrm{Gamma}(a, r)` (weight :math:`t^{a-1}e^{-t}`,
+  :math:`x = t/r`);
+* Gauss–Hermite (probabilists') for :math:`\mathcal N(m, s^2)` (weight :math:`e^{-t^2/2}`,
+  :math:`x = m + s t`).
+
+The weights sum to one: a rule is a discrete probability measure whose first ``2n-1``
+moments equal the distribution's.
+
+**Moment-matched draws.** For a Gaussian vector the points are fixed standard-normal
+draws whitened so that their sample mean is exactly zero and their sample second moment
+exactly the identity; mapped through :math:`m + L\epsilon` they reproduce the mean and
+covariance of :math:`q` exactly, so every expectation of a quadratic function — the
+conjugate Gaussian case — is exact whatever the number of draws.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["golub_welsch", "beta_rule", "gamma_rule", "hermite_rule", "whitened_normal"]
+
+
+def golub_welsch(diagonal, off_diagonal):
+    """Nodes and probability weights of the Gauss rule of a Jacobi matrix.
+
+    :param diagonal: ``(n,)`` recurrence coefficients ``a_0..a_{n-1}``.
+    :param off_diagonal: ``(n-1,)`` values ``sqrt(b_1)..sqrt(b_{n-1})``.
+    :return: ``(nodes, weights)``, each ``(n,)``, weights summing to one.
+    """
+    jac = jnp.diag(diagonal) + jnp.diag(off_diagonal, 1) + jnp.diag(off_diagonal, -1)
+    nodes, vectors = jnp.linalg.eigh(jac)
+    weights = vectors[0] ** 2
+    return nodes, weights / jnp.sum(weights)
+
+
+def beta_rule(a, b, num_nodes):
+    r"""``num_nodes``-point Gauss–Jacobi rule of :math:`\mathrm{Beta}(a, b)` on :math:`(0, 1)`.
+
+    Recurrence of the monic Jacobi polynomials (:math:`s = 2k + \alpha + \beta`):
+    :math:`a_k = (\beta^2-\alpha^2)/(s(s+2))` (:math:`a_0 = (\beta-\alpha)/(\alpha+\beta+2)`),
+    :math:`b_k = 4k(k+\alpha)(k+\beta)(k+\alpha+\beta)/(s^2(s+1)(s-1))`
+    (:math:`b_1 = 4(1+\alpha)(1+\beta)/((2+\alpha+\beta)^2(3+\alpha+\beta))`).
+
+    :return: ``(x, weights)``.
+    """
+    a, b = jax.lax.stop_gradient(a), jax.lax.stop_gradient(b)
+    alpha, beta = b - 1.0, a - 1.0
+    k = jnp.arange(num_nodes, dtype=jnp.result_type(a, float))
+    s = 2.0 * k + alpha + beta
+    safe = jnp.where(k == 0, 1.0, s * (s + 2.0))
+    diag = jnp.where(k == 0, (beta - alpha) / (alpha + beta + 2.0), (beta**2 - alpha**2) / safe)
+    kk = k[1:]
+    ss = s[1:]
+    general = 4.0 * kk * (kk + alpha) * (kk + beta) * (kk + alpha + beta) / (
+        ss**2 * (ss + 1.0) * jnp.where(kk == 1, 1.0, ss - 1.0))
+    first = 4.0 * (1.0 + alpha) * (1.0 + beta) / ((2.0 + alpha + beta) ** 2 * (3.0 + alpha + beta))
+    off = jnp.sqrt(jnp.where(kk == 1, first, general))
+    t, w = golub_welsch(diag, off)
+    t = jnp.clip(t, -1.0, 1.0)
+    return 0.5 * (1.0 + t), w
+
+
+def gamma_rule(a, rate, num_nodes):
+    r"""``num_nodes``-point generalised Gauss–Laguerre rule of :math:`\mathrm{Gamma}(a, r)`.
+
+    Recurrence: :math:`a_k = 2k + \alpha + 1`, :math:`b_k = k(k + \alpha)`, :math:`\alpha = a - 1`.
+
+    :return: ``(x, weights)``.
+    """
+    a, rate = jax.lax.stop_gradient(a), jax.lax.stop_gradient(rate)
+    alpha = a - 1.0
+    k = jnp.arange(num_nodes, dtype=jnp.result_type(a, float))
+    diag = 2.0 * k + alpha + 1.0
+    off = jnp.sqrt(k[1:] * (k[1:] + alpha))
+    t, w = golub_welsch(diag, off)
+    return jnp.maximum(t, jnp.finfo(t.dtype).tiny) / rate, w
+
+
+def hermite_rule(loc, scale, num_nodes):
+    r"""``num_nodes``-point Gauss–Hermite rule of :math:`\mathcal N(m, s^2)`.
+
+    Recurrence of the monic probabilists' Hermite polynomials: :math:`a_k = 0`, :math:`b_k = k`.
+
+    :return: ``(x, weights)``.
+    """
+    loc, scale = jax.lax.stop_gradient(loc), jax.lax.stop_gradient(scale)
+    k = jnp.arange(num_nodes, dtype=jnp.result_type(loc, float))
+    t, w = golub_welsch(jnp.zeros_like(k), jnp.sqrt(k[1:]))
+    return loc + scale * t, w
+
+
+def whitened_normal(key, num, dim, dtype):
+    r"""``(num, dim)`` standard-normal draws with sample mean exactly 0 and sample second
+    moment :math:`\frac1S\sum_s \epsilon_s\epsilon_s^\top` exactly the identity.
+
+    :raises ValueError: if ``num <= dim`` (the whitening needs a full-rank sample).
+    """
+    if num <= dim:
+        raise ValueError(f"moment-matched draws need more draws ({num}) than dimensions ({dim})")
+    eps = jax.random.normal(key, (num, dim), dtype)
+    eps = eps - jnp.mean(eps, 0)
+    chol = jnp.linalg.cholesky(eps.T @ eps / num)
+    return jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True).T
