@@ -18,6 +18,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from numpyro.distributions import constraints
+from scipy import special
 
 import numpyro_pc as pc
 from numpyro_pc import archive, errors, io
@@ -329,3 +330,39 @@ def test_fuzz_damaged_files_give_a_typed_error_or_the_same_posterior(saved, tmp_
         _assert_same(post, back)
         outcomes["same"] += 1
     assert outcomes["error"] > 150, outcomes
+
+
+# ---------------------------------------------------------------- ArviZ
+
+
+def test_to_arviz_log_likelihood_is_bernoulli_and_loo_runs(x64):
+    import arviz as az
+
+    y = _bern()
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(y), family={"p": "beta"})
+    idata = post.to_arviz(jax.random.PRNGKey(1), num_samples=4000)
+    p = np.asarray(idata.posterior["p"])  # (1, 4000)
+    assert p.shape == (1, 4000)
+    want = y[None, None, :] * np.log(p[..., None]) + (1 - y[None, None, :]) * np.log1p(-p[..., None])
+    np.testing.assert_allclose(np.asarray(idata.log_likelihood["y"]), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(np.asarray(idata.observed_data["y"]), y)
+    a, b = A0 + y.sum(), B0 + (1 - y).sum()
+    np.testing.assert_allclose(p.mean(), a / (a + b), rtol=2e-2)  # the draws are the posterior's
+    loo = az.loo(idata, pointwise=True)
+    # exact leave-one-out: p(y_i | y_-i) = (a - y_i)/(a + b - 1) for y_i = 1, (b - 1 + y_i)/(a + b - 1) for 0
+    exact = np.where(y == 1, np.log((a - 1) / (a + b - 1)), np.log((b - 1) / (a + b - 1)))
+    assert np.all(np.asarray(loo.pareto_k) < 0.5)
+    np.testing.assert_allclose(float(loo.elpd_loo), exact.sum(), rtol=2e-3)
+
+
+def test_to_arviz_joint_of_two_observed_sites(x64):
+    y, c = _bern(30), _pois(30)
+    post = pc.fit(two_sites, y=jnp.asarray(y), c=jnp.asarray(c), family={"p": "beta", "rate": "gamma"})
+    idata = post.to_arviz(jax.random.PRNGKey(2), num_samples=50)
+    ll = idata.log_likelihood
+    p, rate = np.asarray(idata.posterior["p"])[0], np.asarray(idata.posterior["rate"])[0]
+    want_c = c * np.log(rate[:, None]) - rate[:, None] - special.gammaln(c + 1)
+    np.testing.assert_allclose(np.asarray(ll["c"])[0], want_c, rtol=1e-10)
+    want_y = y * np.log(p[:, None]) + (1 - y) * np.log1p(-p[:, None])
+    np.testing.assert_allclose(np.asarray(ll["y"])[0], want_y, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(ll["joint"]), np.asarray(ll["y"]) + np.asarray(ll["c"]), rtol=1e-12)
