@@ -366,3 +366,41 @@ def test_to_arviz_joint_of_two_observed_sites(x64):
     want_y = y * np.log(p[:, None]) + (1 - y) * np.log1p(-p[:, None])
     np.testing.assert_allclose(np.asarray(ll["y"])[0], want_y, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(np.asarray(ll["joint"]), np.asarray(ll["y"]) + np.asarray(ll["c"]), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+@pytest.mark.parametrize("model, family, data", [
+    (beta_bernoulli, {"p": "beta"}, jnp.asarray(_bern())),
+    (dirichlet_categorical, {"pi": "dirichlet"}, jnp.asarray(_cat(), jnp.int32)),
+], ids=["beta", "dirichlet"])
+def test_posterior_as_prior_is_exact_bayes_for_conjugate_models(x64, model, family, data):
+    first = pc.fit(model, y=data[:25], family=family)
+    sequential = pc.fit(pc.handlers.posterior_prior(model, first), y=data[25:], family=family)
+    batch = pc.fit(model, y=data, family=family)
+    assert sequential.conjugate_prior
+    np.testing.assert_allclose(_args(sequential), _args(batch), rtol=1e-10)
+
+
+def test_posterior_prior_replaces_each_site_by_its_factor(x64):
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(_bern()), family={"p": "beta"})
+    tr = numpyro.handlers.trace(numpyro.handlers.seed(pc.handlers.posterior_prior(beta_bernoulli, post), 0)
+                                ).get_trace(y=jnp.ones(3))
+    a, b = _args(post)
+    assert isinstance(tr["p"]["fn"], dist.Beta) and "_pc_posterior_prior" not in tr
+    np.testing.assert_allclose([tr["p"]["fn"].concentration1, tr["p"]["fn"].concentration0], [a, b], rtol=1e-12)
+
+
+def test_posterior_prior_refuses_another_model(x64):
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(_bern()), family={"p": "beta"})
+    y = jnp.ones(3)
+    with pytest.raises(pc.ModelMismatchError, match="'q'"):
+        numpyro.handlers.seed(pc.handlers.posterior_prior(renamed_bernoulli, post), 0)(y=y)
+    with pytest.raises(pc.ModelMismatchError, match="shape"):
+        numpyro.handlers.seed(pc.handlers.posterior_prior(vector_bernoulli, post), 0)(y=y)
+    # the Gaussian-only corrected models still refuse it, with a typed error
+    for make in (lambda: pc.handlers.update(beta_bernoulli, post), lambda: pc.handlers.forget(beta_bernoulli, post, [0]),
+                 lambda: pc.handlers.correction_factor(post)):
+        with pytest.raises(pc.UnsupportedGuideError, match="Gaussian dual-form posterior"):
+            make()
