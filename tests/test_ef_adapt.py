@@ -404,3 +404,36 @@ def test_posterior_prior_refuses_another_model(x64):
                  lambda: pc.handlers.correction_factor(post)):
         with pytest.raises(pc.UnsupportedGuideError, match="Gaussian dual-form posterior"):
             make()
+
+
+# ---------------------------------------------------------------- merge
+
+
+def test_pc_merge_of_shards_is_the_batch_posterior(x64):
+    y = _bern(90, seed=4)
+    shards = [pc.fit(beta_bernoulli, y=jnp.asarray(part), family={"p": "beta"}) for part in np.array_split(y, 3)]
+    merged = pc.merge(None, shards)
+    assert isinstance(merged, pc.EFPosterior) and merged.record["operation"] == "merge"
+    np.testing.assert_allclose(_args(merged), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-10)
+    chained = shards[0].merge(shards[1]).merge(shards[2])
+    np.testing.assert_array_equal(np.asarray(merged.natural), np.asarray(chained.natural))
+    assert merged.num_examples == y.size and merged.residual() < 1e-10
+
+
+def test_pc_merge_refuses_mixed_kinds_and_gaussian_options(x64):
+    y = _bern(40)
+    ef = pc.fit(beta_bernoulli, y=jnp.asarray(y), family={"p": "beta"})
+    X, yl = make_logistic(20, 2, seed=1)
+    gauss = pc.fit(logistic_model, X, yl, family="full")
+    with pytest.raises(pc.IncompatiblePosteriorsError, match="one kind"):
+        pc.merge(None, [ef, gauss])
+    with pytest.raises(pc.IncompatiblePosteriorsError, match="one kind"):
+        pc.merge(gauss, [ef])
+    with pytest.raises(errors.InvalidOptionError, match="bayesian"):
+        pc.merge(None, [ef, ef], method="hessian")
+    with pytest.raises(errors.InvalidOptionError, match="unit weights"):
+        pc.merge(None, [ef, ef], alphas=[1.0, 0.5])
+    with pytest.raises(errors.InvalidOptionError, match="base=None"):
+        pc.merge(ef, [ef])
+    with pytest.raises(errors.InvalidOptionError, match="list of posteriors"):
+        pc.merge(ef, ef)
