@@ -30,6 +30,7 @@ from .likelihood import bind_model
 from .ef_posterior import EFPosterior
 from .lowrank import LowRankGaussian
 from .posterior import DualPosterior, dual_form, fit, load
+from .io import save
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
 
@@ -39,7 +40,7 @@ __all__ = [
     "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "LowRankGaussian",
     "get_family", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl", "information_gain",
-    "correction_magnitude", "load",
+    "correction_magnitude", "load", "save",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
     "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError", "ModelMismatchError",

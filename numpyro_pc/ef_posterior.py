@@ -367,3 +367,21 @@ def merge_ef(a, b, refine=False, tol=None, max_iters=200):
     if refine:
         merged = _solve(merged, data, ids, lam, tol, max_iters, True)
     return merged
+
+
+# ---------------------------------------------------------------- ArviZ export (issue 13)
+def _to_arviz(self, key, num_samples=1000):
+    """ArviZ ``InferenceData`` with ``posterior`` (constrained draws of each latent site),
+    ``log_likelihood`` (one ``(chain, draw, N)`` variable per observed site of the data plate
+    and their sum ``"joint"`` when an example has several) and ``observed_data`` groups, one
+    chain of ``num_samples`` draws; see :func:`numpyro_pc.ef_eval.inference_data`.
+
+    :param key: a ``jax.random.PRNGKey``.
+    """
+    from .ef_eval import inference_data  # the model evaluation at constrained draws
+
+    with jax.enable_x64(self.natural.dtype == jnp.float64):
+        return inference_data(self, key, num_samples)
+
+
+EFPosterior.to_arviz = _to_arviz

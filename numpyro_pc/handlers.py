@@ -14,8 +14,10 @@ With ``C`` every retained example and the prior, the corrected model's posterior
 exact posterior given all data. The building block is :class:`posterior_prior`, a
 ``Messenger`` that replaces each latent site's prior with an improper flat density on the
 same support and adds one factor ``log q_t(z) − log|det J_T(z)|``, so that inference in
-unconstrained space sees exactly ``q_t(z)``. Inner evaluations run under ``block`` and
-never leak sites to outer handlers.
+unconstrained space sees exactly ``q_t(z)``. For a Beta/Gamma/Dirichlet
+:class:`~numpyro_pc.ef_posterior.EFPosterior` (a mean-field product over the constrained
+values) the posterior as prior is simply each latent site's distribution replaced by its
+factor. Inner evaluations run under ``block`` and never leak sites to outer handlers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .dual import require_gaussian
+from .ef_posterior import EFPosterior
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
@@ -40,36 +43,68 @@ __all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_sa
 
 
 class posterior_prior(Messenger):
-    """Replace the prior of the latent sites by a :class:`~numpyro_pc.DualPosterior`.
+    """Replace the prior of the latent sites by a :class:`~numpyro_pc.DualPosterior` or an
+    :class:`~numpyro_pc.ef_posterior.EFPosterior`.
 
-    Each latent site's distribution becomes ``ImproperUniform`` on its support; after the
-    model has run, a factor site ``"_pc_posterior_prior"`` adds ``log q_t(z)`` minus the
-    log-Jacobian that inference adds back for the constrained sites.
+    Gaussian posterior: each latent site's distribution becomes ``ImproperUniform`` on its
+    support; after the model has run, a factor site ``"_pc_posterior_prior"`` adds
+    ``log q_t(z)`` minus the log-Jacobian that inference adds back for the constrained sites.
+
+    Beta/Gamma/Dirichlet posterior: each latent site's distribution becomes its factor
+    (``posterior.distributions()``, with the site's event dimensions); the product of the
+    factors is the posterior, so no factor site is added.
 
     :param fn: a NumPyro model.
-    :param posterior: the :class:`~numpyro_pc.DualPosterior` acting as prior.
+    :param posterior: the posterior acting as prior.
     :param extra_log_density: optional ``z -> scalar`` added to the same factor (used for
-        correction terms).
+        correction terms; Gaussian posteriors only).
+    :raises ModelMismatchError: (when the model runs) a latent site the posterior does not
+        have, of another shape, or a posterior site the model does not sample.
     """
 
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
-        require_gaussian(posterior, "posterior_prior")
+        self._factors = None
+        if isinstance(posterior, EFPosterior):
+            if extra_log_density is not None:
+                raise InvalidOptionError("extra_log_density (correction terms) needs a Gaussian dual-form posterior; "
+                                         "found an EFPosterior")
+            self._factors = posterior.distributions()
+            self._latent = posterior.config.spec.latent
+        else:
+            require_gaussian(posterior, "posterior_prior")
+            self._latent = posterior.latent
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
         super().__init__(fn)
 
     def process_message(self, msg):
-        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self.posterior.latent.names:
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self._latent.names:
             fn = msg["fn"]
-            msg["fn"] = dist.ImproperUniform(fn.support, fn.batch_shape, fn.event_shape)
+            if self._factors is None:
+                msg["fn"] = dist.ImproperUniform(fn.support, fn.batch_shape, fn.event_shape)
+            else:
+                msg["fn"] = self._factor(msg["name"], fn)
+
+    def _factor(self, name, fn):
+        """The site's factor with the model distribution's batch and event shapes."""
+        expected = tuple(self._latent.shapes[self._latent.names.index(name)])
+        found = tuple(fn.batch_shape) + tuple(fn.event_shape)
+        factor = self._factors[name]
+        extra = len(fn.event_shape) - len(factor.event_shape)
+        if found != expected or extra < 0:
+            raise ModelMismatchError(
+                f"latent site {name!r} has shape {found} (event shape {tuple(fn.event_shape)}) in this model but "
+                f"{expected} (event shape {tuple(factor.event_shape)}) in the posterior; was the model called with "
+                "other sizes?")
+        return factor.to_event(extra) if extra else factor
 
     def postprocess_message(self, msg):
         if msg["type"] != "sample" or msg["is_observed"] or msg["infer"].get("is_auxiliary"):
             return
-        latent = self.posterior.latent
+        latent = self._latent
         if msg["name"] not in latent.names:
             raise ModelMismatchError(
                 f"the model samples a latent site {msg['name']!r} that the posterior does not have (its latent sites "
@@ -85,10 +120,12 @@ class posterior_prior(Messenger):
         self._values = {}
         with self:
             out = self.fn(*args, **kwargs)
-            latent = self.posterior.latent
+            latent = self._latent
             missing = [n for n in latent.names if n not in self._values]
             if missing:
                 raise ModelMismatchError(f"the model did not sample the posterior's latent sites {missing}")
+            if self._factors is not None:  # the factors are the posterior: nothing to add
+                return out
             unconstrained, log_det = {}, 0.0
             for name in latent.names:
                 value, support = self._values[name]
@@ -169,7 +206,9 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
     :param memory: past examples to correct: ``"all"`` retained (exact), ``"none"`` (VCL
         when ``correct_prior=False``) or a list of ids.
     :param bool correct_prior: replace the prior's site by the true prior term.
+    :raises UnsupportedGuideError: a posterior that is not a Gaussian dual-form posterior.
     """
+    require_gaussian(posterior, "pc.handlers.update")
     check_same_model(model, posterior)
     return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
 
@@ -183,7 +222,9 @@ def check_same_model(model, posterior, num_probes=3):
     posterior's to 1e-8 relative (float64) at ``num_probes`` points.
 
     :raises ModelMismatchError: naming what differs.
+    :raises UnsupportedGuideError: a posterior that is not a Gaussian dual-form posterior.
     """
+    require_gaussian(posterior, "pc.handlers.check_same_model")
     spec = posterior.spec
     if model is spec.model or posterior.num_retained == 0:
         return
@@ -223,6 +264,7 @@ def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterabl
     and the retained examples in ``memory`` are corrected; with all data retained its
     posterior is the posterior without ``ids``.
     """
+    require_gaussian(posterior, "pc.handlers.forget")
     ids = as_ids(ids)
     check_same_model(model, posterior)
     positions(posterior.sites.ids, ids)

@@ -33,6 +33,7 @@ import numpy as np
 
 from .archive import manifest_limit, npy_bytes, read_archive, write_atomic
 from .dual import DualPosteriorBase
+from .ef_posterior import EFPosterior
 from .errors import (
     CorruptFileError,
     DtypeMismatchError,
@@ -57,11 +58,16 @@ from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_content
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
-           "SavedModelMismatchError", "DtypeMismatchError", "save", "load"]
+           "SavedModelMismatchError", "DtypeMismatchError", "save", "load", "digest", "argument_layout",
+           "bind_saved_model", "check_read_archive"]
 
 
-def _digest(array):
+def digest(array):
+    """SHA-256 (hex) of an array's C-ordered bytes, as recorded in a manifest."""
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+_digest = digest
 
 
 def _json_static(value, name):
@@ -93,12 +99,18 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     """Write ``post`` to ``path`` atomically (see the module docstring for the format).
 
     The file is checked as :func:`load` would check it before anything is written, so a
-    save that succeeds can be loaded back.
+    save that succeeds can be loaded back. A Beta/Gamma/Dirichlet
+    :class:`~numpyro_pc.ef_posterior.EFPosterior` is written by :func:`numpyro_pc.ef_io.save_ef`
+    through the same container.
 
     :param key: optional HMAC key (``bytes`` or ``str``); :func:`load` with the same key
         then refuses any file not signed with it.
     :return: the :class:`~pathlib.Path` written.
     """
+    if isinstance(post, EFPosterior):
+        from .ef_io import save_ef  # ef_io builds on this module's helpers
+
+        return save_ef(post, path, key=key)
     arrays = _arrays(post)
     spec = post.spec
     dtype = str(arrays["mean"].dtype)
@@ -109,7 +121,7 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
         "dtype": dtype, "rule": dict(vars(post.rule)),
         "curvature": post.curvature, "storage": post.sites.storage, "chunk_size": post.chunk_size,
         "latent": post.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
-        "arguments": _argument_layout(spec), "next_id": post.next_id, "tombstones": list(post.tombstones),
+        "arguments": argument_layout(spec), "next_id": post.next_id, "tombstones": list(post.tombstones),
         "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in post.data.per_example],
         "arrays": {k: {"sha256": _digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
         "residual": float(post.residual), "fingerprint": fingerprint, "signed": key is not None,
@@ -135,8 +147,11 @@ class _Slot:
         self.kind = kind
 
 
-def _argument_layout(spec):
-    """JSON description of the model's top-level arguments (array slots, None and scalars)."""
+def argument_layout(spec):
+    """JSON description of the model's top-level arguments (array slots, None and scalars).
+
+    :raises PersistenceError: an argument that is neither an array, ``None`` nor a scalar.
+    """
     n_ex, n_sh = spec.kinds.count("example"), spec.kinds.count("shared")
     args, kwargs = spec.build_args(tuple(_Slot("example") for _ in range(n_ex)),
                                    tuple(_Slot("shared") for _ in range(n_sh)))
@@ -157,8 +172,11 @@ def _argument_layout(spec):
                                "containers) can be saved") from None
 
 
-def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase:
+def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase | EFPosterior:
     """Read a posterior saved by :func:`save` and bind it to ``model``, checking everything.
+
+    A file saved from an :class:`~numpyro_pc.ef_posterior.EFPosterior` (manifest ``kind``
+    ``"ef"``) is read by the same container code and checked by :func:`numpyro_pc.ef_io.load_ef`.
 
     The file is untrusted input: what is read is bounded by the declared sizes, the
     manifest and arrays are validated, the dual-form residual is recomputed and compared
@@ -177,16 +195,13 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
         :class:`~numpyro_pc.errors.DtypeMismatchError` or :class:`~numpyro_pc.errors.SavedModelMismatchError`
         (also a :class:`~numpyro_pc.errors.ModelMismatchError`).
     """
-    manifest, arrays, signed = read_archive(path, check_manifest, key=key)
-    if manifest.get("signed") and not signed:
-        raise IntegrityError(f"{path} was signed when saved but its signature member was removed")
-    if signed and key is None:
-        warnings.warn(f"{path} is signed but no key was given: its signature was not checked", UserWarning,
-                      stacklevel=2)
+    manifest, arrays, signed = read_archive(path, _check_any_manifest, key=key)
+    check_read_archive(path, manifest, arrays, signed, key)
+    if "kind" in manifest:
+        from .ef_io import load_ef  # ef_io builds on this module's helpers
+
+        return load_ef(path, model, manifest, arrays)
     dtype = manifest["dtype"]
-    if any(not _representable(v.dtype) for k, v in arrays.items() if k != "tombstones"):  # tombstones stay on the host
-        raise DtypeMismatchError(f"{path} holds a {dtype} posterior with 64-bit arrays; enable x64 "
-                                 "(jax.enable_x64()) to load it without losing precision")
     check_contents(manifest, arrays)
     family = get_family(manifest["family"])
     with jax.enable_x64(dtype == "float64"):
@@ -202,19 +217,49 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
         except PosteriorCorrectionError as err:
             raise InconsistentFileError(f"{path}: the sites cannot be combined ({err})") from err
         check_residual(manifest.get("residual"), residual, dtype)
-        spec, data = _bind(path, model, manifest, arrays)
+        spec, data = bind_saved_model(path, model, manifest, arrays)
     return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
                          manifest["curvature"], manifest["storage"], manifest["chunk_size"], (), None,
                          data_ids=to_device(arrays["data_ids"]), tombstones=manifest["tombstones"],
                          next_id=manifest["next_id"], offset=offset)
 
 
+def _check_any_manifest(manifest):
+    """The manifest check of the file's kind: a Gaussian dual posterior (no ``kind``) or ``"ef"``."""
+    if "kind" in manifest:
+        from .ef_io import check_ef_manifest
+
+        return check_ef_manifest(manifest)
+    return check_manifest(manifest)
+
+
+def check_read_archive(path, manifest, arrays, signed, key):
+    """Checks common to every kind of saved posterior once the archive is read: a signature
+    that was removed, a signed file read without a key (a warning), 64-bit arrays without x64.
+
+    :raises IntegrityError, DtypeMismatchError:
+    """
+    if manifest.get("signed") and not signed:
+        raise IntegrityError(f"{path} was signed when saved but its signature member was removed")
+    if signed and key is None:
+        warnings.warn(f"{path} is signed but no key was given: its signature was not checked", UserWarning,
+                      stacklevel=3)
+    if any(not _representable(v.dtype) for k, v in arrays.items() if k != "tombstones"):  # tombstones stay on the host
+        raise DtypeMismatchError(f"{path} holds a {manifest['dtype']} posterior with 64-bit arrays; enable x64 "
+                                 "(jax.enable_x64()) to load it without losing precision")
+
+
 def _representable(dtype):
     return jax.dtypes.canonicalize_dtype(dtype) == dtype
 
 
-def _bind(path, model, manifest, arrays):
-    """Bind ``model`` to the saved argument layout and check it is the saved model."""
+def bind_saved_model(path, model, manifest, arrays):
+    """Bind ``model`` to the argument layout saved in ``manifest`` and check it is the saved
+    model (latent sites, observed sites, fingerprint).
+
+    :return: ``(spec, data)`` with the saved data rows.
+    :raises SavedModelMismatchError:
+    """
     per_example = [arrays[f"data.example.{k}"] for k in range(len(manifest["example_shapes"]))]
     shared = [arrays[f"data.shared.{k}"] for k in range(sum(1 for m in _entries(manifest["arguments"])
                                                             if m["kind"] == "shared"))]

@@ -40,6 +40,12 @@ The result is a :class:`~numpyro_pc.posterior.DualPosterior` over the union of t
 (base examples, then each task's own examples), its sites evaluated at the merged
 Gaussian; :meth:`~numpyro_pc.posterior.DualPosterior.refine` then reaches the joint
 posterior (retraining from the merged start).
+
+Beta/Gamma/Dirichlet posteriors (:class:`~numpyro_pc.ef_posterior.EFPosterior`) fitted on
+disjoint examples from the prior merge by Bayesian arithmetic,
+:math:`\lambda = \lambda_0 + \sum_i (\lambda_i - \lambda_0)` with the sites concatenated
+(:func:`numpyro_pc.ef_posterior.merge_ef`, exact for conjugate models): ``base=None``,
+``method="bayesian"`` and unit weights only.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dual import DualPosteriorBase, build_posterior
-from .ef_posterior import EFPosterior
+from .ef_posterior import EFPosterior, merge_ef
 from .errors import (
     IncompatiblePosteriorsError,
     InvalidOptionError,
@@ -195,14 +201,17 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
     :param rule: expectation rule of the merged posterior's sites (default: the first
         task's).
     :raises IncompatiblePosteriorsError: different latent sites, families, dtypes, or
-        posteriors without their data.
+        posteriors without their data; a mix of Gaussian and Beta/Gamma/Dirichlet posteriors.
     :return: a :class:`~numpyro_pc.posterior.DualPosterior` on the union of the data whose
-        ``record`` holds the method and weights.
+        ``record`` holds the method and weights (an :class:`~numpyro_pc.ef_posterior.EFPosterior`
+        for Beta/Gamma/Dirichlet posteriors, see the module docstring).
     """
-
+    if isinstance(posteriors, EFPosterior):
+        raise InvalidOptionError("merge takes a base (or None) and a list of posteriors; found one EFPosterior "
+                                 "as posteriors (write pc.merge(None, [a, b]))")
+    posteriors = list(posteriors)
     if any(isinstance(p, EFPosterior) for p in [base, *posteriors]):
-        raise IncompatiblePosteriorsError("Beta/Gamma/Dirichlet posteriors merge by Bayesian arithmetic with "
-                                          "EFPosterior.merge (numpyro_pc.ef_posterior.merge_ef), not pc.merge")
+        return _merge_ef(base, posteriors, alphas, method, rule)
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
     family = first.family
@@ -232,3 +241,35 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
                                first.storage, first.chunk_size, None, False, None, 0, False, True, cls=type(first))
     return post.evolve(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
                                  "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})
+
+
+def _merge_ef(base, posteriors, alphas, method, rule):
+    """Bayesian arithmetic of Beta/Gamma/Dirichlet posteriors fitted from the prior (:func:`merge_ef`, folded)."""
+    kinds = ["EFPosterior" if isinstance(p, EFPosterior) else type(p).__name__
+             for p in ([base] if base is not None else []) + posteriors]
+    if any(k != "EFPosterior" for k in kinds):
+        raise IncompatiblePosteriorsError(f"merging needs posteriors of one kind: all Gaussian dual-form posteriors "
+                                          f"or all Beta/Gamma/Dirichlet EFPosteriors; found {kinds}"
+                                          + (" (base first)" if base is not None else ""))
+    if base is not None:
+        raise InvalidOptionError("Beta/Gamma/Dirichlet posteriors merge over their common prior: pass base=None "
+                                 "(posteriors fitted on disjoint examples); found an EFPosterior base")
+    if method != "bayesian":
+        raise InvalidOptionError(f"Beta/Gamma/Dirichlet posteriors merge by Bayesian arithmetic only: expected "
+                                 f"method='bayesian', found {method!r}")
+    if alphas is not None and any(float(a) != 1.0 for a in np.ravel(alphas)):
+        raise InvalidOptionError(f"Beta/Gamma/Dirichlet posteriors merge with unit weights only; found alphas "
+                                 f"{[float(a) for a in np.ravel(alphas)]}")
+    if alphas is not None and np.size(alphas) != len(posteriors):
+        raise InvalidOptionError(f"got {np.size(alphas)} alphas for {len(posteriors)} posteriors; expected one "
+                                 "weight per posterior")
+    if rule is not None:
+        raise InvalidOptionError("rule= applies to Gaussian posteriors; a merged EFPosterior keeps the first "
+                                 "posterior's configuration")
+    if not posteriors:
+        raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
+    merged = posteriors[0]
+    for other in posteriors[1:]:
+        merged = merge_ef(merged, other)
+    return merged.evolve(record=dict(merged.record, operation="merge", method="bayesian",
+                                     num_tasks=len(posteriors)))

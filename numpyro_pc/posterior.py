@@ -111,10 +111,12 @@ class DualPosterior(DualPosteriorBase):
         return _save(self, path, key=key)
 
 
-def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosterior:
-    """Load a posterior saved with :meth:`DualPosterior.save`; see :func:`numpyro_pc.io.load`,
-    which checks the file and the model, for the parameters and the errors raised."""
-    return DualPosterior.adopt(_load(path, model, key=key))
+def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosterior | EFPosterior:
+    """Load a posterior saved with :meth:`DualPosterior.save` or :func:`numpyro_pc.io.save`; see
+    :func:`numpyro_pc.io.load`, which checks the file and the model, for the parameters and the
+    errors raised. A file saved from an :class:`~numpyro_pc.ef_posterior.EFPosterior` loads as one."""
+    loaded = _load(path, model, key=key)
+    return loaded if isinstance(loaded, EFPosterior) else DualPosterior.adopt(loaded)
 
 
 def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",

@@ -27,8 +27,9 @@ from .curvature import STORES
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
 
-__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND", "check_manifest",
-           "check_contents", "check_residual"]
+__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
+           "check_manifest", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",
+           "check_residual", "fail_field"]
 
 FORMAT = "numpyro_pc.dual_posterior"
 VERSION = 1
@@ -62,9 +63,14 @@ _NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.
                    rf"sites\.({'|'.join(SITE_ARRAYS)}))")
 
 
-def _fail(where, expected, found, error=CorruptFileError):
+def fail_field(where, expected, found, error=CorruptFileError):
+    """Raise ``error`` (:class:`~numpyro_pc.errors.CorruptFileError`) naming the manifest field, what was
+    expected and what was found."""
     text = repr(found)
     raise error(f"manifest field {where!r}: expected {expected}, found {text if len(text) < 80 else text[:79] + '…'}")
+
+
+_fail = fail_field
 
 
 def _is_int(value, low=0, high=_MAX_ID):
@@ -139,6 +145,25 @@ def check_manifest(manifest):
     _check_rule(manifest.get("rule"))
     if "chunk_size" not in manifest or not (manifest["chunk_size"] is None or _is_int(manifest["chunk_size"], 1)):
         _fail("chunk_size", "null or a positive integer", manifest.get("chunk_size"))
+    num_example, num_shared = check_binding_fields(manifest)
+    if not _is_int(manifest.get("next_id")):
+        _fail("next_id", "an integer ≥ 0", manifest.get("next_id"))
+    _ints(manifest.get("tombstones"), "tombstones")
+    storage = manifest["storage"]
+    required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
+    required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}
+    return check_array_entries(manifest, _NAME, required, num_example, num_shared,
+                               optional={"offset.linear", "offset.precision"}, what="a dual posterior")
+
+
+def check_binding_fields(manifest):
+    """Check the fields that bind a saved posterior to its model: ``latent``, ``plate``,
+    ``observed``, ``arguments``, ``example_shapes``, ``fingerprint``, ``signed`` and ``residual``
+    (shared by every kind of saved posterior).
+
+    :return: ``(number of per-example arguments, number of shared arguments)``.
+    :raises CorruptFileError: a field is missing, of the wrong type or out of range.
+    """
     latent = manifest.get("latent")
     if not isinstance(latent, dict) or set(latent) != {"names", "unconstrained_shapes"} \
             or not isinstance(latent["names"], list) or not all(isinstance(n, str) for n in latent["names"]) \
@@ -153,9 +178,6 @@ def check_manifest(manifest):
     if not isinstance(observed, list) or not all(isinstance(n, str) for n in observed):
         _fail("observed", "a list of site names", observed)
     num_example, num_shared = _check_layout(manifest.get("arguments"))
-    if not _is_int(manifest.get("next_id")):
-        _fail("next_id", "an integer ≥ 0", manifest.get("next_id"))
-    _ints(manifest.get("tombstones"), "tombstones")
     shapes = manifest.get("example_shapes")
     if not isinstance(shapes, list) or len(shapes) != num_example or not all(
             isinstance(s, list) and len(s) == 2 and s[1] in DATA_DTYPES for s in shapes):
@@ -170,30 +192,36 @@ def check_manifest(manifest):
     residual = manifest.get("residual", 0.0)  # JSON admits NaN and Infinity, which would disable the comparison
     if not isinstance(residual, float) or not (math.isfinite(residual) and residual >= 0.0):
         _fail("residual", "a finite float ≥ 0", residual)
-    return _check_array_entries(manifest, num_example, num_shared)
+    return num_example, num_shared
 
 
-def _check_array_entries(manifest, num_example, num_shared):
+def check_array_entries(manifest, pattern, required, num_example, num_shared, optional=(), what="a dual posterior"):
+    """Check the manifest's ``arrays`` entries: names matching ``pattern``, each with a SHA-256, a
+    numeric dtype and a shape; exactly ``required`` plus the data arguments' arrays, and of
+    ``optional`` all or none.
+
+    :return: ``{array name: (dtype, shape, sha256)}``.
+    :raises CorruptFileError:
+    """
     entries = manifest.get("arrays")
     if not isinstance(entries, dict):
         _fail("arrays", "an object", entries)
     declared = {}
     for name, meta in entries.items():
         where = f"arrays.{name}"
-        if not _NAME.fullmatch(name):
-            _fail("arrays", "only the arrays of a dual posterior", name)
+        if not pattern.fullmatch(name):
+            _fail("arrays", f"only the arrays of {what}", name)
         if not isinstance(meta, dict) or set(meta) != {"sha256", "dtype", "shape"} or meta["dtype"] not in DATA_DTYPES \
                 or not isinstance(meta["sha256"], str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"]):
             _fail(where, "an object with a sha256 (64 hex digits), a numeric dtype and a shape", meta)
         declared[name] = (meta["dtype"], tuple(_ints(meta["shape"], f"{where}.shape")), meta["sha256"])
-    storage = manifest["storage"]
-    required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
-    required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}
-    required |= {f"data.example.{k}" for k in range(num_example)} | {f"data.shared.{k}" for k in range(num_shared)}
-    optional = {"offset.linear", "offset.precision"}
+    required = set(required) | {f"data.example.{k}" for k in range(num_example)} \
+        | {f"data.shared.{k}" for k in range(num_shared)}
+    optional = set(optional)
     if not required <= set(declared) or not set(declared) <= required | optional:
-        _fail("arrays", f"the arrays {sorted(required)} (plus, optionally, both offset arrays)", sorted(declared))
-    if len(optional & set(declared)) == 1:
+        extra = " (plus, optionally, both offset arrays)" if optional else ""
+        _fail("arrays", f"the arrays {sorted(required)}{extra}", sorted(declared))
+    if len(optional & set(declared)) not in (0, len(optional)):
         _fail("arrays", "both offset arrays or neither", sorted(optional & set(declared)))
     return declared
 
@@ -226,10 +254,24 @@ def check_contents(manifest, arrays):
               "sites.prior_curvature": (d, d), "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
               "tombstones": (len(manifest["tombstones"]),)}
     shapes.update({f"sites.{name}": shape for name, shape in STORES[manifest["storage"]].file_shapes(n, k, d).items()})
-    shapes.update({f"data.example.{j}": (rows, *shape) for j, (shape, _) in enumerate(manifest["example_shapes"])})
     for name, shape in shapes.items():
         if name in arrays and arrays[name].shape != shape:
             _inconsistent(name, f"shape {shape} (d={d} latents, N={n} sites, {rows} data rows)", arrays[name].shape)
+    check_example_rows(manifest, arrays, rows)
+    _check_ids(manifest, arrays, refs)
+    _check_precision(family, arrays["precision"])
+
+
+def check_example_rows(manifest, arrays, rows):
+    """Check the data arrays against ``example_shapes`` (``rows`` rows each, the declared dtypes,
+    one example no larger than the file's arrays) and that every float array is finite.
+
+    :raises InconsistentFileError:
+    """
+    for j, (shape, _) in enumerate(manifest["example_shapes"]):
+        name = f"data.example.{j}"
+        if arrays[name].shape != (rows, *shape):
+            _inconsistent(name, f"shape {(rows, *shape)} ({rows} data rows)", arrays[name].shape)
     declared = max(sum(value.nbytes for value in arrays.values()), MIN_EXAMPLE_BOUND)
     for j, (shape, data_dtype) in enumerate(manifest["example_shapes"]):
         if str(arrays[f"data.example.{j}"].dtype) != data_dtype:
@@ -241,8 +283,6 @@ def check_contents(manifest, arrays):
     for name, value in arrays.items():
         if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
             _inconsistent(name, "finite values", f"{int(np.sum(~np.isfinite(value)))} NaN or infinite value(s)")
-    _check_ids(manifest, arrays, refs)
-    _check_precision(family, arrays["precision"])
 
 
 def _inconsistent(name, expected, found):
