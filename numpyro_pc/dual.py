@@ -43,7 +43,7 @@ __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelecti
 
 def require_gaussian(post, operation: str):
     """Refuse, with a typed error, anything but a Gaussian dual-form posterior (e.g. a
-    Beta/Gamma/Dirichlet :class:`~numpyro_pc.ef_posterior.EFPosterior`) as input of ``operation``."""
+    exponential-family :class:`~numpyro_pc.ef_posterior.EFPosterior`) as input of ``operation``."""
     if not isinstance(post, DualPosteriorBase):
         raise UnsupportedGuideError(
             f"{operation} needs a Gaussian dual-form posterior (pc.fit / pc.dual_form with a Gaussian family); "

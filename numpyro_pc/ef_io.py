@@ -1,4 +1,4 @@
-r"""Saving and loading a Beta/Gamma/Dirichlet :class:`~numpyro_pc.ef_posterior.EFPosterior`.
+r"""Saving and loading a exponential-family :class:`~numpyro_pc.ef_posterior.EFPosterior`.
 
 The file is the container of :mod:`numpyro_pc.io` (one uncompressed zip of ``.npy``
 members and a ``manifest.json``, written atomically by
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .archive import manifest_limit, npy_bytes, write_atomic
-from .ef_eval import constrained_prior_loss
+from .ef_eval import factor_prior_loss
 from .ef_posterior import EFConfig, EFPosterior, EFState, family_for_model
 from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
                      PersistenceError, PosteriorCorrectionError, SavedModelMismatchError)
@@ -135,7 +135,7 @@ def check_ef_manifest(manifest):
     if manifest.get("version") != VERSION:
         raise FormatVersionError(f"format version {manifest.get('version')!r}; this numpyro_pc reads version {VERSION}")
     if manifest.get("kind") != KIND:
-        fail_field("kind", f"{KIND!r} (a Beta/Gamma/Dirichlet posterior) or no kind (a Gaussian one)",
+        fail_field("kind", f"{KIND!r} (an exponential-family posterior) or no kind (a Gaussian one)",
                    manifest.get("kind"))
     unknown = sorted(set(manifest) - _FIELDS, key=str)
     if unknown:
@@ -154,12 +154,12 @@ def check_ef_manifest(manifest):
             fail_field(f"config.{name}", f"{low} ≤ integer < {high}", config[name])
     num_example, num_shared = check_binding_fields(manifest)
     family = manifest.get("family")
-    names = manifest["latent"]["names"]
+    names = manifest["latent"]["names"] + manifest["latent"].get("discrete_names", [])
     if not isinstance(family, dict) or list(family) != names or not all(
             isinstance(v, str) and _IDENTIFIER.fullmatch(v) for v in family.values()):
         fail_field("family", f"an object naming the family of each latent site {names}, in that order", family)
     return check_array_entries(manifest, _NAME, {"natural", "grads", "prior", "ids"}, num_example, num_shared,
-                               what="a Beta/Gamma/Dirichlet posterior")
+                               what="an exponential-family posterior")
 
 
 def _inconsistent(name, expected, found):
@@ -211,7 +211,7 @@ def load_ef(path, model, manifest, arrays):
     check_ef_contents(manifest, arrays)
     dtype = manifest["dtype"]
     with jax.enable_x64(dtype == "float64"):
-        spec, data = bind_saved_model(path, model, manifest, arrays)
+        spec, data = bind_saved_model(path, model, manifest, arrays, allow_discrete=True)
         probe = ModelData(tuple(x if x.shape[0] else jnp.zeros((1, *x.shape[1:]), x.dtype) for x in data.per_example),
                           data.shared)  # the model is traced on one row: a zero row when none was kept
         try:
@@ -263,17 +263,10 @@ def _check_conjugate_prior(path, post, probe):
     r"""A conjugate-form prior is stored as :math:`\lambda_0 = -g_0`: :math:`\log p_0(x)` of the model
     minus the log density of that family member must be constant in :math:`x` (zero for a
     normalised prior), checked at a few draws of the posterior."""
-    spec = post.config.spec
-    draws = post.sample(jax.random.PRNGKey(0), _PRIOR_PROBES)
-    prior_q = post.evolve(state=post.state._replace(natural=-post.state.prior))
-    dists = prior_q.distributions()
-
-    def gap(point):
-        model = -constrained_prior_loss(spec, point, probe)
-        family = sum(jnp.sum(dists[k].log_prob(point[k])) for k in dists)
-        return model, model - family
-
-    model, diff = jax.vmap(gap)(draws)
+    spec, family = post.config.spec, post.family
+    draws = family.sample(jax.random.PRNGKey(0), post.natural, _PRIOR_PROBES)
+    model = jax.vmap(lambda point: -factor_prior_loss(spec, family, point, probe))(draws)
+    diff = model - family.log_prob(-post.state.prior, draws)
     model, diff = np.asarray(model), np.asarray(diff)
     rtol = 1e-8 if diff.dtype == np.float64 else 1e-3
     spread = float(np.max(diff) - np.min(diff)) if diff.size else 0.0

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .ef_product import ProductFamily, make_factor
+from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
@@ -133,6 +134,17 @@ class EFPosterior:
         """:math:`KL(q \\| q_{other})`."""
         return self.family.kl(self.natural, other.natural)
 
+    def to_arviz(self, key, num_samples=1000):
+        """ArviZ ``InferenceData`` with ``posterior`` (constrained draws of each latent site),
+        ``log_likelihood`` (one ``(chain, draw, N)`` variable per observed site of the data plate
+        and their sum ``"joint"`` when an example has several) and ``observed_data`` groups, one
+        chain of ``num_samples`` draws; see :func:`numpyro_pc.ef_eval.inference_data`.
+
+        :param key: a ``jax.random.PRNGKey``.
+        """
+        with jax.enable_x64(self.natural.dtype == jnp.float64):
+            return inference_data(self, key, num_samples)
+
     def to_guide_params(self, guide=None, args=(), kwargs=None):
         """The hand-written guide's params describing this posterior.
 
@@ -152,7 +164,7 @@ class EFPosterior:
         at the new fixed point (the batch posterior); ``"none"``: VCL, the old sites and prior
         term stay frozen and only the new sites are solved for."""
         if correction not in ("exact", "none"):
-            raise InvalidOptionError(f"correction for Beta/Gamma/Dirichlet posteriors is 'exact' or 'none'; "
+            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact' or 'none'; "
                                      f"got {correction!r}")
         spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate,
                                allow_discrete=True)
@@ -184,7 +196,7 @@ class EFPosterior:
         :raises UnknownExampleError: ids that are not held.
         """
         if method not in ("remove_site", "corrected"):
-            raise InvalidOptionError(f"method for Beta/Gamma/Dirichlet posteriors is 'remove_site' or 'corrected'; "
+            raise InvalidOptionError(f"method for exponential-family posteriors is 'remove_site' or 'corrected'; "
                                      f"got {method!r}")
         wanted = np.asarray(as_ids(ids))
         held = np.asarray(self.ids)
@@ -367,21 +379,3 @@ def merge_ef(a, b, refine=False, tol=None, max_iters=200):
     if refine:
         merged = _solve(merged, data, ids, lam, tol, max_iters, True)
     return merged
-
-
-# ---------------------------------------------------------------- ArviZ export (issue 13)
-def _to_arviz(self, key, num_samples=1000):
-    """ArviZ ``InferenceData`` with ``posterior`` (constrained draws of each latent site),
-    ``log_likelihood`` (one ``(chain, draw, N)`` variable per observed site of the data plate
-    and their sum ``"joint"`` when an example has several) and ``observed_data`` groups, one
-    chain of ``num_samples`` draws; see :func:`numpyro_pc.ef_eval.inference_data`.
-
-    :param key: a ``jax.random.PRNGKey``.
-    """
-    from .ef_eval import inference_data  # the model evaluation at constrained draws
-
-    with jax.enable_x64(self.natural.dtype == jnp.float64):
-        return inference_data(self, key, num_samples)
-
-
-EFPosterior.to_arviz = _to_arviz

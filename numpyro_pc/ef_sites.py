@@ -1,4 +1,4 @@
-r"""Sites of a Beta/Gamma/Dirichlet posterior and the BLR fixed point over them (paper §2).
+r"""Sites of an exponential-family product posterior and the BLR fixed point over them (paper §2).
 
 In a minimal exponential family the site of loss :math:`\ell_i` at :math:`q` is linear in
 the sufficient statistics,
@@ -119,9 +119,11 @@ class EFConfig:
             without a rule for every site; fewer draws than four per natural parameter integrated
             by draws (a Gaussian block's regression needs them).
         """
-        if expectation not in ("auto", "quadrature", "mc"):
-            raise InvalidOptionError(f"expectation for exponential-family products must be 'auto', 'quadrature' or "
-                                     f"'mc'; got {expectation!r}")
+        if expectation not in ("auto", "quadrature", "mixed", "mc"):
+            raise InvalidOptionError(f"expectation for exponential-family products must be 'auto', 'quadrature', "
+                                     f"'mixed' or 'mc'; got {expectation!r}")
+        if expectation == "mixed" and (family.has_rule() or not any(f.has_rule for f in family.factors)):
+            raise InvalidOptionError("'mixed' needs some sites with a rule (scalar or discrete) and some without")
         if expectation == "quadrature" and not family.has_rule():
             raise InvalidOptionError("quadrature needs every latent site to be a scalar continuous site or a discrete "
                                      "site; use 'mc'")
@@ -136,7 +138,7 @@ class EFConfig:
                 nodes -= 1
             if family.grid_size(nodes) * draws <= cap:
                 choice = cls(spec, family, "quadrature" if draws == 1 else "mixed", nodes, num_samples, int(seed))
-            elif expectation == "quadrature":
+            elif expectation in ("quadrature", "mixed"):
                 raise InvalidOptionError(f"a tensor Gauss rule over {len(family.factors)} sites exceeds {cap} points; "
                                          "use 'mc'")
         if choice is None:

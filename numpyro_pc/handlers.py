@@ -14,7 +14,7 @@ With ``C`` every retained example and the prior, the corrected model's posterior
 exact posterior given all data. The building block is :class:`posterior_prior`, a
 ``Messenger`` that replaces each latent site's prior with an improper flat density on the
 same support and adds one factor ``log q_t(z) − log|det J_T(z)|``, so that inference in
-unconstrained space sees exactly ``q_t(z)``. For a Beta/Gamma/Dirichlet
+unconstrained space sees exactly ``q_t(z)``. For an exponential-family
 :class:`~numpyro_pc.ef_posterior.EFPosterior` (a mean-field product over the constrained
 values) the posterior as prior is simply each latent site's distribution replaced by its
 factor. Inner evaluations run under ``block`` and never leak sites to outer handlers.
@@ -50,7 +50,7 @@ class posterior_prior(Messenger):
     support; after the model has run, a factor site ``"_pc_posterior_prior"`` adds
     ``log q_t(z)`` minus the log-Jacobian that inference adds back for the constrained sites.
 
-    Beta/Gamma/Dirichlet posterior: each latent site's distribution becomes its factor
+    exponential-family posterior: each latent site's distribution becomes its factor
     (``posterior.distributions()``, with the site's event dimensions); the product of the
     factors is the posterior, so no factor site is added.
 
@@ -71,17 +71,19 @@ class posterior_prior(Messenger):
                 raise InvalidOptionError("extra_log_density (correction terms) needs a Gaussian dual-form posterior; "
                                          "found an EFPosterior")
             self._factors = posterior.distributions()
-            self._latent = posterior.config.spec.latent
+            latent = posterior.config.spec.latent
+            self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
         else:
             require_gaussian(posterior, "posterior_prior")
             self._latent = posterior.latent
+            self._shapes = dict(zip(posterior.latent.names, posterior.latent.shapes))
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
         super().__init__(fn)
 
     def process_message(self, msg):
-        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self._latent.names:
+        if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self._shapes:
             fn = msg["fn"]
             if self._factors is None:
                 msg["fn"] = dist.ImproperUniform(fn.support, fn.batch_shape, fn.event_shape)
@@ -90,7 +92,7 @@ class posterior_prior(Messenger):
 
     def _factor(self, name, fn):
         """The site's factor with the model distribution's batch and event shapes."""
-        expected = tuple(self._latent.shapes[self._latent.names.index(name)])
+        expected = tuple(self._shapes[name])
         found = tuple(fn.batch_shape) + tuple(fn.event_shape)
         factor = self._factors[name]
         extra = len(fn.event_shape) - len(factor.event_shape)
@@ -104,12 +106,11 @@ class posterior_prior(Messenger):
     def postprocess_message(self, msg):
         if msg["type"] != "sample" or msg["is_observed"] or msg["infer"].get("is_auxiliary"):
             return
-        latent = self._latent
-        if msg["name"] not in latent.names:
+        if msg["name"] not in self._shapes:
             raise ModelMismatchError(
                 f"the model samples a latent site {msg['name']!r} that the posterior does not have (its latent sites "
-                f"are {list(latent.names)}); a posterior can only act as the prior of the model it was fitted to.")
-        expected = latent.shapes[latent.names.index(msg["name"])]
+                f"are {list(self._shapes)}); a posterior can only act as the prior of the model it was fitted to.")
+        expected = self._shapes[msg["name"]]
         if tuple(jnp.shape(msg["value"])) != tuple(expected):
             raise ModelMismatchError(
                 f"latent site {msg['name']!r} has shape {tuple(jnp.shape(msg['value']))} in this model but "
@@ -120,12 +121,12 @@ class posterior_prior(Messenger):
         self._values = {}
         with self:
             out = self.fn(*args, **kwargs)
-            latent = self._latent
-            missing = [n for n in latent.names if n not in self._values]
+            missing = [n for n in self._shapes if n not in self._values]
             if missing:
                 raise ModelMismatchError(f"the model did not sample the posterior's latent sites {missing}")
             if self._factors is not None:  # the factors are the posterior: nothing to add
                 return out
+            latent = self._latent
             unconstrained, log_det = {}, 0.0
             for name in latent.names:
                 value, support = self._values[name]

@@ -99,7 +99,7 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     """Write ``post`` to ``path`` atomically (see the module docstring for the format).
 
     The file is checked as :func:`load` would check it before anything is written, so a
-    save that succeeds can be loaded back. A Beta/Gamma/Dirichlet
+    save that succeeds can be loaded back. An exponential-family
     :class:`~numpyro_pc.ef_posterior.EFPosterior` is written by :func:`numpyro_pc.ef_io.save_ef`
     through the same container.
 
@@ -253,9 +253,10 @@ def _representable(dtype):
     return jax.dtypes.canonicalize_dtype(dtype) == dtype
 
 
-def bind_saved_model(path, model, manifest, arrays):
+def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
     """Bind ``model`` to the argument layout saved in ``manifest`` and check it is the saved
-    model (latent sites, observed sites, fingerprint).
+    model (latent sites, observed sites, fingerprint); ``allow_discrete`` for posteriors with
+    discrete factors.
 
     :return: ``(spec, data)`` with the saved data rows.
     :raises SavedModelMismatchError:
@@ -266,7 +267,7 @@ def bind_saved_model(path, model, manifest, arrays):
     probe = [x[:1] if x.shape[0] else np.zeros((1, *x.shape[1:]), x.dtype) for x in per_example]
     args, kwargs = _rebuild_args(manifest["arguments"], probe, shared)
     try:
-        spec, _ = bind_model(model, args, kwargs, data_plate=manifest["plate"],
+        spec, _ = bind_model(model, args, kwargs, data_plate=manifest["plate"], allow_discrete=allow_discrete,
                              shared=tuple(m["name"] for m in _entries(manifest["arguments"]) if m["kind"] == "shared"))
     except Exception as err:  # the model is user code run on the saved layout: any failure is a mismatch
         raise SavedModelMismatchError(f"the model cannot be bound to the argument layout saved in {path}: "

@@ -135,4 +135,8 @@ class LatentSpace:
 
     def signature(self):
         """JSON-friendly description used to check that two objects share a model."""
-        return {"names": list(self.names), "unconstrained_shapes": [list(s) for s in self.unconstrained_shapes]}
+        out = {"names": list(self.names), "unconstrained_shapes": [list(s) for s in self.unconstrained_shapes]}
+        if self.discrete_names:  # only then, so files without discrete latents keep their manifest
+            out["discrete_names"] = list(self.discrete_names)
+            out["discrete_shapes"] = [list(s) for s in self.discrete_shapes]
+        return out

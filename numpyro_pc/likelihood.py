@@ -173,9 +173,9 @@ def example_loss(spec, z, example, shared, discrete=None):
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
-def example_site_log_likelihoods(spec, z, example, shared):
+def example_site_log_likelihoods(spec, z, example, shared, discrete=None):
     """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
-    trace = trace_at(spec, z, _example_args(example), shared)
+    trace = trace_at(spec, z, _example_args(example), shared, discrete)
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
 

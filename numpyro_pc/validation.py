@@ -165,13 +165,21 @@ def check_binding_fields(manifest):
     :raises CorruptFileError: a field is missing, of the wrong type or out of range.
     """
     latent = manifest.get("latent")
-    if not isinstance(latent, dict) or set(latent) != {"names", "unconstrained_shapes"} \
+    if not isinstance(latent, dict) or set(latent) not in ({"names", "unconstrained_shapes"}, {
+            "names", "unconstrained_shapes", "discrete_names", "discrete_shapes"}) \
             or not isinstance(latent["names"], list) or not all(isinstance(n, str) for n in latent["names"]) \
             or not isinstance(latent["unconstrained_shapes"], list) \
             or len(latent["names"]) != len(latent["unconstrained_shapes"]):
         _fail("latent", "an object with 'names' and 'unconstrained_shapes' of equal length", latent)
     for k, shape in enumerate(latent["unconstrained_shapes"]):
         _ints(shape, f"latent.unconstrained_shapes[{k}]")
+    if "discrete_names" in latent:  # posteriors with discrete factors (numpyro_pc.ef_discrete)
+        names, shapes = latent["discrete_names"], latent["discrete_shapes"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not isinstance(shapes, list) \
+                or len(names) != len(shapes) or not names:
+            _fail("latent", "'discrete_names' and 'discrete_shapes' lists of equal, non-zero length", latent)
+        for k, shape in enumerate(shapes):
+            _ints(shape, f"latent.discrete_shapes[{k}]")
     if not isinstance(manifest.get("plate"), str):
         _fail("plate", "a string", manifest.get("plate"))
     observed = manifest.get("observed")

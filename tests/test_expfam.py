@@ -413,7 +413,7 @@ def test_rule_choice():
     assert EFConfig.make(None, ProductFamily((BetaFactor("p", (3,)),))).rule == "mc"
     with pytest.raises(InvalidOptionError, match="scalar continuous site or a discrete"):
         EFConfig.make(None, ProductFamily((DirichletFactor("pi", (3,)),)), "quadrature")
-    with pytest.raises(InvalidOptionError, match="'auto', 'quadrature' or 'mc'"):
+    with pytest.raises(InvalidOptionError, match="'auto', 'quadrature', 'mixed' or 'mc'"):
         EFConfig.make(None, scalars, "gh")
 
 

@@ -339,3 +339,28 @@ def test_mixed_user_story_update_and_delete(x64):
     _close(post.delete(np.arange(25, n), method="corrected").natural, head.natural)
     with pytest.raises(InvalidOptionError, match="num_samples"):
         pc.fit(story, *args, family=family, num_samples=8, **kw)
+
+
+# ---------------------------------------------------------------- adaptations with the new factors
+def test_save_load_arviz_and_prior_handler_with_gaussian_and_discrete_factors(x64, tmp_path):
+    X, y = _regression_data()
+    post = pc.fit(regression, jnp.asarray(X[:30]), y=jnp.asarray(y[:30]), family={"tau": "gamma", "w": "full"})
+    pc.save(post, tmp_path / "reg.npz")
+    loaded = pc.load(tmp_path / "reg.npz", regression)
+    _close(loaded.natural, post.natural, 1e-12)
+    more = (jnp.asarray(X[30:]),), dict(y=jnp.asarray(y[30:]))
+    _close(loaded.update(*more[0], **more[1]).natural, post.update(*more[0], **more[1]).natural, 1e-12)
+
+    yd = jnp.asarray(np.random.default_rng(5).normal(0.6, 1.0, 6))
+    mixed = pc.fit(shifted, y=yd, family={"mu": "normal", "z": "bernoulli"})
+    pc.save(mixed, tmp_path / "switch.npz")
+    _close(pc.load(tmp_path / "switch.npz", shifted).natural, mixed.natural, 1e-12)
+    idata = mixed.to_arviz(jax.random.PRNGKey(0), num_samples=20)
+    mu, z = np.asarray(idata.posterior["mu"])[0], np.asarray(idata.posterior["z"])[0]
+    want = stats.norm(mu[:, None] + DELTA * z[:, None], 1.0).logpdf(np.asarray(yd)[None])
+    _close(np.asarray(idata.log_likelihood["y"])[0], want, 1e-10)
+
+    y3 = jnp.asarray(np.random.default_rng(4).poisson(2.0, 12).astype(float))
+    first = pc.fit(three_way, y=y3[:5], family={"z": "categorical"})
+    chained = pc.fit(pc.handlers.posterior_prior(three_way, first), y=y3[5:], family={"z": "categorical"})
+    _close(chained.mean()["z"], pc.fit(three_way, y=y3, family={"z": "categorical"}).mean()["z"], 1e-10)
