@@ -160,14 +160,18 @@ class count_compilations:
         print(compiled.count)
 
     :ivar int count: compilations seen so far.
+    :ivar list names: the compiled functions' names, in order (e.g. to tell an expensive
+        program from the tiny ones eager array operations compile for new shapes).
     """
 
     def __init__(self):
         self.count = 0
+        self.names = []
 
     def _listen(self, event, seconds, **kwargs):
         if "backend_compile" in event:
             self.count += 1
+            self.names.append(str(kwargs.get("fun_name", "")))
 
     def __enter__(self):
         jax.monitoring.register_event_duration_secs_listener(self._listen)

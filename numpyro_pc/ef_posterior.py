@@ -37,6 +37,7 @@ from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionE
                      UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
 from .rowops import as_ids, join_rows, take_rows
+from .rows import pad_to_bucket
 
 __all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "site_names", "default_tol"]
 
@@ -52,13 +53,29 @@ class EFState(NamedTuple):
 
 
 @partial(jax.jit, static_argnums=(0, 3))
-def _target(config, lam, data, prior_active, const):
-    """:math:`\\tau(\\lambda) = c - \\sum_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``."""
+def _target(config, lam, data, prior_active, const, weights):
+    """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
+    (``weights`` 0 on the rows that only pad the data to its bucket)."""
     sites = compute_sites(config, lam, data)
-    tau = const - jnp.sum(sites.grads, 0)
+    tau = const - weights @ sites.grads
     if prior_active:
         tau = tau - sites.prior
     return tau, sites
+
+
+def _bucketed_target(config, data, prior_active, const):
+    """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.rows.bucket_size` rows
+    (repeats of the last row with weight 0), so that batches of other sizes reuse the same
+    compiled site computation; the sites returned are those of the real rows."""
+    num = int(data.per_example[0].shape[0])
+    padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
+    cfg = _rows(config, int(weights.shape[0]))
+
+    def target(lam):
+        tau, sites = _target(cfg, lam, padded, prior_active, const, weights)
+        return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
+
+    return target
 
 
 class EFPosterior:
@@ -178,9 +195,8 @@ class EFPosterior:
                           raise_on_failure)
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
         const = self.natural
-        cfg = _rows(self.config, spec.num_examples)
         tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, new, False, const), self.family.in_domain,
+        lam, sites, info = blr_solve(_bucketed_target(self.config, new, False, const), self.family.in_domain,
                                      self.natural, tol, max_iters, raise_on_failure=raise_on_failure)
         state = EFState(lam, jnp.concatenate([self.state.grads, sites.grads]), self.state.prior,
                         jnp.concatenate([self.ids, ids]))
@@ -250,7 +266,7 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
     cfg = _rows(post.config, num)
     tol = default_tol(start.dtype) if tol is None else tol
     const = -post.state.prior if post.conjugate_prior else jnp.zeros_like(start)
-    lam, sites, info = blr_solve(lambda lam: _target(cfg, lam, data, not post.conjugate_prior, const),
+    lam, sites, info = blr_solve(_bucketed_target(cfg, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
     prior = post.state.prior if post.conjugate_prior else sites.prior
     state = EFState(lam, sites.grads, prior, ids)
@@ -303,7 +319,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     lam = jnp.asarray(lam, jnp.result_type(float))
     if not bool(fam.in_domain(lam)):
         raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
-    _, sites = _target(cfg, lam, data, True, jnp.zeros_like(lam))
+    _, sites = _bucketed_target(cfg, data, True, jnp.zeros_like(lam))(lam)
     conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
     ids = jnp.arange(spec.num_examples)
     post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)

@@ -107,12 +107,12 @@ class EFConfig:
 
     @classmethod
     def make(cls, spec, family, expectation="auto", num_nodes=32, num_samples=None, seed=0, max_points=4096,
-             max_mixed_points=8192):
+             max_mixed_points=1024):
         """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
         grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
         to 4); else the mixed design when the grid times the draws fits in
         ``max_mixed_points``; else Monte Carlo. ``num_samples`` defaults to 2048 draws for
-        Monte Carlo and 256 for the mixed design (its draws stand for vector sites only;
+        Monte Carlo and 64 for the mixed design (its draws stand for vector sites only;
         Gaussian blocks are exact for quadratic losses with any number of moment-matched draws).
 
         :raises InvalidOptionError: an unknown ``expectation``; ``"quadrature"`` for a family
@@ -130,7 +130,7 @@ class EFConfig:
         choice = None
         if expectation != "mc" and any(f.has_rule for f in family.factors):
             mixed = not family.has_rule()
-            num_samples = int(num_samples if num_samples is not None else 256 if mixed else 2048)
+            num_samples = int(num_samples if num_samples is not None else 64 if mixed else 2048)
             draws = num_samples if mixed else 1
             cap = max_points if draws == 1 else max_mixed_points
             nodes = int(num_nodes)
@@ -329,9 +329,10 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
     ``memory`` iterates (type II; Walker & Ni, 2011): with :math:`f_k = \tau(\lambda_k) - \lambda_k`
     and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate is
     :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`. It is used only when it
-    lies inside the domain; otherwise, and whenever the residual exceeds the largest of the
-    last three (the history is then cleared and the step halved), the safeguarded plain
-    step is taken. The test is non-monotone because simultaneous updates of the factors of
+    lies inside the domain; otherwise the safeguarded plain step is taken. When the residual
+    exceeds the largest of the last three, the history is cleared, and the step is halved
+    if the step that made it worse was a plain one; a residual below the smallest of the
+    last three doubles the step again (up to ``rho``). The test is non-monotone because simultaneous updates of the factors of
     a product oscillate on their way to the fixed point (a residual that alternates between
     two decreasing sequences, as coordinate-ascent VB updated in parallel does). A conjugate model still converges in one
     step (there is no history at the first step).
@@ -350,6 +351,7 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
                                f"parameter: {np.asarray(lam).tolist()}")
     recent = []  # the last few residuals: a non-monotone test, since block (Jacobi-type) updates oscillate
+    accelerated = False
     step = float(rho)
     lams, fs = [], []
     for it in range(max_iters + 1):
@@ -363,14 +365,18 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
         if it == max_iters:
             break
         if recent and res > max(recent):
-            step = max(step * 0.5, 1e-3)
-            lams, fs = [], []
+            if not accelerated:  # a plain step made it worse: damp
+                step = max(step * 0.5, 1e-3)
+            lams, fs = [], []  # either way the secant history is stale
+        elif recent and res < min(recent):
+            step = min(2.0 * step, float(rho))  # progress again: let the damping recover
         recent = (recent + [res])[-3:]
         lams.append(lam)
         fs.append(target - lam)
         lams, fs = lams[-(memory + 1):], fs[-(memory + 1):]
         cand = _anderson(lams, fs, step) if memory and len(fs) > 1 else None
-        if cand is None or not bool(in_domain(cand)):
+        accelerated = cand is not None and bool(in_domain(cand))
+        if not accelerated:
             cand = _plain_step(lam, target, step, in_domain)
         lam = cand
     info = SolveInfo(max_iters, res, False, step)

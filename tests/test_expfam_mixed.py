@@ -364,3 +364,19 @@ def test_save_load_arviz_and_prior_handler_with_gaussian_and_discrete_factors(x6
     first = pc.fit(three_way, y=y3[:5], family={"z": "categorical"})
     chained = pc.fit(pc.handlers.posterior_prior(three_way, first), y=y3[5:], family={"z": "categorical"})
     _close(chained.mean()["z"], pc.fit(three_way, y=y3, family={"z": "categorical"}).mean()["z"], 1e-10)
+
+
+def test_batches_of_other_sizes_reuse_the_compiled_sites(x64):
+    from numpyro_pc.diagnostics import count_compilations
+
+    y = np.random.default_rng(8).normal(1.0, 0.8, 40)
+    family = {"tau": "gamma", "mu": "normal"}
+    post = pc.fit(normal_gamma, y=jnp.asarray(y[:18]), family=family)
+    post = post.update(y=jnp.asarray(y[18:21]))  # 21 rows: bucket 32, compiled here
+    with count_compilations() as compiled:
+        grown = post.update(y=jnp.asarray(y[21:26])).update(y=jnp.asarray(y[26:30]))  # 26, 30 rows: bucket 32
+        shrunk = grown.delete(np.arange(3), method="corrected")  # 27 rows
+    # the site computation (one program per bucket) is not compiled again; binding a new batch still
+    # compiles a few tiny eager operations for its new shape
+    assert compiled.count > 0 and not [n for n in compiled.names if "_target" in n or "compute_sites" in n]
+    _close(shrunk.natural, pc.fit(normal_gamma, y=jnp.asarray(y[3:30]), family=family).natural)
