@@ -37,7 +37,10 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
     4. Merging and federated learning: two half-data posteriors merged with every method;
        10 non-IID clients reaching the joint posterior; writes ``merging_federated.png``.
-    5. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
+    5. Exponential-family posterior: a regression with a full Gaussian weight block and a
+       Gamma noise precision on the unscaled diabetes data, streamed and pruned, checked
+       against closed-form coordinate ascent; writes ``expfam.png``.
+    6. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
        hyperparameters and inducing inputs; writes ``streaming_gp.png``.
 
     :return: a dict of the measured numbers.
@@ -108,6 +111,9 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
         from .federated.demo import demo_merging_federated
 
         merging = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
+        from .ef_demo import demo_expfam
+
+        expfam = demo_expfam(out, plt, fast)
         try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
             from .gp.demo import demo_streaming_gp
         except ImportError:
@@ -117,7 +123,7 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
             streaming_gp = demo_streaming_gp(out, plt, fast, seed)
         return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
                     timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming,
-                    merging_federated=merging, streaming_gp=streaming_gp, trust=trust, criticism=criticism)
+                    merging_federated=merging, expfam=expfam, streaming_gp=streaming_gp, trust=trust, criticism=criticism)
 
 
 def _demo_criticism(post, X, y, out, plt, fit_seconds):
