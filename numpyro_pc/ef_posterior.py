@@ -176,13 +176,24 @@ class EFPosterior:
         return write_params(gmap, self.family, self.natural)
 
     # ------------------------------------------------------------------ operations
-    def update(self, *args, correction="exact", tol=None, max_iters=200, raise_on_failure=True, **kwargs):
-        """Add a batch (paper §3.1). ``correction="exact"``: every retained site is recomputed
-        at the new fixed point (the batch posterior); ``"none"``: VCL, the old sites and prior
-        term stay frozen and only the new sites are solved for."""
-        if correction not in ("exact", "none"):
-            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact' or 'none'; "
-                                     f"got {correction!r}")
+    def update(self, *args, correction="exact", memory=None, seed=0, tol=None, max_iters=200,
+               raise_on_failure=True, **kwargs):
+        """Add a batch (paper §3.1, eq. ``vcl_correction``).
+
+        :param str correction: which stale sites are recomputed at the new fixed point —
+            ``"exact"``: all of them (the batch posterior); ``"none"``: none (VCL: the old sites
+            and prior term stay frozen, only the new sites are solved for); ``"prior"``: the
+            prior term (differs from ``"none"`` only for a prior that is not conjugate-form);
+            ``"memory"``: the prior term and the sites of a memory set of past examples.
+        :param memory: for ``"memory"``: a fraction of the retained examples drawn with ``seed``,
+            or the example ids to correct.
+        """
+        if correction not in ("exact", "none", "prior", "memory"):
+            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact', 'none', 'prior' or "
+                                     f"'memory'; got {correction!r} (weighted and stochastic corrections are "
+                                     "written for Gaussian posteriors)")
+        if (memory is not None) != (correction == "memory"):
+            raise InvalidOptionError("memory= goes with correction='memory' (and that correction needs it)")
         spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate,
                                allow_discrete=True)
         if spec.latent != self.config.spec.latent or spec.observed != self.config.spec.observed:
@@ -194,15 +205,39 @@ class EFPosterior:
             post = _solve(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
                           raise_on_failure)
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
-        const = self.natural
+        rows = self._memory_rows(memory, seed) if correction == "memory" else np.zeros(0, int)
+        prior_active = correction != "none" and not self.conjugate_prior
+        const = self.natural + jnp.sum(self.state.grads[rows], 0)  # the corrected sites leave the constant
+        if prior_active:
+            const = const + self.state.prior
+        active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(self.data.per_example,
+                                                                                  new.per_example)), new.shared)
         tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(_bucketed_target(self.config, new, False, const), self.family.in_domain,
-                                     self.natural, tol, max_iters, raise_on_failure=raise_on_failure)
-        state = EFState(lam, jnp.concatenate([self.state.grads, sites.grads]), self.state.prior,
-                        jnp.concatenate([self.ids, ids]))
+        lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
+                                     self.family.in_domain, self.natural, tol, max_iters,
+                                     raise_on_failure=raise_on_failure)
+        grads = self.state.grads.at[rows].set(sites.grads[:rows.size])
+        state = EFState(lam, jnp.concatenate([grads, sites.grads[rows.size:]]),
+                        sites.prior if prior_active else self.state.prior, jnp.concatenate([self.ids, ids]))
         return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
                            data=_join(self.data, new), state=state,
-                           record=dict(operation="update", correction="none", **info._asdict()))
+                           record=dict(operation="update", correction=correction, corrected=int(rows.size),
+                                       **info._asdict()))
+
+    def _memory_rows(self, memory, seed):
+        """Positions of the memory set: a fraction drawn with ``seed``, or the rows of given ids."""
+        num = self.num_examples
+        if isinstance(memory, float) and not isinstance(memory, bool):
+            if not 0.0 <= memory <= 1.0:
+                raise InvalidOptionError(f"memory as a fraction must lie in [0, 1]; got {memory}")
+            count = int(round(memory * num))
+            return np.sort(np.random.default_rng(seed).choice(num, count, replace=False))
+        wanted = np.asarray(as_ids(memory))
+        held = np.asarray(self.ids)
+        missing = sorted(set(wanted.tolist()) - set(held.tolist()))
+        if missing:
+            raise UnknownExampleError(f"memory ids {missing[:10]} are not in this posterior")
+        return np.flatnonzero(np.isin(held, wanted))
 
     def delete(self, ids, method="remove_site", tol=None, max_iters=200, raise_on_failure=True):
         """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;

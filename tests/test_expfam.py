@@ -325,8 +325,8 @@ def test_refusals_are_typed(x64):
     post = pc.fit(beta_bernoulli, y=y, family={"p": "beta"})
     with pytest.raises(pc.UnknownExampleError):
         post.delete([999])
-    with pytest.raises(pc.errors.InvalidOptionError, match="'exact' or 'none'"):
-        post.update(y=y, correction="memory")
+    with pytest.raises(pc.errors.InvalidOptionError, match="'exact', 'none', 'prior' or 'memory'"):
+        post.update(y=y, correction="weighted")
     with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
         post.delete([0], method="influence")
     # the Gaussian-only operations refuse it with a typed error, not an AttributeError

@@ -380,3 +380,25 @@ def test_batches_of_other_sizes_reuse_the_compiled_sites(x64):
     # compiles a few tiny eager operations for its new shape
     assert compiled.count > 0 and not [n for n in compiled.names if "_target" in n or "compute_sites" in n]
     _close(shrunk.natural, pc.fit(normal_gamma, y=jnp.asarray(y[3:30]), family=family).natural)
+
+
+def test_memory_and_prior_corrections(x64):
+    y = np.random.default_rng(9).normal(1.0, 0.8, 30)
+    family = {"tau": "gamma", "mu": "normal"}
+    first = pc.fit(normal_gamma, y=jnp.asarray(y[:20]), family=family)
+    batch = dict(y=jnp.asarray(y[20:]))
+    exact = first.update(**batch, correction="exact")
+    every = first.update(**batch, correction="memory", memory=np.asarray(first.ids))  # every stale site: exact
+    _close(every.natural, exact.natural)
+    _close(first.update(**batch, correction="memory", memory=1.0).natural, exact.natural)
+    none = first.update(**batch, correction="none")
+    prior = first.update(**batch, correction="memory", memory=0.0)  # the prior term only (not conjugate-form)
+    _close(prior.natural, first.update(**batch, correction="prior").natural)
+    half = first.update(**batch, correction="memory", memory=0.5)
+    gaps = [float(p.kl(exact)) for p in (none, prior, half)]
+    assert gaps[0] > 0 and gaps[2] < gaps[0], gaps  # correcting more stale sites moves toward the batch posterior
+    assert half.record["corrected"] == 10 and half.residual() < 1e-9
+    with pytest.raises(InvalidOptionError, match="memory="):
+        first.update(**batch, correction="memory")
+    with pytest.raises(pc.UnknownExampleError):
+        first.update(**batch, correction="memory", memory=[999])
