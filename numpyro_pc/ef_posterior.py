@@ -21,6 +21,7 @@ sites are exact and constant, so all of these are exact Bayes.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -33,8 +34,8 @@ from .ef_product import ProductFamily, make_factor
 from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
-from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, OutOfDomainError,
-                     UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
+from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, MonteCarloErrorWarning,
+                     OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
 from .rowops import as_ids, join_rows, take_rows
 from .rows import pad_to_bucket
@@ -53,26 +54,27 @@ class EFState(NamedTuple):
 
 
 @partial(jax.jit, static_argnums=(0, 3))
-def _target(config, lam, data, prior_active, const, weights):
+def _target(config, lam, data, prior_active, const, weights, seed):
     """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
     (``weights`` 0 on the rows that only pad the data to its bucket)."""
-    sites = compute_sites(config, lam, data)
+    sites = compute_sites(config, lam, data, seed)
     tau = const - weights @ sites.grads
     if prior_active:
         tau = tau - sites.prior
     return tau, sites
 
 
-def _bucketed_target(config, data, prior_active, const):
+def _bucketed_target(config, data, prior_active, const, seed=None):
     """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.rows.bucket_size` rows
     (repeats of the last row with weight 0), so that batches of other sizes reuse the same
     compiled site computation; the sites returned are those of the real rows."""
     num = int(data.per_example[0].shape[0])
     padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
     cfg = _rows(config, int(weights.shape[0]))
+    seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
 
     def target(lam):
-        tau, sites = _target(cfg, lam, padded, prior_active, const, weights)
+        tau, sites = _target(cfg, lam, padded, prior_active, const, weights, seed)
         return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
 
     return target
@@ -305,8 +307,28 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
                                  post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
     prior = post.state.prior if post.conjugate_prior else sites.prior
     state = EFState(lam, sites.grads, prior, ids)
-    return post.evolve(config=cfg, data=data, state=state, record=dict(info._asdict(),
-                       max_site_nonlinearity=float(jnp.max(sites.residual))))
+    record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
+    if cfg.rule != "quadrature" and info.converged:
+        record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
+    return post.evolve(config=cfg, data=data, state=state, record=record)
+
+
+def _draw_error(config, data, prior_active, const, lam, tol):
+    """The fixed point's residual under an independent set of draws (seed + 1).
+
+    The solver reaches the fixed point of the expectations under *its* draws; the residual a
+    second set sees at that point estimates how far the answer is from the family's true
+    optimum (0 up to rounding for conjugate losses, whose sites are exact whatever the
+    points). Warned about when well above the tolerance.
+    """
+    other, _ = _bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
+    residual = relative_residual(lam, other)
+    if residual > 100 * tol:
+        warnings.warn(f"the fixed point's residual is below {tol:g} for its own {config.num_samples} draws but "
+                      f"{residual:.1e} for independent draws: the answer is only as accurate as the Monte Carlo "
+                      "error of the draws; raise num_samples (or give vector sites scalar factors with Gauss rules)",
+                      MonteCarloErrorWarning, stacklevel=4)
+    return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
 
 
 def site_names(spec):

@@ -162,9 +162,14 @@ class EFSites(NamedTuple):
     prior_residual: jax.Array
 
 
-def design(config, lam):
-    """Points standing for ``q``: ``(values dict (S, ...), weights (S,))`` in the factors' coordinates."""
-    return config.family.design(lam, config.num_nodes, config.num_samples, config.seed,
+def design(config, lam, seed=None):
+    """Points standing for ``q``: ``(values dict (S, ...), weights (S,))`` in the factors' coordinates.
+
+    :param seed: the draws' seed (an integer or a traced integer array, so that a check with
+        another seed reuses the compiled program); default ``config.seed``.
+    """
+    seed = config.seed if seed is None else seed
+    return config.family.design(lam, config.num_nodes, config.num_samples, seed,
                                 use_rules=config.rule != "mc")
 
 
@@ -267,7 +272,7 @@ def regress(stats, weights, targets):
 
 
 @partial(jax.jit, static_argnums=0)
-def compute_sites(config, lam, data):
+def compute_sites(config, lam, data, seed=None):
     r""":class:`EFSites` of every example and of the prior term at ``lam``.
 
     Factors on constrained values and discrete factors: the regression of the losses on their
@@ -277,10 +282,11 @@ def compute_sites(config, lam, data):
     for a loss quadratic in the block whatever the points as long as they reproduce the mean —
     which a regression on the block's own statistics is not when the loss couples its elements.
     The prior term counts as conjugate-form when it is linear in *all* statistics (one more
-    regression on the full design, for its residual only).
+    regression on the full design, for its residual only). ``seed`` overrides the draws'
+    seed (see :func:`design`).
     """
     family = config.family
-    values, weights = design(config, lam)
+    values, weights = design(config, lam, seed)
     per, prior = point_losses(config.spec, family, values, data)
     targets = jnp.concatenate([per, prior[None]], 0)
     regressed = [f for f in family.factors if f.space != "unconstrained"]

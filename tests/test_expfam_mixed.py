@@ -402,3 +402,30 @@ def test_memory_and_prior_corrections(x64):
         first.update(**batch, correction="memory")
     with pytest.raises(pc.UnknownExampleError):
         first.update(**batch, correction="memory", memory=[999])
+
+
+def test_monte_carlo_error_is_estimated_with_independent_draws(x64):
+    from numpyro_pc.errors import MonteCarloErrorWarning
+
+    def grouped_misclassified(g, y=None):
+        p = numpyro.sample("p", dist.Beta(2.0, 2.0).expand([3]).to_event(1))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(probs=0.1 + 0.8 * p[g]), obs=y)
+
+    def grouped(g, y=None):
+        p = numpyro.sample("p", dist.Beta(2.0, 2.0).expand([3]).to_event(1))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(probs=p[g]), obs=y)
+
+    rng = np.random.default_rng(10)
+    g = jnp.asarray(rng.integers(0, 3, 60))
+    y = jnp.asarray(rng.binomial(1, 0.4, 60).astype(float))
+    exact = pc.fit(grouped, g, y=y, family={"p": "beta"})  # conjugate: the regression is exact for any draws
+    assert exact.config.rule == "mc" and exact.record["expectation_error"]["independent_draws_residual"] < 1e-9
+    with pytest.warns(MonteCarloErrorWarning, match="independent draws"):
+        rough = pc.fit(grouped_misclassified, g, y=y, family={"p": "beta"}, num_samples=64)
+    with pytest.warns(MonteCarloErrorWarning):  # smaller, still far above the tolerance of 1e-10
+        finer = pc.fit(grouped_misclassified, g, y=y, family={"p": "beta"}, num_samples=4096)
+    # the estimate is the Monte Carlo error: it falls with more draws (1/sqrt(S): ~8x for 64x the draws)
+    errors = [p.record["expectation_error"]["independent_draws_residual"] for p in (rough, finer)]
+    assert errors[1] < errors[0] / 3, errors
