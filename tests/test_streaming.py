@@ -215,17 +215,18 @@ def test_stochastic_with_an_epoch_budget_stops_there_and_beats_vcl(x64):
 
 
 def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
-    from numpyro_pc.stochastic import _sag_step, subset_bucket
+    from numpyro_pc.diagnostics import count_compilations
+    from numpyro_pc.stochastic import subset_bucket
 
     assert [subset_bucket(n) for n in (1, 8, 9, 10, 11, 13, 16, 17, 100, 129)] == [8, 8, 10, 10, 12, 14, 16, 20,
                                                                                    112, 160]
     X, y = make_logistic(420, 3, seed=23)
     post = pc.fit(logistic_model, X[:300], y[:300], family="full")
-    before = _sag_step._cache_size()
-    for lo, hi in [(300, 340), (340, 375), (375, 420)]:  # new batches of 40, 35, 45; retained 300..375
-        post = post.update(X[lo:hi], y[lo:hi], correction="stochastic", epochs=1)
-    # new batches pad to 64, tables to 512 and subsets (30..38 rows) to 32/40: at most 2 shapes
-    assert _sag_step._cache_size() - before <= 2
+    with count_compilations() as compiled:
+        for lo, hi in [(300, 340), (340, 375), (375, 420)]:  # new batches of 40, 35, 45; retained 300..375
+            post = post.update(X[lo:hi], y[lo:hi], correction="stochastic", epochs=1)
+    # new batches pad to 64, tables to 512 and subsets (30..38 rows) to 32/40: at most 2 shapes of the step
+    assert sum("_sag_step" in name for name in compiled.names) <= 2, compiled.names
 
 
 def test_a_batch_shaped_like_the_fitted_data_binds_without_tracing_the_model(x64):
