@@ -12,9 +12,6 @@ Oracles:
 * malformed messages: typed refusals, the server's state unchanged.
 """
 
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,10 +22,9 @@ from numpyro_pc import federated
 from numpyro_pc.errors import ClientMessageError, InvalidOptionError, OutOfDomainError
 from numpyro_pc.federated import ef
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_expfam import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, closed_form,  # noqa: E402
+from test_expfam import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, closed_form,
                          dirichlet_categorical, gamma_poisson, lognormal_poisson, misclassified)
-from test_expfam_mixed import RATES, _cavi_regression, _regression_data, regression, switch  # noqa: E402
+from test_expfam_mixed import RATES, _cavi_regression, _regression_data, regression, switch
 
 SIZES = (10, 20, 30)  # unequal shards: the padded rows must not count
 
