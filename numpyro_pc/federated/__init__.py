@@ -3,12 +3,16 @@
 :func:`run` runs FedPC, PVI, AMA or ADMM over client shards in one process (clients
 ``vmap``-ed); :mod:`numpyro_pc.federated.flower` runs the same algorithm across processes
 or machines with Flower (optional extra ``numpyro-pc[federated]``, imported lazily);
-:class:`GaussianMechanism` makes the clients' sites differentially private.
+:class:`GaussianMechanism` makes the clients' sites differentially private;
+:mod:`numpyro_pc.federated.ef` runs exponential-family product posteriors (:func:`run_ef`, or
+:func:`run` with a dict ``family``).
 """
 
 from .algorithms import ALGORITHMS, FederatedResult, run
 from .core import ClientStack, LocalConfig, bind_clients, global_state, local_update
+from .ef import EFServerState, aggregate_ef, bind_ef_clients, init_ef, round_ef, run_ef
 from .privacy import GaussianMechanism
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run", "ClientStack", "LocalConfig", "bind_clients", "global_state",
-           "local_update", "GaussianMechanism"]
+           "local_update", "GaussianMechanism", "EFServerState", "aggregate_ef", "bind_ef_clients", "init_ef",
+           "round_ef", "run_ef"]

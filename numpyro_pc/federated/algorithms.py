@@ -183,7 +183,7 @@ def _initial_sites(cfg, q, stack, key):
 
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
-        local_tol=None, num_nodes=64, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
+        local_tol=None, num_nodes=None, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
         shared=(), callback=None, init="auto", safeguard=None, safeguard_margin=0.3, max_retries=6,
         max_share=None, max_shift=None, privacy=None):
     """Run a federated algorithm over client shards in one process.
@@ -191,7 +191,10 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param model: the NumPyro model (one data plate, global latents, a prior that is
         Gaussian on the unconstrained latents).
     :param client_data: one tuple of model arguments per client, e.g. ``[(X1, y1), ...]``.
-    :param family: ``"full"`` (default), ``"diagonal"`` or ``"isotropic"``.
+    :param family: ``"full"`` (default), ``"diagonal"`` or ``"isotropic"``; or a dict
+        ``{latent site: family name}`` for an exponential-family product posterior, run by
+        :func:`numpyro_pc.federated.ef.run_ef` (``"fedpc"``/``"pvi"``; the options that exist
+        only for Gaussian posteriors are refused).
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
     :param float rho: local weight ``ρ``: with the safeguard, the smallest weight a client
         uses (default ``1/K``, the middle of the quadratic case's safe range ``(0, 2/K)``;
@@ -209,7 +212,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param bool keep_data: build ``result.posterior`` on the union of the shards.
     :param int local_iters: Newton iterations of each local update.
     :param float local_tol: relative change stopping a local update.
-    :param int num_nodes: Gauss–Hermite nodes (64, as :func:`numpyro_pc.fit`).
+    :param int num_nodes: Gauss–Hermite nodes (default 64, as :func:`numpyro_pc.fit`).
     :param float admm_alpha: override of ``α`` in the ADMM server step.
     :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
         (carrying the result as ``err.posterior``) when the run diverges or ends before the
@@ -243,6 +246,21 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :return: :class:`FederatedResult`; ``history`` also holds ``rho_min``/``rho_max`` (the
         weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
     """
+    if isinstance(family, dict):
+        gaussian_only = dict(admm_alpha=admm_alpha, privacy=privacy, max_share=max_share, max_shift=max_shift)
+        if any(v is not None for v in gaussian_only.values()) or expectation in ("gh", "delta"):
+            raise InvalidOptionError(f"options {sorted(k for k, v in gaussian_only.items() if v is not None)} and "
+                                     "expectation 'gh'/'delta' apply to Gaussian posteriors, not to an "
+                                     "exponential-family family dict")
+        from .ef import run_ef  # ef builds on this module
+        return run_ef(model, client_data, family, algorithm=algorithm, rho=rho, rounds=rounds, damping=damping,
+                      fraction=fraction, tol=tol, residual_tol=residual_tol, seed=seed, reference=reference,
+                      keep_data=keep_data, local_iters=local_iters, local_tol=local_tol,
+                      raise_on_failure=raise_on_failure, kwargs=kwargs, data_plate=data_plate, shared=shared,
+                      callback=callback, init="zero" if init == "auto" else init, max_retries=max_retries,
+                      safeguard=safeguard, safeguard_margin=safeguard_margin, expectation=expectation or "auto",
+                      num_nodes=32 if num_nodes is None else num_nodes)
+    num_nodes = 64 if num_nodes is None else num_nodes
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
     family, rho, damping, rule = check_settings(algorithm, family, rho, damping, expectation, spec, len(datas))
     safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)

@@ -101,15 +101,17 @@ def check_rule(spec, rule):
                                    "use expectation='delta'")
 
 
-def _bind(model, args, kwargs, data_plate, shared):
+def _bind(model, args, kwargs, data_plate, shared, allow_discrete=False):
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    return bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
+    return bind_model(model, args, kwargs, data_plate=data_plate, shared=shared, allow_discrete=allow_discrete)
 
 
-def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=()):
+def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), allow_discrete=False):
     """Bind every client's shard to the model and stack them.
 
     :param client_data: a sequence with one tuple of model arguments per client.
+    :param bool allow_discrete: accept global discrete latents (exponential-family posteriors,
+        :mod:`numpyro_pc.federated.ef`).
     :return: ``(spec, stack, datas)`` with the model spec of client 0, the padded
         :class:`ClientStack` and the unpadded :class:`~numpyro_pc.likelihood.ModelData`
         of each client.
@@ -118,7 +120,7 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=()):
     client_data = list(client_data)
     if not client_data:
         raise InvalidOptionError("client_data is empty; expected one tuple of model arguments per client")
-    bound = [_bind(model, a, kwargs, data_plate, shared) for a in client_data]
+    bound = [_bind(model, a, kwargs, data_plate, shared, allow_discrete) for a in client_data]
     spec = bound[0][0]
     for k, (s, d) in enumerate(bound[1:], start=1):
         if s.latent.signature() != spec.latent.signature() or s.observed != spec.observed:

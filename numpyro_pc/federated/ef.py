@@ -1,0 +1,468 @@
+r"""Federated posterior correction for exponential-family product posteriors (paper §3.4).
+
+The posterior is a mean-field product of Beta, Gamma, Dirichlet, Gaussian-block and
+discrete factors (:mod:`numpyro_pc.ef_posterior`). Client ``k`` holds the shard ``D_k`` and
+a site ``η_k`` of ``P`` natural parameters standing for ``−Σ_{i∈D_k} g_i``; the server keeps
+``λ_0`` and forms (eq. ``global_update``)
+
+.. math:: \lambda = \lambda_0 + \textstyle\sum_k \eta_k .
+
+**Local step** (eq. ``local_update``). With :math:`\hat\eta_k(\lambda) = -\sum_{i\in D_k}
+g_i(\lambda)` the client's site at :math:`\lambda`, the stationarity condition of
+:math:`\tfrac1\rho E_q[\ell_k - \hat\ell_k] + \mathrm{KL}(q \| q_{jnt})` in the family is
+
+.. math::
+    \lambda_k = \lambda + \tfrac1\rho\big(\hat\eta_k(\lambda_k) - \eta_k\big)
+    = \underbrace{\lambda - \eta_k/\rho}_{\rho\text{-cavity}} - \tfrac1\rho \textstyle\sum_{i\in D_k} g_i(\lambda_k),
+
+a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.ef_sites.blr_solve`'s
+iteration written as a ``lax.while_loop``, so that clients are ``vmap``-ed (shards padded as
+in :mod:`numpyro_pc.federated.core`). The client sends
+:math:`\eta_k' = \hat\eta_k(\lambda_k)` (with ``ρ = 1``: :math:`\lambda_k - (\lambda - \eta_k)`,
+the local posterior over the cavity); PVI damping ``δ`` sends :math:`\eta_k + \delta(\eta_k'
+- \eta_k)`. At a fixed point :math:`\lambda_k = \lambda` for every client, so
+:math:`\lambda = \lambda_0 - \sum_i g_i(\lambda)`: the batch fixed point of
+:func:`~numpyro_pc.ef_posterior.fit_ef`. A conjugate model's sites do not depend on
+:math:`\lambda`, so one round gives the batch posterior for any ``ρ``.
+
+**ρ.** In the linearised dynamics of equal shards with a scalar site Jacobian :math:`j`, one
+round multiplies the clients' common site error by :math:`j(\rho K - 1)/(\rho - j)` (zero for
+``ρ = 1/K``, the default) and their differences by :math:`-j/(\rho - j)`. ``ρ`` is a floor:
+with the safeguard (:func:`safe_rho_ef`) each client uses the smallest ``ρ_k ≥ ρ`` whose
+ρ-cavity lies inside the domain with a margin (for Gaussian blocks: a positive definite
+cavity precision, as :func:`~numpyro_pc.federated.core.safe_rho`), and a failed round is
+repeated with the floor doubled. The fixed point does not depend on ``ρ``.
+
+**Non-conjugate-form priors.** When the prior term is not linear in ``T`` its site
+:math:`-g_0(\lambda)` moves with :math:`\lambda`. The server's :math:`\lambda_0` is then the
+prior's projection onto the family (the fixed point :math:`\lambda_p = -g_0(\lambda_p)`, the
+fit without data), and the prior's correction :math:`-(g_0(\lambda) - g_0(\lambda_p))` is one
+more term of client 0's loss: every client holds the model, and the server holds no data to
+evaluate the model on. The fixed point is again the batch one.
+
+**Server checks** (:func:`aggregate_ef`, host side, before anything is stored): a message
+must be a finite floating vector of size ``P`` in the run's dtype, below ``max_abs``, and the
+global :math:`\lambda` with it must lie in the family's domain (``family.in_domain``); a bad
+message raises :class:`~numpyro_pc.errors.ClientMessageError` naming the client and what was
+expected, and the returned state is built only from accepted messages (states are
+immutable, so a refused round leaves the caller's state as it was).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..ef_posterior import EFPosterior, EFState, family_for_model
+from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol
+from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
+from ..likelihood import ModelData
+from .algorithms import FederatedResult
+from .core import ClientStack, bind_clients, concat_datas
+
+__all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
+           "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef", "round_ef",
+           "posterior_ef", "run_ef"]
+
+
+class EFClients(NamedTuple):
+    """The clients' shards bound to the model (static across rounds).
+
+    :ivar config: :class:`~numpyro_pc.ef_sites.EFConfig` for the padded shard size.
+    :ivar stack: the padded :class:`~numpyro_pc.federated.core.ClientStack`.
+    :ivar datas: the unpadded :class:`~numpyro_pc.likelihood.ModelData` of each client.
+    :ivar prior: :math:`\\lambda_0` ``(P,)``: the prior (conjugate-form) or its projection.
+    :ivar conjugate: whether the prior term is conjugate-form.
+    :ivar prior_weight: ``(K,)``: 1 for the client whose loss carries a non-conjugate prior's correction.
+    """
+
+    config: EFConfig
+    stack: ClientStack
+    datas: tuple
+    prior: jax.Array
+    conjugate: bool
+    prior_weight: jax.Array
+
+
+class EFServerState(NamedTuple):
+    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)`` and the client sites ``sites`` ``(K, P)``."""
+
+    prior: jax.Array
+    sites: jax.Array
+
+
+class EFLocalResult(NamedTuple):
+    """One local update: the ``site`` :math:`\\hat\\eta_k(\\lambda_k)`, the ``local`` :math:`\\lambda_k`,
+    ``iterations``, the final relative ``residual`` of the local fixed point and ``ok`` (finite, in the domain)."""
+
+    site: jax.Array
+    local: jax.Array
+    iterations: jax.Array
+    residual: jax.Array
+    ok: jax.Array
+
+
+def global_natural(state):
+    """:math:`\\lambda = \\lambda_0 + \\sum_k \\eta_k` (eq. ``global_update``)."""
+    return state.prior + jnp.sum(state.sites, 0)
+
+
+def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, shared=(), expectation="auto",
+                    num_nodes=32, num_samples=None, seed=0, prior_tol=None, prior_iters=200):
+    """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.ef_posterior.fit_ef`
+    does for the union), and find :math:`\\lambda_0`.
+
+    :param client_data: one tuple of model arguments per client.
+    :param dict family: ``{latent site: family name}`` (see :func:`~numpyro_pc.ef_posterior.fit_ef`).
+    :param expectation, num_nodes, num_samples, seed: the site rule (:meth:`EFConfig.make
+        <numpyro_pc.ef_sites.EFConfig.make>`); Monte Carlo draws use the fixed ``seed``, the same
+        points on every client.
+    :return: :class:`EFClients`.
+    """
+    spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared, allow_discrete=True)
+    fam = family_for_model(spec, datas[0], family)
+    cfg = EFConfig.make(spec, fam, expectation, num_nodes, num_samples, seed)
+    rows = int(stack.mask.shape[1])
+    one = ModelData(tuple(x[:1] for x in datas[0].per_example), datas[0].shared)
+    cfg_one = replace(cfg, spec=replace(spec, num_examples=1))
+    lam = fam.default_natural(stack.mask.dtype)
+    sites = compute_sites(cfg_one, lam, one)
+    conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
+    if conjugate:
+        prior = -sites.prior
+    else:  # the prior's projection onto the family: the fixed point without data
+        tol = (1e-12 if lam.dtype == jnp.float64 else 1e-6) if prior_tol is None else prior_tol
+        prior, _, _ = blr_solve(lambda x: (-compute_sites(cfg_one, x, one).prior, None), fam.in_domain, lam, tol,
+                                prior_iters)
+    weight = jnp.zeros(len(datas), lam.dtype).at[0].set(0.0 if conjugate else 1.0)
+    return EFClients(replace(cfg, spec=replace(spec, num_examples=rows)), stack, tuple(datas), prior, conjugate,
+                     weight)
+
+
+def _anderson_solve(target, in_domain, lam, tol, max_iters, memory=5):
+    """:func:`~numpyro_pc.ef_sites.blr_solve` as a ``lax.while_loop``: Anderson mixing (type II) over the last
+    ``memory`` iterates when inside the domain, else the plain step halved until inside; the step is halved and
+    the history cleared when the residual exceeds the largest of the last three.
+    ``target: λ -> (τ(λ), aux)``; returns ``(λ, aux, iterations, residual, ok)``."""
+    dtype, size = lam.dtype, lam.shape[0]
+    rel = lambda x, t: jnp.linalg.norm(x - t) / (1.0 + jnp.linalg.norm(t))  # noqa: E731
+    halvings = 0.5 ** jnp.arange(40, dtype=dtype)
+    tau, aux = target(lam)
+    zeros = jnp.zeros((size, memory), dtype)
+    start = (lam, tau, aux, rel(lam, tau), jnp.full(3, jnp.inf, dtype), jnp.asarray(1.0, dtype), zeros, zeros,
+             lam, tau - lam, jnp.asarray(False), jnp.asarray(0), jnp.asarray(True))
+
+    def cond(c):
+        return (c[11] < max_iters) & (c[3] > tol) & jnp.isfinite(c[3]) & c[12]
+
+    def body(c):
+        lam, tau, _, res, recent, step, d_lam, d_f, prev_lam, prev_f, has_prev, it, _ = c
+        f = tau - lam
+        worse = res > jnp.max(recent)
+        step = jnp.where(worse, jnp.maximum(0.5 * step, 1e-3), step)
+        push = lambda hist, col: jnp.concatenate([hist[:, 1:], col[:, None]], 1)  # noqa: E731
+        keep = has_prev & ~worse
+        d_lam = jnp.where(worse, 0.0, jnp.where(keep, push(d_lam, lam - prev_lam), d_lam))
+        d_f = jnp.where(worse, 0.0, jnp.where(keep, push(d_f, f - prev_f), d_f))
+        recent = jnp.concatenate([recent[1:], res[None]])
+        gamma = jnp.linalg.lstsq(d_f, f)[0]
+        anderson = lam + step * f - (d_lam + step * d_f) @ gamma
+        use = jnp.any(d_f != 0) & jnp.all(jnp.isfinite(anderson)) & in_domain(anderson)
+        cands = lam[None] + (step * halvings)[:, None] * f[None]
+        inside = jax.vmap(in_domain)(cands)
+        new = jnp.where(use, anderson, cands[jnp.argmax(inside)])
+        tau, aux = target(new)
+        return (new, tau, aux, rel(new, tau), recent, step, d_lam, d_f, lam, f, jnp.asarray(True), it + 1,
+                use | jnp.any(inside))
+
+    lam, tau, aux, res, *_, it, moved = jax.lax.while_loop(cond, body, start)
+    return lam, aux, it, res, moved & in_domain(lam) & jnp.isfinite(res)
+
+
+def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
+    """Smallest weight ``ρ_k ≥ ρ`` whose ρ-cavity :math:`\\lambda - \\eta_k/\\rho_k` lies inside the domain with
+    the relative ``margin``: ``max(ρ, (1 + margin) ρ*)``, ``ρ*`` the boundary (bisection on the convex domain).
+    The Gaussian blocks' condition is the Gaussian safeguard's (:func:`~numpyro_pc.federated.core.safe_rho`):
+    a positive definite cavity precision."""
+    inside = lambda t: family.in_domain(lam - t * eta)  # noqa: E731
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = 0.5 * (lo + hi)
+        ok = inside(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    top = 1.0 / rho
+    lo, _ = jax.lax.fori_loop(0, steps, halve, (jnp.zeros_like(top), top))
+    return jnp.where(inside(top), rho, jnp.maximum(rho, (1.0 + margin) / jnp.maximum(lo, 1e-300)))
+
+
+def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight, prior, tol, max_iters):
+    """Solve :math:`\\lambda_k = \\lambda - \\eta_k/\\rho + \\hat\\eta_k(\\lambda_k)/\\rho` from :math:`\\lambda`
+    for one client (pure; ``vmap`` over padded clients). ``weight`` (0 or 1) adds the prior's correction.
+
+    :return: :class:`EFLocalResult`.
+    """
+    data, cavity = ModelData(per_example, shared), lam_jnt - eta / rho
+
+    def target(lam):
+        sites = compute_sites(config, lam, data)
+        s = -(mask @ sites.grads) - weight * (sites.prior + prior)  # padding rows have mask 0
+        return cavity + s / rho, s
+
+    lam, s, it, res, ok = _anderson_solve(target, config.family.in_domain, lam_jnt, tol, max_iters)
+    return EFLocalResult(s, lam, it, res, ok & jnp.all(jnp.isfinite(s)))
+
+
+@partial(jax.jit, static_argnames=("config", "num_participants", "max_iters"))
+def _local_round(config, num_participants, max_iters, state, stack, weights, rho, damping, tol, margin, key):
+    num = state.sites.shape[0]
+    idx = jnp.arange(num) if num_participants == num else jax.random.choice(key, num, (num_participants,),
+                                                                              replace=False)
+    lam = global_natural(state)
+    old = state.sites[idx]
+
+    def one(e, ex, mk, w):
+        rho_k = jnp.where(margin >= 0, safe_rho_ef(config.family, lam, e, rho, margin), rho)
+        return local_update_ef(config, lam, e, rho_k, ex, mk, stack.shared, w, state.prior, tol, max_iters), rho_k
+
+    local, rhos = jax.vmap(one)(old, jax.tree.map(lambda x: x[idx], stack.per_example), stack.mask[idx],
+                                weights[idx])
+    return idx, old + damping * (local.site - old), local, rhos
+
+
+def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
+                    safeguard_margin=0.3):
+    """The clients' half of a round: every participant's local update and the message it sends.
+
+    :param participants: how many clients take part (default all; a random subset drawn with ``key``).
+    :param safeguard_margin: each client's weight is :func:`safe_rho_ef` with this margin (``None``: ``ρ``).
+    :return: ``(indices, messages (M, P), EFLocalResult, weights used (M,))``.
+    """
+    dtype = state.prior.dtype
+    num = int(state.sites.shape[0])
+    local_tol = (1e-12 if dtype == jnp.float64 else 1e-6) if local_tol is None else float(local_tol)
+    key = jax.random.PRNGKey(0) if key is None else key
+    margin = -1.0 if safeguard_margin is None else float(safeguard_margin)
+    return _local_round(clients.config, num if participants is None else int(participants), int(local_iters), state,
+                        clients.stack, clients.prior_weight, jnp.asarray(rho, dtype), jnp.asarray(damping, dtype),
+                        jnp.asarray(local_tol, dtype), jnp.asarray(margin, dtype), key)
+
+
+def validate_ef_message(family, state, client, message, max_abs=1e12):
+    """Check client ``client``'s message against the server's state (see the module docstring).
+
+    :return: the message as a NumPy array of the state's dtype.
+    :raises ClientMessageError: naming the client, what was expected and what was found.
+    """
+    def bad(msg):
+        return ClientMessageError(f"client {client}: {msg}; its message is rejected and its site left as it was",
+                                  client=client)
+
+    num, size = state.sites.shape
+    if not (isinstance(client, (int, np.integer)) and 0 <= int(client) < num):
+        raise bad(f"expected a client index in [0, {num})")
+    arr = np.asarray(message)
+    dtype = np.dtype(state.sites.dtype)
+    if arr.dtype != dtype:
+        raise bad(f"expected dtype {dtype}, found {arr.dtype}")
+    if arr.shape != (size,):
+        raise bad(f"expected a site of shape ({size},) (the family's natural parameters), found shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise bad(f"expected finite values, found NaN or infinite ones at {np.flatnonzero(~np.isfinite(arr)).tolist()}")
+    if arr.size and np.max(np.abs(arr)) > max_abs:
+        raise bad(f"expected values below {max_abs:g} in absolute value, found {np.max(np.abs(arr)):.3g}")
+    lam = global_natural(state) - state.sites[int(client)] + arr
+    if not bool(family.in_domain(lam)):
+        raise bad(f"expected the global posterior to stay inside the family's domain, found {family.describe(lam)}")
+    return arr
+
+
+def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
+    """The server's half of a round: check each message, store the accepted ones, form the new state.
+
+    :param dict messages: ``{client index: site (P,)}``.
+    :param bool strict: raise on the first bad message; otherwise leave that client's site as it was and
+        report it.
+    :return: ``(new EFServerState, {client: reason} of the refused messages)``.
+    :raises ClientMessageError: a bad message (``strict``).
+    :raises OutOfDomainError: the accepted messages together leave the domain (nothing is stored).
+    """
+    good, rejected = {}, {}
+    for client, message in messages.items():
+        try:
+            good[client] = validate_ef_message(family, state, client, message, max_abs)
+        except ClientMessageError as err:
+            if strict:
+                raise
+            rejected[client] = str(err)
+    sites = state.sites
+    if good:
+        idx = np.asarray(sorted(good), dtype=np.int64)
+        sites = sites.at[idx].set(jnp.asarray(np.stack([good[int(k)] for k in idx])))
+    new = EFServerState(state.prior, sites)
+    lam = global_natural(new)
+    if not bool(family.in_domain(lam)):
+        raise OutOfDomainError(f"the clients' sites together leave the family's domain ({family.describe(lam)}); "
+                               "the state is unchanged (increase rho or damp the sites)")
+    return new, rejected
+
+
+def init_ef(clients, init="zero", local_iters=200):
+    """The server's first state: ``"zero"`` sites (as in PVI; the first local step starts from
+    :math:`\\lambda_0`), or ``"prior"``: each client's site at :math:`\\lambda_0` (one natural-gradient step).
+
+    :raises OutOfDomainError: ``"prior"`` sites that together leave the domain (use ``"zero"``).
+    """
+    num, size = clients.stack.mask.shape[0], clients.prior.shape[0]
+    state = EFServerState(clients.prior, jnp.zeros((num, size), clients.prior.dtype))
+    if init == "zero":
+        return state
+    if init != "prior":
+        raise InvalidOptionError(f"unknown init {init!r}; expected 'zero' or 'prior'")
+    # ρ → ∞: the local problem does not move, the message is the site at λ_0
+    _, messages, _, _ = client_round_ef(clients, state, 1e30, local_iters=local_iters, safeguard_margin=None)
+    return aggregate_ef(clients.config.family, state, dict(enumerate(np.asarray(messages))))[0]
+
+
+def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
+             safeguard_margin=0.3):
+    """One round: :func:`client_round_ef`, then :func:`aggregate_ef` (strict). Returns ``(new state, diagnostics)``.
+
+    :raises OutOfDomainError: a local fixed point outside the domain or not finite, or a new global
+        :math:`\\lambda` outside it (``state`` is not changed).
+    """
+    lam = global_natural(state)
+    idx, messages, local, rhos = client_round_ef(clients, state, rho, damping, participants, key, local_tol,
+                                                 local_iters, safeguard_margin)
+    bad = np.flatnonzero(~np.asarray(local.ok))
+    if bad.size:
+        raise OutOfDomainError(f"the local updates of clients {np.asarray(idx)[bad].tolist()} left the family's "
+                               f"domain or lost finiteness (rho={float(rho):g}); increase rho")
+    new, _ = aggregate_ef(clients.config.family, state, dict(zip(np.asarray(idx).tolist(), np.asarray(messages))))
+    fam = clients.config.family
+    info = dict(kl_to_previous=float(fam.kl(global_natural(new), lam)),
+                residual=float(jnp.max(jnp.linalg.norm(local.local - lam, axis=1)) / (1.0 + jnp.linalg.norm(lam))),
+                participants=int(idx.shape[0]), local_iterations=int(jnp.max(local.iterations)),
+                local_residual=float(jnp.max(local.residual)), rho_min=float(jnp.min(rhos)),
+                rho_max=float(jnp.max(rhos)))
+    return new, info
+
+
+def posterior_ef(clients, state, record=None):
+    """The global :class:`~numpyro_pc.ef_posterior.EFPosterior` on the union of the shards (sites at the global
+    :math:`\\lambda`; ``prior`` :math:`-\\lambda_0` for a conjugate-form prior, else the prior term at :math:`q`)."""
+    data = concat_datas(clients.datas)
+    num = int(data.per_example[0].shape[0])
+    cfg = replace(clients.config, spec=replace(clients.config.spec, num_examples=num))
+    lam = global_natural(state)
+    sites = compute_sites(cfg, lam, data)
+    prior = -clients.prior if clients.conjugate else sites.prior
+    return EFPosterior(cfg, data, EFState(lam, sites.grads, prior, jnp.arange(num)), clients.conjugate, None,
+                       dict(operation="federated", **(record or {})))
+
+
+def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
+           tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=200, local_tol=None,
+           raise_on_failure=False, kwargs=None, data_plate=None, shared=(), callback=None, init="zero",
+           max_retries=6, safeguard=None, safeguard_margin=0.3, expectation="auto", num_nodes=32, num_samples=None,
+           draw_seed=0):
+    """Federated posterior correction of an exponential-family product posterior over client shards in one
+    process (clients ``vmap``-ed); :func:`numpyro_pc.federated.run` with a dict ``family`` calls this.
+
+    :param dict family: ``{latent site: family name}`` as for :func:`numpyro_pc.fit`.
+    :param str algorithm: ``"fedpc"`` (``ρ`` default ``1/K``) or ``"pvi"`` (``ρ = 1``, sites damped by ``damping``).
+    :param float rho: local weight ``ρ``, a floor when ``safeguard`` (default on for FedPC) raises each client's
+        to :func:`safe_rho_ef`; a round that fails (a local fixed point or the global :math:`\\lambda` outside the
+        domain) is repeated with the floor doubled, at most ``max_retries`` times. The fixed point does not depend
+        on ``ρ``.
+    :param float damping: PVI site damping ``δ ∈ (0, 1]``; ``fraction``: share of clients per round (drawn with
+        ``seed``); ``callback(record)`` after every round.
+    :param float tol: stop when ``KL(q_t ‖ q_{t−1})`` is below this (default ``1e-16`` / ``1e-8`` in float32)
+        *and* the residual is below ``residual_tol`` (default ``1e-10`` / ``1e-5``).
+    :param reference: an :class:`~numpyro_pc.ef_posterior.EFPosterior` (or natural vector) to compare with.
+    :param int local_iters: iterations of each local fixed point; ``local_tol`` its tolerance
+        (default ``1e-12`` / ``1e-6``).
+    :param str init: ``"zero"`` or ``"prior"`` (:func:`init_ef`).
+    :param expectation, num_nodes, num_samples, draw_seed: the site rule, as ``fit``'s ``expectation``,
+        ``num_nodes``, ``num_samples``, ``seed``.
+    :return: :class:`~numpyro_pc.federated.algorithms.FederatedResult` with ``state`` the final
+        :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
+        ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``), ``local_iterations``, ``local_residual``,
+        ``rho_min``/``rho_max``/``rho_floor``, ``retries``, ``bytes``, ``seconds``; with a reference also
+        ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``).
+    :raises ConvergenceError: with ``raise_on_failure``, a run that diverged or ended before the tolerances.
+    """
+    if algorithm not in ("fedpc", "pvi"):
+        raise InvalidOptionError(f"federated exponential-family posteriors support algorithm 'fedpc' or 'pvi'; got "
+                                 f"{algorithm!r} (AMA is the isotropic Gaussian family, ADMM is not implemented here)")
+    if algorithm == "pvi" and rho not in (None, 1, 1.0):
+        raise InvalidOptionError(f"PVI uses ρ = 1 (damping acts on the sites); got rho={rho}")
+    clients = bind_ef_clients(model, client_data, family, kwargs, data_plate, shared, expectation, num_nodes,
+                              num_samples, draw_seed)
+    num = int(clients.stack.mask.shape[0])
+    rho = (1.0 / num if algorithm == "fedpc" else 1.0) if rho is None else float(rho)
+    safeguard = algorithm == "fedpc" if safeguard is None else bool(safeguard)
+    damping = 1.0 if damping is None else float(damping)
+    if not (rho > 0 and 0 < damping <= 1 and 0 < fraction <= 1):
+        raise InvalidOptionError(f"need rho > 0, damping in (0, 1] and fraction in (0, 1]; got {rho}, {damping}, "
+                                 f"{fraction}")
+    x64 = clients.prior.dtype == jnp.float64
+    tol = (1e-16 if x64 else 1e-8) if tol is None else float(tol)
+    residual_tol = (1e-10 if x64 else 1e-5) if residual_tol is None else float(residual_tol)
+    participants = max(1, int(round(fraction * num)))
+    fam = clients.config.family
+    ref = None if reference is None else jnp.asarray(getattr(reference, "natural", reference))
+    state = init_ef(clients, init, local_iters)
+    key, floor, history, status = jax.random.PRNGKey(seed), rho, [], "max_rounds"
+    message = clients.prior.shape[0] * clients.prior.dtype.itemsize
+    start, total = time.perf_counter(), 0
+    for t in range(1, int(rounds) + 1):
+        key, sub = jax.random.split(key)
+        for attempt in range(int(max_retries) + 1):
+            total += 2 * participants * message
+            try:
+                new, info = round_ef(clients, state, floor, damping, participants, sub, local_tol, local_iters,
+                                     safeguard_margin if safeguard else None)
+                failure = None
+                break
+            except (OutOfDomainError, ClientMessageError) as err:
+                failure = str(err)
+                floor *= 2.0
+        record = dict(round=t, rho_floor=floor, retries=attempt, bytes=total, seconds=time.perf_counter() - start)
+        if failure is not None:
+            history.append(dict(record, kl_to_previous=float("nan"), failure=failure))
+            status = "diverged"
+            break
+        state = new
+        record.update(info)
+        if ref is not None:
+            lam = global_natural(state)
+            record.update(kl_to_reference=float(fam.kl(lam, ref)),
+                          error_to_reference=float(jnp.linalg.norm(lam - ref) / jnp.linalg.norm(ref)))
+        history.append(record)
+        if callback is not None:
+            callback(record)
+        if record["kl_to_previous"] <= tol and record["residual"] <= residual_tol:
+            status = "converged"
+            break
+    summary = dict(algorithm=algorithm, rho=rho, rounds=len(history), status=status)
+    posterior = posterior_ef(clients, state, summary) if keep_data else None
+    result = FederatedResult(posterior, state, state.sites, history, status == "converged", status, algorithm, rho)
+    if status != "converged":
+        last = history[-1] if history else {}
+        msg = (f"federated {algorithm} over an exponential-family posterior (ρ={rho:g}, damping={damping:g}) "
+               f"stopped after {len(history)} round(s) ({status}): {last.get('failure') or 'rounds reached'}; "
+               f"last KL to the previous round {last.get('kl_to_previous', float('nan')):.3e}, residual "
+               f"{last.get('residual', float('nan')):.3e} (a residual that cycles or stalls: increase rho)")
+        if raise_on_failure:
+            raise ConvergenceError(msg, posterior=result, history=history)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return result
