@@ -123,6 +123,10 @@ class Factor(ABC):
         """The latent site's constrained values from the factor's own coordinates."""
         return values
 
+    def from_constrained(self, values):
+        """The factor's own coordinates of the latent site's constrained values."""
+        return values
+
 
 @dataclass(frozen=True)
 class BetaFactor(Factor):

@@ -62,6 +62,9 @@ class _GaussianFactor(Factor):
     def to_constrained(self, values):
         return self.transform(values)
 
+    def from_constrained(self, values):
+        return jnp.reshape(self.transform.inv(values), self.shape)
+
     def _wrap(self, base):
         if self.is_identity:
             return base

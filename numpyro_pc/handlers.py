@@ -33,6 +33,7 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .dual import require_gaussian
+from .ef_handlers import check_same_ef_model, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .likelihood import bind_model, example_loss, losses, prior_loss
@@ -57,7 +58,8 @@ class posterior_prior(Messenger):
     :param fn: a NumPyro model.
     :param posterior: the posterior acting as prior.
     :param extra_log_density: optional ``z -> scalar`` added to the same factor (used for
-        correction terms; Gaussian posteriors only).
+        correction terms); for an ``EFPosterior`` a function of the factors' coordinates
+        (:func:`numpyro_pc.ef_handlers.ef_correction_factor`).
     :raises ModelMismatchError: (when the model runs) a latent site the posterior does not
         have, of another shape, or a posterior site the model does not sample.
     """
@@ -67,9 +69,6 @@ class posterior_prior(Messenger):
             raise InvalidOptionError("posterior_prior needs a posterior")
         self._factors = None
         if isinstance(posterior, EFPosterior):
-            if extra_log_density is not None:
-                raise InvalidOptionError("extra_log_density (correction terms) needs a Gaussian dual-form posterior; "
-                                         "found an EFPosterior")
             self._factors = posterior.distributions()
             latent = posterior.config.spec.latent
             self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
@@ -124,7 +123,10 @@ class posterior_prior(Messenger):
             missing = [n for n in self._shapes if n not in self._values]
             if missing:
                 raise ModelMismatchError(f"the model did not sample the posterior's latent sites {missing}")
-            if self._factors is not None:  # the factors are the posterior: nothing to add
+            if self._factors is not None:  # the factors are the posterior; correction terms in their coordinates
+                if self.extra is not None:
+                    point = factor_point(self.posterior, {n: v for n, (v, _) in self._values.items()})
+                    numpyro.factor("_pc_posterior_prior", self.extra(point))
                 return out
             latent = self._latent
             unconstrained, log_det = {}, 0.0
@@ -207,8 +209,12 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
     :param memory: past examples to correct: ``"all"`` retained (exact), ``"none"`` (VCL
         when ``correct_prior=False``) or a list of ids.
     :param bool correct_prior: replace the prior's site by the true prior term.
-    :raises UnsupportedGuideError: a posterior that is not a Gaussian dual-form posterior.
+    For an :class:`~numpyro_pc.ef_posterior.EFPosterior` the sites are linear in the factors'
+    statistics (:mod:`numpyro_pc.ef_handlers`).
     """
+    if isinstance(posterior, EFPosterior):
+        check_same_ef_model(model, posterior)
+        return posterior_prior(model, posterior, ef_correction_factor(posterior, memory, correct_prior))
     require_gaussian(posterior, "pc.handlers.update")
     check_same_model(model, posterior)
     return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
@@ -265,15 +271,21 @@ def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterabl
     and the retained examples in ``memory`` are corrected; with all data retained its
     posterior is the posterior without ``ids``.
     """
-    require_gaussian(posterior, "pc.handlers.forget")
     ids = as_ids(ids)
-    check_same_model(model, posterior)
-    positions(posterior.sites.ids, ids)
-    extra = correction_factor(posterior, memory, correct_prior, removed=ids)
-    shape_args = take_data(posterior.data, np.zeros(1, np.int64)) if posterior.num_retained else None
-    if shape_args is None:
+    if isinstance(posterior, EFPosterior):
+        check_same_ef_model(model, posterior)
+        extra = ef_correction_factor(posterior, memory, correct_prior, removed=ids)
+        spec, held = posterior.config.spec, posterior.num_examples
+    else:
+        require_gaussian(posterior, "pc.handlers.forget")
+        check_same_model(model, posterior)
+        positions(posterior.sites.ids, ids)
+        extra = correction_factor(posterior, memory, correct_prior, removed=ids)
+        spec, held = posterior.spec, posterior.num_retained
+    if not held:
         raise InvalidOptionError("forget needs at least one retained example to call the model for its latent sites")
-    args, kwargs = posterior.spec.build_args(shape_args.per_example, shape_args.shared)
+    shape_args = take_data(posterior.data, np.zeros(1, np.int64))
+    args, kwargs = spec.build_args(shape_args.per_example, shape_args.shared)
 
     def latents_only():
         # the model runs on one retained example only to declare its latent sites; its

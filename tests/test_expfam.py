@@ -297,8 +297,9 @@ def test_non_conjugate_likelihood_beta_matches_elbo_optimum(x64):
 
 
 def test_non_conjugate_beta_against_nuts_and_the_exact_posterior(x64):
-    # the Beta member closest in KL(q || p) to a 1-D posterior: its mean sits within a few percent of a
-    # posterior sd of the exact mean (a fine grid) and of NUTS's (4000 draws, MC error ~1.6 % of an sd)
+    # the Beta member closest in KL(q || p) to this 1-D posterior is nearly exact: measured, its mean is
+    # 0.05 % of a posterior sd from the exact mean (a fine grid) and its sd 0.2 % off; NUTS's mean (4000
+    # draws, Monte Carlo error ~2.5 % of an sd) is 5 % of an sd away, so the NUTS bound allows ~6 MCSE
     from numpyro.infer import MCMC, NUTS
 
     y = _data(4, n=40)["bern"]
@@ -312,9 +313,9 @@ def test_non_conjugate_beta_against_nuts_and_the_exact_posterior(x64):
     mcmc = MCMC(NUTS(misclassified), num_warmup=500, num_samples=4000, progress_bar=False)
     mcmc.run(jax.random.PRNGKey(0), y=jnp.asarray(y))
     draws = np.asarray(mcmc.get_samples()["p"])
-    assert abs(float(q.mean) - mean) < 0.05 * sd  # the variational gap, measured 0.8 % of an sd
-    assert abs(float(q.mean) - draws.mean()) < 0.1 * sd
-    assert abs(float(jnp.sqrt(q.variance)) / sd - 1.0) < 0.05
+    assert abs(float(q.mean) - mean) < 0.01 * sd
+    assert abs(float(jnp.sqrt(q.variance)) / sd - 1.0) < 0.02
+    assert abs(float(q.mean) - draws.mean()) < 0.15 * sd
 
 
 # ---------------------------------------------------------------- refusals and safeguards

@@ -429,3 +429,37 @@ def test_monte_carlo_error_is_estimated_with_independent_draws(x64):
     # the estimate is the Monte Carlo error: it falls with more draws (1/sqrt(S): ~8x for 64x the draws)
     errors = [p.record["expectation_error"]["independent_draws_residual"] for p in (rough, finer)]
     assert errors[1] < errors[0] / 3, errors
+
+
+def test_corrected_models_of_an_ef_posterior(x64):
+    from numpyro.infer.util import log_density
+
+    from test_expfam import misclassified
+
+    y = jnp.asarray(np.random.default_rng(11).binomial(1, 0.35, 40).astype(float))
+    family = {"p": "beta"}
+    whole = pc.fit(misclassified, y=y, family=family)
+    head = pc.fit(misclassified, y=y[:25], family=family)
+    # the corrected model's density is the exact posterior given all data, so its fit in the family is the
+    # batch fit: the regression is linear in the losses, so even the quadrature agrees (1e-8)
+    corrected = pc.handlers.update(misclassified, head, memory="all")
+    _close(pc.fit(corrected, y=y[25:], family=family).natural, whole.natural)
+    vcl = pc.fit(pc.handlers.update(misclassified, head, memory="none", correct_prior=False), y=y[25:], family=family)
+    _close(vcl.natural, head.update(y=y[25:], correction="none").natural)  # VCL through the handler = correction="none"
+
+    # forget: the deletion objective's density equals the posterior without the examples, up to a constant
+    gone = pc.handlers.forget(misclassified, whole, ids=np.arange(25, 40))
+    points = jnp.asarray([0.2, 0.35, 0.5])
+    ours = np.array([float(log_density(gone, (), {}, {"p": p})[0]) for p in points])
+    exact = stats.beta(2.0, 3.0).logpdf(points) + np.array(  # the exact log posterior of the remaining data
+        [stats.bernoulli(0.1 + 0.8 * float(p)).logpmf(np.asarray(y[:25])).sum() for p in points])
+    _close(ours - ours[0], exact - exact[0], 1e-10)
+    with pytest.raises(pc.errors.ModelMismatchError, match="prior"):
+        pc.handlers.update(normal_gamma_alt, pc.fit(normal_gamma, y=y, family={"tau": "gamma", "mu": "normal"}))
+
+
+def normal_gamma_alt(y=None):
+    tau = numpyro.sample("tau", dist.Gamma(A0 + 1.0, B0))
+    mu = numpyro.sample("mu", dist.Normal(MU0, 1.0 / jnp.sqrt(K0 * tau)))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0 / jnp.sqrt(tau)), obs=y)
