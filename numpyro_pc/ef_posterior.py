@@ -178,22 +178,39 @@ class EFPosterior:
         return write_params(gmap, self.family, self.natural)
 
     # ------------------------------------------------------------------ operations
-    def update(self, *args, correction="exact", memory=None, seed=0, tol=None, max_iters=200,
-               raise_on_failure=True, **kwargs):
+    def update(self, *args, correction="exact", memory=None, seed=0, batch_fraction=0.1, epochs=1, tol=None,
+               max_iters=200, raise_on_failure=True, **kwargs):
         """Add a batch (paper §3.1, eq. ``vcl_correction``).
 
         :param str correction: which stale sites are recomputed at the new fixed point —
             ``"exact"``: all of them (the batch posterior); ``"none"``: none (VCL: the old sites
             and prior term stay frozen, only the new sites are solved for); ``"prior"``: the
             prior term (differs from ``"none"`` only for a prior that is not conjugate-form);
-            ``"memory"``: the prior term and the sites of a memory set of past examples.
+            ``"memory"``: the prior term and the sites of a memory set of past examples;
+            ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes over all examples in
+            random blocks of ``batch_fraction`` of them, each block's sites recomputed at the
+            fixed point with the others held (block Gauss–Seidel on the dual form: it tends to
+            the exact update as the passes grow).
         :param memory: for ``"memory"``: a fraction of the retained examples drawn with ``seed``,
             or the example ids to correct.
         """
-        if correction not in ("exact", "none", "prior", "memory"):
-            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact', 'none', 'prior' or "
-                                     f"'memory'; got {correction!r} (weighted and stochastic corrections are "
-                                     "written for Gaussian posteriors)")
+        if correction not in ("exact", "none", "prior", "memory", "stochastic"):
+            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact', 'none', 'prior', "
+                                     f"'memory' or 'stochastic'; got {correction!r} (the weighted correction rescales "
+                                     "a memory set's sites, which would break λ = -g_0 - Σ g_i for the stored sites)")
+        if correction == "stochastic":
+            if not 0.0 < float(batch_fraction) <= 1.0 or int(epochs) < 1:
+                raise InvalidOptionError(f"the stochastic correction needs 0 < batch_fraction ≤ 1 and epochs ≥ 1; got "
+                                         f"{batch_fraction}, {epochs}")
+            post = self.update(*args, correction="prior", tol=tol, max_iters=max_iters,
+                               raise_on_failure=raise_on_failure, **kwargs)
+            rng = np.random.default_rng(seed)
+            blocks = int(np.ceil(1.0 / float(batch_fraction)))
+            for _ in range(int(epochs)):
+                for rows in np.array_split(rng.permutation(post.num_examples), blocks):
+                    post = post._recompute(np.sort(rows), tol, max_iters, raise_on_failure)
+            return post.evolve(record=dict(post.record, operation="update", correction="stochastic",
+                                           batch_fraction=float(batch_fraction), epochs=int(epochs)))
         if (memory is not None) != (correction == "memory"):
             raise InvalidOptionError("memory= goes with correction='memory' (and that correction needs it)")
         spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate,
@@ -225,6 +242,22 @@ class EFPosterior:
                            data=_join(self.data, new), state=state,
                            record=dict(operation="update", correction=correction, corrected=int(rows.size),
                                        **info._asdict()))
+
+    def _recompute(self, rows, tol, max_iters, raise_on_failure):
+        """The sites at ``rows`` (and the prior term unless conjugate-form) recomputed at the fixed
+        point with every other site held."""
+        prior_active = not self.conjugate_prior
+        const = self.natural + jnp.sum(self.state.grads[rows], 0)
+        if prior_active:
+            const = const + self.state.prior
+        active = ModelData(tuple(take_rows(x, rows) for x in self.data.per_example), self.data.shared)
+        tol = default_tol(const.dtype) if tol is None else tol
+        lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
+                                     self.family.in_domain, self.natural, tol, max_iters,
+                                     raise_on_failure=raise_on_failure)
+        state = EFState(lam, self.state.grads.at[rows].set(sites.grads),
+                        sites.prior if prior_active else self.state.prior, self.state.ids)
+        return self.evolve(state=state, record=info._asdict())
 
     def _memory_rows(self, memory, seed):
         """Positions of the memory set: a fraction drawn with ``seed``, or the rows of given ids."""

@@ -347,7 +347,7 @@ def test_refusals_are_typed(x64):
     post = pc.fit(beta_bernoulli, y=y, family={"p": "beta"})
     with pytest.raises(pc.UnknownExampleError):
         post.delete([999])
-    with pytest.raises(pc.errors.InvalidOptionError, match="'exact', 'none', 'prior' or 'memory'"):
+    with pytest.raises(pc.errors.InvalidOptionError, match="'exact', 'none', 'prior', 'memory' or 'stochastic'"):
         post.update(y=y, correction="weighted")
     with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
         post.delete([0], method="influence")

@@ -398,6 +398,13 @@ def test_memory_and_prior_corrections(x64):
     gaps = [float(p.kl(exact)) for p in (none, prior, half)]
     assert gaps[0] > 0 and gaps[2] < gaps[0], gaps  # correcting more stale sites moves toward the batch posterior
     assert half.record["corrected"] == 10 and half.residual() < 1e-9
+    # stochastic: block Gauss–Seidel passes over all sites tend to the exact update
+    one = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=1)
+    many = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=12)
+    assert float(one.kl(exact)) < gaps[0] and float(many.kl(exact)) < 1e-14, (float(one.kl(exact)), gaps)
+    _close(many.natural, exact.natural, 1e-7)
+    with pytest.raises(InvalidOptionError, match="batch_fraction"):
+        first.update(**batch, correction="stochastic", batch_fraction=0.0)
     with pytest.raises(InvalidOptionError, match="memory="):
         first.update(**batch, correction="memory")
     with pytest.raises(pc.UnknownExampleError):
