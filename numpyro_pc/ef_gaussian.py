@@ -81,6 +81,18 @@ class _GaussianFactor(Factor):
     def default_natural(self, dtype):
         return self.from_args(jnp.zeros(self.shape, dtype), *self._unit_scale(dtype))
 
+    @property
+    def has_rule(self):
+        """A scalar site has the Gauss–Hermite rule."""
+        return self.dim == 1
+
+    def rule(self, lam, num_nodes):
+        if not self.has_rule:
+            return None
+        loc, scale = self.to_args(lam)  # (loc, scale) or (loc, scale_tril): both the sd when d = 1
+        x, w = hermite_rule(jnp.reshape(loc, ()), jnp.reshape(scale, ()), num_nodes)
+        return jnp.reshape(x, (num_nodes,) + self.shape), w
+
     def _flat_mean(self, lam):
         return jnp.reshape(self._moments(lam)[0], (-1,))
 
@@ -144,17 +156,6 @@ class NormalFactor(_GaussianFactor):
         loc, scale = self._moments(lam)
         eps = whitened_normal(key, num, self.dim, lam.dtype)
         return loc + scale * jnp.reshape(eps, (num,) + self.shape)
-
-    @property
-    def has_rule(self):
-        return self.dim == 1
-
-    def rule(self, lam, num_nodes):
-        if not self.has_rule:
-            return None
-        loc, scale = self._moments(lam)
-        x, w = hermite_rule(jnp.reshape(loc, ()), jnp.reshape(scale, ()), num_nodes)
-        return jnp.reshape(x, (num_nodes,) + self.shape), w
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,3 @@ class FullGaussianFactor(_GaussianFactor):
 
     def design_draws(self, key, lam, num):
         return self._draws(lam, whitened_normal(key, num, self.dim, lam.dtype))
-
-    @property
-    def has_rule(self):
-        return self.dim == 1
-
-    def rule(self, lam, num_nodes):
-        if not self.has_rule:
-            return None
-        loc, tril = self.to_args(lam)
-        x, w = hermite_rule(jnp.reshape(loc, ()), jnp.reshape(tril, ()), num_nodes)
-        return jnp.reshape(x, (num_nodes,) + self.shape), w

@@ -24,10 +24,10 @@ import numpy as np
 from .ef_eval import factor_prior_loss
 from .ef_posterior import site_names
 from .ef_sites import model_point
-from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
+from .errors import ModelMismatchError, PosteriorCorrectionError
 from .likelihood import ModelData, bind_model, example_loss, prior_loss
 from .rowops import as_ids, take_rows
-from .rows import positions
+from .rows import memory_ids, positions
 
 __all__ = ["ef_correction_factor", "factor_point", "check_same_ef_model"]
 
@@ -45,13 +45,7 @@ def ef_correction_factor(post, memory="all", correct_prior=True, removed=()):
     """
     held = np.asarray(post.ids)
     removed = np.asarray(as_ids(removed) if len(removed) else np.zeros(0, np.int64))
-    if isinstance(memory, str):
-        if memory not in ("all", "none"):
-            raise InvalidOptionError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
-        ids = held if memory == "all" else held[:0]
-    else:
-        ids = as_ids(memory)
-    ids = np.setdiff1d(ids, removed)
+    ids = memory_ids(memory, held, removed)
     rows = positions(held, ids, "retained example")
     gone = positions(held, removed, "retained example")
     spec, family, data = post.config.spec, post.family, post.data

@@ -38,7 +38,7 @@ from .ef_posterior import EFPosterior
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
-from .rows import positions, take_data
+from .rows import memory_ids, positions, take_data
 
 __all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model"]
 
@@ -175,13 +175,7 @@ def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_pr
     require_gaussian(posterior, "correction_factor")
     post = posterior
     retained = np.asarray(post.data_ids)
-    if isinstance(memory, str):
-        if memory not in ("all", "none"):
-            raise InvalidOptionError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
-        ids = retained if memory == "all" else retained[:0]
-    else:
-        ids = as_ids(memory)
-    ids = np.setdiff1d(ids, np.asarray(removed, dtype=np.int64))
+    ids = memory_ids(memory, retained, removed)
     data = take_data(post.data, positions(retained, ids, "retained example"))
     sites = post.sites.take(positions(post.sites.ids, ids))
     gone = post.sites.take(positions(post.sites.ids, np.asarray(removed, dtype=np.int64)))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import UnknownExampleError
+from .errors import InvalidOptionError, UnknownExampleError
 from .likelihood import ModelData
-from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, take_rows
+from .rowops import as_ids, bucket_size, filled, is_every_row, join_rows, pad_last_row, take_rows
 
 __all__ = ["concat_data", "take_data", "positions", "pad_to_bucket"]
 
@@ -66,3 +66,18 @@ def pad_to_bucket(data, weights, ids, dtype=None):
     per_example = tuple(pad_last_row(x, pad) for x in data.per_example)
     weights = join_rows(weights, filled([(pad, 0.0)], weights.dtype))
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
+
+
+def memory_ids(memory, held, removed=()):
+    """The example ids a correction covers: ``"all"`` held ids, ``"none"``, or the given ids,
+    less ``removed``.
+
+    :raises InvalidOptionError: another string.
+    """
+    if isinstance(memory, str):
+        if memory not in ("all", "none"):
+            raise InvalidOptionError(f"memory must be 'all', 'none' or a list of ids, got {memory!r}")
+        ids = np.asarray(held) if memory == "all" else np.asarray(held)[:0]
+    else:
+        ids = as_ids(memory)
+    return np.setdiff1d(ids, np.asarray(removed, dtype=np.int64))
