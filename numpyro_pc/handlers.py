@@ -198,13 +198,13 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
     """A NumPyro model whose posterior on new data is the corrected update of ``posterior``.
 
     Call it with the new batch like the original model; e.g.
-    ``MCMC(NUTS(pc.handlers.update(model, post)), ...).run(key, X_new, y_new)``.
+    ``MCMC(NUTS(pc.handlers.update(model, post)), ...).run(key, X_new, y_new)``. For an
+    :class:`~numpyro_pc.ef_posterior.EFPosterior` the sites are linear in the factors'
+    statistics (:mod:`numpyro_pc.ef_handlers`).
 
     :param memory: past examples to correct: ``"all"`` retained (exact), ``"none"`` (VCL
         when ``correct_prior=False``) or a list of ids.
     :param bool correct_prior: replace the prior's site by the true prior term.
-    For an :class:`~numpyro_pc.ef_posterior.EFPosterior` the sites are linear in the factors'
-    statistics (:mod:`numpyro_pc.ef_handlers`).
     """
     if isinstance(posterior, EFPosterior):
         check_same_ef_model(model, posterior)
