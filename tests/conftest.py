@@ -1,11 +1,23 @@
 """Shared fixtures: scoped float64, seeded data and small models."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test. A worker runs a few hundred tests and would
+    otherwise keep every executable: one worker grew to 11.6 GB and was OOM-killed; measured on
+    tests/test_expfam_mixed.py, peak RSS 3.45 GB → 1.40 GB for 30 % more time."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
