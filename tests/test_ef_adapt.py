@@ -25,6 +25,8 @@ from numpyro_pc import archive, errors, io
 
 from conftest import logistic_model, make_logistic
 
+RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
+
 A0, B0 = 2.0, 3.0
 
 

@@ -26,6 +26,8 @@ from numpyro_pc.ef_sites import blr_solve
 from numpyro_pc.errors import (ConvergenceError, GuideParamsError, NonFiniteResultError, OutOfDomainError,
                                UnsupportedGuideError, UnsupportedModelError)
 
+RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
+
 RTOL = 1e-8
 A0, B0 = 2.0, 3.0
 

@@ -32,6 +32,8 @@ from numpyro_pc.ef_gaussian import FullGaussianFactor, NormalFactor
 from numpyro_pc.ef_product import ProductFamily
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 
+RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
+
 RTOL = 1e-8
 
 

@@ -26,6 +26,8 @@ from test_expfam import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, clo
                          dirichlet_categorical, gamma_poisson, lognormal_poisson, misclassified)
 from test_expfam_mixed import RATES, _cavi_regression, _regression_data, regression, switch
 
+RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
+
 SIZES = (10, 20, 30)  # unequal shards: the padded rows must not count
 
 
