@@ -356,7 +356,7 @@ def _draw_error(config, data, prior_active, const, lam, tol):
     """
     other, _ = _bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
     residual = relative_residual(lam, other)
-    if residual > 100 * tol:
+    if not residual <= 100 * tol:  # a NaN residual warns too
         warnings.warn(f"the fixed point's residual is below {tol:g} for its own {config.num_samples} draws but "
                       f"{residual:.1e} for independent draws: the answer is only as accurate as the Monte Carlo "
                       "error of the draws; raise num_samples (or give vector sites scalar factors with Gauss rules)",

@@ -1,31 +1,10 @@
-r"""Exponential-family algebra over the flat unconstrained latent vector ``z``.
+r"""Exponential families over the flat unconstrained latent vector ``z``: the registry.
 
-Three Gaussian families are provided, all sharing one interface so that the rest of
-the package never branches on the family:
-
-=========================== ============================ ===============================
-family                      precision representation     sufficient statistics ``T(z)``
-=========================== ============================ ===============================
-:class:`FullGaussian`       ``(d, d)`` matrix ``S``      ``(z, z zᵀ)``
-:class:`DiagonalGaussian`   ``(d,)`` vector ``s``        ``(z, z²)``
-:class:`IsotropicGaussian`  scalar ``τ`` (fixed)         ``z`` (base measure ``e^{-τ‖z‖²/2}``)
-=========================== ============================ ===============================
-
-A distribution is the pytree :class:`Gaussian` ``(mean, precision)``; its natural
-parameters are :class:`GaussianNatural` ``(linear, precision)`` meaning
-:math:`\lambda = (S m, -\tfrac12 S)` — the ``precision`` field stores ``S`` itself
-rather than ``-S/2`` so that sums of sites read as sums of precisions.
-
-A Gaussian *site* ``ℓ̂(z) = zᵀĝ + ½ (z − m_t)ᵀ Ĥ (z − m_t)`` (paper Table 1) has natural
-parameters ``(Ĥ m_t − ĝ, Ĥ)``: ``exp(−ℓ̂)`` is an unnormalised Gaussian factor. Adding,
-removing and scaling sites is arithmetic on these pairs (:func:`add_site`,
-:func:`remove_site`, :func:`scale_site`).
-
-A fourth, :class:`~numpyro_pc.lowrank.LowRankGaussian` (precision ``diag(D) + UUᵀ`` as a
-``(d, r + 1)`` array), lives in :mod:`numpyro_pc.lowrank` and is registered through
-:func:`register_family_factory` (names ``"lowrank-r"``). New exponential families
-(Bernoulli, categorical, ...) subclass :class:`ExponentialFamily` and provide the same methods
-(docs/architecture.md, "Adding a family").
+The protocol and the Gaussian pytrees live in :mod:`numpyro_pc.family_protocol`, the full,
+diagonal and isotropic Gaussians in :mod:`numpyro_pc.gaussians`, the low-rank family in
+:mod:`numpyro_pc.lowrank` (registered through :func:`register_family_factory`, names
+``"lowrank-r"``). New families subclass :class:`ExponentialFamily` (docs/architecture.md,
+"Adding a family").
 
 This module is the registry (:func:`get_family`, :func:`register_family`,
 :func:`register_family_factory`) and re-exports the protocol
