@@ -39,7 +39,7 @@ from .families import Gaussian
 from .rowops import all_finite
 from .sites import compute_sites
 
-__all__ = ["SiteProblem", "dual_residual", "solve", "default_tol"]
+__all__ = ["SiteProblem", "dual_residual", "solve", "default_tol", "live_totals"]
 
 _WATCH = 3  # residuals remembered by the non-monotone acceptance rule
 _LINEAR = 1e-2  # accelerate only while the residual shrinks by less than 100× per step
@@ -95,11 +95,24 @@ def _base_terms(family, q, base):
 
 def _totals(problem, q, sites, sums=None):
     """Sums over the live terms: gradient, Σ‖gradients‖, curvature (family format), dense curvature, loss."""
-    return _totals_jit(problem.family, bool(problem.include_prior), q, sites, sums, problem.base, problem.weights)
+    return live_totals(problem.family, bool(problem.include_prior), q, sites, sums, problem.base, problem.weights)
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _totals_jit(family, include_prior, q, sites, sums, base, weights):
+def live_totals(family, include_prior, q, sites, sums, base, weights):
+    """Sums over a problem's live terms at ``q`` (pure; the solver's and :mod:`numpyro_pc.site_table`'s).
+
+    :param family: the :class:`~numpyro_pc.families.ExponentialFamily` (static).
+    :param bool include_prior: whether the prior site is a live term (static).
+    :param q: the current member.
+    :param sites: the live examples' :class:`~numpyro_pc.sites.Sites` (their prior site is used
+        when ``include_prior``).
+    :param sums: their :class:`~numpyro_pc.sites.SiteSums`, or ``None`` (no dense curvature and loss).
+    :param base: a fixed Gaussian factor in natural parameters, or ``None``.
+    :param weights: per-example weights of the live examples, or ``None`` (all 1).
+    :return: ``(gradient, Σ‖gradients‖, target precision in the family's format, dense
+        curvature or None, expected loss or None)``.
+    """
     grads = sites.grad_at(q.mean)
     if weights is not None:
         grads = grads * weights[:, None]
