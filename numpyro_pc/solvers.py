@@ -35,6 +35,7 @@ from jax.scipy.linalg import cho_solve
 
 from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from .curvature import FULL, NONE
+from . import newton_polish
 from .families import Gaussian
 from .rowops import all_finite
 from .sites import compute_sites
@@ -294,7 +295,15 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         xs, fs = xs[-(memory + 1):], fs[-(memory + 1):]
         outcome, rho, accelerated = None, 0.0, False
         linear = len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
-        if memory > 0 and len(xs) > 1 and linear:
+        if newton_polish.applies(problem) and point.residual < _LOCAL and linear:
+            # Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
+            # Gauss–Newton precision as preconditioner) removes the linear rate of the plain step
+            _, pre = family.fixed_point(q, point.totals[2], point.totals[3])
+            step = newton_polish.newton_direction(problem, q, point.totals[0], pre)
+            if step is not None:
+                outcome = attempt(Gaussian(q.mean + step, target))
+                rho, accelerated = 1.0, outcome is not None
+        if outcome is None and memory > 0 and len(xs) > 1 and linear:
             outcome = attempt(_unpack(_anderson(xs, fs), q))
             rho, accelerated = 1.0, outcome is not None
         if outcome is None:
