@@ -1,235 +1,48 @@
-r"""Per-example losses of a NumPyro model over its data plate.
+r"""Binding a NumPyro model to its data: ``bind_model`` and the checks of the binding.
 
-For a model with global latent variables and a plate over the data, this module gives
-the loss of each element ``i`` of the data plate and the prior term, both as functions
-of the flat unconstrained vector ``z`` (docs/notation.md, "Symbols"):
-
-.. math::
-
-    \ell_0(z) = -\log p_0(T(z)) - \log|\det J_T(z)|, \qquad
-    \ell_i(z) = -\log p(y_i \mid T(z)),
-
-so that ``ℓ_0(z) + Σ_i ℓ_i(z)`` equals ``numpyro.infer.util.potential_energy``.
-Several observed sites inside the plate add up per example; ``mask``/``obs_mask`` and
-``scale`` handlers are respected. Observed sites and factors outside the data plate
-belong to ``ℓ_0``.
-
-The binding is split in two: a hashable, static :class:`ModelSpec` (the model, its
-latent space, which arguments are per-example) and a :class:`ModelData` pytree of
-arrays, so jitted functions keyed on the spec do not retrace for new data of the same
-size. Example ``i`` is evaluated by running the model on the slice ``[i:i+1]`` of every
-per-example argument; evaluation over all examples is a ``vmap`` of that.
+:func:`bind_model` inspects a model with its arguments, finds the data plate, decides
+which arguments are per-example, builds the latent space and returns a static
+:class:`~numpyro_pc.model_terms.ModelSpec` with a :class:`~numpyro_pc.model_terms.ModelData`
+pytree; :func:`verify_binding` checks at probe points that the per-example losses add up to
+the model's log density (docs/models.md, "What binding checks"). The losses themselves —
+``ℓ_0(z)``, ``ℓ_i(z)`` — are in :mod:`numpyro_pc.model_terms` and re-exported here.
 """
 
 from __future__ import annotations
 
 import inspect
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
-from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
-from numpyro.distributions.util import sum_rightmost
 import numpyro
 
 from .errors import DataShapeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
+from .model_terms import (  # noqa: F401  (re-exported: the package imports them from here)
+    LOG_DET_PREFIX,
+    ModelData,
+    ModelSpec,
+    constrain,
+    example_args,
+    example_loss,
+    example_params,
+    example_site_log_likelihoods,
+    in_plate,
+    is_array,
+    losses,
+    prior_loss,
+    trace_at,
+)
 from .rowops import all_finite, take_rows, to_device
 
 __all__ = ["ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
-
-LOG_DET_PREFIX = "_pc_log_det_"
-
-
-class ModelData(NamedTuple):
-    """Array arguments of the model: per-example (leading axis = data plate) and shared."""
-
-    per_example: tuple
-    shared: tuple
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Static description of a model bound to its arguments' structure.
-
-    :ivar model: the NumPyro model callable.
-    :ivar latent: the :class:`~numpyro_pc.latent.LatentSpace`.
-    :ivar plate: name of the data plate.
-    :ivar num_examples: size ``N`` of the data plate for the bound data.
-    :ivar observed: names of the observed sites inside the data plate.
-    :ivar param_leaves: per observed site, which float leaves of its distribution depend
-        on ``z`` (the distribution parameters ``θ_i`` used for Gauss–Newton and
-        Gauss–Hermite).
-    :ivar num_params: ``k``, the number of such parameters per example.
-    :ivar affine: whether ``θ_i(z)`` is affine in ``z`` (GLM-type model), so that the
-        Hessian equals the Gauss–Newton matrix and sites factorise exactly.
-    """
-
-    model: object
-    latent: LatentSpace
-    plate: str
-    num_examples: int
-    treedef: object
-    kinds: tuple
-    statics: tuple
-    observed: tuple
-    param_leaves: tuple = ()
-    num_params: int = 0
-    affine: bool = False
-    arg_names: tuple = field(default=(), compare=False, hash=False)
-
-    def build_args(self, per_example, shared):
-        """Rebuild ``(args, kwargs)`` from the array leaves."""
-        ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
-        leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def is_array(x):
-    """Whether a model argument is an array (data) rather than a fixed, non-array value."""
-    return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
-
-
-def _substitute_unconstrained(values, site):
-    """``substitute_fn`` placing unconstrained values and recording their log-det-Jacobian."""
-    name = site["name"]
-    if site["type"] != "sample" or site["is_observed"] or name not in values:
-        return None
-    u = values[name]
-    support = site["fn"].support
-    if support is constraints.real or (
-        isinstance(support, constraints.independent) and support.base_constraint is constraints.real
-    ):
-        return u
-    transform = biject_to(support)
-    value = transform(u)
-    log_det = transform.log_abs_det_jacobian(u, value)
-    log_det = sum_rightmost(log_det, jnp.ndim(log_det) - jnp.ndim(value) + len(site["fn"].event_shape))
-    if site["scale"] is not None:
-        log_det = site["scale"] * log_det
-    numpyro.factor(LOG_DET_PREFIX + name, log_det)
-    return value
-
-
-def trace_at(spec, z, per_example, shared, discrete=None):
-    """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
-    args, kwargs = spec.build_args(per_example, shared)
-    values = spec.latent.unravel(z)
-    discrete = discrete or {}
-
-    def sub(site):
-        if site["type"] == "sample" and not site["is_observed"] and site["name"] in discrete:
-            return discrete[site["name"]]
-        return _substitute_unconstrained(values, site)
-
-    model = handlers.substitute(handlers.seed(spec.model, 0), substitute_fn=sub)
-    with handlers.block():  # inner evaluations never leak sites to outer handlers
-        return handlers.trace(model).get_trace(*args, **kwargs)
-
-
-def _site_log_prob(site):
-    lp = site["fn"].log_prob(site["value"])
-    if site.get("mask") is not None:
-        lp = jnp.where(site["mask"], lp, 0.0)
-    if site.get("scale") is not None:
-        lp = site["scale"] * lp
-    return jnp.sum(lp)
-
-
-def _in_plate(site, plate):
-    return any(f.name == plate for f in site["cond_indep_stack"])
-
-
-def prior_loss(spec, z, data, discrete=None):
-    """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
-    Jacobian of the constraining transforms) plus observed sites/factors outside the
-    data plate; ``discrete`` holds the values of discrete latents, if the binding has any."""
-    first = tuple(x[:1] for x in data.per_example)
-    trace = trace_at(spec, z, first, data.shared, discrete)
-    total = 0.0
-    for site in trace.values():
-        if site["type"] != "sample":
-            continue
-        if site["is_observed"] and _in_plate(site, spec.plate):
-            continue
-        total = total + _site_log_prob(site)
-    return -total
-
-
-def _example_args(example):
-    return tuple(x[None] for x in example)
-
-
-def example_loss(spec, z, example, shared, discrete=None):
-    """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
-    trace = trace_at(spec, z, _example_args(example), shared, discrete)
-    return -sum(_site_log_prob(trace[name]) for name in spec.observed)
-
-
-def example_site_log_likelihoods(spec, z, example, shared, discrete=None):
-    """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
-    trace = trace_at(spec, z, _example_args(example), shared, discrete)
-    return tuple(_site_log_prob(trace[name]) for name in spec.observed)
-
-
-def example_params(spec, z, example, shared):
-    """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
-
-    :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
-        of the example's observed distributions (flattened) and ``loss_fn(theta)`` the
-        negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``.
-    """
-    trace = trace_at(spec, z, _example_args(example), shared)
-    pieces, rebuild = [], []
-    for name, mask in zip(spec.observed, spec.param_leaves):
-        site = trace[name]
-        leaves, treedef = jax.tree.flatten(site["fn"])
-        for leaf, dep in zip(leaves, mask):
-            if dep:
-                pieces.append(jnp.reshape(leaf, -1))
-        rebuild.append((site, leaves, treedef, mask))
-    theta = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), z.dtype)
-
-    def loss_fn(theta):
-        total, pos = 0.0, 0
-        for site, leaves, treedef, mask in rebuild:
-            new_leaves = []
-            for leaf, dep in zip(leaves, mask):
-                if dep:
-                    size = int(np.prod(jnp.shape(leaf)))
-                    new_leaves.append(jnp.reshape(theta[pos:pos + size], jnp.shape(leaf)))
-                    pos += size
-                else:
-                    new_leaves.append(leaf)
-            fn = jax.tree.unflatten(treedef, new_leaves)
-            total = total + _site_log_prob({**site, "fn": fn})
-        return -total
-
-    return theta, loss_fn
-
-
-def losses(spec, z, data):
-    """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
-    return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
-
-
-def constrain(spec, z, data):
-    """Constrained values of the latent sites at ``z`` (a dict in trace order).
-
-    The values do not depend on the examples (per-example latents are refused at binding),
-    so a posterior that keeps no data rows traces the model on one zero-valued row.
-    """
-    first = tuple(x[:1] if x.shape[0] else jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype) for x in data.per_example)
-    trace = trace_at(spec, z, first, data.shared)
-    return {name: trace[name]["value"] for name in spec.latent.names}
-
 
 # --------------------------------------------------------------------------- binding
 
@@ -309,14 +122,14 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
     plate, size = _find_data_plate(trace, data_plate)
     for name in latent.names + latent.discrete_names:
-        if _in_plate(trace[name], plate):
+        if in_plate(trace[name], plate):
             raise UnsupportedModelError(
                 f"latent site {name!r} lies inside the data plate {plate!r} (a local latent variable); "
                 "the dual form supports global latent variables only: marginalise the local latent "
                 "or move it out of the plate."
             )
     observed = tuple(n for n, s in trace.items()
-                     if s["type"] == "sample" and s["is_observed"] and _in_plate(s, plate))
+                     if s["type"] == "sample" and s["is_observed"] and in_plate(s, plate))
 
     kinds, statics = [], []
     for name, leaf in zip(leaf_names, leaves):
@@ -417,14 +230,14 @@ def _find_data_plate(trace, data_plate):
 def _analyse_params(spec, data, z0):
     """Find which distribution leaves depend on ``z``, their count and whether affine."""
     first = tuple(take_rows(x, 0) for x in data.per_example)
-    trace = trace_at(spec, z0, _example_args(first), data.shared)
+    trace = trace_at(spec, z0, example_args(first), data.shared)
     masks = []
     for name in spec.observed:
         site_leaves = jax.tree.leaves(trace[name]["fn"])
         float_leaf = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in site_leaves]
 
         def leaves_of(z, name=name):
-            t = trace_at(spec, z, _example_args(first), data.shared)
+            t = trace_at(spec, z, example_args(first), data.shared)
             return jax.tree.leaves(t[name]["fn"])
 
         dep = output_dependence(jax.make_jaxpr(leaves_of)(z0))
@@ -512,7 +325,7 @@ def _binding_diagnosis(spec, data, z0, finding):
     hint = ("Every example is evaluated by calling the model on its slice of the per-example arguments, so "
             "the data plate's size and every per-example quantity must come from those arguments.")
     try:
-        trace = trace_at(spec, z0, _example_args(example), data.shared)
+        trace = trace_at(spec, z0, example_args(example), data.shared)
     except Exception:  # noqa: BLE001 - the finding already says the model fails
         return f"{finding}. {hint}"
     frame = next((f for s in trace.values() if s["type"] == "sample" for f in s["cond_indep_stack"]
