@@ -610,7 +610,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     traced = isinstance(q.mean, jax.core.Tracer)
     cfg = SiteConfig(rule=rule, curvature=curvature, storage=storage, chunk_size=int(chunk_size),
                      num_devices=num_devices, need_hessian_sum=bool(need_hessian_sum),
-                     prior_diagonal=_prior_diagonal(spec, data, family, rule, q, traced))
+                     prior_diagonal=_prior_diagonal(spec, data, family, storage, rule, q, traced))
     weights = jnp.ones(num, q.mean.dtype) if weights is None else jnp.asarray(weights, q.mean.dtype)
     if not storage.sparse_rows:
         return _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)
@@ -632,10 +632,10 @@ _FIRST_WIDTH = 16  # columns per example a sparse store tries first
 _WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
 
 
-def _prior_diagonal(spec, data, family, rule, q, traced):
-    """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free and the prior is
-    separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    if not family.sparse_sites:
+def _prior_diagonal(spec, data, family, storage, rule, q, traced):
+    """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
+    sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
+    if not (family.sparse_sites and storage.sparse_rows):
         return False
     if rule.prior_mode is not None:
         return rule.prior_mode == "separable"
