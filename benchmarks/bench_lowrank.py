@@ -38,6 +38,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -149,10 +150,11 @@ def run_svi(cfg, model, idx, val, y, out):
     return out
 
 
-def _dense_prior_gb(d):
-    """Bytes of the (d, d) float32 prior-curvature arrays every family still forms (GB): the rule's
-    separability probe holds two, the site computation one."""
-    return 3 * d * d * 4 / 2**30
+def _dense_gb(cfg):
+    """GB of the (d, d) float32 arrays a configuration forms: the diagonal family keeps a dense prior
+    curvature and forms a (d, d) curvature per example in its chunks; the low-rank family (sparse
+    sites, diagonal prior site) and SVI form none."""
+    return 2 * cfg["d"] ** 2 * 4 / 2**30 if cfg["family"] == "diagonal" else 0.0
 
 
 def _available_gb():
@@ -161,21 +163,42 @@ def _available_gb():
     return int(info["MemAvailable"].split()[0]) / 2**20
 
 
-def spawn(cfg, timeout):
-    need = _dense_prior_gb(cfg["d"])
-    if need > 0.5 * _available_gb():
-        return dict(cfg, status=f"not run: the (d, d) prior curvature alone needs {need:.0f} GB "
-                                f"({_available_gb():.0f} GB available)")
+def _rss_of(pid):
+    """Resident memory of process ``pid`` in GB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def spawn(cfg, timeout, max_gb):
+    need = _dense_gb(cfg)
+    if need > min(max_gb, 0.5 * _available_gb()):
+        return dict(cfg, status=f"not run: its (d, d) arrays alone need {need:.0f} GB (limit {max_gb:.0f} GB, "
+                                f"{_available_gb():.0f} GB available)")
     cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(cfg)]
     t = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(cfg, status=f"timeout after {timeout} s")
-    if res.returncode != 0:
-        tail = (res.stderr or "").strip().splitlines()[-1:] or [""]
-        return dict(cfg, status=f"failed (rc {res.returncode}): {tail[0][:160]}", wall=time.perf_counter() - t)
-    return dict(json.loads(res.stdout.strip().splitlines()[-1]), status="ok")
+    out_file, err_file = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill up
+    proc = subprocess.Popen(cmd, stdout=out_file, stderr=err_file, text=True)
+    while proc.poll() is None:  # a watchdog: the machine is shared, so a run is stopped at max_gb
+        rss = _rss_of(proc.pid)
+        if rss > max_gb or time.perf_counter() - t > timeout:
+            proc.kill()
+            proc.wait()
+            why = f"resident memory {rss:.1f} GB > {max_gb:.0f} GB" if rss > max_gb else f"timeout after {timeout} s"
+            return dict(cfg, status=f"stopped: {why}", wall=time.perf_counter() - t)
+        time.sleep(0.5)
+    out_file.seek(0)
+    err_file.seek(0)
+    out, err = out_file.read(), err_file.read()
+    if proc.returncode != 0:
+        tail = (err or "").strip().splitlines()[-1:] or [""]
+        return dict(cfg, status=f"failed (rc {proc.returncode}): {tail[0][:160]}", wall=time.perf_counter() - t)
+    return dict(json.loads(out.strip().splitlines()[-1]), status="ok")
 
 
 def main():
@@ -186,6 +209,7 @@ def main():
     parser.add_argument("--svi-seconds", type=float, default=300.0)
     parser.add_argument("--diag-timeout", type=int, default=600)
     parser.add_argument("--sizes", help="comma-separated dxN pairs, e.g. 10000x10000 (overrides the defaults)")
+    parser.add_argument("--max-gb", type=float, default=6.0, help="stop a configuration above this resident memory")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(json.loads(args.one))))
@@ -200,12 +224,12 @@ def main():
     rows = []
     for d, n in sizes:
         ref = os.path.join(out_dir, f"bench_lowrank_ref_{d}.npz")
-        low = spawn(dict(d=d, n=n, family="lowrank", rank=20, save=ref), args.timeout)
+        low = spawn(dict(d=d, n=n, family="lowrank", rank=20, save=ref), args.timeout, args.max_gb)
         rows.append(low)
-        rows.append(spawn(dict(d=d, n=n, family="diagonal"), args.diag_timeout))
+        rows.append(spawn(dict(d=d, n=n, family="diagonal"), args.diag_timeout, args.max_gb))
         if low["status"] == "ok":
             rows.append(spawn(dict(d=d, n=n, family="svi", rank=20, reference=ref, max_steps=20000,
-                                   svi_seconds=args.svi_seconds, block=500), args.timeout))
+                                   svi_seconds=args.svi_seconds, block=500), args.timeout, args.max_gb))
         print(json.dumps(rows[-3:], indent=1), flush=True)
     result = dict(machine=machine_info(), rows=rows, quick=args.quick)
     with open(os.path.join(out_dir, "bench_lowrank.json"), "w") as f:
@@ -218,7 +242,8 @@ def main():
             note = (f"marginal KL to the lowrank fit: {last['kl']:.3g} after {last['steps']} steps "
                     f"({last['seconds']:.0f} s); lowest {best['kl']:.3g} at {best['steps']} steps ({best['seconds']:.0f} s)")
         elif "residual" in r:
-            note = f"{r['fit_iterations']}+{r['update_iterations']} iterations, residual {r['residual']:.1e}"
+            note = (f"{r['fit_iterations']}+{r['update_iterations']} iterations, residual {r['residual']:.1e}, "
+                    f"fit peak {r['fit_peak_gb']:.1f} GB, after imports {r['base_gb']:.1f} GB")
         fmt = lambda key: f"{r[key]:.1f}" if key in r else "–"  # noqa: E731
         lines.append(f"| {r['d']} | {r['n']} | {r['family']} | {r['status']} | {fmt('fit_s')} | {fmt('update_s')} "
                      f"| {fmt('peak_gb')} | {note} |")

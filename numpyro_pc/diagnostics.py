@@ -51,10 +51,10 @@ def expected_site_values(sites, mean, cov):
     """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``."""
     diff = mean[None, :] - sites.refs()
     trace, quad = sites.curv.trace_quad(cov, diff)
-    values = sites.grad @ mean + 0.5 * (quad + trace)
+    values = sites.dense_grad() @ mean + 0.5 * (quad + trace)
     p_diff = mean - sites.prior_ref
-    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ sites.prior_curvature @ p_diff
-                                             + jnp.sum(sites.prior_curvature * cov))
+    prior_curvature = sites.prior_curvature_dense()
+    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov))
     return values, prior
 
 
@@ -66,7 +66,7 @@ def log_normaliser(sites, family):
     linear = nat.linear + prior.linear
     refs = sites.refs()
     const = 0.5 * jnp.sum(refs * sites.curvature_matvec(refs))
-    const = const + 0.5 * sites.prior_ref @ sites.prior_curvature @ sites.prior_ref
+    const = const + 0.5 * sites.prior_ref @ sites.prior_curvature_dense() @ sites.prior_ref
     chol = jnp.linalg.cholesky(precision)
     white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
     d = linear.shape[0]
@@ -120,8 +120,12 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
     """
     operand = family.covariance_operand(q)
     cov_rows = lambda mat: family.cov_times(q, operand, mat.T).T  # noqa: E731  (M Σ, Σ symmetric)
-    dg = fresh.grad - stale.grad_at(q.mean)
-    grad_part = jnp.sum(cov_rows(dg) * dg, 1)
+    if fresh.curv.sparse_rows and shared_jacobian and stale.grad.shape == fresh.grad.shape:
+        # one Jacobian, so one index: the difference lives on it; Σ is applied to rows densified in batches
+        grad_part = fresh.curv.row_quad(fresh.grad - stale.grad_values_at(q.mean), cov_rows)
+    else:
+        dg = fresh.dense_grad() - stale.grad_at(q.mean)
+        grad_part = jnp.sum(cov_rows(dg) * dg, 1)
     curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
 

@@ -73,6 +73,9 @@ class ExponentialFamily(ABC):
     default_storage = None
     #: the solver needs the dense curvature sum ``Σ Ĥ_i`` beside the family's own (to precondition the mean)
     needs_dense_sum = True
+    #: the family asks of its sites only sums and matrix-free products: ``storage="auto"`` keeps the
+    #: Jacobians by their nonzero columns (``"sparse"``) and a separable prior's curvature as its diagonal
+    sparse_sites = False
 
     @abstractmethod
     def natural(self, q):
@@ -126,6 +129,11 @@ class ExponentialFamily(ABC):
     def project_curvature(self, dense):
         """Map a dense ``(..., d, d)`` curvature to this family's precision format."""
 
+    def project_diagonal(self, diag):
+        """Map a diagonal curvature ``(d,)`` to this family's precision format (through the dense matrix
+        here; a family with matrix-free sites overrides it)."""
+        return self.project_curvature(jnp.diag(diag))
+
     @abstractmethod
     def is_positive_definite(self, precision):
         """Boolean (traceable) test of the precision format."""
@@ -171,11 +179,12 @@ class ExponentialFamily(ABC):
         """Raise :class:`~numpyro_pc.errors.InvalidOptionError` if the family cannot describe ``dim`` latents."""
 
     def target_precision(self, store, weights, prior_curvature=None, base=None):
-        """``Σ_i w_i Ĥ_i`` (``+ Ĥ_0`` from the dense ``prior_curvature``, ``+ B`` a precision in
-        the family's format) in the family's format: the precision the fixed point asks for."""
+        """``Σ_i w_i Ĥ_i`` (``+ Ĥ_0`` from ``prior_curvature``, dense or its diagonal, ``+ B`` a
+        precision in the family's format) in the family's format: the precision the fixed point asks for."""
         curv = self.curvature_sum(store, weights)
         if prior_curvature is not None:
-            curv = curv + self.project_curvature(prior_curvature)
+            curv = curv + (self.project_diagonal(prior_curvature) if prior_curvature.ndim == 1
+                           else self.project_curvature(prior_curvature))
         if base is not None:
             curv = curv + base
         return curv

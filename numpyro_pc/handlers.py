@@ -155,12 +155,12 @@ class _drop_observations(Messenger):
 def _site_values(sites, z):
     """Each quadratic site's value at ``z``: ``zᵀĝ_i + ½ (z − m_i)ᵀ Ĥ_i (z − m_i)``."""
     diff = z[None, :] - sites.refs()
-    return sites.grad @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
+    return sites.dense_grad() @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
 
 
 def _prior_site_value(sites, z):
     diff = z - sites.prior_ref
-    return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature @ diff
+    return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature_dense() @ diff
 
 
 def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_prior: bool = True,

@@ -222,6 +222,7 @@ class LowRankGaussian(ExponentialFamily):
 
     curvature_detail = 2
     needs_dense_sum = False
+    sparse_sites = True
     linear_precision = False
     minimises_objective = False
     dense_checks = False
@@ -297,6 +298,10 @@ class LowRankGaussian(ExponentialFamily):
         dim = dense.shape[-1]
         return project_operator(lambda v: dense @ v, jnp.diagonal(dense), self.rank, dim, dense.dtype)
 
+    def project_diagonal(self, diag):
+        """``[diag | 0]``: a diagonal is already in the format (``Π_r`` keeps a diagonal exactly)."""
+        return _join(diag, jnp.zeros((diag.shape[0], self.rank), diag.dtype))
+
     def is_positive_definite(self, precision):
         diag, _ = _split(precision)
         return jnp.all(jnp.isfinite(precision)) & jnp.all(diag > 0)
@@ -311,20 +316,22 @@ class LowRankGaussian(ExponentialFamily):
         return self.target_precision(store, weights)
 
     def target_precision(self, store, weights, prior_curvature=None, base=None):
-        r"""``Π_r(Σ w_i Ĥ_i + Ĥ_0 + B)`` from products with the store, the dense prior curvature and ``B``."""
+        r"""``Π_r(Σ w_i Ĥ_i + Ĥ_0 + B)`` from products with the store, the prior curvature (dense, or
+        its diagonal for a separable prior: then no ``d × d`` array) and ``B``."""
         diag = store.weighted_diagonal(weights)
         dim = diag.shape[0]
+        prior_diag = prior_curvature is not None and prior_curvature.ndim == 1
 
         def matmat(v):
             out = store.weighted_matmat(weights, v)
             if prior_curvature is not None:
-                out = out + prior_curvature @ v
+                out = out + (prior_curvature[:, None] * v if prior_diag else prior_curvature @ v)
             if base is not None:
                 out = out + _apply(base, v)
             return out
 
         if prior_curvature is not None:
-            diag = diag + jnp.diagonal(prior_curvature)
+            diag = diag + (prior_curvature if prior_diag else jnp.diagonal(prior_curvature))
         if base is not None:
             b_diag, b_factor = _split(base)
             diag = diag + b_diag + jnp.sum(b_factor**2, 1)

@@ -29,12 +29,13 @@ from . import guides as _guides
 from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
 from .dual import DualPosteriorBase, build_posterior, in_own_precision
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError, NonFiniteResultError
-from .expectations import get_rule
+from .expectations import get_rule, prior_is_separable
 from .families import ExponentialFamily, Gaussian, get_family
 from .io import load as _load
 from .io import save as _save
 from .likelihood import bind_model, prior_loss
 from .rows import pad_to_bucket
+from .prior_site import prior_diagonal_at
 from .start import map_laplace
 from .streaming import update as _update
 from .unlearning import delete as _delete
@@ -275,6 +276,11 @@ def _start(spec, data, family, init, dtype):
                           found.saddle_escapes)
     if family.fixed_precision:
         return _Start(Gaussian(z0, jnp.asarray(1.0, dtype)), "prior")
+    if family.sparse_sites and prior_is_separable(spec, data, z0):  # matrix-free: no (d, d) prior Hessian
+        precision = family.project_diagonal(prior_diagonal_at(spec, data, z0))
+        if not bool(family.is_positive_definite(precision)):
+            precision = family.project_diagonal(jnp.ones(spec.latent.dim, dtype))
+        return _Start(Gaussian(z0, precision), "prior")
     hess = jax.hessian(lambda z: prior_loss(spec, z, data))(z0)
     precision = family.project_curvature(0.5 * (hess + hess.T))
     if not bool(family.is_positive_definite(precision)):

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from .curvature import FULL, CurvatureStore, Dense, Factor, get_store
+from .curvature import FULL, CurvatureStore, Dense, Factor, SparseFactor, get_store
 from .errors import DataShapeError, InvalidOptionError, SiteStorageError
-from .expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
+from .expectations import hermite_nodes, mc_noise, prior_is_separable, subspace_basis, tensor_hermite_nodes
 from .families import GaussianNatural
-from .likelihood import example_loss, example_params, prior_loss
+from .likelihood import example_loss, example_params
+from .prior_site import prior_dense, prior_matvec, prior_terms, prior_terms_reparam, reparam_curvature
 from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]
@@ -44,8 +45,7 @@ _TRACES = {"compute": 0}
 
 @partial(jax.jit, static_argnums=0)
 def _natural_sum(family, sites, weights):
-    linear = weights @ (sites.curvature_matvec(sites.refs()) - sites.grad)
-    return GaussianNatural(linear, sites.example_curvature_sum(family, weights))
+    return GaussianNatural(sites.linear_sum(weights), sites.example_curvature_sum(family, weights))
 
 
 def trace_count():
@@ -61,7 +61,9 @@ def trace_count():
 class Sites:
     """Cached sites of every example and of the prior.
 
-    :ivar grad: ``(N, d)`` expected gradients ``ĝ_i``.
+    :ivar grad: ``(N, d)`` expected gradients ``ĝ_i``; for a store with
+        :attr:`~numpyro_pc.curvature.CurvatureStore.sparse_rows` (``"sparse"``) their ``(N, s)``
+        values on the store's per-example index (``ĝ_i = J_iᵀ γ_i`` lies in those columns).
     :ivar curv: the per-example curvatures ``Ĥ_i``, a
         :class:`~numpyro_pc.curvature.CurvatureStore` (factorised, dense, diagonal or none).
     :ivar loss: ``(N,)`` expected losses ``E_q[ℓ_i]``.
@@ -71,7 +73,8 @@ class Sites:
         computation; sites from earlier posteriors keep their own row, so stale and fresh
         sites coexist).
     :ivar prior_grad: ``ĝ_0``.
-    :ivar prior_curvature: dense ``Ĥ_0``.
+    :ivar prior_curvature: ``Ĥ_0``: dense ``(d, d)``, or its diagonal ``(d,)`` for a separable prior
+        of a family with matrix-free sites (:mod:`numpyro_pc.prior_site`).
     :ivar prior_loss: ``E_q[ℓ_0]``.
     :ivar prior_ref: the mean the prior site was computed at.
     """
@@ -98,7 +101,34 @@ class Sites:
 
     def grad_sum(self):
         """``Σ_{i=0..N} ĝ_i`` (prior included)."""
+        if self.curv.sparse_rows:
+            return self.prior_grad + self.curv.scatter(self.grad)
         return self.prior_grad + jnp.sum(self.grad, 0)
+
+    def dense_grad(self):
+        """``(N, d)`` expected gradients ``ĝ_i`` (materialised from a sparse store: small ``d`` only)."""
+        return self.curv.dense_rows(self.grad) if self.curv.sparse_rows else self.grad
+
+    def grad_totals(self, mean, weights=None):
+        r"""``(Σ_i w_i ∇ℓ̂_i(m), Σ_i ‖w_i ∇ℓ̂_i(m)‖)`` over the example sites, without ``(N, d)`` rows
+        for a sparse store."""
+        if self.curv.sparse_rows:
+            values = self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+            if weights is not None:
+                values = values * weights[:, None]
+            return self.curv.scatter(values), jnp.sum(jnp.linalg.norm(values, axis=1))
+        grads = self.grad_at(mean)
+        if weights is not None:
+            grads = grads * weights[:, None]
+        return jnp.sum(grads, 0), jnp.sum(jnp.linalg.norm(grads, axis=1))
+
+    def grad_values_at(self, mean):
+        """A sparse store's ``∇ℓ̂_i(m)`` as ``(N, s)`` values on its index."""
+        return self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+
+    def prior_curvature_dense(self):
+        """``Ĥ_0`` as a dense ``(d, d)`` matrix (whichever form it is held in; small ``d``)."""
+        return prior_dense(self.prior_curvature)
 
     def curvature_sum(self, family):
         """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
@@ -128,15 +158,24 @@ class Sites:
 
     def grad_at(self, mean):
         """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
+        if self.curv.sparse_rows:
+            return self.curv.dense_rows(self.grad_values_at(mean))
         return self.grad + self.curvature_matvec(mean[None, :] - self.refs())
 
     def prior_grad_at(self, mean):
         """Gradient of the prior site at ``mean``."""
-        return self.prior_grad + self.prior_curvature @ (mean - self.prior_ref)
+        return self.prior_grad + prior_matvec(self.prior_curvature, mean - self.prior_ref)
+
+    def linear_sum(self, weights):
+        """``Σ_i w_i (Ĥ_i m_i − ĝ_i)``: the linear natural parameter of the weighted example sites."""
+        if self.curv.sparse_rows:
+            refs = self.ref_means[self.ref_index[:, None], self.curv.index]
+            return self.curv.scatter(self.curv.curvature_values(refs) - self.grad, weights)
+        return weights @ (self.curvature_matvec(self.refs()) - self.grad)
 
     def natural(self, family):
         """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
-        return GaussianNatural(self.curvature_matvec(self.refs()) - self.grad, family.site_curvatures(self.curv))
+        return GaussianNatural(self.curvature_matvec(self.refs()) - self.dense_grad(), family.site_curvatures(self.curv))
 
     def natural_sum(self, family, weights=None):
         """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
@@ -151,7 +190,13 @@ class Sites:
 
     def prior_natural(self, family):
         """Natural parameters of the prior site."""
-        return family.site_natural(self.prior_grad, family.project_curvature(self.prior_curvature), self.prior_ref)
+        return family.site_natural(self.prior_grad, self.prior_precision(family), self.prior_ref)
+
+    def prior_precision(self, family):
+        """``Ĥ_0`` in the family's precision format (a diagonal ``Ĥ_0`` is projected matrix-free)."""
+        if self.prior_curvature.ndim == 1:
+            return family.project_diagonal(self.prior_curvature)
+        return family.project_curvature(self.prior_curvature)
 
     def take(self, index):
         """The sites of the examples at positions ``index`` (the prior site is kept)."""
@@ -192,6 +237,11 @@ class Sites:
         """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
         join = join_rows
         prior = other if prior_from == "other" else self
+        if self.curv.sparse_rows and self.grad.shape[1] != other.grad.shape[1]:  # widths differ: pad the narrower
+            width = max(self.grad.shape[1], other.grad.shape[1])
+            widen = lambda x: replace(x, grad=jnp.pad(x.grad, ((0, 0), (0, width - x.grad.shape[1]))),  # noqa: E731
+                                      curv=x.curv.widened(width))
+            self, other = widen(self), widen(other)
         return Sites(grad=join(self.grad, other.grad), curv=self.curv.join(other.curv),
                      loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
                      ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
@@ -213,7 +263,8 @@ class Sites:
         """Sites from :meth:`arrays`' output and the storage's name (a saved posterior's)."""
         store = get_store(storage)
         num = arrays["grad"].shape[0]
-        curv = store.from_arrays({k: arrays[k] for k in store.file_shapes(0, 0, 0)}, num, arrays["grad"].dtype)
+        curv = store.from_arrays({k: arrays[k] for k in store.file_shapes(0, 0, 0)}, num, arrays["grad"].dtype,
+                                 dim=arrays["prior_ref"].shape[0])
         return cls(curv=curv, **{name: arrays[name] for name in _PLAIN_FIELDS})
 
 
@@ -238,6 +289,8 @@ class SiteConfig:
     chunk_size: int = 256
     num_devices: int = 1
     need_hessian_sum: bool = False
+    width: int = 0  # columns per example of a sparse store
+    prior_diagonal: bool = False  # hold Ĥ_0 as its diagonal (a separable prior, a family with matrix-free sites)
 
 
 def resolve_storage(storage, family, spec, rule, curvature):
@@ -249,7 +302,7 @@ def resolve_storage(storage, family, spec, rule, curvature):
         if family.default_storage is not None:
             return get_store(family.default_storage)
         if factorisable and spec.num_params > 0:
-            return Factor
+            return SparseFactor if family.sparse_sites else Factor
         if n * d * d <= _DENSE_AUTO_LIMIT:
             return Dense
         raise SiteStorageError(
@@ -307,7 +360,16 @@ def _point_terms(spec, cfg, z, ex, shared):
 
 
 def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
-    """Stored per-example terms of a chunk and its masked, weighted dense-curvature sum."""
+    """Stored per-example terms of a chunk (compressed by the store) and its masked, weighted
+    dense-curvature sum."""
+    (loss, grad, jac, stored), dsum = _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask)
+    if cfg.storage.sparse_rows:  # the dense (chunk, k, d) Jacobians are transient
+        jac, grad = jax.vmap(lambda j, g: cfg.storage.compress(j, g, cfg.width))(jac, grad)
+    return (loss, grad, jac, stored), dsum
+
+
+def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
+    """Per-example terms of a chunk and its masked, weighted dense-curvature sum."""
     rule = cfg.rule
     *ex_chunk, example_weights = ex_chunk
     ex_chunk = tuple(ex_chunk)
@@ -476,79 +538,6 @@ def _reparam(cfg, family):
             and cfg.storage is Dense and cfg.curvature == "hessian")
 
 
-def _reparam_curvature(chol, cross):
-    r"""Site precision ``Ĥ = 2 ∂E_K[ℓ]/∂Σ`` from ``G = (1/K) Σ_s ∇ℓ(z_s) ε_sᵀ``.
-
-    With ``z_s = m + Cε_s``, ``C = L⁻ᵀ`` and ``S = LLᵀ``, the chain rule through the
-    Cholesky factor gives
-
-    .. math::
-
-        \hat H = L \, \mathrm{sym}_\downarrow(Gᵀ L^{-ᵀ}) \, Lᵀ,
-
-    where ``sym↓(M)`` keeps the strict lower triangle of ``M``, mirrors it above the
-    diagonal, and keeps the diagonal. For a quadratic ``ℓ = ½zᵀAz`` and ``E[G] = AC`` this
-    is ``A``: the estimator is unbiased for ``E_q[∇²ℓ]`` and is the exact derivative of the
-    fixed-draw expectation, so ``S = Σ_i Ĥ_i`` holds exactly at a stationary point of the
-    fixed-draw variational objective.
-    """
-    m = jax.scipy.linalg.solve_triangular(chol, cross, lower=True).T  # Gᵀ L⁻ᵀ
-    low = jnp.tril(m, -1)
-    sym = low + low.T + jnp.diag(jnp.diagonal(m))
-    return chol @ sym @ chol.T
-
-
-def _prior_terms_reparam(spec, chol, data, draws, eps):
-    """The prior site under the reparameterisation estimator, with the examples' draws."""
-    def one(z, e):
-        loss, grad = jax.value_and_grad(lambda zz: prior_loss(spec, zz, data))(z)
-        return loss, grad, jnp.outer(grad, e)
-
-    loss, grad, cross = jax.tree.map(lambda x: jnp.mean(x, 0), jax.lax.map(lambda a: one(*a), (draws, eps),
-                                                                                batch_size=8))
-    return loss, grad, _reparam_curvature(chol, cross)
-
-
-def _prior_terms(spec, rule, family, q, data, extra):
-    f = lambda z: prior_loss(spec, z, data)  # noqa: E731
-    vgh = lambda z: (*jax.value_and_grad(f)(z), jax.hessian(f)(z))  # noqa: E731
-    if rule.kind == "delta":
-        return vgh(q.mean)
-    if rule.kind == "mc":
-        vals = jax.lax.map(vgh, extra, batch_size=8)
-        return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
-    if rule.prior_mode == "quadratic":
-        loss, grad, hess = vgh(q.mean)
-        return loss + 0.5 * family.trace_dense_with_covariance(q, hess), grad, hess
-    if rule.prior_mode == "qmc":
-        chol = jnp.linalg.cholesky(family.dense_covariance(q))
-        points = q.mean[None, :] + _sobol_normals(rule.num_prior_points, q.mean.shape[0], rule.seed, q.mean.dtype) @ chol.T
-        vals = jax.lax.map(vgh, points, batch_size=32)
-        return jax.tree.map(lambda x: jnp.mean(x, 0), vals)
-    nodes, node_w = extra[:2] if rule.subspace_dim == 0 else hermite_nodes(rule.num_nodes, q.mean.dtype)
-    std = jnp.sqrt(family.marginal_variance(q))
-
-    def vgd(z):  # separable prior: its Hessian is diagonal, so diag H = H·1 (one product, no d × d per node)
-        value, grad = jax.value_and_grad(f)(z)
-        return value, grad, jax.jvp(jax.grad(f), (z,), (jnp.ones_like(z),))[1]
-
-    vals = jax.lax.map(lambda xi: vgd(q.mean + std * xi), nodes, batch_size=8)
-    loss = jnp.dot(node_w, vals[0])
-    grad = node_w @ vals[1]
-    hess = jnp.diag(node_w @ vals[2])
-    return loss, grad, hess
-
-
-def _sobol_normals(num, dim, seed, dtype):
-    """``num`` scrambled Sobol points mapped to standard normals (a constant of the compiled program)."""
-    from scipy.special import ndtri
-    from scipy.stats import qmc
-
-    power = int(np.ceil(np.log2(max(num, 2))))
-    unit = qmc.Sobol(dim, scramble=True, seed=seed).random_base2(power)[:num]
-    return jnp.asarray(ndtri(np.clip(unit, 1e-12, 1 - 1e-12)), dtype)
-
-
 @partial(jax.jit, static_argnames=("spec", "cfg", "family"))
 def _compute(spec, cfg, family, q, data, ids, weights):
     _TRACES["compute"] += 1
@@ -572,11 +561,11 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     (loss, grad, jac, stored), hess_sum = _map_chunks(fn, leaves, num, cfg.chunk_size, cfg.num_devices)
     if _reparam(cfg, family):
         chol = jnp.linalg.cholesky(q.precision)
-        stored = jax.lax.map(partial(_reparam_curvature, chol), stored, batch_size=cfg.chunk_size)
-        p_loss, p_grad, p_hess = _prior_terms_reparam(spec, chol, data, *extra)
+        stored = jax.lax.map(partial(reparam_curvature, chol), stored, batch_size=cfg.chunk_size)
+        p_loss, p_grad, p_hess = prior_terms_reparam(spec, chol, data, *extra)
     else:
-        p_loss, p_grad, p_hess = _prior_terms(spec, rule, family, q, data, extra)
-    curv = cfg.storage.assemble(jac, stored, num, q.mean.dtype)
+        p_loss, p_grad, p_hess = prior_terms(spec, rule, family, q, data, extra, cfg.prior_diagonal)
+    curv = cfg.storage.assemble(jac, stored, num, q.mean.dtype, dim=q.mean.shape[0])
     sites = Sites(grad=grad, curv=curv, loss=loss, ids=ids, ref_index=jnp.zeros(num, jnp.int32),
                   ref_means=q.mean[None, :], prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss,
                   prior_ref=q.mean)
@@ -618,7 +607,36 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)))
     if ids is None:
         ids = jnp.arange(num)
+    traced = isinstance(q.mean, jax.core.Tracer)
     cfg = SiteConfig(rule=rule, curvature=curvature, storage=storage, chunk_size=int(chunk_size),
-                     num_devices=num_devices, need_hessian_sum=bool(need_hessian_sum))
+                     num_devices=num_devices, need_hessian_sum=bool(need_hessian_sum),
+                     prior_diagonal=_prior_diagonal(spec, data, family, storage, rule, q, traced))
     weights = jnp.ones(num, q.mean.dtype) if weights is None else jnp.asarray(weights, q.mean.dtype)
-    return _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)
+    if not storage.sparse_rows:
+        return _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)
+    dim = spec.latent.dim
+    key = replace(spec, num_examples=0)
+    width = dim if traced else _WIDTHS.get(key, min(dim, _FIRST_WIDTH))  # inside a trace nnz cannot be checked
+    while True:
+        out = _compute(spec, replace(cfg, width=width), family, q, data, jnp.asarray(ids), weights)
+        if traced:
+            return out
+        need = int(jnp.max(out[0].curv.nnz))
+        if need <= width:
+            _WIDTHS[key] = width
+            return out
+        width = min(dim, 1 << (need - 1).bit_length())  # a power of two: few compilations as data arrive
+
+
+_FIRST_WIDTH = 16  # columns per example a sparse store tries first
+_WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
+
+
+def _prior_diagonal(spec, data, family, storage, rule, q, traced):
+    """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
+    sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
+    if not (family.sparse_sites and storage.sparse_rows):
+        return False
+    if rule.prior_mode is not None:
+        return rule.prior_mode == "separable"
+    return not traced and prior_is_separable(spec, data, q.mean)

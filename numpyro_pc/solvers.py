@@ -114,11 +114,7 @@ def live_totals(family, include_prior, q, sites, sums, base, weights):
     :return: ``(gradient, Σ‖gradients‖, target precision in the family's format, dense
         curvature or None, expected loss or None)``.
     """
-    grads = sites.grad_at(q.mean)
-    if weights is not None:
-        grads = grads * weights[:, None]
-    grad = jnp.sum(grads, 0)
-    norms = jnp.sum(jnp.linalg.norm(grads, axis=1))
+    grad, norms = sites.grad_totals(q.mean, weights)
     w = jnp.ones(sites.num_examples, grad.dtype) if weights is None else weights
     dense = None if sums is None or not family.needs_dense_sum else sums.hessian
     loss = None if sums is None else sums.loss
@@ -127,7 +123,7 @@ def live_totals(family, include_prior, q, sites, sums, base, weights):
         p_grad = sites.prior_grad_at(q.mean)
         grad, norms = grad + p_grad, norms + jnp.linalg.norm(p_grad)
         prior_curvature = sites.prior_curvature
-        dense = None if dense is None else dense + sites.prior_curvature
+        dense = None if dense is None else dense + sites.prior_curvature_dense()
         loss = None if loss is None else loss + sites.prior_loss
     if base is not None:
         b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, base)
@@ -390,7 +386,7 @@ def _check_representable(problem, point):
         weights = jnp.asarray(w)
         total = f64(store.weighted_dense(weights) if store.detail == FULL else jnp.diag(store.weighted_diagonal(weights)))
     if problem.include_prior:
-        total = total + f64(sites.prior_curvature)
+        total = total + f64(sites.prior_curvature_dense())
     if problem.base is not None:
         total = total + f64(family.dense_precision(Gaussian(q.mean, problem.base.precision)))
     if q.precision.ndim == 1:  # a diagonal family keeps the diagonal of the curvature

@@ -102,7 +102,7 @@ def _sag_step(static, q, table, sums, data, pick, pick_weights, cavity, rho):
     grad_norms = grad_norms + pick_weights @ (jnp.linalg.norm(fresh.grad, axis=1) - jnp.linalg.norm(old.grad, axis=1))
 
     grad = natural.precision @ q.mean - natural.linear + fresh.prior_grad + cavity.precision @ q.mean - cavity.linear
-    target = natural.precision + family.project_curvature(fresh.prior_curvature) + cavity.precision
+    target = natural.precision + fresh.prior_precision(family) + cavity.precision
 
     def attempt(step):
         precision = (1.0 - step) * q.precision + step * target

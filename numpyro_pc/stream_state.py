@@ -143,11 +143,11 @@ def _newton(config, q, data, weights):
     sites, sums = compute_sites(config.spec, data, family, q, config.rule, curvature=config.curvature,
                                 storage=config.storage, chunk_size=config.chunk_size,
                                 need_hessian_sum=family.needs_dense_sum, weights=weights)
-    grads = sites.grad * weights[:, None]
+    grads = sites.dense_grad() * weights[:, None]
     grad = jnp.sum(grads, 0) + sites.prior_grad
     norms = jnp.sum(jnp.linalg.norm(grads, axis=1)) + jnp.linalg.norm(sites.prior_grad)
     target = family.target_precision(sites.curv, weights, sites.prior_curvature)
-    dense = sums.hessian + sites.prior_curvature
+    dense = sums.hessian + sites.prior_curvature_dense() if family.needs_dense_sum else None
     precision, pre = family.fixed_point(q, target, dense)
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),
                            family.precision_residual(q.precision, target))

@@ -80,7 +80,7 @@ def select_memory(post, size, rule="random", seed=0):
         score = np.asarray(sites.curvature_trace())
     elif rule == "leverage":
         cov = post.covariance
-        score = np.asarray(sites.curv.trace_quad(cov, jnp.zeros_like(sites.grad))[0])
+        score = np.asarray(sites.curv.trace_quad(cov, jnp.zeros_like(sites.dense_grad()))[0])
     else:
         raise InvalidOptionError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
     return ids[np.sort(np.argsort(-score, kind="stable")[:size])]

@@ -75,7 +75,7 @@ def _delta_terms(post, rows):
     sub, sub_sums = compute_sites(replace(post.spec, num_examples=len(rows)), subset, DiagonalGaussian(), q,
                                   get_rule("delta"), **options)
     everything, sums = compute_sites(post.spec, post.data, DiagonalGaussian(), q, get_rule("delta"), **options)
-    return jnp.sum(sub.grad, 0), sub_sums.hessian, sums.hessian + everything.prior_curvature
+    return jnp.sum(sub.grad, 0), sub_sums.hessian, sums.hessian + everything.prior_curvature_dense()
 
 
 @partial(jax.jit, static_argnums=0)

@@ -33,8 +33,8 @@ __all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DA
 
 FORMAT = "numpyro_pc.dual_posterior"
 VERSION = 1
-SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "loss", "ids", "ref_index", "ref_means", "prior_grad",
-               "prior_curvature", "prior_loss", "prior_ref")
+SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "index", "nnz", "loss", "ids", "ref_index", "ref_means",
+               "prior_grad", "prior_curvature", "prior_loss", "prior_ref")
 _CURVATURE_ARRAYS = {name for store in STORES.values() for name in store.file_shapes(0, 0, 0)}
 FLOAT_DTYPES = ("float32", "float64")
 INT_DTYPES = ("int32", "int64")
@@ -256,17 +256,24 @@ def check_contents(manifest, arrays):
     k = arrays["sites.jac"].shape[1] if arrays.get("sites.jac") is not None and arrays["sites.jac"].ndim == 3 else 0
     precision = get_family(family).precision_shape(d)
     rows = arrays["data_ids"].shape[0] if arrays["data_ids"].ndim == 1 else -1
+    store = STORES[manifest["storage"]]
+    width = arrays["sites.index"].shape[1] if store.sparse_rows and arrays["sites.index"].ndim == 2 else 0
+    # a separable prior's curvature may be held as its diagonal (numpyro_pc.prior_site)
+    prior = (d,) if arrays["sites.prior_curvature"].ndim == 1 else (d, d)
     shapes = {"mean": (d,), "precision": precision, "offset.linear": (d,), "offset.precision": precision,
-              "sites.grad": (n, d), "sites.loss": (n,), "sites.ids": (n,),
+              "sites.grad": store.grad_shape(n, d, width), "sites.loss": (n,), "sites.ids": (n,),
               "sites.ref_index": (n,), "sites.ref_means": (refs, d), "sites.prior_grad": (d,),
-              "sites.prior_curvature": (d, d), "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
+              "sites.prior_curvature": prior, "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
               "tombstones": (len(manifest["tombstones"]),)}
-    shapes.update({f"sites.{name}": shape for name, shape in STORES[manifest["storage"]].file_shapes(n, k, d).items()})
+    file_shapes = store.file_shapes(n, k, d, width) if store.sparse_rows else store.file_shapes(n, k, d)
+    shapes.update({f"sites.{name}": shape for name, shape in file_shapes.items()})
     for name, shape in shapes.items():
         if name in arrays and arrays[name].shape != shape:
             _inconsistent(name, f"shape {shape} (d={d} latents, N={n} sites, {rows} data rows)", arrays[name].shape)
     check_example_rows(manifest, arrays, rows)
     _check_ids(manifest, arrays, refs)
+    if store.sparse_rows:
+        _check_sparse(arrays, d, width)
     _check_precision(family, arrays["precision"])
 
 
@@ -295,6 +302,16 @@ def check_example_rows(manifest, arrays, rows):
 
 def _inconsistent(name, expected, found):
     raise InconsistentFileError(f"array {name!r}: expected {expected}, found {found}")
+
+
+def _check_sparse(arrays, d, width):
+    """A sparse store's columns are integers in ``[0, d)`` and its counts in ``[0, width]``."""
+    for name, top in (("sites.index", d - 1), ("sites.nnz", width)):
+        value = arrays[name]
+        if str(value.dtype) not in INT_DTYPES:
+            _inconsistent(name, f"an integer dtype {INT_DTYPES}", value.dtype)
+        if value.size and (value.min() < 0 or value.max() > top):
+            _inconsistent(name, f"values in [0, {top}]", f"{value.min()}..{value.max()}")
 
 
 def _check_ids(manifest, arrays, refs):

@@ -329,7 +329,7 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
         out, _ = compute_sites(sp, dat, family, Gaussian(mean, jnp.linalg.inv(cov)), rule, curvature=curvature,
                                storage=storage, chunk_size=chunk_size, num_devices=1)
         ones = jnp.ones(out.grad.shape[0], dtype)
-        return ones @ out.grad, out.curv.weighted_dense(ones), out.prior_grad, out.prior_curvature
+        return ones @ out.dense_grad(), out.curv.weighted_dense(ones), out.prior_grad, out.prior_curvature_dense()
 
     def total(mean, cov):
         g, h, pg, ph = expected(spec, data, mean, cov)

@@ -67,7 +67,7 @@ def _delta_sites(post, data):
     q = Gaussian(post.state.mean, jnp.eye(post.dim, dtype=post.state.mean.dtype))
     spec = replace(post.spec, num_examples=int(data.per_example[0].shape[0]))
     sites, sums = compute_sites(spec, data, FullGaussian(), q, get_rule("delta"), need_hessian_sum=True)
-    hessian = sums.hessian + sites.prior_curvature
+    hessian = sums.hessian + sites.prior_curvature_dense()
     return sites, hessian
 
 
@@ -112,7 +112,7 @@ def influence(post, fn=None, estimators=ESTIMATORS):
         if "influence" in estimators or "tracin" in estimators:
             sites, hessian = _delta_sites(post, data)
             if "tracin" in estimators:
-                delta["tracin"] = np.asarray(sites.grad)
+                delta["tracin"] = np.asarray(sites.dense_grad())
             if "influence" in estimators:
                 if not bool(FullGaussian().is_positive_definite(hessian)):
                     raise NotPositiveDefiniteError("the Hessian of the negative log joint at the mean is not positive "

@@ -35,7 +35,7 @@ __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
 def _log_weights(sites, draws):
     def one(z):
         diff = z[None, :] - sites.refs()
-        return sites.grad @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
+        return sites.dense_grad() @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
 
     raw = jax.lax.map(one, draws, batch_size=64)  # (S, N)
     return raw - logsumexp(raw, axis=0, keepdims=True)
