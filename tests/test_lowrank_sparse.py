@@ -17,7 +17,7 @@ from jax.extend.core import jaxprs_in_params
 import numpyro_pc as pc
 from numpyro_pc import sites as site_module
 from numpyro_pc import curvature, solvers
-from numpyro_pc.curvature import SparseFactor
+from numpyro_pc.curvature_sparse import SparseFactor
 from numpyro_pc.diagnostics import site_mismatch
 from numpyro_pc.expectations import prepare_rule, get_rule
 from numpyro_pc.families import get_family

@@ -1,0 +1,256 @@
+r"""The cached sites of a Gaussian posterior: :class:`Sites` (a pytree) and :class:`SiteSums`.
+
+``Sites`` holds, for every example ``i``, the site ``ℓ̂_i(z) = zᵀĝ_i + ½ (z − m_i)ᵀ Ĥ_i (z − m_i)``
+(paper Table 1; docs/notation.md, "Sites") — its gradient ``ĝ_i``, its curvature ``Ĥ_i`` in
+one of the stores of :mod:`numpyro_pc.curvature`, its expected loss, its id and the mean
+``m_i`` it was computed at — and the prior site; it answers sums, natural parameters and
+row operations. :func:`numpyro_pc.sites.compute_sites` computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .curvature import CurvatureStore, get_store
+from .families import GaussianNatural
+from .prior_site import prior_dense, prior_matvec
+from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
+
+__all__ = ["Sites", "SiteSums"]
+
+
+@partial(jax.jit, static_argnums=0)
+def _natural_sum(family, sites, weights):
+    return GaussianNatural(sites.linear_sum(weights), sites.example_curvature_sum(family, weights))
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["grad", "curv", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature",
+                      "prior_loss", "prior_ref"],
+         meta_fields=[])
+@dataclass(frozen=True)
+class Sites:
+    """Cached sites of every example and of the prior.
+
+    :ivar grad: ``(N, d)`` expected gradients ``ĝ_i``; for a store with
+        :attr:`~numpyro_pc.curvature.CurvatureStore.sparse_rows` (``"sparse"``) their ``(N, s)``
+        values on the store's per-example index (``ĝ_i = J_iᵀ γ_i`` lies in those columns).
+    :ivar curv: the per-example curvatures ``Ĥ_i``, a
+        :class:`~numpyro_pc.curvature.CurvatureStore` (factorised, dense, diagonal or none).
+    :ivar loss: ``(N,)`` expected losses ``E_q[ℓ_i]``.
+    :ivar ids: ``(N,)`` stable integer example ids.
+    :ivar ref_index: ``(N,)`` row of ``ref_means`` holding the mean each site was computed at.
+    :ivar ref_means: ``(T, d)`` the posterior means the sites were computed at (one row per
+        computation; sites from earlier posteriors keep their own row, so stale and fresh
+        sites coexist).
+    :ivar prior_grad: ``ĝ_0``.
+    :ivar prior_curvature: ``Ĥ_0``: dense ``(d, d)``, or its diagonal ``(d,)`` for a separable prior
+        of a family with matrix-free sites (:mod:`numpyro_pc.prior_site`).
+    :ivar prior_loss: ``E_q[ℓ_0]``.
+    :ivar prior_ref: the mean the prior site was computed at.
+    """
+
+    grad: jax.Array
+    curv: CurvatureStore
+    loss: jax.Array
+    ids: jax.Array
+    ref_index: jax.Array
+    ref_means: jax.Array
+    prior_grad: jax.Array
+    prior_curvature: jax.Array
+    prior_loss: jax.Array
+    prior_ref: jax.Array
+
+    @property
+    def storage(self):
+        """The curvature storage's name (``"factor"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
+        return self.curv.name
+
+    @property
+    def num_examples(self):
+        return self.grad.shape[0]
+
+    def grad_sum(self):
+        """``Σ_{i=0..N} ĝ_i`` (prior included)."""
+        if self.curv.sparse_rows:
+            return self.prior_grad + self.curv.scatter(self.grad)
+        return self.prior_grad + jnp.sum(self.grad, 0)
+
+    def dense_grad(self):
+        """``(N, d)`` expected gradients ``ĝ_i`` (materialised from a sparse store: small ``d`` only)."""
+        return self.curv.dense_rows(self.grad) if self.curv.sparse_rows else self.grad
+
+    def grad_totals(self, mean, weights=None):
+        r"""``(Σ_i w_i ∇ℓ̂_i(m), Σ_i ‖w_i ∇ℓ̂_i(m)‖)`` over the example sites, without ``(N, d)`` rows
+        for a sparse store."""
+        if self.curv.sparse_rows:
+            values = self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+            if weights is not None:
+                values = values * weights[:, None]
+            return self.curv.scatter(values), jnp.sum(jnp.linalg.norm(values, axis=1))
+        grads = self.grad_at(mean)
+        if weights is not None:
+            grads = grads * weights[:, None]
+        return jnp.sum(grads, 0), jnp.sum(jnp.linalg.norm(grads, axis=1))
+
+    def grad_values_at(self, mean):
+        """A sparse store's ``∇ℓ̂_i(m)`` as ``(N, s)`` values on its index."""
+        return self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+
+    def prior_curvature_dense(self):
+        """``Ĥ_0`` as a dense ``(d, d)`` matrix (whichever form it is held in; small ``d``)."""
+        return prior_dense(self.prior_curvature)
+
+    def curvature_sum(self, family):
+        """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
+        w = jnp.ones(self.num_examples, self.grad.dtype)
+        return family.target_precision(self.curv, w, self.prior_curvature)
+
+    def example_curvature_sum(self, family, weights=None):
+        """``Σ_{i=1..N} w_i Ĥ_i`` in the family's precision format (``w_i = 1`` by default)."""
+        w = jnp.ones(self.num_examples, self.grad.dtype) if weights is None else weights
+        return family.curvature_sum(self.curv, w)
+
+    def dense_curvature(self):
+        """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
+        return self.curv.dense()
+
+    def curvature_trace(self):
+        """``tr Ĥ_i`` per example — a scalar 'weight' of each site in the posterior."""
+        return self.curv.trace()
+
+    def refs(self):
+        """``(N, d)`` the mean each example's site was computed at."""
+        return take_rows(self.ref_means, self.ref_index)
+
+    def curvature_matvec(self, v):
+        """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
+        return self.curv.matvec(v)
+
+    def grad_at(self, mean):
+        """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
+        if self.curv.sparse_rows:
+            return self.curv.dense_rows(self.grad_values_at(mean))
+        return self.grad + self.curvature_matvec(mean[None, :] - self.refs())
+
+    def prior_grad_at(self, mean):
+        """Gradient of the prior site at ``mean``."""
+        return self.prior_grad + prior_matvec(self.prior_curvature, mean - self.prior_ref)
+
+    def linear_sum(self, weights):
+        """``Σ_i w_i (Ĥ_i m_i − ĝ_i)``: the linear natural parameter of the weighted example sites."""
+        if self.curv.sparse_rows:
+            refs = self.ref_means[self.ref_index[:, None], self.curv.index]
+            return self.curv.scatter(self.curv.curvature_values(refs) - self.grad, weights)
+        return weights @ (self.curvature_matvec(self.refs()) - self.grad)
+
+    def natural(self, family):
+        """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
+        return GaussianNatural(self.curvature_matvec(self.refs()) - self.dense_grad(), family.site_curvatures(self.curv))
+
+    def natural_sum(self, family, weights=None):
+        """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
+
+        Computed on bucket-padded sites (copies weighted 0), so sums over a growing or
+        shrinking set of sites reuse a few compilations.
+        """
+        if isinstance(self.grad, jax.core.Tracer):  # inside a trace the shapes are fixed anyway
+            return _natural_sum(family, self, jnp.ones(self.num_examples, self.grad.dtype) if weights is None
+                                else weights)
+        return _natural_sum(family, *self.bucketed(weights))
+
+    def prior_natural(self, family):
+        """Natural parameters of the prior site."""
+        return family.site_natural(self.prior_grad, self.prior_precision(family), self.prior_ref)
+
+    def prior_precision(self, family):
+        """``Ĥ_0`` in the family's precision format (a diagonal ``Ĥ_0`` is projected matrix-free)."""
+        if self.prior_curvature.ndim == 1:
+            return family.project_diagonal(self.prior_curvature)
+        return family.project_curvature(self.prior_curvature)
+
+    def take(self, index):
+        """The sites of the examples at positions ``index`` (the prior site is kept)."""
+        if is_every_row(index, self.num_examples):
+            return self  # no copy
+        pick = lambda x: take_rows(x, index)  # noqa: E731
+        return replace(self, grad=pick(self.grad), curv=self.curv.take(index), loss=pick(self.loss),
+                       ids=pick(self.ids), ref_index=pick(self.ref_index))
+
+    def bucketed(self, weights=None):
+        """``(sites, weights)`` padded to :func:`~numpyro_pc.rowops.bucket_size` rows (and reference
+        rows), the copies weighted 0 (``weights=None``: 1 for every real site).
+
+        Compiled sums over the result see a few bucket shapes instead of one per stream length.
+        """
+        num, dtype = self.num_examples, self.grad.dtype
+        if num == 0:
+            return self, jnp.zeros(0, dtype) if weights is None else weights
+        size = bucket_size(num)
+        weights = (filled([(num, 1.0), (size - num, 0.0)], dtype) if weights is None
+                   else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
+        return self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights
+
+    def padded(self, num, num_refs):
+        """The sites followed by copies of the last one up to ``num`` rows, and ``ref_means``
+        extended the same way to ``num_refs`` rows.
+
+        Sums over padded sites must give the copies weight 0; in exchange, compiled sums see
+        a few bucket shapes instead of one shape per stream length.
+        """
+        extra = num - self.num_examples
+        pad = lambda x: pad_last_row(x, extra)  # noqa: E731
+        return replace(self, grad=pad(self.grad), curv=self.curv.padded(extra), loss=pad(self.loss),
+                       ids=pad(self.ids), ref_index=pad(self.ref_index),
+                       ref_means=pad_last_row(self.ref_means, num_refs - self.ref_means.shape[0]))
+
+    def concat(self, other, prior_from="other"):
+        """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
+        join = join_rows
+        prior = other if prior_from == "other" else self
+        if self.curv.sparse_rows and self.grad.shape[1] != other.grad.shape[1]:  # widths differ: pad the narrower
+            width = max(self.grad.shape[1], other.grad.shape[1])
+            widen = lambda x: replace(x, grad=jnp.pad(x.grad, ((0, 0), (0, width - x.grad.shape[1]))),  # noqa: E731
+                                      curv=x.curv.widened(width))
+            self, other = widen(self), widen(other)
+        return Sites(grad=join(self.grad, other.grad), curv=self.curv.join(other.curv),
+                     loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
+                     ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
+                     ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
+                     prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref)
+
+    def stored_numbers(self):
+        """How many numbers the per-example sites hold (gradients and curvature)."""
+        return int(np.prod(self.grad.shape)) + self.curv.stored_numbers()
+
+    def arrays(self):
+        """``{name: array}`` of every field, the curvature store's fields by their own names (for files)."""
+        out = {name: getattr(self, name) for name in _PLAIN_FIELDS}
+        out.update(self.curv.arrays())
+        return out
+
+    @classmethod
+    def from_arrays(cls, storage, arrays):
+        """Sites from :meth:`arrays`' output and the storage's name (a saved posterior's)."""
+        store = get_store(storage)
+        num = arrays["grad"].shape[0]
+        curv = store.from_arrays({k: arrays[k] for k in store.file_shapes(0, 0, 0)}, num, arrays["grad"].dtype,
+                                 dim=arrays["prior_ref"].shape[0])
+        return cls(curv=curv, **{name: arrays[name] for name in _PLAIN_FIELDS})
+
+
+_PLAIN_FIELDS = ("grad", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature", "prior_loss",
+                 "prior_ref")
+
+
+class SiteSums(NamedTuple):
+    """Totals over examples computed alongside the sites (for the solver)."""
+
+    hessian: jax.Array  # Σ_{i≥1} dense curvature, (d, d)
+    loss: jax.Array     # Σ_{i≥1} E_q[ℓ_i]
