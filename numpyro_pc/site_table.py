@@ -59,6 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from .dual import PosteriorState
 from .errors import ConvergenceError, InvalidOptionError, UnsupportedModelError
@@ -231,35 +232,74 @@ def _newton(config, q, data, ids, weights, base, prior_live):
     return residual, sites, direction, precision
 
 
-def _iterate(config, q0, data, ids, weights, base, prior_live):
-    """Natural-gradient steps from ``q0`` until the residual is below ``tol`` (halving a step that
-    leaves the cone); returns ``q``, the live sites at ``q``, the residual and the steps taken."""
+def _anderson_point(xs, fs, count):
+    """Anderson (type II) extrapolation from the ring buffers of iterates and residuals ``T(x) − x``
+    (``count`` entries filled, newest last); rows not yet filled carry zero weight."""
+    dx, df = (xs[1:] - xs[:-1]), (fs[1:] - fs[:-1])
+    filled = (jnp.arange(xs.shape[0] - 1) >= xs.shape[0] - count)[:, None]  # both ends of the difference filled
+    dx, df = jnp.where(filled, dx, 0.0), jnp.where(filled, df, 0.0)
+    gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
+    return xs[-1] + fs[-1] - (dx + df).T @ gamma
+
+
+def _iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
+    """Natural-gradient steps from ``q0`` until the residual is below ``tol``; returns ``q``, the live
+    sites at ``q``, the residual and the steps taken.
+
+    Each step first tries the Anderson extrapolation of the last ``memory`` undamped steps
+    (kept when it is in the cone and lowers the residual; Walker & Ni 2011, as the host
+    solver), then the undamped step, halved while it leaves the cone.
+    """
     family = config.family
+    flat0, unravel = ravel_pytree(q0)
 
     def proper(q):
         return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
 
     def cond(c):
-        _, residual, _, _, _, rho, it = c
+        residual, rho, it = c[1], c[5], c[6]
         return (residual > config.tol) & (it < config.max_iters) & (rho >= _MIN_STEP)
 
     def body(c):
-        q, residual, sites, direction, target, rho, it = c
+        q, residual, sites, direction, target, rho, it, xs, fs, count = c
+        x = ravel_pytree(q)[0]
+        plain = Gaussian(q.mean + direction, target)
+        xs = jnp.concatenate([xs[1:], x[None]])
+        fs = jnp.concatenate([fs[1:], (ravel_pytree(plain)[0] - x)[None]])
+        count = jnp.minimum(count + 1, xs.shape[0])
+        accelerated = unravel(_anderson_point(xs, fs, count))
+
+        def evaluate(trial):
+            return (trial, *_newton(config, trial, data, ids, weights, base, prior_live))
+
+        def try_anderson(_):
+            out = evaluate(accelerated)
+            return out, out[1] < residual
+
+        def skip(_):
+            return (q, residual, sites, direction, target), jnp.asarray(False)
+
+        use = (count > 1) & proper(accelerated) & (rho == 1.0)
+        candidate, better = jax.lax.cond(use, try_anderson, skip, None)
         trial = Gaussian(q.mean + rho * direction, family.blend(q.precision, target, rho))
 
-        def advance(_):
-            return (trial, *_newton(config, trial, data, ids, weights, base, prior_live),
-                    jnp.asarray(1.0, rho.dtype), it + 1)
+        def damped(_):
+            def advance(_):
+                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count)
 
-        def shrink(_):
-            return q, residual, sites, direction, target, 0.5 * rho, it
+            def shrink(_):  # a halved step restarts the extrapolation
+                return q, residual, sites, direction, target, 0.5 * rho, it, xs, fs, jnp.zeros_like(count)
 
-        return jax.lax.cond(proper(trial), advance, shrink, None)
+            return jax.lax.cond(proper(trial), advance, shrink, None)
+
+        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count),
+                            damped, None)
 
     dtype = q0.mean.dtype
+    history = jnp.zeros((memory + 1, flat0.shape[0]), dtype)
     start = (q0, *_newton(config, q0, data, ids, weights, base, prior_live), jnp.asarray(1.0, dtype),
-             jnp.asarray(0))
-    q, residual, sites, _, _, _, iterations = jax.lax.while_loop(cond, body, start)
+             jnp.asarray(0), history, history, jnp.asarray(0))
+    q, residual, sites, _, _, _, iterations, _, _, _ = jax.lax.while_loop(cond, body, start)
     return q, sites, residual, iterations
 
 
