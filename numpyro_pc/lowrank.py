@@ -133,6 +133,24 @@ def _fro_inner(p, q):
             + _gram_fro2(up, uq))
 
 
+def _diff_fro2(p, q):
+    r"""``‖S_p − S_q‖_F²`` in ``O(d r²)`` without cancellation against ``‖S_p‖²``.
+
+    ``S_p − S_q = diag(a) + Q M Qᵀ`` with ``a = D_p − D_q``, ``[U_p, U_q] = Q [R_p, R_q]`` (thin QR)
+    and ``M = R_p R_pᵀ − R_q R_qᵀ``; with ``b = diag(Q M Qᵀ)`` the square is
+    ``‖a + b‖² + (‖M‖_F² − ‖b‖²)``, every term a square of the difference itself. (Expanding
+    ``‖S_p‖² + ‖S_q‖² − 2⟨S_p, S_q⟩`` loses all digits below ``√eps`` of the relative
+    residual: it read 0 at a true 1.4e-8 and 3.8e-8 at a true 1.4e-12 in float64.)
+    """
+    dp, up = _split(p)
+    dq, uq = _split(q)
+    basis, tri = jnp.linalg.qr(jnp.concatenate([up, uq], 1))
+    rp, rq = tri[:, : up.shape[1]], tri[:, up.shape[1]:]
+    core = rp @ rp.T - rq @ rq.T
+    b = jnp.sum((basis @ core) * basis, 1)
+    return jnp.sum((dp - dq + b) ** 2) + jnp.maximum(jnp.sum(core**2) - jnp.sum(b**2), 0.0)
+
+
 def _exact(dense, rank):
     """``[λ_min 1 | V (λ − λ_min)^{1/2}]`` with ``r`` columns: equal to ``dense`` when ``r ≥ d − 1``."""
     d = dense.shape[-1]
@@ -335,9 +353,9 @@ class LowRankGaussian(ExponentialFamily):
         return self.project_curvature(store.dense())
 
     def precision_residual(self, precision, target):
-        norm2 = lambda p: _fro_inner(p, p)  # noqa: E731
-        diff2 = norm2(precision) + norm2(target) - 2.0 * _fro_inner(precision, target)
-        return jnp.sqrt(jnp.maximum(diff2, 0.0) / norm2(precision))
+        """``‖S − T‖_F / ‖S‖_F`` in ``O(d r²)``, accurate to rounding (see :func:`_diff_fro2`)."""
+        return jnp.sqrt(_diff_fro2(precision, target) / _fro_inner(precision, precision))
+
 
     def fixed_point(self, q, target, dense):
         return target, target
