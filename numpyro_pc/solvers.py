@@ -11,7 +11,8 @@ Khan & Rue 2023 §3.1.2)
 with ``P = S`` for the full family. For the diagonal and isotropic families the mean is
 preconditioned with the full expected Hessian ``Σ_i E_q[∇²ℓ_i]`` (a Newton step on
 ``E_q[Σℓ_i]``, by Price's theorem), which reaches the same fixed point — ``S = Σ Ĥ_i``
-and ``Σ ĝ_i = 0`` — far faster than a diagonally preconditioned step.
+and ``Σ ĝ_i = 0`` — far faster than a diagonally preconditioned step; the low-rank family
+does the same matrix-free (conjugate gradients with ``Σ Ĥ_i`` as an operator).
 
 The undamped map converges linearly; Anderson acceleration over the last few steps
 (Walker & Ni 2011) is tried first, and each fallback step is damped by backtracking: ``ρ`` is halved until the new precision is
@@ -122,6 +123,8 @@ def _totals_jit(family, include_prior, q, sites, sums, base, weights):
         loss = None if loss is None else loss + b_loss
     # the family forms the target from all its parts at once (a non-linear projection sees their sum)
     curv = family.target_precision(sites.curv, w, prior_curvature, b_curv)
+    if not family.needs_dense_sum:  # a matrix-free family may still precondition the mean with Σ Ĥ_i
+        dense = family.newton_operator(sites.curv, w, prior_curvature, b_curv)
     return grad, norms, curv, dense, loss
 
 
