@@ -19,7 +19,9 @@ The undamped map converges linearly; Anderson acceleration over the last few ste
 positive definite and the step makes progress: the variational objective decreases, or
 — once the residual is below 1e-2 — the dual-form residual falls below the largest of
 the last three residuals (a non-monotone rule: full steps alternate between reducing the
-mean and the precision identity, which a monotone test would reject). Site computations at a rejected trial are
+mean and the precision identity, which a monotone test would reject). A family judged by the
+residual alone (``minimises_objective`` false) then tries a watchdog: up to three undamped
+steps, accepted if one ends below the current residual. Site computations at a rejected trial are
 discarded; accepted trials are reused as the next iteration's sites.
 """
 
