@@ -141,7 +141,7 @@ def stream(model, X, y, batches, fit_opts, fam_opts, refs):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="a7a")
-    parser.add_argument("--families", default="isotropic,diagonal,full")
+    parser.add_argument("--families", default="isotropic,diagonal,lowrank:1,lowrank:10,lowrank:50,full")
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)

@@ -161,6 +161,11 @@ class ExponentialFamily(ABC):
         """
         return target, dense
 
+    def newton_operator(self, store, weights, prior_curvature=None, base=None):
+        """The mean preconditioner handed to :meth:`fixed_point` as ``dense`` where the family needs no
+        dense sum (``needs_dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
+        return None
+
     def accepts_target(self, target):
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True

@@ -11,10 +11,12 @@ from numpyro.infer.autoguide import AutoLowRankMultivariateNormal
 
 import numpyro_pc as pc
 from numpyro_pc.curvature import Factor
+from numpyro_pc.datasets import load_breast_cancer
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 from numpyro_pc.families import Gaussian, get_family
 from numpyro_pc.likelihood import bind_model
 from numpyro_pc.lowrank import LowRankGaussian, lowrank_from_covariance
+from numpyro_pc.sites import compute_sites
 
 from conftest import logistic_model, make_logistic
 
@@ -95,6 +97,44 @@ def test_projection_keeps_the_diagonal_stays_below_and_is_exact_at_rank_d_minus_
         assert exact.shape == (d, rank + 1)
         np.testing.assert_allclose(LowRankGaussian(rank=rank).dense_precision(Gaussian(jnp.zeros(d), exact)), t,
                                    rtol=1e-10, atol=1e-10)
+
+
+def test_precision_residual_is_accurate_below_sqrt_eps(x64):
+    # the residual is formed in O(d r²); it must agree with the dense ‖S − T‖_F / ‖S‖_F at the size
+    # of the solver's tolerance and below (the expanded ‖S‖² + ‖T‖² − 2⟨S, T⟩ read 0 at 1.4e-8)
+    fam = LowRankGaussian(rank=10)
+    rng = np.random.default_rng(0)
+    p = _member(124, 10, 0).precision * jnp.concatenate([jnp.ones((124, 1)), 3.0 * jnp.ones((124, 10))], 1)
+    dense = lambda x: np.asarray(fam.dense_precision(Gaussian(jnp.zeros(124), x)))  # noqa: E731
+    for size in (1e-6, 1e-8, 1e-10, 1e-12):
+        t = p * (1.0 + size * jnp.asarray(rng.normal(size=p.shape)))
+        expected = np.linalg.norm(dense(p) - dense(t)) / np.linalg.norm(dense(p))
+        np.testing.assert_allclose(fam.precision_residual(p, t), expected, rtol=1e-3)
+
+
+@pytest.mark.parametrize("init", [None, "prior"], ids=["map-start", "prior-start"])
+@pytest.mark.parametrize("rank", [2, 8])
+def test_fits_that_stalled_converge_to_the_projected_fixed_point(x64, rank, init):
+    # breast cancer (d = 31), default tolerance: with the mean preconditioned by S = Π_r(T) these
+    # stopped with StagnationError ("no step size made progress") — r = 2 from both starts, r = 8
+    # from the MAP start. The fixed point is checked from scratch: fresh sites at the returned q
+    # (dense storage), the target T summed densely, and S compared with Π_r(T) and its properties.
+    X, y, _ = load_breast_cancer()
+    X, y = jnp.asarray(X), jnp.asarray(y)
+    post = pc.fit(logistic_model, X, y, family="lowrank", rank=rank, init=init)
+    assert post.residual <= 1e-8
+    spec, data = bind_model(logistic_model, (X, y))
+    sites, _ = compute_sites(spec, data, post.family, post.state, post.rule, storage="dense")
+    grads = np.concatenate([np.asarray(sites.grad), np.asarray(sites.prior_grad)[None]])
+    assert np.linalg.norm(grads.sum(0)) <= 1e-8 * np.linalg.norm(grads, axis=1).sum()  # Σ ĝ_i = 0
+    target = np.asarray(sites.curv.dense()).sum(0) + np.asarray(sites.prior_curvature)
+    s = np.asarray(post.family.dense_precision(post.state))
+    projected = np.asarray(post.family.dense_precision(Gaussian(post.mean, post.family.project_curvature(
+        jnp.asarray(target)))))
+    assert np.linalg.norm(s - projected) <= 2e-8 * np.linalg.norm(s)  # S = Π_r(T)
+    np.testing.assert_allclose(np.diag(s), np.diag(target), rtol=1e-7)  # Π_r keeps diag T
+    factor = np.asarray(post.state.precision[:, 1:])
+    assert np.linalg.eigvalsh(target - factor @ factor.T).min() > -2e-8 * np.linalg.norm(s)  # U Uᵀ ⪯ T (to tol)
 
 
 @pytest.mark.parametrize("extra", [-1, 0], ids=["r=d-1", "r=d"])
@@ -273,6 +313,7 @@ def test_no_d_by_d_array_on_the_solver_path():
         "natural": lambda p: fam.from_natural(fam.natural(Gaussian(grad, p))),
         "variance": lambda p: fam.marginal_variance(Gaussian(grad, p)),
         "guide": lambda c, w: lowrank_from_covariance(c, w, r),
+        "newton": lambda p, s, w, g: fam.precondition(fam.fixed_point(None, p, fam.newton_operator(s, w))[1], g),
     }
     args = {
         "target": (store, weights, q.precision), "precondition": (q.precision, grad), "blend": (q.precision,) * 2,
@@ -280,6 +321,7 @@ def test_no_d_by_d_array_on_the_solver_path():
         "draws": (q.precision, jnp.ones((4, d), jnp.float32)), "log_prob": (q.precision, jnp.ones((4, d), jnp.float32)),
         "natural": (q.precision,), "variance": (q.precision,),
         "guide": (jnp.ones(d, jnp.float32), jnp.ones((d, r), jnp.float32)),
+        "newton": (q.precision, store, weights, grad),
     }
     for name, fn in calls.items():
         square = [s for s in _shapes(fn, *args[name]) if list(s).count(d) >= 2]
