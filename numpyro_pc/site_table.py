@@ -59,21 +59,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from .dual import PosteriorState
 from .errors import ConvergenceError, InvalidOptionError, UnsupportedModelError
 from .families import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from .likelihood import ModelData
-from .sites import Sites, compute_sites
+from .sites import Sites
 from .solvers import default_tol, live_totals
-from .stream_state import StepInfo
+from .stream_state import StepInfo, iterate
 
 __all__ = ["TableState", "TableConfig", "from_posterior", "correct_step", "remove_step",
            "forget_step", "refine_step", "merge_tables", "random_memory", "table_residual", "to_posterior"]
-
-_MIN_STEP = 2.0**-20
-
 
 class TableState(NamedTuple):
     """Numeric state of a posterior held as a table of sites (a pytree).
@@ -206,103 +202,6 @@ def live_set(config, state, live):
     return jnp.where(valid, index, 0), valid, jnp.sum(live > 0) > config.work_size
 
 
-def _totals(config, q, sites, sums, weights, base, prior_live):
-    """The live totals with the prior site live or (inside ``base``) fixed: one program for both."""
-    family = config.family
-    return jax.lax.cond(prior_live,
-                        lambda: live_totals(family, True, q, sites, sums, base, weights),
-                        lambda: live_totals(family, False, q, sites, sums, base, weights))
-
-
-def _newton(config, q, data, ids, weights, base, prior_live):
-    """Sites at ``q`` of the live rows, the residual there and the undamped step from it."""
-    family = config.family
-    spec = replace(config.spec, num_examples=int(ids.shape[0]))
-    sites, sums = compute_sites(spec, data, family, q, config.rule, curvature=config.curvature,
-                                storage=config.storage, chunk_size=config.chunk_size, ids=ids,
-                                need_hessian_sum=family.needs_dense_sum, weights=weights)
-    grad, norms, target, dense, _ = _totals(config, q, sites, sums, weights, base, prior_live)
-    precision, pre = family.fixed_point(q, target, dense)
-    residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),
-                           family.precision_residual(q.precision, target))
-    residual = jnp.where(jnp.all(jnp.isfinite(sites.grad)), residual, jnp.inf)
-    # the Gaussian families' preconditioner is a dense matrix; a failed factorisation gives a
-    # non-finite step, which the iteration halves until it stops unconverged
-    direction = -jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(pre), True), grad)
-    return residual, sites, direction, precision
-
-
-def _anderson_point(xs, fs, count):
-    """Anderson (type II) extrapolation from the ring buffers of iterates and residuals ``T(x) − x``
-    (``count`` entries filled, newest last); rows not yet filled carry zero weight."""
-    dx, df = (xs[1:] - xs[:-1]), (fs[1:] - fs[:-1])
-    filled = (jnp.arange(xs.shape[0] - 1) >= xs.shape[0] - count)[:, None]  # both ends of the difference filled
-    dx, df = jnp.where(filled, dx, 0.0), jnp.where(filled, df, 0.0)
-    gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
-    return xs[-1] + fs[-1] - (dx + df).T @ gamma
-
-
-def _iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
-    """Natural-gradient steps from ``q0`` until the residual is below ``tol``; returns ``q``, the live
-    sites at ``q``, the residual and the steps taken.
-
-    Each step first tries the Anderson extrapolation of the last ``memory`` undamped steps
-    (kept when it is in the cone and lowers the residual; Walker & Ni 2011, as the host
-    solver), then the undamped step, halved while it leaves the cone.
-    """
-    family = config.family
-    flat0, unravel = ravel_pytree(q0)
-
-    def proper(q):
-        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
-
-    def cond(c):
-        residual, rho, it = c[1], c[5], c[6]
-        return (residual > config.tol) & (it < config.max_iters) & (rho >= _MIN_STEP)
-
-    def body(c):
-        q, residual, sites, direction, target, rho, it, xs, fs, count = c
-        x = ravel_pytree(q)[0]
-        plain = Gaussian(q.mean + direction, target)
-        xs = jnp.concatenate([xs[1:], x[None]])
-        fs = jnp.concatenate([fs[1:], (ravel_pytree(plain)[0] - x)[None]])
-        count = jnp.minimum(count + 1, xs.shape[0])
-        accelerated = unravel(_anderson_point(xs, fs, count))
-
-        def evaluate(trial):
-            return (trial, *_newton(config, trial, data, ids, weights, base, prior_live))
-
-        def try_anderson(_):
-            out = evaluate(accelerated)
-            return out, out[1] < residual
-
-        def skip(_):
-            return (q, residual, sites, direction, target), jnp.asarray(False)
-
-        use = (count > 1) & proper(accelerated) & (rho == 1.0)
-        candidate, better = jax.lax.cond(use, try_anderson, skip, None)
-        trial = Gaussian(q.mean + rho * direction, family.blend(q.precision, target, rho))
-
-        def damped(_):
-            def advance(_):
-                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count)
-
-            def shrink(_):  # a halved step restarts the extrapolation
-                return q, residual, sites, direction, target, 0.5 * rho, it, xs, fs, jnp.zeros_like(count)
-
-            return jax.lax.cond(proper(trial), advance, shrink, None)
-
-        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count),
-                            damped, None)
-
-    dtype = q0.mean.dtype
-    history = jnp.zeros((memory + 1, flat0.shape[0]), dtype)
-    start = (q0, *_newton(config, q0, data, ids, weights, base, prior_live), jnp.asarray(1.0, dtype),
-             jnp.asarray(0), history, history, jnp.asarray(0))
-    q, residual, sites, _, _, _, iterations, _, _, _ = jax.lax.while_loop(cond, body, start)
-    return q, sites, residual, iterations
-
-
 def write_sites(table, rows, valid, fresh, mean):
     """Write the live rows' fresh sites (computed at ``mean``) into the table; padding rows are dropped."""
     capacity = table.num_examples
@@ -339,7 +238,7 @@ def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, 
     work = ModelData(gather(data.per_example, index), data.shared)
     weights = jnp.where(valid, live[index], 0.0)
     # the cavity keeps the prior site when it is not corrected
-    q, fresh, residual, iterations = _iterate(config, state.q, work, sites.ids[index], weights, cavity,
+    q, fresh, residual, iterations = iterate(config, state.q, work, sites.ids[index], weights, cavity,
                                               correct_prior)
     failure = extra_failure | too_many
     converged = (residual <= config.tol) & ~failure

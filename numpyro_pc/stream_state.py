@@ -17,8 +17,9 @@ kernels and NumPyro's ``SVIState``: a pytree :class:`StreamState`, a static
 The state holds a table of ``capacity`` examples (the retained data, weight 1 for live rows
 and 0 for empty slots), so every step has the same shapes and the whole stream compiles
 once. Each step writes the batch into the next free rows and runs natural-gradient steps
-(paper App. A.3) on the whole table until the dual-form residual is below ``tol`` — the
-fixed point of a batch fit on all the data seen.
+(paper App. A.3; :func:`iterate`, which first tries the Anderson extrapolation of the last
+three steps, as the host solver does) on the whole table until the dual-form residual is
+below ``tol`` — the fixed point of a batch fit on all the data seen.
 
 Inside a trace nothing can raise, so a step reports instead: ``info.converged`` is false
 when the residual did not reach ``tol`` in ``max_iters`` steps, when an iterate lost
@@ -37,17 +38,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.linalg import cho_solve
+from jax.flatten_util import ravel_pytree
 
 from .dual import build_posterior
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError
 from .families import Gaussian
 from .likelihood import ModelData
 from .sites import compute_sites
-from .solvers import default_tol
+from .solvers import default_tol, live_totals
 
 __all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "window_step", "delete_step",
-           "run_stream", "split_batches", "to_posterior"]
+           "run_stream", "split_batches", "to_posterior", "iterate",
+           "newton_terms"]
 
 
 class StreamState(NamedTuple):
@@ -137,49 +139,115 @@ def from_posterior(post, capacity: int, tol: float | None = None,
     return config, state
 
 
-def _newton(config, q, data, weights):
-    """Dual-form residual at ``q`` and the undamped natural-gradient step from it."""
+_MIN_STEP = 2.0**-20
+
+
+def _live_totals(config, q, sites, sums, weights, base, prior_live):
+    """The live totals with the prior site live or (inside ``base``) fixed: one program for both."""
     family = config.family
-    sites, sums = compute_sites(config.spec, data, family, q, config.rule, curvature=config.curvature,
-                                storage=config.storage, chunk_size=config.chunk_size,
+    return jax.lax.cond(prior_live,
+                        lambda: live_totals(family, True, q, sites, sums, base, weights),
+                        lambda: live_totals(family, False, q, sites, sums, base, weights))
+
+
+def newton_terms(config, q, data, ids, weights, base, prior_live):
+    """Sites at ``q`` of the live rows ``(data, ids, weights)``, the residual there and the undamped
+    step from it (the prior site live when ``prior_live``; ``base`` a fixed Gaussian factor)."""
+    family = config.family
+    spec = replace(config.spec, num_examples=int(ids.shape[0]))
+    sites, sums = compute_sites(spec, data, family, q, config.rule, curvature=config.curvature,
+                                storage=config.storage, chunk_size=config.chunk_size, ids=ids,
                                 need_hessian_sum=family.needs_dense_sum, weights=weights)
-    grads = sites.dense_grad() * weights[:, None]
-    grad = jnp.sum(grads, 0) + sites.prior_grad
-    norms = jnp.sum(jnp.linalg.norm(grads, axis=1)) + jnp.linalg.norm(sites.prior_grad)
-    target = family.target_precision(sites.curv, weights, sites.prior_curvature)
-    dense = sums.hessian + sites.prior_curvature_dense() if family.needs_dense_sum else None
+    grad, norms, target, dense, _ = _live_totals(config, q, sites, sums, weights, base, prior_live)
     precision, pre = family.fixed_point(q, target, dense)
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),
                            family.precision_residual(q.precision, target))
-    mean = q.mean - cho_solve((jnp.linalg.cholesky(pre), True), grad)
-    return residual, Gaussian(mean, precision)
+    residual = jnp.where(jnp.all(jnp.isfinite(sites.grad)), residual, jnp.inf)
+    # the Gaussian families' preconditioner is a dense matrix; a failed factorisation gives a
+    # non-finite step, which the iteration halves until it stops unconverged
+    direction = -jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(pre), True), grad)
+    return residual, sites, direction, precision
+
+
+def _anderson_point(xs, fs, count):
+    """Anderson (type II) extrapolation from the ring buffers of iterates and residuals ``T(x) − x``
+    (``count`` entries filled, newest last); rows not yet filled carry zero weight."""
+    dx, df = (xs[1:] - xs[:-1]), (fs[1:] - fs[:-1])
+    filled = (jnp.arange(xs.shape[0] - 1) >= xs.shape[0] - count)[:, None]  # both ends of the difference filled
+    dx, df = jnp.where(filled, dx, 0.0), jnp.where(filled, df, 0.0)
+    gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
+    return xs[-1] + fs[-1] - (dx + df).T @ gamma
+
+
+def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
+    """Natural-gradient steps from ``q0`` until the residual is below ``tol`` (pure; the kernels of this
+    module and of :mod:`numpyro_pc.site_table`); returns ``q``, the live sites at ``q``, the
+    residual and the steps taken (``config`` needs ``family, spec, rule, curvature, storage,
+    chunk_size, tol, max_iters``).
+
+    Each step first tries the Anderson extrapolation of the last ``memory`` undamped steps
+    (kept when it is in the cone and lowers the residual; Walker & Ni 2011, as the host
+    solver), then the undamped step, halved while it leaves the cone.
+    """
+    family = config.family
+    flat0, unravel = ravel_pytree(q0)
+
+    def proper(q):
+        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
+
+    def cond(c):
+        residual, rho, it = c[1], c[5], c[6]
+        return (residual > config.tol) & (it < config.max_iters) & (rho >= _MIN_STEP)
+
+    def body(c):
+        q, residual, sites, direction, target, rho, it, xs, fs, count = c
+        x = ravel_pytree(q)[0]
+        plain = Gaussian(q.mean + direction, target)
+        xs = jnp.concatenate([xs[1:], x[None]])
+        fs = jnp.concatenate([fs[1:], (ravel_pytree(plain)[0] - x)[None]])
+        count = jnp.minimum(count + 1, xs.shape[0])
+        accelerated = unravel(_anderson_point(xs, fs, count))
+
+        def evaluate(trial):
+            return (trial, *newton_terms(config, trial, data, ids, weights, base, prior_live))
+
+        def try_anderson(_):
+            out = evaluate(accelerated)
+            return out, out[1] < residual
+
+        def skip(_):
+            return (q, residual, sites, direction, target), jnp.asarray(False)
+
+        use = (count > 1) & proper(accelerated) & (rho == 1.0)
+        candidate, better = jax.lax.cond(use, try_anderson, skip, None)
+        trial = Gaussian(q.mean + rho * direction, family.blend(q.precision, target, rho))
+
+        def damped(_):
+            def advance(_):
+                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count)
+
+            def shrink(_):  # a halved step restarts the extrapolation
+                return q, residual, sites, direction, target, 0.5 * rho, it, xs, fs, jnp.zeros_like(count)
+
+            return jax.lax.cond(proper(trial), advance, shrink, None)
+
+        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count),
+                            damped, None)
+
+    dtype = q0.mean.dtype
+    history = jnp.zeros((memory + 1, flat0.shape[0]), dtype)
+    start = (q0, *newton_terms(config, q0, data, ids, weights, base, prior_live), jnp.asarray(1.0, dtype),
+             jnp.asarray(0), history, history, jnp.asarray(0))
+    q, residual, sites, _, _, _, iterations, _, _, _ = jax.lax.while_loop(cond, body, start)
+    return q, sites, residual, iterations
 
 
 def _solve(config, state, data, weights, count, extra_failure):
     """Natural-gradient steps on the table ``(data, weights)`` from ``state.q`` until the residual is
     below ``tol``; the new state, or the old one unchanged when ``extra_failure`` (e.g. an overflow)."""
-    family = config.family
-
-    def proper(q):
-        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
-
-    def cond(carry):
-        _, residual, _, it, stop = carry
-        return (~stop) & (residual > config.tol) & (it < config.max_iters)
-
-    def body(carry):
-        q, residual, proposal, it, _ = carry  # residual is measured at q; proposal is the step from q
-        good = proper(proposal)
-
-        def advance(_):
-            return (proposal, *_newton(config, proposal, data, weights))
-
-        q, residual, proposal = jax.lax.cond(good, advance, lambda _: (q, residual, proposal), None)
-        return q, residual, proposal, it + 1, ~good
-
-    start = (state.q, *_newton(config, state.q, data, weights), jnp.asarray(0), jnp.asarray(False))
-    q, residual, _, iterations, broke = jax.lax.while_loop(cond, body, start)
-    converged = (residual <= config.tol) & ~broke & ~extra_failure
+    ids = jnp.arange(weights.shape[0])
+    q, _, residual, iterations = iterate(config, state.q, data, ids, weights, None, jnp.asarray(True))
+    converged = (residual <= config.tol) & ~extra_failure
     candidate = StreamState(q, data, weights, count, converged)
     unchanged = state._replace(converged=jnp.asarray(False))  # a step that cannot be taken changes nothing
     new_state = jax.tree.map(lambda old, new: jnp.where(extra_failure, old, new), unchanged, candidate)
