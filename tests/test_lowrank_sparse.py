@@ -16,7 +16,7 @@ from jax.extend.core import jaxprs_in_params
 
 import numpyro_pc as pc
 from numpyro_pc import sites as site_module
-from numpyro_pc import curvature, solvers
+from numpyro_pc import curvature_sparse, solvers
 from numpyro_pc.curvature_sparse import SparseFactor
 from numpyro_pc.diagnostics import site_mismatch
 from numpyro_pc.expectations import prepare_rule, get_rule
@@ -148,7 +148,7 @@ def test_no_d_by_d_and_no_n_by_d_array_on_the_path(storage, monkeypatch):
     # dense-storage path, must show both (the (N, d) gradients and the (d, d) prior curvature). Chunks
     # and densifying batches (32 examples here) are transient and bounded by a budget, not by N.
     d, n = 20000, 96
-    monkeypatch.setattr(curvature, "_SPARSE_BATCH", 32 * d)  # densifying batches of 32 examples (a budget, not N)
+    monkeypatch.setattr(curvature_sparse, "_SPARSE_BATCH", 32 * d)  # densifying batches of 32 examples (a budget, not N)
     model = sparse_model(d)
     idx, val, y = sparse_data(n, d, 10, seed=3)
     spec, data = bind_model(model, (jnp.asarray(idx), jnp.asarray(val, jnp.float32), jnp.asarray(y, jnp.float32)))
