@@ -13,9 +13,13 @@ a 1 210-parameter network on digits stalled at a relative residual of 2e-6 after
 with ``S`` (Hessian–vector products by forward-over-reverse differentiation of ``L``; no
 ``d × d`` Hessian), stopped when the residual of the linear system is below
 ``forcing · ‖∇L‖`` (an inexact Newton step, Dembo–Eisenstat–Steihaug 1982). The
-solver tries it near the fixed point and keeps it only under its usual acceptance test,
-so it changes how fast the fixed point is reached, never which one. Negative curvature
-along a search direction ends CG with the step so far (or no step at all).
+solver tries it first at every iteration of such a fit and keeps it only under its usual
+acceptance test (a lower objective far from the fixed point, a lower residual near it), so
+it changes how fast the fixed point is reached, never which one. Negative curvature along
+a search direction ends CG with the step so far (Steihaug 1983), or with no step at all.
+Measured on the digits network: a fit converges in 2 steps instead of 5, and an
+uncorrected update of the diagonal family — 17 damped steps stalled at 9.9e-3 without it —
+converges in 24.
 """
 
 from __future__ import annotations

@@ -296,9 +296,11 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         xs, fs = xs[-(memory + 1):], fs[-(memory + 1):]
         outcome, rho, accelerated = None, 0.0, False
         linear = len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
-        if newton_polish.applies(problem) and point.residual < _LOCAL and linear:
+        if newton_polish.applies(problem):
             # Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
-            # Gauss–Newton precision as preconditioner) removes the linear rate of the plain step
+            # Gauss–Newton precision as preconditioner, truncated at negative curvature) removes
+            # the linear rate of the plain step, and far from the optimum it is judged by the
+            # same objective test as any other trial
             _, pre = family.fixed_point(q, point.totals[2], point.totals[3])
             step = newton_polish.newton_direction(problem, q, point.totals[0], pre)
             if step is not None:
