@@ -305,8 +305,11 @@ class Diagonal(CurvatureStore):
 
     @staticmethod
     def from_point(jac, curv):
-        dense = curv if jac is None else jac.T @ curv @ jac
-        return jnp.diag(dense), dense
+        if jac is None:
+            return jnp.diag(curv), curv
+        # diag(J_iᵀ Λ_i J_i) from the factors, O(k² d): the d × d product is only formed when the
+        # caller uses ``dense`` (the solver's dense sum), and sized for by default_chunk_size
+        return jnp.einsum("kd,kl,ld->d", jac, curv, jac), jac.T @ curv @ jac
 
     @classmethod
     def assemble(cls, jac, stored, num, dtype, dim=None):

@@ -88,12 +88,15 @@ def resolve_storage(storage, family, spec, rule, curvature):
     return store
 
 
-def default_chunk_size(spec, storage, curvature, num_examples):
+def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True):
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
-    # only the factorised store keeps J_i, Λ_i as they come; the others form J_iᵀ Λ_i J_i (d × d) per example
-    dense_transient = not storage.keeps_jacobian or not _uses_params(spec, storage, curvature)
+    # a d × d curvature per example is formed by the dense store, by models without distribution
+    # parameters, and by the diag/none stores only when the dense sum Σ Ĥ_i is asked for (their
+    # own stored terms come from J_i, Λ_i directly: Diagonal.from_point never forms J_iᵀ Λ_i J_i)
+    dense_transient = (storage is Dense or not _uses_params(spec, storage, curvature)
+                       or (need_hessian_sum and not storage.keeps_jacobian))
     per_example = d * d if dense_transient else 4 * k * d
     largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
     chunks = int(math.ceil(num_examples / largest))
@@ -372,7 +375,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         num_devices = jax.local_device_count()
     num_devices = max(1, min(int(num_devices), num))
     if chunk_size is None:
-        chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)))
+        chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)), need_hessian_sum)
     if ids is None:
         ids = jnp.arange(num)
     traced = isinstance(q.mean, jax.core.Tracer)

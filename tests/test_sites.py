@@ -107,6 +107,30 @@ def test_chunking_does_not_change_the_result(x64):
     np.testing.assert_allclose(sa.loss, sb.loss, rtol=1e-13)
 
 
+
+def test_diagonal_sites_form_no_dense_curvature_unless_its_sum_is_asked(x64):
+    """The diag store takes diag(J_iᵀ Λ_i J_i) from the factors, so without the dense sum its
+    default chunks are the factorised store's: one chunk here, no padded (N, d) copies (core v2
+    sized them for a d × d curvature per example: 3 chunks, 2.35·N·d temporary numbers vs 1.04)."""
+    from numpyro_pc.curvature import Diagonal, Factor
+    from numpyro_pc.sites import default_chunk_size
+
+    X, y = make_logistic(2000, 99, seed=6)
+    spec, data = bind_model(logistic_model, (X, y))
+    n, d = X.shape[0], X.shape[1] + 1
+    one_chunk = default_chunk_size(spec, Factor, "hessian", n)
+    assert one_chunk == n
+    assert default_chunk_size(spec, Diagonal, "hessian", n, need_hessian_sum=False) == one_chunk
+    assert default_chunk_size(spec, Diagonal, "hessian", n, need_hessian_sum=True) < n  # d × d each: budgeted
+    q = Gaussian(jnp.asarray(0.1 * np.random.default_rng(0).normal(size=d)), jnp.full((d,), 3.0))
+    rule = get_rule("delta")
+    fn = jax.jit(lambda q_, data_: compute_sites(spec, data_, DiagonalGaussian(), q_, rule, storage="diag")[0])
+    compiled = fn.lower(q, data).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * 8 * n * d  # about one (N, d) float64 array
+    small, _ = compute_sites(spec, data, DiagonalGaussian(), q, rule, storage="diag", chunk_size=300)
+    np.testing.assert_allclose(compiled(q, data).curv.curvature, small.curv.curvature, rtol=1e-13)
+
+
 def _tanh_regression(X, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1], 2]).to_event(2))
     v = numpyro.sample("v", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
