@@ -200,6 +200,12 @@ class ExponentialFamily(ABC):
         chol, _ = regularised_chol(pre)
         return cho_solve((chol, True), grad)
 
+    def traced_precondition(self, pre, grad):
+        """``P⁻¹ grad`` inside a trace (the pure kernels of :mod:`numpyro_pc.stream_state`): no
+        jitter ladder, so a preconditioner that is not positive definite gives non-finite values,
+        which the kernels treat as a step to halve."""
+        return cho_solve((jnp.linalg.cholesky(pre), True), grad)
+
     def blend(self, current, target, rho):
         """The precision ``(1 − ρ) S + ρ T`` of a damped step, in the family's format."""
         return (1.0 - rho) * current + rho * target

@@ -451,12 +451,15 @@ class LowRankGaussian(ExponentialFamily):
             return _solve(precision, grad) if operator is None else _newton_solve(precision, operator, grad)
         return _solve(pre, grad)
 
+    def traced_precondition(self, pre, grad):
+        return self.precondition(pre, grad)  # CG and Woodbury solves: traceable as they are
+
     def blend(self, current, target, rho):
-        if rho == 1.0:
+        if not isinstance(rho, jax.core.Tracer) and rho == 1.0:
             return target
         dc, uc = _split(current)
         dt, ut = _split(target)
-        stacked = jnp.concatenate([math.sqrt(1.0 - rho) * uc, math.sqrt(rho) * ut], 1)
+        stacked = jnp.concatenate([jnp.sqrt(1.0 - rho) * uc, jnp.sqrt(rho) * ut], 1)
         return _compress((1.0 - rho) * dc + rho * dt, stacked, self.rank)
 
     def arithmetic(self, base, naturals, alphas):

@@ -145,6 +145,8 @@ _MIN_STEP = 2.0**-20
 def _live_totals(config, q, sites, sums, weights, base, prior_live):
     """The live totals with the prior site live or (inside ``base``) fixed: one program for both."""
     family = config.family
+    if isinstance(prior_live, bool):  # known when tracing: one branch (the family's terms may differ in structure)
+        return live_totals(family, prior_live, q, sites, sums, base, weights)
     return jax.lax.cond(prior_live,
                         lambda: live_totals(family, True, q, sites, sums, base, weights),
                         lambda: live_totals(family, False, q, sites, sums, base, weights))
@@ -163,9 +165,9 @@ def newton_terms(config, q, data, ids, weights, base, prior_live):
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),
                            family.precision_residual(q.precision, target))
     residual = jnp.where(jnp.all(jnp.isfinite(sites.grad)), residual, jnp.inf)
-    # the Gaussian families' preconditioner is a dense matrix; a failed factorisation gives a
-    # non-finite step, which the iteration halves until it stops unconverged
-    direction = -jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(pre), True), grad)
+    # the family's traceable solve (dense Cholesky, or CG for the low-rank family); a failed
+    # factorisation gives a non-finite step, which the iteration halves until it stops unconverged
+    direction = -family.traced_precondition(pre, grad)
     return residual, sites, direction, precision
 
 
@@ -246,7 +248,7 @@ def _solve(config, state, data, weights, count, extra_failure):
     """Natural-gradient steps on the table ``(data, weights)`` from ``state.q`` until the residual is
     below ``tol``; the new state, or the old one unchanged when ``extra_failure`` (e.g. an overflow)."""
     ids = jnp.arange(weights.shape[0])
-    q, _, residual, iterations = iterate(config, state.q, data, ids, weights, None, jnp.asarray(True))
+    q, _, residual, iterations = iterate(config, state.q, data, ids, weights, None, True)
     converged = (residual <= config.tol) & ~extra_failure
     candidate = StreamState(q, data, weights, count, converged)
     unchanged = state._replace(converged=jnp.asarray(False))  # a step that cannot be taken changes nothing
