@@ -244,10 +244,14 @@ def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, 
     converged = (residual <= config.tol) & ~failure
     table = write_sites(table, index, valid, fresh, q.mean)
     table = choose(correct_prior, with_prior_site(table, fresh), table)
-    # λ_{t+1} − Σ sites: the part of a scaled correction no site holds (nothing when w = 1)
-    changed = remove_site(table.natural_sum(family, corrected.astype(dtype)),
-                          sites.natural_sum(family, corrected.astype(dtype)))
-    offset = add_site(state.offset, scale_site(changed, weight - 1.0))
+    # λ_{t+1} − Σ sites: the part of a scaled correction no site holds (nothing, and no pass over
+    # the table, when w = 1)
+    def scaled_change(_):
+        changed = remove_site(table.natural_sum(family, corrected.astype(dtype)),
+                              sites.natural_sum(family, corrected.astype(dtype)))
+        return add_site(state.offset, scale_site(changed, weight - 1.0))
+
+    offset = jax.lax.cond(weight != 1.0, scaled_change, lambda _: state.offset, None)
     has_site = (state.has_site | new_rows) & ~dropped
     candidate = TableState(q, table, data, has_site, has_data & ~dropped, state.removed | dropped, offset,
                            state.count, state.next_id, converged)
