@@ -13,13 +13,16 @@ a 1 210-parameter network on digits stalled at a relative residual of 2e-6 after
 with ``S`` (Hessian–vector products by forward-over-reverse differentiation of ``L``; no
 ``d × d`` Hessian), stopped when the residual of the linear system is below
 ``forcing · ‖∇L‖`` (an inexact Newton step, Dembo–Eisenstat–Steihaug 1982). The
-solver tries it first at every iteration of such a fit and keeps it only under its usual
-acceptance test (a lower objective far from the fixed point, a lower residual near it), so
-it changes how fast the fixed point is reached, never which one. Negative curvature along
-a search direction ends CG with the step so far (Steihaug 1983), or with no step at all.
-Measured on the digits network: a fit converges in 2 steps instead of 5, and an
-uncorrected update of the diagonal family — 17 damped steps stalled at 9.9e-3 without it —
-converges in 24.
+solver tries it first at every iteration of such a fit, halving the step along its
+direction down to 1/64 until its usual acceptance test holds (a lower MAP loss far from the
+fixed point, a lower residual near it), so it changes how fast the fixed point is reached,
+never which one. Negative curvature along a search direction ends CG with the step so far
+(Steihaug 1983), or with no step at all. Since every point of a delta-rule fit carries the
+precision of its own mean (:func:`numpyro_pc.solvers.solve`), this is a line-search Newton
+method on the MAP loss. Measured on the digits network: a fit converges in 2 steps instead
+of 5; the uncorrected updates of the full family, which stalled at residual 1.4e-2 when
+trials kept the previous mean's precision and the Newton step was tried only at full
+length, converge in 10–25 steps.
 """
 
 from __future__ import annotations

@@ -403,7 +403,9 @@ def test_memory_and_prior_corrections(x64):
     # stochastic: block Gauss–Seidel passes over all sites tend to the exact update
     one = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=1)
     many = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=12)
-    assert float(one.kl(exact)) < gaps[0] and float(many.kl(exact)) < 1e-14, (float(one.kl(exact)), gaps)
+    # 12 passes of a linearly converging iteration: KL 1.8e-14 on an Intel Xeon, below 1e-14 on AMD EPYC;
+    # natural parameters that agree to 1e-7 (checked next) put the KL at O(1e-14), so 1e-13 is rounding
+    assert float(one.kl(exact)) < gaps[0] and float(many.kl(exact)) < 1e-13, (float(one.kl(exact)), gaps)
     _close(many.natural, exact.natural, 1e-7)
     with pytest.raises(InvalidOptionError, match="batch_fraction"):
         first.update(**batch, correction="stochastic", batch_fraction=0.0)
