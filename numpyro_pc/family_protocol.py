@@ -200,6 +200,13 @@ class ExponentialFamily(ABC):
         chol, _ = regularised_chol(pre)
         return cho_solve((chol, True), grad)
 
+    def inner_preconditioner(self, pre):
+        """``v ↦ P⁻¹ v`` for the mean preconditioner ``pre`` of :meth:`fixed_point`, factorised once: what
+        an inner iterative solve applies at each of its steps (the Newton–CG steps of
+        :mod:`numpyro_pc.newton_polish`)."""
+        chol, _ = regularised_chol(pre)
+        return lambda v: cho_solve((chol, True), v)
+
     def traced_precondition(self, pre, grad):
         """``P⁻¹ grad`` inside a trace (the pure kernels of :mod:`numpyro_pc.stream_state`): no
         jitter ladder, so a preconditioner that is not positive definite gives non-finite values,

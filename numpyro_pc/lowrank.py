@@ -451,6 +451,13 @@ class LowRankGaussian(ExponentialFamily):
             return _solve(precision, grad) if operator is None else _newton_solve(precision, operator, grad)
         return _solve(pre, grad)
 
+    def inner_preconditioner(self, pre):
+        """``v ↦ S⁻¹ v`` by Woodbury (``O(d r)``), ``S = Π_r(T)``. Not :meth:`precondition`'s ``T⁻¹``:
+        inside an iterative solve that would be a CG solve at every step (nested CG; the digits
+        network's low-rank fit spent over 20 minutes in it)."""
+        precision = pre[0] if isinstance(pre, tuple) else pre
+        return lambda v: _solve(precision, v)
+
     def traced_precondition(self, pre, grad):
         return self.precondition(pre, grad)  # CG and Woodbury solves: traceable as they are
 

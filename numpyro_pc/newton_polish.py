@@ -68,7 +68,8 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4):
     :param problem: the :class:`~numpyro_pc.solvers.SiteProblem`.
     :param q: the current member (its mean is ``m``).
     :param grad: ``∇L(m)``, the sum of the live terms' site gradients.
-    :param pre: the preconditioner of :meth:`~numpyro_pc.families.ExponentialFamily.fixed_point`.
+    :param pre: the mean preconditioner of :meth:`~numpyro_pc.families.ExponentialFamily.fixed_point`,
+        applied through the family's :meth:`~numpyro_pc.families.ExponentialFamily.inner_preconditioner`.
     :param float forcing: relative residual at which CG stops.
     :return: the direction, or ``None`` when the first search direction has non-positive curvature.
     """
@@ -79,9 +80,10 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4):
     def hvp(v):
         return _hvp(problem.spec, family, bool(problem.include_prior), problem.data, weights, problem.base, q.mean, v)
 
+    apply_pre = family.inner_preconditioner(pre)
     residual = -grad
     step = jnp.zeros_like(grad)
-    z = family.precondition(pre, residual)
+    z = apply_pre(residual)
     direction = z
     rz = float(residual @ z)
     target = forcing * float(jnp.linalg.norm(grad))
@@ -95,7 +97,7 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4):
         residual = residual - alpha * hd
         if float(jnp.linalg.norm(residual)) <= target:
             break
-        z = family.precondition(pre, residual)
+        z = apply_pre(residual)
         rz_next = float(residual @ z)
         direction = z + (rz_next / rz) * direction
         rz = rz_next

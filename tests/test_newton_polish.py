@@ -126,3 +126,35 @@ def test_an_uncorrected_update_of_a_network_reaches_the_map_of_its_online_object
 
     expected = s0 + jnp.sum(jax.vmap(ggn)(X[100:]), 0)
     np.testing.assert_allclose(new.state.precision, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_low_rank_laplace_fit_of_a_network_has_the_map_as_mean_and_the_gauss_newton_diagonal(x64, data):
+    # Under the delta rule the mean equation is the MAP condition whatever the family, so the low-rank
+    # fit's mean is the full-data MAP (independent Newton on the exact Hessian, 1e-7 as above), and the
+    # family keeps the diagonal of its target: diag S = diag(Σ_i GGN_i + I) at that mean, to rounding.
+    # Its Newton–CG steps are preconditioned by S = Π_r(T) through Woodbury (no nested CG solve).
+    X, y = data
+    post = pc.fit(network, X, y, family="lowrank", rank=4, **_options())
+    assert post.residual <= 1e-10
+    spec, bound = bind_model(network, (X, y))
+    total = lambda z: jnp.sum(losses(spec, z, bound)) + prior_loss(spec, z, bound)  # noqa: E731
+    z = post.mean
+    for _ in range(20):
+        g = jax.grad(total)(z)
+        if float(jnp.linalg.norm(g)) < 1e-12:
+            break
+        z = z - jnp.linalg.solve(jax.hessian(total)(z), g)
+    np.testing.assert_allclose(post.mean, z, rtol=1e-7, atol=1e-9)
+    d = X.shape[1]
+
+    def logits(w, x):
+        w1, w2 = w[: d * HIDDEN].reshape(d, HIDDEN), w[d * HIDDEN:].reshape(HIDDEN, 3)
+        return jnp.tanh(x @ w1) @ w2
+
+    def ggn_diagonal(x):
+        jac = jax.jacfwd(logits)(post.mean, x)
+        p = jax.nn.softmax(logits(post.mean, x))
+        return jnp.einsum("ki,kl,li->i", jac, jnp.diag(p) - jnp.outer(p, p), jac)
+
+    expected = jnp.sum(jax.vmap(ggn_diagonal)(X), 0) + 1.0
+    np.testing.assert_allclose(jnp.diag(post.precision), expected, rtol=1e-8)
