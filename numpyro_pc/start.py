@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.optimize
+import scipy.sparse.linalg
 
 from .families import Gaussian
 from .likelihood import example_loss, prior_loss
@@ -37,6 +38,7 @@ __all__ = ["MapResult", "map_laplace", "negative_log_joint"]
 _HVP_BATCH = 8  # Hessian columns computed together (bounds transient memory to 8 gradient passes)
 _MAX_ESCAPES = 5  # restarts of L-BFGS from saddle points before the Laplace start is taken as it is
 _NEWTON_STEPS = 5  # Newton steps that polish a minimum L-BFGS left short of its gradient tolerance
+_DENSE_CURVATURE = 2048  # above this dimension a fixed-precision start tests for a saddle matrix-free
 
 
 class MapResult(NamedTuple):
@@ -152,12 +154,21 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
         if not finite:
             return MapResult(Gaussian(z0, None), total, grad_norm, value, False, escapes)
         if family.fixed_precision:
-            return MapResult(Gaussian(z, jnp.asarray(isotropic_precision, dtype)), total, grad_norm, value,
-                             converged, escapes)
+            # no Laplace precision is needed, but a saddle is no MAP: the delta-rule fixed point of a
+            # fixed-precision family is wherever the gradient vanishes, so a start at a saddle stays there
+            # with a residual of 1e-9 (a tanh network from 0: uniform predictions, reported converged)
+            lowest = _lowest_curvature(spec, z, data, weights) if escapes < _MAX_ESCAPES else None
+            downhill = None if lowest is None else _escape_saddle(spec, z, value, lowest, data, weights)
+            if downhill is None:
+                return MapResult(Gaussian(z, jnp.asarray(isotropic_precision, dtype)), total, grad_norm, value,
+                                 converged, escapes)
+            z0, escapes = downhill, escapes + 1
+            continue
         hess = _hessian(spec, z, data, weights)
         if not bool(jnp.all(jnp.isfinite(hess))):
             return MapResult(Gaussian(z, None), total, grad_norm, value, False, escapes)
-        downhill = _escape_saddle(spec, z, value, hess, data, weights) if escapes < _MAX_ESCAPES else None
+        downhill = (_escape_saddle(spec, z, value, _dense_lowest(hess), data, weights) if escapes < _MAX_ESCAPES
+                    else None)
         if downhill is None:
             break
         z0, escapes = downhill, escapes + 1
@@ -195,7 +206,45 @@ def _newton_polish(spec, z, value, grad, hess, data, weights, gtol):
     return z, value, grad_norm, hess, False, steps
 
 
-def _escape_saddle(spec, z, value, hess, data, weights):
+def _dense_lowest(hess):
+    """``(λ_min, its unit eigenvector, max |λ|)`` of a dense symmetric Hessian."""
+    vals, vecs = np.linalg.eigh(np.asarray(hess, dtype=np.float64))
+    return float(vals[0]), vecs[:, 0], float(np.max(np.abs(vals)))
+
+
+@partial(jax.jit, static_argnames=("spec",))
+def _hvp(spec, z, data, weights, vector):
+    grad = jax.grad(lambda zz: negative_log_joint(spec, zz, data, weights))
+    return jax.jvp(grad, (z,), (vector,))[1]
+
+
+def _lowest_curvature(spec, z, data, weights):
+    """``(λ_min, its unit eigenvector, max |λ|)`` of the Hessian of the negative log joint at ``z``.
+
+    Dense up to ``_DENSE_CURVATURE`` latents; above, Lanczos (ARPACK) on Hessian–vector
+    products: ``max |λ|`` first, then the largest-magnitude eigenvalue of ``H − max|λ| I``,
+    which is ``λ_min − max|λ|``. No ``d × d`` array. ``None`` when Lanczos does not converge.
+    """
+    d = z.shape[0]
+    if d <= _DENSE_CURVATURE:
+        return _dense_lowest(_hessian(spec, z, data, weights))
+
+    def matvec(v):
+        return np.asarray(_hvp(spec, z, data, weights, jnp.asarray(np.ravel(v), z.dtype)), np.float64)
+
+    op = scipy.sparse.linalg.LinearOperator((d, d), matvec=matvec, dtype=np.float64)
+    try:
+        scale = float(abs(scipy.sparse.linalg.eigsh(op, k=1, which="LM", tol=1e-4, maxiter=500,
+                                                    return_eigenvectors=False)[0]))
+        shifted = scipy.sparse.linalg.LinearOperator((d, d), matvec=lambda v: matvec(v) - scale * np.ravel(v),
+                                                     dtype=np.float64)
+        vals, vecs = scipy.sparse.linalg.eigsh(shifted, k=1, which="LM", tol=1e-4, maxiter=500)
+    except scipy.sparse.linalg.ArpackNoConvergence:
+        return None
+    return float(vals[0]) + scale, vecs[:, 0], scale
+
+
+def _escape_saddle(spec, z, value, lowest, data, weights):
     """A point below ``value`` along the most negative curvature direction, or ``None`` at a minimum.
 
     L-BFGS stops wherever the gradient vanishes, saddles included: a network with symmetric
@@ -203,12 +252,14 @@ def _escape_saddle(spec, z, value, hess, data, weights):
     once and hand the solver a Laplace start far from every mode. A Hessian eigenvalue below
     ``−1e-6 · max|λ|`` marks a saddle; the step along its eigenvector starts at the length
     where the quadratic model falls by ½ and is halved until the log joint falls.
+
+    :param lowest: ``(λ_min, its unit eigenvector, max |λ|)`` of the Hessian at ``z``.
     """
-    vals, vecs = np.linalg.eigh(np.asarray(hess, dtype=np.float64))
-    if not vals[0] < -1e-6 * max(float(np.max(np.abs(vals))), np.finfo(np.float64).tiny):
+    low, vector, scale = lowest
+    if not low < -1e-6 * max(scale, np.finfo(np.float64).tiny):
         return None
-    direction = jnp.asarray(vecs[:, 0], z.dtype)
-    length = 1.0 / np.sqrt(-vals[0])
+    direction = jnp.asarray(vector, z.dtype)
+    length = 1.0 / np.sqrt(-low)
     for _ in range(30):
         for sign in (1.0, -1.0):
             trial = z + sign * length * direction

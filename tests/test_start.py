@@ -168,3 +168,42 @@ def test_map_start_escapes_the_saddle_of_a_symmetric_network(x64):
     eig = np.linalg.eigvalsh(np.asarray(_hessian(spec, found.start.mean, data, weights)))
     assert eig[0] > -1e-6 * np.abs(eig).max(), eig[:3]
     assert found.value < float(negative_log_joint(spec, zero, data, weights)) - 1.0
+
+
+def tanh_network(X, y=None):
+    """Six tanh units without biases, three classes: ``z = 0`` is a saddle (every gradient vanishes there)."""
+    w1 = numpyro.sample("w1", dist.Normal(0.0, 1.0).expand([X.shape[1], 6]).to_event(2))
+    w2 = numpyro.sample("w2", dist.Normal(0.0, 1.0).expand([6, 3]).to_event(2))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Categorical(logits=jnp.tanh(X @ w1) @ w2), obs=y)
+
+
+@pytest.mark.parametrize("matrix_free", [False, True])
+def test_a_fixed_precision_fit_escapes_the_saddle_at_zero(x64, monkeypatch, matrix_free):
+    # The isotropic family with the delta rule is MAP: its fixed point is wherever the gradient vanishes,
+    # so a start at the network's saddle z = 0 used to be returned as it was (mean 0, residual ~1e-16,
+    # uniform predictions). Oracle: the mean is a minimum of the negative log joint (exact Hessian positive
+    # definite, gradient below 1e-6) well below the saddle's value, and it is the full family's MAP
+    # start (the same L-BFGS path after the same escape). ``matrix_free`` runs the Lanczos test, whose
+    # escape direction may be another vector of the degenerate lowest eigenspace: then another minimum.
+    import jax
+
+    from numpyro_pc import start as start_module
+    from numpyro_pc.likelihood import bind_model, losses, prior_loss
+
+    if matrix_free:
+        monkeypatch.setattr(start_module, "_DENSE_CURVATURE", 0)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(150, 4))
+    y = np.argmax(X[:, :3] + 0.8 * rng.normal(size=(150, 3)), 1).astype(np.int32)
+    X, y = jnp.asarray(X), jnp.asarray(y)
+    post = pc.fit(tanh_network, X, y, family="isotropic", expectation="delta", curvature="ggn", tol=1e-10)
+    assert post.record["start"]["saddle_escapes"] >= 1
+    spec, bound = bind_model(tanh_network, (X, y))
+    total = lambda z: jnp.sum(losses(spec, z, bound)) + prior_loss(spec, z, bound)  # noqa: E731
+    assert float(jnp.max(jnp.abs(jax.grad(total)(post.mean)))) < 1e-6
+    assert float(jnp.linalg.eigvalsh(jax.hessian(total)(post.mean))[0]) > 0.0
+    assert float(total(post.mean)) < float(total(jnp.zeros_like(post.mean))) - 10.0
+    if not matrix_free:  # Lanczos may return another vector of the saddle's (degenerate) lowest eigenspace
+        full = pc.fit(tanh_network, X, y, family="full", expectation="delta", curvature="ggn", tol=1e-10)
+        np.testing.assert_allclose(post.mean, full.mean, rtol=1e-6, atol=1e-7)
