@@ -14,6 +14,9 @@ new one. For each family the training set is streamed in ``--batches`` batches:
   posterior; the correction an exact update would make), summed over the examples;
 * after every update, ``KL(q_none ‖ q_batch)`` where ``q_batch`` is ``pc.fit`` of the same
   family on all data so far (the batch posterior the exact update reaches);
+* after every update, the error of the surrogate the update kept for the past examples:
+  ``Σ_past (ℓ_i − ℓ̂_i)`` between the old and the new mean (:func:`surrogate_error`), the
+  paper's correction term in nats, one scale for every family;
 * for a model with many posterior modes (the network), also ``KL(q_none ‖ q_near)`` where
   ``q_near`` is the same batch fit started from the VCL chain's mean (``init=mean``): the
   fixed point of the chain's own basin, the one a correction from the chain reaches. The
@@ -75,6 +78,7 @@ import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
 from bench_continual import model as logistic  # noqa: E402  (the same a7a model)
 from numpyro_pc.datasets import load_a7a  # noqa: E402
+from numpyro_pc.likelihood import bind_model, losses, prior_loss  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 def load(name, quick, hidden=16):
@@ -129,6 +133,23 @@ def full_references(model, X, y, batches, fit_opts):
     return refs
 
 
+def surrogate_error(model, X_past, y_past, old, new):
+    """How far the VCL update misjudges the past examples' loss: the change of their negative log
+    likelihood from the old mean to the new one, minus the change the update assumed (nats).
+
+    An uncorrected update keeps the old posterior as the past examples' stand-in, so their
+    surrogate loss is ``−log q_old(z) − ℓ_0(z)`` up to a constant, whose change is
+    ``½ δᵀ S_old δ − (ℓ_0(m_new) − ℓ_0(m_old))`` (``∇ log q_old`` vanishes at ``m_old``). The
+    difference is ``Σ_past (ℓ_i − ℓ̂_i)`` between the two means: the paper's correction term
+    itself, on one scale for every family (the correction magnitude uses each family's metric).
+    """
+    spec, bound = bind_model(model, (X_past, y_past))
+    step = new.mean - old.mean
+    true = jnp.sum(losses(spec, new.mean, bound)) - jnp.sum(losses(spec, old.mean, bound))
+    assumed = 0.5 * step @ old.precision @ step - (prior_loss(spec, new.mean, bound) - prior_loss(spec, old.mean, bound))
+    return float(true - assumed)
+
+
 def stream(model, X, y, batches, fit_opts, fam_opts, refs, nearest=False):
     """VCL over the batches: the correction magnitude before each update; after it, the KL to the batch
     fit of the same family (and, with ``nearest``, to the batch fit started at the chain's mean) and the
@@ -141,13 +162,16 @@ def stream(model, X, y, batches, fit_opts, fam_opts, refs, nearest=False):
     for t in range(1, batches):
         rows_t = parts[t]
         magnitude = quiet(pc.correction_magnitude, post, X[rows_t], y[rows_t])  # warns: VCL chains are stale
-        post = quiet(post.update, X[rows_t], y[rows_t], correction="none")
+        old, post = post, quiet(post.update, X[rows_t], y[rows_t], correction="none")
+        past = np.concatenate(parts[:t])
+        surrogate = surrogate_error(model, X[past], y[past], old, post)
         seen = np.concatenate(parts[: t + 1])
         batch = quiet(pc.fit, model, X[seen], y[seen], **opts)
         error = np.asarray(post.mean - batch.mean)
         row = dict(batch=t + 1, retained=int(magnitude["ids"].size), magnitude=magnitude["total"],
                    per_example=magnitude["total"] / magnitude["ids"].size, kl=float(post.kl(batch)),
-                   mean_error=float("nan") if refs is None else 0.5 * float(error @ refs[t - 1][1] @ error))
+                   mean_error=float("nan") if refs is None else 0.5 * float(error @ refs[t - 1][1] @ error),
+                   surrogate_error=surrogate, surrogate_per_example=abs(surrogate) / past.size)
         if nearest:
             near = quiet(pc.fit, model, X[seen], y[seen], init=np.asarray(post.mean), **opts)
             row.update(kl_nearest=float(post.kl(near)), nearest_to_batch=float(near.kl(batch)),
@@ -168,8 +192,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     result = dict(machine=machine_info(), batches=args.batches, quick=args.quick, hidden=args.hidden, runs={})
     lines = ["| model | d | family | correction per example (mean over updates) | final KL to batch | max KL | "
-             "final ½ δmᵀ S_full δm | final KL to the nearest batch fit (max) | s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "final ½ δmᵀ S_full δm | final KL to the nearest batch fit (max) | "
+             "|Σ_past (ℓ_i − ℓ̂_i)| per past example (mean over updates) | s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         model, X, y, fit_opts = load(name, args.quick, args.hidden)
         refs = None if args.no_full_metric else full_references(model, X, y, args.batches, fit_opts)
@@ -181,7 +206,8 @@ def main(argv=None):
             near = [s["kl_nearest"] for s in run["steps"] if "kl_nearest" in s]
             near = f"{near[-1]:.3e} ({max(near):.3e})" if near else "= KL to batch (one fixed point)"
             lines.append(f"| {name} | {run['dim']} | {fam} | {per:.3e} | {kls[-1]:.3e} | {max(kls):.3e} | "
-                         f"{run['steps'][-1]['mean_error']:.3e} | {near} | {run['seconds']:.1f} |")
+                         f"{run['steps'][-1]['mean_error']:.3e} | {near} | "
+                         f"{np.mean([s['surrogate_per_example'] for s in run['steps']]):.3e} | {run['seconds']:.1f} |")
             print(lines[-1], flush=True)
 
     def plot(path):
