@@ -41,6 +41,19 @@ def _newton_minimum(total, z, steps=20):
     return z
 
 
+def _softmax_factors(w, x, hidden, classes):
+    """``(J, diag p − p pᵀ)`` of a bias-free tanh network's logits at ``w`` for one input ``x``: its
+    Gauss–Newton curvature is ``Jᵀ (diag p − p pᵀ) J``."""
+    d = x.shape[0]
+
+    def logits(w):
+        w1, w2 = w[: d * hidden].reshape(d, hidden), w[d * hidden:].reshape(hidden, classes)
+        return jnp.tanh(x @ w1) @ w2
+
+    p = jax.nn.softmax(logits(w))
+    return jax.jacfwd(logits)(w), jnp.diag(p) - jnp.outer(p, p)
+
+
 def _options():
     return dict(expectation="delta", curvature="ggn", tol=1e-10, max_iters=40)
 
@@ -53,23 +66,14 @@ def test_newton_steps_reach_the_map_and_the_gauss_newton_precision_there(x64, da
     assert post.residual <= 1e-10
     spec, bound = bind_model(network, (X, y))
     total = lambda z: jnp.sum(losses(spec, z, bound)) + prior_loss(spec, z, bound)  # noqa: E731
-    z = post.mean
-    z = _newton_minimum(total, z)
+    z = _newton_minimum(total, post.mean)
     np.testing.assert_allclose(post.mean, z, rtol=1e-7, atol=1e-9)
     # Gauss–Newton precision at the fitted mean by hand: Σ_i J_iᵀ (diag p_i − p_i p_iᵀ) J_i + I (unit
     # prior). It is evaluated at the fitted mean, not at the independent MAP z: the mean is z only up to
     # its residual (1e-7 above) and the precision of the fixed point is T(m), exact to rounding.
-    d = X.shape[1]
-    z = post.mean
-
-    def logits(z, x):
-        w1, w2 = z[: d * HIDDEN].reshape(d, HIDDEN), z[d * HIDDEN:].reshape(HIDDEN, 3)
-        return jnp.tanh(x @ w1) @ w2
-
     def ggn(x):
-        jac = jax.jacfwd(logits)(z, x)
-        p = jax.nn.softmax(logits(z, x))
-        return jac.T @ (jnp.diag(p) - jnp.outer(p, p)) @ jac
+        jac, lam = _softmax_factors(post.mean, x, HIDDEN, 3)
+        return jac.T @ lam @ jac
 
     expected = jnp.sum(jax.vmap(ggn)(X), 0) + jnp.eye(z.shape[0])
     np.testing.assert_allclose(post.state.precision, expected, rtol=1e-10, atol=1e-12)
@@ -111,20 +115,12 @@ def test_an_uncorrected_update_of_a_network_reaches_the_map_of_its_online_object
     m0, s0 = old.mean, old.state.precision
     spec, bound = bind_model(wider_network, (X[100:], y[100:]))
     total = lambda z: jnp.sum(losses(spec, z, bound)) + 0.5 * z @ s0 @ z - (s0 @ m0) @ z  # noqa: E731
-    z = new.mean
-    z = _newton_minimum(total, z)
+    z = _newton_minimum(total, new.mean)
     np.testing.assert_allclose(new.mean, z, rtol=1e-7, atol=1e-7)
     assert float(jnp.linalg.eigvalsh(jax.hessian(total)(z))[0]) > 0.0
-    d = X.shape[1]
-
-    def logits(w, x):
-        w1, w2 = w[: d * 8].reshape(d, 8), w[d * 8:].reshape(8, 4)
-        return jnp.tanh(x @ w1) @ w2
-
     def ggn(x):
-        jac = jax.jacfwd(logits)(new.mean, x)
-        p = jax.nn.softmax(logits(new.mean, x))
-        return jac.T @ (jnp.diag(p) - jnp.outer(p, p)) @ jac
+        jac, lam = _softmax_factors(new.mean, x, 8, 4)
+        return jac.T @ lam @ jac
 
     expected = s0 + jnp.sum(jax.vmap(ggn)(X[100:]), 0)
     np.testing.assert_allclose(new.state.precision, expected, rtol=1e-10, atol=1e-12)
@@ -140,19 +136,11 @@ def test_a_low_rank_laplace_fit_of_a_network_has_the_map_as_mean_and_the_gauss_n
     assert post.residual <= 1e-10
     spec, bound = bind_model(network, (X, y))
     total = lambda z: jnp.sum(losses(spec, z, bound)) + prior_loss(spec, z, bound)  # noqa: E731
-    z = post.mean
-    z = _newton_minimum(total, z)
+    z = _newton_minimum(total, post.mean)
     np.testing.assert_allclose(post.mean, z, rtol=1e-7, atol=1e-9)
-    d = X.shape[1]
-
-    def logits(w, x):
-        w1, w2 = w[: d * HIDDEN].reshape(d, HIDDEN), w[d * HIDDEN:].reshape(HIDDEN, 3)
-        return jnp.tanh(x @ w1) @ w2
-
     def ggn_diagonal(x):
-        jac = jax.jacfwd(logits)(post.mean, x)
-        p = jax.nn.softmax(logits(post.mean, x))
-        return jnp.einsum("ki,kl,li->i", jac, jnp.diag(p) - jnp.outer(p, p), jac)
+        jac, lam = _softmax_factors(post.mean, x, HIDDEN, 3)
+        return jnp.einsum("ki,kl,li->i", jac, lam, jac)
 
     expected = jnp.sum(jax.vmap(ggn_diagonal)(X), 0) + 1.0
     np.testing.assert_allclose(jnp.diag(post.precision), expected, rtol=1e-8)
