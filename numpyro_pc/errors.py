@@ -23,7 +23,9 @@ class UnsupportedModelError(PosteriorCorrectionError, ValueError):
     """The model's structure is outside what the dual form supports.
 
     Examples: latent sites inside the data plate (local latents), observed sites outside
-    any plate, discrete latent sites, or an ambiguous data plate.
+    any plate whose rows cannot be inferred (no batch dimension, leading dimensions that
+    disagree or match no argument's length), discrete latent sites, or an ambiguous data
+    plate.
     """
 
 

@@ -25,6 +25,7 @@ import numpyro
 from .errors import DataShapeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
 from .model_terms import (  # noqa: F401  (re-exported: the package imports them from here)
+    IMPLICIT_PLATE,
     LOG_DET_PREFIX,
     ModelData,
     ModelSpec,
@@ -41,7 +42,7 @@ from .model_terms import (  # noqa: F401  (re-exported: the package imports them
 )
 from .rowops import all_finite, take_rows, to_device
 
-__all__ = ["ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
+__all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
 
 # --------------------------------------------------------------------------- binding
@@ -74,11 +75,29 @@ def check_finite_argument(name, leaf):
 def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False):
     """Inspect a model with its data and return ``(spec, data)``.
 
-    :param callable model: a NumPyro model with global latent sites and a plate over the data.
+    **Models without a plate.** When no observed site lies inside a plate, the rows are an
+    *implicit* data plate (named :data:`~numpyro_pc.model_terms.IMPLICIT_PLATE`) if every
+    observed site's log-density has a leading batch dimension, these dimensions agree,
+    and they equal the common leading length ``N`` of the array arguments not named in
+    ``shared``. ``ℓ_i`` is then the log-density of row ``i`` summed over any trailing
+    dimensions, exactly as under ``numpyro.plate(…, N)``; every observed site belongs to
+    ``ℓ_i`` and none to ``ℓ_0``. A scalar observation (or rows folded into one event by
+    ``to_event``), disagreeing leading dimensions, a leading dimension that is no
+    argument's length, or arguments of different lengths are refused as ambiguous.
+
+    No plate handler is put around the model: a plate would broadcast every site inside
+    it, latents included, and so change the model. None is needed, because each example is
+    evaluated by running the model on its row's slice of the per-example arguments
+    (:mod:`numpyro_pc.model_terms`), where the observed sites have one row and their
+    summed log-density is ``ℓ_i``; the implicit plate only decides which observed sites
+    make up ``ℓ_i``, and :func:`verify_binding` checks the result as for any plate.
+
+    :param callable model: a NumPyro model with global latent sites and a plate over the
+        data, or observed sites vectorised over the rows (see above).
     :param tuple args: positional arguments of the model (the data).
     :param dict kwargs: keyword arguments of the model.
     :param str data_plate: name of the data plate when several plates hold all
-        observed sites; by default the unique such plate.
+        observed sites; by default the unique such plate (or the implicit one).
     :param tuple shared: names of array arguments that are *not* per-example (e.g. a
         vector of prior scales); every other array argument with at least one axis must
         have the data plate's size as its leading dimension.
@@ -86,8 +105,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
         ``spec.latent.discrete_names``, outside ``z``) for exponential-family posteriors.
     :raises NonFiniteDataError: NaN or infinite values in a float argument.
     :raises DataShapeError: an argument's leading size disagrees with the data plate.
-    :raises UnsupportedModelError: local latents, no data plate, ambiguous plates,
-        subsampled plates, discrete latents.
+    :raises UnsupportedModelError: local latents, no data plate (and no implicit one),
+        ambiguous plates, subsampled plates, discrete latents.
     """
     kwargs = dict(kwargs or {})
     try:
@@ -120,7 +139,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
                                 f"{shapes}).") from err
 
     latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
-    plate, size = _find_data_plate(trace, data_plate)
+    plate, size, observed = _find_data_plate(trace, data_plate, leaf_names, leaves, shared)
     for name in latent.names + latent.discrete_names:
         if in_plate(trace[name], plate):
             raise UnsupportedModelError(
@@ -128,12 +147,10 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
                 "the dual form supports global latent variables only: marginalise the local latent "
                 "or move it out of the plate."
             )
-    observed = tuple(n for n, s in trace.items()
-                     if s["type"] == "sample" and s["is_observed"] and in_plate(s, plate))
 
     kinds, statics = [], []
     for name, leaf in zip(leaf_names, leaves):
-        base = name.split("[")[0].split(".")[0]
+        base = _base_name(name)
         if not is_array(leaf):
             kinds.append("static")
             statics.append(leaf)
@@ -190,14 +207,16 @@ def _leaf_names(args, kwargs, names_by_position):
     return names
 
 
-def _find_data_plate(trace, data_plate):
+def _find_data_plate(trace, data_plate, leaf_names, leaves, shared):
+    """The data plate's name, its size and the observed sites it holds (``ℓ_i``'s sites)."""
     observed = [s for s in trace.values() if s["type"] == "sample" and s["is_observed"]]
     in_plates = [s for s in observed if s["cond_indep_stack"]]
     if not in_plates:
-        raise UnsupportedModelError(
-            "no observed site of the model lies inside a plate; the dual form needs the data declared "
-            "in a plate, e.g. `with numpyro.plate('data', X.shape[0]): numpyro.sample('y', ..., obs=y)`."
-        )
+        if data_plate not in (None, IMPLICIT_PLATE):
+            raise UnsupportedModelError(f"data_plate={data_plate!r} is not a plate of any observed site; no "
+                                        "observed site of the model lies inside a plate.")
+        size = _implicit_rows(observed, leaf_names, leaves, shared)
+        return IMPLICIT_PLATE, size, tuple(s["name"] for s in observed)
     common = None
     for s in in_plates:
         names = {f.name for f in s["cond_indep_stack"]}
@@ -224,7 +243,62 @@ def _find_data_plate(trace, data_plate):
         if sub is not None and sub != full:
             raise UnsupportedModelError(f"plate {plate!r} is subsampled ({sub} of {full}); bind the full data "
                                         "without subsample_size.")
-    return plate, frames[plate].size
+    names = tuple(s["name"] for s in observed if in_plate(s, plate))
+    return plate, frames[plate].size, names
+
+
+def _base_name(leaf_name):
+    """The argument a leaf belongs to (``"data[0]"`` → ``"data"``), the name ``shared=`` uses."""
+    return leaf_name.split("[")[0].split(".")[0]
+
+
+def _log_prob_shape(site):
+    """Shape of an observed site's log-density (batch shape broadcast with the value's and the mask's)."""
+    fn, value = site["fn"], site["value"]
+    value_batch = np.shape(value)[:max(np.ndim(value) - len(fn.event_shape), 0)]
+    return tuple(np.broadcast_shapes(tuple(fn.batch_shape), value_batch, np.shape(site.get("mask"))))
+
+
+def _implicit_rows(observed, leaf_names, leaves, shared):
+    """The size ``N`` of the implicit data plate of a model whose observed sites lie in no plate.
+
+    The rule of :func:`bind_model`: the leading dimension of every observed site's
+    log-density is the data axis when all these dimensions agree and equal the common
+    leading length of the array arguments not named in ``shared``.
+
+    :raises UnsupportedModelError: naming the shapes and lengths found when the rule does not apply.
+    """
+    lengths = {name: int(np.shape(leaf)[0]) for name, leaf in zip(leaf_names, leaves)
+               if is_array(leaf) and np.ndim(leaf) >= 1 and _base_name(name) not in shared}
+    shapes = {s["name"]: _log_prob_shape(s) for s in observed}
+    found = ", ".join(f"{n}: {sh}" for n, sh in shapes.items())
+    described = ", ".join(f"{n}: {k}" for n, k in lengths.items())
+    leading = sorted({sh[0] for sh in shapes.values() if sh})
+    reason = None
+    if not shapes:
+        reason = "the model has no observed site (was the data passed, e.g. as y=...?)"
+    elif any(not sh for sh in shapes.values()):
+        scalar = [n for n, sh in shapes.items() if not sh]
+        reason = (f"observed site(s) {scalar} have no batch dimension (log-density shapes {found}), so one row "
+                  "cannot be told from another; a `.to_event(1)` over the rows makes them one event")
+    elif len(leading) > 1:
+        reason = f"the observed sites' leading batch dimensions disagree (log-density shapes {found})"
+    elif not lengths:
+        reason = f"no array argument has a leading dimension to match the observed sites' {leading[0]} rows"
+    elif len(set(lengths.values())) > 1:
+        reason = (f"the array arguments have different leading lengths ({described}); pass shared=(...) with "
+                  "the names of those that are not per-example")
+    elif leading[0] != next(iter(lengths.values())):
+        reason = (f"the observed sites' leading batch dimension is {leading[0]} (log-density shapes {found}) but "
+                  f"the per-example arguments have length {next(iter(lengths.values()))} ({described})")
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"no observed site of the model lies inside a plate, and its rows cannot be inferred: {reason}. "
+            "Without a plate the data axis is the leading batch dimension of the observed sites, taken only when "
+            "every observed site has one, they agree, and it equals the common leading length of the array "
+            "arguments not named in shared=. Otherwise declare the data in a plate, e.g. "
+            "`with numpyro.plate('data', X.shape[0]): numpyro.sample('y', ..., obs=y)`.")
+    return leading[0]
 
 
 def _analyse_params(spec, data, z0):

@@ -12,7 +12,8 @@ of the flat unconstrained vector ``z`` (docs/notation.md, "Symbols"):
 so that ``ℓ_0(z) + Σ_i ℓ_i(z)`` equals ``numpyro.infer.util.potential_energy``.
 Several observed sites inside the plate add up per example; ``mask``/``obs_mask`` and
 ``scale`` handlers are respected. Observed sites and factors outside the data plate
-belong to ``ℓ_0``.
+belong to ``ℓ_0``. A model vectorised over the rows without a plate has an implicit data
+plate (:data:`IMPLICIT_PLATE`) holding every observed site; it is evaluated the same way.
 
 The binding is split in two: a hashable, static :class:`ModelSpec` (the model, its
 latent space, which arguments are per-example) and a :class:`ModelData` pytree of
@@ -39,11 +40,14 @@ import numpyro
 
 from .latent import LatentSpace
 
-__all__ = ["LOG_DET_PREFIX", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
+__all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array"]
 
 
 LOG_DET_PREFIX = "_pc_log_det_"
+IMPLICIT_PLATE = "_rows"
+"""Name of the data plate of a model whose observed sites are vectorised over the rows
+without a ``numpyro.plate`` (see :func:`numpyro_pc.likelihood.bind_model`)."""
 
 
 class ModelData(NamedTuple):
@@ -59,9 +63,11 @@ class ModelSpec:
 
     :ivar model: the NumPyro model callable.
     :ivar latent: the :class:`~numpyro_pc.latent.LatentSpace`.
-    :ivar plate: name of the data plate.
+    :ivar plate: name of the data plate (:data:`IMPLICIT_PLATE` when the observed sites are
+        vectorised over the rows without a plate).
     :ivar num_examples: size ``N`` of the data plate for the bound data.
-    :ivar observed: names of the observed sites inside the data plate.
+    :ivar observed: names of the observed sites inside the data plate (every observed site
+        for the implicit plate); their log-densities make up ``ℓ_i``.
     :ivar param_leaves: per observed site, which float leaves of its distribution depend
         on ``z`` (the distribution parameters ``θ_i`` used for Gauss–Newton and
         Gauss–Hermite).
@@ -156,7 +162,7 @@ def prior_loss(spec, z, data, discrete=None):
     for site in trace.values():
         if site["type"] != "sample":
             continue
-        if site["is_observed"] and in_plate(site, spec.plate):
+        if site["is_observed"] and (site["name"] in spec.observed or in_plate(site, spec.plate)):
             continue
         total = total + _site_log_prob(site)
     return -total

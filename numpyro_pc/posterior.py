@@ -156,7 +156,10 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param int seed: seed of the fixed Monte Carlo noise.
     :param int num_nodes: Gauss–Hermite nodes (``"gh"``; default 64).
     :param int chunk_size: examples per chunk of the site computation.
-    :param str data_plate: the plate indexing examples when ambiguous.
+    :param str data_plate: the plate indexing examples when ambiguous. A model with no plate
+        around its observed sites gets an implicit one over their leading batch dimension when
+        that equals the per-example arguments' length (the rule of
+        :func:`~numpyro_pc.likelihood.bind_model`, docs/models.md).
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
