@@ -84,7 +84,16 @@ class ExpectationRuleError(PosteriorCorrectionError, ValueError):
 
 
 class SiteStorageError(PosteriorCorrectionError, ValueError):
-    """The requested per-example site storage is impossible or too large."""
+    """The requested per-example site storage is impossible or too large.
+
+    :ivar remedies: the fixes the message suggests, each a dict of options that, added to the
+        call that raised (``pc.fit``, ``pc.dual_form``, ``compute_sites``'s ``curvature`` and
+        ``storage``; ``expectation="delta"`` is the rule ``"delta"``), avoids this error.
+    """
+
+    def __init__(self, message, remedies=()):
+        super().__init__(message)
+        self.remedies = tuple(dict(r) for r in remedies)
 
 
 class UnknownExampleError(PosteriorCorrectionError, KeyError):

@@ -6,8 +6,9 @@ Gauss–Newton form) for every element of the data plate plus the prior site
 
 The per-example curvatures are held by one of the storage classes of
 :mod:`numpyro_pc.curvature` (``Sites.curv``): ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, exact
-for GLM-type models, Gauss–Newton otherwise), ``"dense"`` (only when asked, or
-automatically for small problems without an exact factorisation), ``"diag"`` (the diagonal
+for GLM-type models, Gauss–Newton otherwise), ``"dense"`` (when asked, or
+automatically for a model without an exact factorisation whose ``N·d²`` numbers fit the
+budget of :func:`numpyro_pc.memory.dense_auto_budget`, 1/8 of the machine's memory), ``"diag"`` (the diagonal
 family) or ``"none"`` (the isotropic family).
 
 Examples are processed in chunks (``lax.scan`` over padded, masked chunks) so that
@@ -33,11 +34,11 @@ from .errors import DataShapeError, InvalidOptionError, SiteStorageError
 from .expectations import hermite_nodes, mc_noise, prior_is_separable, subspace_basis, tensor_hermite_nodes
 from .cached_sites import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .likelihood import example_loss, example_params
+from .memory import dense_auto_budget, format_bytes, machine_memory
 from .prior_site import prior_terms, prior_terms_reparam, reparam_curvature
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]  # Sites, SiteSums: re-exported
 
-_DENSE_AUTO_LIMIT = 2**22  # numbers: automatic dense storage only below ~32 MB in float64
 _CHUNK_BUDGET = 2**23  # numbers per chunk of transient per-example curvature
 _TRACES = {"compute": 0}
 
@@ -61,31 +62,85 @@ class SiteConfig:
     prior_diagonal: bool = False  # hold Ĥ_0 as its diagonal (a separable prior, a family with matrix-free sites)
 
 
-def resolve_storage(storage, family, spec, rule, curvature):
-    """The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model."""
+_DENSE_AUTO_LIMIT = dense_auto_budget(machine_memory())  # bytes, read once on import
+
+
+def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
+    r"""The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model.
+
+    ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one; else
+    ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, ``O(N·k·d)``; ``"sparse"`` for a family with
+    matrix-free sites) where the sites factorise exactly: distribution parameters affine in
+    ``z``, the ``"gh"`` rule over a fixed dependence subspace, or ``curvature="ggn"`` with the
+    ``"delta"`` rule; else ``"dense"`` when its ``N·d²`` numbers, counted in bytes of ``dtype``,
+    fit the budget ``_DENSE_AUTO_LIMIT`` (:func:`dense_auto_budget`: 1/8 of
+    :func:`machine_memory`, or 1 GiB where that cannot be read). Otherwise, and for a store that
+    cannot hold what the family or model needs, it raises
+    :class:`~numpyro_pc.errors.SiteStorageError`, whose ``remedies`` are the option sets its
+    message suggests.
+
+    :param dtype: floating dtype of the sites (default: float64 with x64 enabled, else float32).
+    """
     d, n = spec.latent.dim, spec.num_examples
     family.check_dimension(d)
-    factorisable = rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
+    factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")) \
+        and spec.num_params > 0
     if isinstance(storage, str) and storage == "auto":
         if family.default_storage is not None:
             return get_store(family.default_storage)
-        if factorisable and spec.num_params > 0:
+        if factorisable:
             return SparseFactor if family.sparse_sites else Factor
-        if n * d * d <= _DENSE_AUTO_LIMIT:
+        size = n * d * d * np.dtype(jnp.result_type(float) if dtype is None else dtype).itemsize
+        if size <= _DENSE_AUTO_LIMIT:
             return Dense
+        diagonal = [({"family": "diagonal"}, "diagonal sites, N·d numbers")] if family.name == "full" else []
+        remedies = _factorised(spec, rule) + diagonal + [({"storage": "dense"}, "to accept the memory")]
         raise SiteStorageError(
-            f"the per-example Hessians of this model do not factorise exactly (its {spec.num_params} "
-            f"distribution parameter(s) are not affine in z) and dense storage would hold N·d² = {n * d * d:.3g} "
-            "numbers; pass curvature='ggn' (Gauss–Newton, factorised), or storage='dense' to accept the memory."
-        )
+            f"the per-example Hessians of this model do not factorise exactly ({_why(spec, rule)}) and dense "
+            f"storage would hold N·d² = {n * d * d:.3g} numbers ({format_bytes(size)}), more than the budget of "
+            f"storage='auto' ({format_bytes(_DENSE_AUTO_LIMIT)}: numpyro_pc.memory.dense_auto_budget); "
+            f"{_say(remedies)}.", [r for r, _ in remedies])
     store = get_store(storage)
-    if store.keeps_jacobian and not (factorisable and spec.num_params > 0):
-        raise SiteStorageError(f"storage={store.name!r} needs distribution parameters affine in z, or "
-                               "curvature='ggn' with the delta rule; use storage='dense'.")
+    if store.keeps_jacobian and not factorisable:
+        remedies = _factorised(spec, rule) + [({"storage": "dense"}, "")]
+        raise SiteStorageError(f"storage={store.name!r} holds J_iᵀ Λ_i J_i, which needs distribution parameters "
+                               f"affine in z, the 'gh' rule, or curvature='ggn' with the 'delta' rule "
+                               f"({_why(spec, rule)}); {_say(remedies)}.", [r for r, _ in remedies])
     if store.detail < family.curvature_detail:
+        try:
+            auto = resolve_storage("auto", family, spec, rule, curvature, dtype)
+        except SiteStorageError:
+            auto = None
+        remedy = ({"storage": "dense"}, "") if auto is None else ({"storage": "auto"}, f"here {auto.name!r}")
         raise SiteStorageError(f"the {family.name} family needs more per-example curvature than "
-                               f"storage={store.name!r} holds")
+                               f"storage={store.name!r} holds; {_say([remedy])}.", [remedy[0]])
     return store
+
+
+def _why(spec, rule):
+    if spec.num_params == 0:
+        return "its likelihood has no distribution parameters that depend on z"
+    if rule.kind == "delta":
+        return (f"its {spec.num_params} distribution parameter(s) are not affine in z, so the Hessian has "
+                "terms beyond J_iᵀ Λ_i J_i")
+    return (f"its {spec.num_params} distribution parameter(s) are not affine in z, so their Jacobian J_i "
+            f"changes over the points the {rule.kind!r} rule averages")
+
+
+def _factorised(spec, rule):
+    """The options under which this model's sites factorise (Gauss–Newton at the mean), with their meaning."""
+    if spec.num_params == 0:
+        return []
+    if rule.kind == "delta":
+        return [({"curvature": "ggn"}, "Gauss–Newton, stored factorised")]
+    return [({"expectation": "delta", "curvature": "ggn"}, "the Laplace–Gauss–Newton posterior, stored factorised")]
+
+
+def _say(remedies):
+    """``pass a='x' with b='y' (meaning), or c='z' …``"""
+    parts = [" with ".join(f"{k}={v!r}" for k, v in r.items()) + (f" ({note})" if note else "")
+             for r, note in remedies]
+    return "pass " + ", or ".join(parts)
 
 
 def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True):
@@ -356,7 +411,8 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     :param rule: a prepared :class:`~numpyro_pc.expectations.ExpectationRule`.
     :param str curvature: ``"hessian"`` (exact ``E_q[∇²ℓ_i]``) or ``"ggn"`` (Gauss–Newton
         ``E_q[J_iᵀ Λ_i J_i]`` with ``Λ_i`` projected onto its positive part).
-    :param str storage: ``"auto"``, ``"diag"``, ``"factor"``, ``"dense"`` or ``"none"``.
+    :param str storage: ``"auto"`` (chosen by :func:`resolve_storage`), ``"diag"``, ``"factor"``, ``"sparse"``,
+        ``"dense"`` or ``"none"``.
     :param int chunk_size: examples per chunk (default from a memory budget).
     :param ids: integer ids of the examples (default ``0..N-1``).
     :param bool need_hessian_sum: also return ``Σ_i`` dense curvature (for the solver).
@@ -367,7 +423,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     """
     if curvature not in ("hessian", "ggn"):
         raise InvalidOptionError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
-    storage = resolve_storage(storage, family, spec, rule, curvature)
+    storage = resolve_storage(storage, family, spec, rule, curvature, q.mean.dtype)
     num = int(data.per_example[0].shape[0])
     if num == 0:
         raise DataShapeError("no examples to compute sites for (the data is empty)")
