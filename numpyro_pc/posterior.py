@@ -76,7 +76,8 @@ class DualPosterior(DualPosteriorBase):
         New examples get the next free ids. ``correction`` chooses the past terms whose
         stale sites are replaced by their true losses: ``"none"`` (VCL), ``"prior"``,
         ``"exact"`` (every retained example: the batch posterior), ``"memory"`` (``memory``
-        is a list of ids, or a size chosen by ``selection`` in ``"random"``,
+        is a list of ids, or a size — a count, or a fraction in ``(0, 1)`` of the retained
+        examples — chosen by ``selection`` in ``"random"``,
         ``"residual"``, ``"curvature"``, ``"leverage"``), ``"weighted"`` (the memory scaled
         to stand for all retained data, falling back to ``"memory"`` if that loses positive
         definiteness) or ``"stochastic"`` (the exact correction from a random

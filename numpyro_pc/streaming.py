@@ -97,7 +97,7 @@ def _corrected_ids(post, correction, memory, selection, seed):
     if memory is None:
         raise InvalidOptionError("correction='memory' needs memory= (a size or a list of example ids)")
     if np.ndim(memory) == 0:
-        return select_memory(post, int(memory), selection, seed), True
+        return select_memory(post, _memory_size(memory, retained.size), selection, seed), True
     chosen = as_ids(memory)
     positions(retained, chosen, "retained example (its data was not kept)")
     return chosen, True
@@ -116,6 +116,20 @@ def _reservoir(ids_old, ids_new, size, seen_before, seed):
             if slot < size:
                 kept[slot] = int(new)
     return np.asarray(sorted(kept), dtype=np.int64)
+
+
+def _memory_size(memory, num_retained):
+    """The number of retained examples a scalar ``memory`` asks for: an integer count, or a fraction in
+    ``(0, 1)`` of the retained examples (rounded, at least one)."""
+    value = float(memory)
+    if isinstance(memory, (bool, np.bool_)) or not np.isfinite(value) or value < 0:
+        raise InvalidOptionError(f"memory must be a count of examples, a fraction in (0, 1) or a list of ids; "
+                                 f"got {memory!r}")
+    if 0 < value < 1:
+        return max(1, int(round(value * num_retained)))
+    if value != int(value):
+        raise InvalidOptionError(f"memory={memory!r} is neither a whole number of examples nor a fraction in (0, 1)")
+    return int(value)
 
 
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,

@@ -66,7 +66,7 @@ def test_the_mean_field_elbo_start_of_a_gaussian_model_has_the_exact_posterior_m
 
 @pytest.mark.parametrize("likelihood,scale", [("normal", "halfnormal"), ("bernoulli", "halfcauchy")])
 def test_a_centred_hierarchy_fits_from_the_default_start_and_updates_exactly(x64, likelihood, scale):
-    problem = varying_regression(10, 200, likelihood, centred=True, scale=scale, slopes=likelihood == "normal",
+    problem = varying_regression(8, 160, likelihood, centred=True, scale=scale, slopes=likelihood == "normal",
                                  seed=1 if likelihood == "normal" else 2)
     post = pc.fit(problem.model, *problem.args)
     start = post.record["start"]

@@ -91,6 +91,14 @@ def test_memory_policies_interpolate_between_vcl_and_exact(x64):
     assert kl["exact"] < 1e-10 < kl["memory"] < kl["none"]
     explicit = first.update(*parts[1], correction="memory", memory=np.arange(0, 100, 2))
     assert explicit.record["corrected"] == 50
+    # a fraction of the retained examples (was truncated by int() to a memory of 0, silently)
+    fraction = first.update(*parts[1], correction="memory", memory=0.25, selection="curvature")
+    counted = first.update(*parts[1], correction="memory", memory=25, selection="curvature")
+    assert fraction.record["corrected"] == 25
+    np.testing.assert_array_equal(np.asarray(fraction.mean), np.asarray(counted.mean))
+    for bad in (1.5, -3, float("nan"), True):
+        with pytest.raises(pc.errors.InvalidOptionError, match="memory"):
+            first.update(*parts[1], correction="memory", memory=bad)
 
 
 def test_keep_policies_and_frozen_sites(x64):
