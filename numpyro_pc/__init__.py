@@ -7,6 +7,8 @@ The package never enables 64-bit mode globally; use ``jax.config.update("jax_ena
 True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
 """
 
+from importlib import metadata as _metadata
+
 from . import diagnostics, errors, families, guides, handlers, lowrank
 from .errors import (
     ConvergenceError,
@@ -34,7 +36,10 @@ from .io import save
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version, so the two cannot disagree
+    __version__ = _metadata.version("numpyro-pc")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path without an install
+    __version__ = "0+unknown"
 
 __all__ = [
     "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",

@@ -28,7 +28,11 @@ for its refinement, so the dual-form identities hold for that rule exactly:
     non-centred hierarchical example (``μ + τ θ̃_j``) has ``r = 3``. The prior term uses
     per-coordinate quadrature when ``ℓ_0`` is separable, the closed form when it is
     quadratic, and otherwise a scrambled Sobol (quasi-Monte Carlo) rule of
-    ``num_prior_points`` points.
+    ``num_prior_points`` points (default 4,096) with the reparameterisation estimator of its
+    curvature (a hierarchical prior: :mod:`numpyro_pc.prior_site`). The rule's own error, as the
+    KL of a fit to the same fit with 16,384 points (two scramblings each): 1,024 points 3–4e-3
+    on eight schools (d = 10) and 0.9–1.2e-2 on a 10-group varying-slope regression (d = 25);
+    4,096 points 2–3e-4 and 0.9–1.5e-3, for 7 % more time per site pass on a 40-group model.
 ``auto``
     the default: ``gh`` where the model has a constant dependence subspace of dimension
     at most :data:`MAX_SUBSPACE_DIM`, else ``mc`` — whose error is then estimated at the
@@ -84,7 +88,7 @@ class ExpectationRule:
     num_nodes: int = 64
     prior_mode: str | None = None
     subspace_dim: int = 0
-    num_prior_points: int = 1024
+    num_prior_points: int = 4096
     mc_precision: str = "hessian"
 
     def __post_init__(self):

@@ -195,10 +195,16 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
         chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
         rank: int | None = None, **kwargs) -> DualPosterior | EFPosterior:
-    """Variational Bayes with the natural-gradient solver, starting from the prior.
+    """Variational Bayes with the natural-gradient solver, from a MAP/Laplace or mean-field ELBO start.
 
-    The start is ``m = 0`` in unconstrained space (or ``init``) with the prior's curvature
-    there as precision (the identity where that is not positive definite). The data are
+    The default start (``init=None`` or ``"map"``) is the MAP found by L-BFGS from ``0`` in
+    unconstrained space, with the Laplace precision there. When that search does not converge —
+    a centred hierarchy has no MAP: its density grows without bound as a group scale goes to 0 —
+    a mean-field Gaussian is also fitted by deterministic ADVI on fixed draws
+    (:func:`numpyro_pc.start.mean_field_elbo`), both are scored on the same variational objective
+    and the better one starts the solver; ``record["start"]`` says which (``kind``) and, when
+    compared, both scores (``candidates``). ``init="prior"`` starts from ``m = 0`` with the prior's
+    curvature as precision. The data are
     padded internally to a bucket size with weight-0 copies of the last example, so fits
     at nearby sizes (cross-validation folds, refits of growing data) reuse the compiled
     site computation; the posterior holds exactly one site per real example.
@@ -217,8 +223,9 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
         learned scale, hierarchical examples), else Monte Carlo with its error estimated
         (``"delta"`` for the isotropic family); see :mod:`numpyro_pc.expectations`.
     :param init: ``"map"`` (default): L-BFGS on the negative log joint from ``0`` and the
-        Laplace precision at its minimum (:mod:`numpyro_pc.start`); ``"prior"``: mean ``0`` with
-        the prior's curvature as precision; an array: the MAP search starts there.
+        Laplace precision at its minimum, or the mean-field ELBO start where that search fails
+        (:mod:`numpyro_pc.start`); ``"prior"``: mean ``0`` with the prior's curvature as
+        precision; an array: the MAP search (and the ELBO start's mean) starts there.
 
     See :func:`dual_form` for the other options.
     """

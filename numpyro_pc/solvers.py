@@ -511,7 +511,8 @@ def _advice(point, history):
     else:
         cause = ("The mean identity is the one off: the expected gradients do not balance, typical of a "
                  "non-log-concave or multimodal posterior, or of a start far from the posterior.")
-    return (cause + " Try: the MAP/Laplace start (init='map', the default of pc.fit), standardising "
+    return (cause + " Try: pc.fit's default start (MAP/Laplace, or the mean-field ELBO where the MAP search "
+            "fails) if this run started elsewhere (an SVI guide, init='prior'), standardising "
             "covariates, family='diagonal', expectation='delta' for a Laplace-like answer, or a larger max_iters.")
 
 

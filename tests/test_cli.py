@@ -30,3 +30,11 @@ def test_demo_fast(tmp_path, capsys):
     criticism = result["criticism"]  # all-N LOO: finite, the richer model preferred, refits of the flagged ones
     assert np.isfinite(criticism["elpd_loo"]) and criticism["best"] == "30 features"
     assert np.isfinite(criticism["refitted_elpd"]) and (tmp_path / "criticism.png").stat().st_size > 10_000
+
+
+def test_the_package_version_is_the_installed_distribution_version():
+    from importlib import metadata
+
+    import numpyro_pc
+
+    assert numpyro_pc.__version__ == metadata.version("numpyro-pc")
