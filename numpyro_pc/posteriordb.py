@@ -16,6 +16,9 @@ Only models with one likelihood term per example of a data plate are in :data:`S
 raises on a faithful translation (built by :func:`translate` too), or, for ODE models
 whose faithful translation cannot even be written without an ODE solver, the
 :class:`~numpyro_pc.errors.UnsupportedModelError` that :func:`translate` raises itself.
+The hierarchical posteriors of the database without reference draws (radon, rats, seeds,
+dogs, pilots, centred eight schools) and UC Berkeley admissions are translated in
+:mod:`numpyro_pc.posteriordb_hierarchical` (:data:`HIERARCHICAL`); :func:`translate` finds them too.
 
 Example::
 
@@ -29,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import json
-from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +40,14 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from .datasets import DatasetError, data_roots
+from .datasets import DatasetError
 from .errors import ModelBindingError, UnsupportedModelError
+from .posteriordb_base import Posterior, Translation, _flat, _names, _stack, load_data, posteriordb_dir
+from .posteriordb_hierarchical import HIERARCHICAL, translate_hierarchical
 
 __all__ = ["Posterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
-           "compare", "SUPPORTED", "UNSUPPORTED", "NOT_TRANSLATED", "MAX_SKEW", "MAX_EXCESS_KURTOSIS"]
+           "compare", "SUPPORTED", "UNSUPPORTED", "NOT_TRANSLATED",
+           "HIERARCHICAL", "MAX_SKEW", "MAX_EXCESS_KURTOSIS"]
 
 #: a reference marginal counts as close to Gaussian (in the unconstrained space) when the
 #: sample skewness and excess kurtosis of its 1,000 unconstrained draws are below these
@@ -50,43 +55,6 @@ MAX_SKEW = 0.5
 MAX_EXCESS_KURTOSIS = 1.0
 
 NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
-
-
-class Posterior(NamedTuple):
-    """A posteriordb posterior: ``data`` (dict of arrays, keys as in Stan's ``data`` block),
-    ``summary`` (``{stan_name: {"mean", "sd", "q05", "q50", "q95"}}``) and ``draws``
-    (``{stan_name: (1000,) array}``)."""
-
-    name: str
-    data: dict
-    summary: dict
-    draws: dict
-
-
-class Translation(NamedTuple):
-    """A NumPyro translation: call ``model(*args, **kwargs)``.
-
-    ``params`` maps each latent site name to its Stan reference names in C order of the
-    site's constrained shape (e.g. ``{"beta": ["beta[1]", "beta[2]"], "sigma": ["sigma"]}``);
-    ``reference`` turns the reference draws into constrained draws of the latent sites
-    (``{site: (num_draws, *shape)}``), deriving sites the reference does not store
-    (e.g. non-centred ``theta_trans`` from ``theta, mu, tau``).
-    """
-
-    model: Callable
-    args: tuple
-    kwargs: dict
-    params: dict
-    reference: Callable
-
-
-def posteriordb_dir(path=None):
-    """The ``posteriordb`` folder of the data directory (``None`` when absent)."""
-    for root in data_roots(path):
-        for out in (root / "posteriordb", root):
-            if (out / "reference").is_dir() and (out / "models").is_dir():
-                return out
-    return None
 
 
 def load_posterior(name, path=None):
@@ -104,27 +72,10 @@ def load_posterior(name, path=None):
     if not ref_file.exists():
         raise DatasetError(f"no reference posterior {ref_file}")
     ref = json.loads(ref_file.read_text())
-    data = json.loads((folder / "data" / f"{ref['data']}.json").read_text())
-    data = {k: np.asarray(v) for k, v in data.items()}
+    data = load_data(ref["data"], path)
     with np.load(folder / "reference" / f"{name}.npz") as z:
         draws = {k: np.asarray(z[k]) for k in z.files}
     return Posterior(name, data, ref["summary"], draws)
-
-
-def _names(base, shape):
-    if shape == ():
-        return [base]
-    return [f"{base}[{','.join(str(i + 1) for i in idx)}]" for idx in np.ndindex(*shape)]
-
-
-def _stack(draws, params, shapes):
-    return {site: np.stack([draws[n] for n in names], -1).reshape((-1,) + shapes[site])
-            for site, names in params.items()}
-
-
-def _flat(support, shape=()):
-    """Stan's implicit flat prior on a parameter's support (log density 0)."""
-    return dist.ImproperUniform(support, (), shape)
 
 
 # ----------------------------------------------------------------- regressions (y ~ normal(X beta, sigma))
@@ -440,12 +391,15 @@ NOT_TRANSLATED = {
 def translate(name, path=None, posterior=None):
     """The NumPyro translation of the posterior ``name``.
 
-    :param str name: ``<data>-<model>``, a key of :data:`SUPPORTED` or :data:`UNSUPPORTED`.
+    :param str name: ``<data>-<model>``, a key of :data:`SUPPORTED`, :data:`UNSUPPORTED` or
+        :data:`~numpyro_pc.posteriordb_hierarchical.HIERARCHICAL` (no reference draws: only the data are read).
     :param path: data directory.
     :param Posterior posterior: already loaded posterior (else read with :func:`load_posterior`).
     :rtype: Translation
-    :raises UnsupportedModelError: for ODE models, and for names in neither registry.
+    :raises UnsupportedModelError: for ODE models, and for names in no registry.
     """
+    if name in HIERARCHICAL:
+        return translate_hierarchical(name, path, None if posterior is None else posterior.data)
     if name in NOT_TRANSLATED:
         raise UnsupportedModelError(f"{name}: {NOT_TRANSLATED[name]}")
     entry = SUPPORTED[name] if name in SUPPORTED else UNSUPPORTED.get(name, (None,))[0]
