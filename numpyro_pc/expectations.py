@@ -53,7 +53,7 @@ from .likelihood import ModelData, example_params, prior_loss
 from .rowops import take_rows
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",
-           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM", "prior_is_separable"]
+           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM", "prior_is_separable", "prior_structure"]
 
 _KINDS = ("delta", "mc", "gh", "auto")
 MAX_SUBSPACE_DIM = 3  # tensor Gauss–Hermite beyond this many dimensions costs more than it saves
@@ -251,11 +251,16 @@ def prepare_rule(rule, spec, data, z):
             f"example); this model's examples depend on {found}. Use expectation='mc' or 'delta'."
         )
     rule = replace(rule, kind="gh", subspace_dim=0 if scalar_glm else int(dim))
-    return replace(rule, prior_mode=_prior_mode(spec, data, z))
+    return replace(rule, prior_mode=prior_structure(spec, data, z))
 
 
-def _prior_mode(spec, data, z):
-    """``"separable"``, ``"quadratic"`` or ``"qmc"``: how ``gh`` integrates the prior term."""
+def prior_structure(spec, data, z):
+    """``"separable"``, ``"quadratic"`` or ``"qmc"``: how ``gh`` integrates the prior term.
+
+    ``"qmc"`` — a prior whose Hessian is neither diagonal nor constant — is the mark of a
+    hierarchy (group effects whose prior depends on other latents), which :func:`numpyro_pc.fit`
+    uses to decide whether the MAP is a trustworthy start.
+    """
     z1 = z + 0.37 * jax.random.normal(jax.random.PRNGKey(3), z.shape, z.dtype)
     if prior_is_separable(spec, data, z, z1):
         return "separable"

@@ -270,7 +270,8 @@ def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
     :param guide: a fitted autoguide of :data:`SUPPORTED_GUIDES`.
     :param dict params: its parameters (``SVIRunResult.params`` / ``svi.get_params``).
     :param latent: the model's :class:`~numpyro_pc.latent.LatentSpace`.
-    :param args, kwargs: the model arguments (to set up a guide that has not run yet).
+    :param args: the model's positional arguments (to set up a guide that has not run yet).
+    :param kwargs: the model's keyword arguments (likewise).
     :param dtype: floating dtype of the result (default: the params' dtype promoted with JAX's default).
     :raises UnsupportedGuideError, GuideParamsError, NotPositiveDefiniteError:
     """

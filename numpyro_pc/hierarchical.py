@@ -43,13 +43,9 @@ _LIKELIHOODS = ("normal", "bernoulli", "poisson")
 
 
 class HierarchicalProblem(NamedTuple):
-    """A model with its data.
-
-    :ivar name: a short label (likelihood, parametrisation, scale prior, groups).
-    :ivar model: the NumPyro model; call it as ``model(*args)``.
-    :ivar args: the positional data arguments; the last one is the observed response.
-    :ivar num_groups: the number of groups.
-    """
+    """A model with its data: ``name`` (likelihood, parametrisation, scale prior, groups), ``model``
+    (call it as ``model(*args)``), ``args`` (the positional data arguments, the observed response
+    last) and ``num_groups``."""
 
     name: str
     model: Callable

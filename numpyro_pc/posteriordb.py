@@ -42,7 +42,7 @@ from numpyro.distributions import constraints
 
 from .datasets import DatasetError
 from .errors import ModelBindingError, UnsupportedModelError
-from .posteriordb_base import Posterior, Translation, _flat, _names, _stack, load_data, posteriordb_dir
+from .posteriordb_base import Posterior, Translation, flat_prior, stan_names, stack_draws, load_data, posteriordb_dir
 from .posteriordb_hierarchical import HIERARCHICAL, translate_hierarchical
 
 __all__ = ["Posterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -83,8 +83,8 @@ def load_posterior(name, path=None):
 
 def _regression(sigma_prior=None):
     def model(X, y=None):
-        beta = numpyro.sample("beta", _flat(constraints.real_vector, (X.shape[1],)))
-        sigma = numpyro.sample("sigma", _flat(constraints.positive) if sigma_prior is None else sigma_prior)
+        beta = numpyro.sample("beta", flat_prior(constraints.real_vector, (X.shape[1],)))
+        sigma = numpyro.sample("sigma", flat_prior(constraints.positive) if sigma_prior is None else sigma_prior)
         with numpyro.plate("data", X.shape[0]):
             numpyro.sample("y", dist.Normal(X @ beta, sigma), obs=y)
     return model
@@ -146,11 +146,11 @@ _REGRESSION_CAUCHY = _regression(dist.HalfCauchy(2.5))
 
 def _translate_regression(post, model_name):
     y, X = _design(post.data, model_name)
-    params = {"beta": _names("beta", (X.shape[1],)), "sigma": ["sigma"]}
+    params = {"beta": stan_names("beta", (X.shape[1],)), "sigma": ["sigma"]}
     shapes = {"beta": (X.shape[1],), "sigma": ()}
     model = _REGRESSION_CAUCHY if model_name in _CAUCHY_SIGMA else _REGRESSION_FLAT
     return Translation(model, (jnp.asarray(X), jnp.asarray(y)), {}, params,
-                       lambda draws: _stack(draws, params, shapes))
+                       lambda draws: stack_draws(draws, params, shapes))
 
 
 def _translate_diamonds(post):
@@ -161,15 +161,15 @@ def _translate_diamonds(post):
     def model(Xc, y=None):
         b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([kc]).to_event(1))
         intercept = numpyro.sample("Intercept", dist.StudentT(3.0, 8.0, 10.0))
-        sigma = numpyro.sample("sigma", _flat(constraints.positive))  # half student_t(3, 0, 10) up to a constant
+        sigma = numpyro.sample("sigma", flat_prior(constraints.positive))  # half student_t(3, 0, 10) up to a constant
         numpyro.factor("sigma_prior", dist.StudentT(3.0, 0.0, 10.0).log_prob(sigma))
         with numpyro.plate("data", Xc.shape[0]):
             numpyro.sample("y", dist.Normal(intercept + Xc @ b, sigma), obs=y)
 
-    params = {"b": _names("b", (kc,)), "Intercept": ["Intercept"], "sigma": ["sigma"]}
+    params = {"b": stan_names("b", (kc,)), "Intercept": ["Intercept"], "sigma": ["sigma"]}
     shapes = {"b": (kc,), "Intercept": (), "sigma": ()}
     return Translation(model, (jnp.asarray(Xc), jnp.asarray(post.data["Y"], dtype=float)), {}, params,
-                       lambda draws: _stack(draws, params, shapes))
+                       lambda draws: stack_draws(draws, params, shapes))
 
 
 def _translate_eight_schools(post):
@@ -183,7 +183,7 @@ def _translate_eight_schools(post):
         with numpyro.plate("data", school.shape[0]):
             numpyro.sample("y", dist.Normal(theta[school], scale), obs=y)
 
-    params = {"theta_trans": _names("theta", (J,)), "mu": ["mu"], "tau": ["tau"]}
+    params = {"theta_trans": stan_names("theta", (J,)), "mu": ["mu"], "tau": ["tau"]}
 
     def reference(draws):
         theta = np.stack([draws[n] for n in params["theta_trans"]], -1)
@@ -206,10 +206,10 @@ def _translate_ark(post):
         with numpyro.plate("data", lags.shape[0]):
             numpyro.sample("y", dist.Normal(alpha + lags @ beta, sigma), obs=y)
 
-    params = {"alpha": ["alpha"], "beta": _names("beta", (K,)), "sigma": ["sigma"]}
+    params = {"alpha": ["alpha"], "beta": stan_names("beta", (K,)), "sigma": ["sigma"]}
     shapes = {"alpha": (), "beta": (K,), "sigma": ()}
     return Translation(model, (jnp.asarray(lags), jnp.asarray(y[K:])), {}, params,
-                       lambda draws: _stack(draws, params, shapes))
+                       lambda draws: stack_draws(draws, params, shapes))
 
 
 def _gp_chol(x, alpha, rho):
@@ -230,7 +230,7 @@ def _translate_gp_pois(post):
         with numpyro.plate("data", index.shape[0]):
             numpyro.sample("k", dist.Poisson(jnp.exp(f[index])), obs=k)
 
-    params = {"rho": ["rho"], "alpha": ["alpha"], "f_tilde": _names("f", (N,))}
+    params = {"rho": ["rho"], "alpha": ["alpha"], "f_tilde": stan_names("f", (N,))}
 
     def reference(draws):
         f = np.stack([draws[n] for n in params["f_tilde"]], -1)
@@ -253,12 +253,12 @@ def _translate_gp_regr(post):
         numpyro.sample("y", dist.MultivariateNormal(jnp.zeros(x.shape[0]), cov), obs=y)
 
     params = {"rho": ["rho"], "alpha": ["alpha"], "sigma": ["sigma"]}
-    return Translation(model, (x, y), {}, params, lambda d: _stack(d, params, {k: () for k in params}))
+    return Translation(model, (x, y), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
 def _translate_gauss_mix(post):
     def model(y):
-        mu = numpyro.sample("mu", _flat(constraints.ordered_vector, (2,)))
+        mu = numpyro.sample("mu", flat_prior(constraints.ordered_vector, (2,)))
         numpyro.factor("mu_prior", dist.Normal(0.0, 2.0).log_prob(mu).sum())
         sigma = numpyro.sample("sigma", dist.HalfNormal(2.0).expand([2]).to_event(1))
         theta = numpyro.sample("theta", dist.Beta(5.0, 5.0))
@@ -269,7 +269,7 @@ def _translate_gauss_mix(post):
     params = {"mu": ["mu[1]", "mu[2]"], "sigma": ["sigma[1]", "sigma[2]"], "theta": ["theta"]}
     shapes = {"mu": (2,), "sigma": (2,), "theta": ()}
     return Translation(model, (jnp.asarray(post.data["y"], dtype=float),), {}, params,
-                       lambda d: _stack(d, params, shapes))
+                       lambda d: stack_draws(d, params, shapes))
 
 
 # ----------------------------------------------------------------- time series and HMMs (not per-example)
@@ -279,10 +279,10 @@ def _translate_garch(post):
     y, sigma1 = jnp.asarray(post.data["y"], dtype=float), float(post.data["sigma1"])
 
     def model(y):  # sigma[t] depends on every earlier y: the terms are not per-example
-        mu = numpyro.sample("mu", _flat(constraints.real))
-        alpha0 = numpyro.sample("alpha0", _flat(constraints.positive))
-        alpha1 = numpyro.sample("alpha1", _flat(constraints.unit_interval))
-        beta1 = numpyro.sample("beta1", _flat(constraints.interval(0.0, 1.0 - alpha1)))
+        mu = numpyro.sample("mu", flat_prior(constraints.real))
+        alpha0 = numpyro.sample("alpha0", flat_prior(constraints.positive))
+        alpha1 = numpyro.sample("alpha1", flat_prior(constraints.unit_interval))
+        beta1 = numpyro.sample("beta1", flat_prior(constraints.interval(0.0, 1.0 - alpha1)))
 
         def step(s, y_prev):
             s = jnp.sqrt(alpha0 + alpha1 * (y_prev - mu) ** 2 + beta1 * s ** 2)
@@ -292,7 +292,7 @@ def _translate_garch(post):
             numpyro.sample("y", dist.Normal(mu, jnp.concatenate([jnp.array([sigma1]), rest])), obs=y)
 
     params = {k: [k] for k in ("mu", "alpha0", "alpha1", "beta1")}
-    return Translation(model, (y,), {}, params, lambda d: _stack(d, params, {k: () for k in params}))
+    return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
 def _translate_arma(post):
@@ -314,16 +314,16 @@ def _translate_arma(post):
             numpyro.sample("err", dist.Normal(0.0, sigma), obs=err)
 
     params = {k: [k] for k in ("mu", "phi", "theta", "sigma")}
-    return Translation(model, (y,), {}, params, lambda d: _stack(d, params, {k: () for k in params}))
+    return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
 def _translate_hmm_example(post):
     y, K = jnp.asarray(post.data["y"], dtype=float), int(post.data["K"])
 
     def model(y):  # forward algorithm: one log_sum_exp over the whole sequence
-        theta1 = numpyro.sample("theta1", _flat(constraints.simplex, (K,)))
-        theta2 = numpyro.sample("theta2", _flat(constraints.simplex, (K,)))
-        mu = numpyro.sample("mu", _flat(constraints.positive_ordered_vector, (K,)))
+        theta1 = numpyro.sample("theta1", flat_prior(constraints.simplex, (K,)))
+        theta2 = numpyro.sample("theta2", flat_prior(constraints.simplex, (K,)))
+        mu = numpyro.sample("mu", flat_prior(constraints.positive_ordered_vector, (K,)))
         numpyro.factor("mu_prior", dist.Normal(jnp.array([3.0, 10.0]), 1.0).log_prob(mu).sum())
         log_theta = jnp.log(jnp.stack([theta1, theta2]))
         emit = dist.Normal(mu, 1.0).log_prob(y[:, None])
@@ -335,7 +335,7 @@ def _translate_hmm_example(post):
         numpyro.factor("loglik", jax.nn.logsumexp(gamma))
 
     params = {"theta1": ["theta1[1]", "theta1[2]"], "theta2": ["theta2[1]", "theta2[2]"], "mu": ["mu[1]", "mu[2]"]}
-    return Translation(model, (y,), {}, params, lambda d: _stack(d, params, {k: (K,) for k in params}))
+    return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: (K,) for k in params}))
 
 
 def _ode(name):

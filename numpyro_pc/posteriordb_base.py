@@ -15,7 +15,7 @@ import numpyro.distributions as dist
 
 from .datasets import DatasetError, data_roots
 
-__all__ = ["Posterior", "Translation", "posteriordb_dir", "load_data"]
+__all__ = ["Posterior", "Translation", "posteriordb_dir", "load_data", "stan_names", "stack_draws", "flat_prior"]
 
 
 class Posterior(NamedTuple):
@@ -71,17 +71,19 @@ def load_data(data_name, path=None):
     return {k: np.asarray(v) for k, v in json.loads(file.read_text()).items()}
 
 
-def _names(base, shape):
+def stan_names(base, shape):
+    """Stan's names of the scalars of parameter ``base`` of ``shape`` (``beta[1]``, ``z[2,3]``; 1-based)."""
     if shape == ():
         return [base]
     return [f"{base}[{','.join(str(i + 1) for i in idx)}]" for idx in np.ndindex(*shape)]
 
 
-def _stack(draws, params, shapes):
+def stack_draws(draws, params, shapes):
+    """Reference draws ``{stan_name: (K,)}`` stacked into ``{site: (K, *shape)}`` by ``params``' name lists."""
     return {site: np.stack([draws[n] for n in names], -1).reshape((-1,) + shapes[site])
             for site, names in params.items()}
 
 
-def _flat(support, shape=()):
+def flat_prior(support, shape=()):
     """Stan's implicit flat prior on a parameter's support (log density 0)."""
     return dist.ImproperUniform(support, (), shape)

@@ -50,7 +50,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from .errors import UnsupportedModelError
-from .posteriordb_base import Translation, _flat, _names, _stack, load_data
+from .posteriordb_base import Translation, flat_prior, stan_names, stack_draws, load_data
 
 __all__ = ["HIERARCHICAL", "translate_hierarchical", "ucbadmit", "UCBADMIT"]
 
@@ -65,9 +65,9 @@ UCBADMIT = np.array([
 
 
 def _translation(model, args, shapes):
-    params = {site: _names(site, shape) for site, shape in shapes.items()}
+    params = {site: stan_names(site, shape) for site, shape in shapes.items()}
     return Translation(model, tuple(jnp.asarray(a) for a in args), {}, params,
-                       lambda draws: _stack(draws, params, shapes))
+                       lambda draws: stack_draws(draws, params, shapes))
 
 
 def _half_normal_scales(*names):
@@ -133,7 +133,7 @@ def _rats(data):
     def model(rat, x, y=None):
         mu_alpha = numpyro.sample("mu_alpha", dist.Normal(0.0, 100.0))
         mu_beta = numpyro.sample("mu_beta", dist.Normal(0.0, 100.0))
-        sigma_y, sigma_alpha, sigma_beta = (numpyro.sample(n, _flat(constraints.positive))
+        sigma_y, sigma_alpha, sigma_beta = (numpyro.sample(n, flat_prior(constraints.positive))
                                             for n in ("sigma_y", "sigma_alpha", "sigma_beta"))
         with numpyro.plate("rat", J):
             alpha = numpyro.sample("alpha", dist.Normal(mu_alpha, sigma_alpha))
@@ -180,8 +180,8 @@ def _dogs(data):
     prev_avoid = np.concatenate([zeros, np.cumsum(1 - y, 1)[:, :-1]], 1)
 
     def model(prev_shock, prev_avoid, y=None):
-        a = numpyro.sample("a", _flat(constraints.unit_interval))
-        b = numpyro.sample("b", _flat(constraints.unit_interval))
+        a = numpyro.sample("a", flat_prior(constraints.unit_interval))
+        b = numpyro.sample("b", flat_prior(constraints.unit_interval))
         with numpyro.plate("data", prev_shock.shape[0]):
             # p = a^prev_shock b^prev_avoid, formed in logs; at t = 1 both counts are 0 and p = 1
             p = jnp.exp(prev_shock * jnp.log(a) + prev_avoid * jnp.log(b))
@@ -197,7 +197,7 @@ def _pilots(data):
     def model(group_id, scenario_id, y=None):
         mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 1.0))
         mu_b = numpyro.sample("mu_b", dist.Normal(0.0, 1.0))
-        sigma_a, sigma_b, sigma_y = (numpyro.sample(n, _flat(constraints.interval(0.0, 100.0)))
+        sigma_a, sigma_b, sigma_y = (numpyro.sample(n, flat_prior(constraints.interval(0.0, 100.0)))
                                      for n in ("sigma_a", "sigma_b", "sigma_y"))
         with numpyro.plate("group", n_groups):
             a = numpyro.sample("a", dist.Normal(10.0 * mu_a, sigma_a))
