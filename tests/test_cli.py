@@ -25,6 +25,8 @@ def test_demo_fast(tmp_path, capsys):
     assert all(fed[name][0] < 1e-8 and fed[name][1] == "converged" for name in ("fedpc", "fedpc ρ=0.5", "pvi"))
     assert not [line for line in printed.splitlines() if line.startswith("fedpc") and "diverged" in line]
     assert result["trust"]["residual"] < 1e-8 and "plate 'data' keeps size" in result["trust"]["refused"]
+    hierarchical = result["hierarchical"]  # a centred hierarchy from the ELBO start, updated exactly
+    assert hierarchical["start"] == "elbo" and hierarchical["residual"] < 1e-8 and hierarchical["update_kl"] < 1e-8
     assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
     assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section
     criticism = result["criticism"]  # all-N LOO: finite, the richer model preferred, refits of the flagged ones
