@@ -42,7 +42,8 @@ from numpyro.distributions import constraints
 
 from .datasets import DatasetError
 from .errors import ModelBindingError, UnsupportedModelError
-from .posteriordb_base import Posterior, Translation, flat_prior, stan_names, stack_draws, load_data, posteriordb_dir
+from .posteriordb_base import (Posterior, Translation, flat_prior, load_data, posteriordb_dir, require_posteriordb_dir,
+                               stack_draws, stan_names)
 from .posteriordb_hierarchical import HIERARCHICAL, translate_hierarchical
 
 __all__ = ["Posterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -65,9 +66,7 @@ def load_posterior(name, path=None):
     :rtype: Posterior
     :raises DatasetError: when the folder or a file is missing.
     """
-    folder = posteriordb_dir(path)
-    if folder is None:
-        raise DatasetError("posteriordb data not found: pass path=, set NUMPYRO_PC_DATA or provide ../shared/data")
+    folder = require_posteriordb_dir(path)
     ref_file = folder / "reference" / f"{name}.json"
     if not ref_file.exists():
         raise DatasetError(f"no reference posterior {ref_file}")

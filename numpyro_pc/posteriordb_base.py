@@ -15,7 +15,8 @@ import numpyro.distributions as dist
 
 from .datasets import DatasetError, data_roots
 
-__all__ = ["Posterior", "Translation", "posteriordb_dir", "load_data", "stan_names", "stack_draws", "flat_prior"]
+__all__ = ["Posterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
+           "stack_draws", "flat_prior"]
 
 
 class Posterior(NamedTuple):
@@ -55,6 +56,17 @@ def posteriordb_dir(path=None):
     return None
 
 
+def require_posteriordb_dir(path=None):
+    """The ``posteriordb`` folder of the data directory.
+
+    :raises DatasetError: when there is none.
+    """
+    folder = posteriordb_dir(path)
+    if folder is None:
+        raise DatasetError("posteriordb data not found: pass path=, set NUMPYRO_PC_DATA or provide ../shared/data")
+    return folder
+
+
 def load_data(data_name, path=None):
     """Read ``posteriordb/data/<data_name>.json`` as a dict of arrays (keys as in Stan's ``data`` block).
 
@@ -62,10 +74,7 @@ def load_data(data_name, path=None):
     :param path: data directory (default: see :mod:`numpyro_pc.datasets`).
     :raises DatasetError: when the folder or the file is missing.
     """
-    folder = posteriordb_dir(path)
-    if folder is None:
-        raise DatasetError("posteriordb data not found: pass path=, set NUMPYRO_PC_DATA or provide ../shared/data")
-    file = folder / "data" / f"{data_name}.json"
+    file = require_posteriordb_dir(path) / "data" / f"{data_name}.json"
     if not file.exists():
         raise DatasetError(f"no posteriordb data file {file}")
     return {k: np.asarray(v) for k, v in json.loads(file.read_text()).items()}
