@@ -254,7 +254,7 @@ def prepare_rule(rule, spec, data, z):
     return replace(rule, prior_mode=prior_structure(spec, data, z))
 
 
-def prior_structure(spec, data, z):
+def prior_structure(spec, data, z) -> str:
     """``"separable"``, ``"quadratic"`` or ``"qmc"``: how ``gh`` integrates the prior term.
 
     ``"qmc"`` — a prior whose Hessian is neither diagonal nor constant — is the mark of a

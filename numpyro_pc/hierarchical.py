@@ -92,7 +92,7 @@ def varying_regression(num_groups: int = 20, num_obs: int = 400, likelihood: str
         y = rng.poisson(np.exp(eta)).astype(np.float64)
     scale_prior = _SCALES[scale]
 
-    def effects(name, mean_prior_sd):
+    def effects(name: str, mean_prior_sd: float) -> jnp.ndarray:
         mu = numpyro.sample(f"mu_{name}", dist.Normal(0.0, mean_prior_sd))
         tau = numpyro.sample(f"tau_{name}", scale_prior())
         with numpyro.plate(f"groups_{name}", num_groups):
@@ -101,7 +101,7 @@ def varying_regression(num_groups: int = 20, num_obs: int = 400, likelihood: str
             raw = numpyro.sample(f"{name}_raw", dist.Normal(0.0, 1.0))
             return mu + tau * raw
 
-    def model(group, x, y=None):
+    def model(group, x, y=None) -> None:
         a = effects("a", 2.0)
         if slopes:
             b = effects("b", 2.0)[group]
@@ -130,7 +130,7 @@ def eight_schools(centred: bool = True) -> HierarchicalProblem:
     school's observation is one example of the ``"data"`` plate and picks its effect by the
     index argument ``school``.
     """
-    def model(school, sigma, y=None):
+    def model(school, sigma, y=None) -> None:
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
         tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
         with numpyro.plate("schools", 8):

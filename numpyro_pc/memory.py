@@ -20,7 +20,7 @@ DENSE_AUTO_FALLBACK = 2**30  # bytes (2**27 float64 numbers) where the machine's
 _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
 
 
-def machine_memory():
+def machine_memory() -> int | None:
     """Bytes of memory this process can have: the physical memory (``os.sysconf``), or a smaller
     cgroup limit (a container's); ``None`` where neither can be read."""
     sizes = []
@@ -40,7 +40,7 @@ def machine_memory():
     return min(sizes) if sizes else None
 
 
-def dense_auto_budget(memory):
+def dense_auto_budget(memory: int | None) -> int:
     """Bytes of dense per-example curvature that ``storage="auto"`` may choose.
 
     :param memory: the machine's memory in bytes (:func:`machine_memory`), or ``None``.
@@ -49,7 +49,7 @@ def dense_auto_budget(memory):
     return DENSE_AUTO_FALLBACK if not memory else int(memory) // DENSE_AUTO_FRACTION
 
 
-def format_bytes(num):
+def format_bytes(num: float) -> str:
     """``num`` bytes in B, KiB, MiB or GiB, three significant digits."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num >= size:

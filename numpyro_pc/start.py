@@ -74,6 +74,26 @@ def _value_and_grad(spec, z, data, weights):
     return jax.value_and_grad(lambda zz: negative_log_joint(spec, zz, data, weights))(z)
 
 
+def _host_objective(value_and_grad, dtype):
+    """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
+    support: the line search backs off)."""
+    def fun(x):
+        value, grad = value_and_grad(jnp.asarray(x, dtype))
+        value, grad = float(value), np.asarray(grad, dtype=np.float64)
+        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
+            return np.inf, np.zeros_like(grad)
+        return value, grad
+
+    return fun
+
+
+def _minimize(fun, x0, gtol, max_iters):
+    """SciPy's L-BFGS-B on a host objective from :func:`_host_objective`, stopped by :class:`_GradientStop`."""
+    return scipy.optimize.minimize(fun, np.asarray(x0, dtype=np.float64), jac=True, method="L-BFGS-B",
+                                   options=dict(maxiter=int(max_iters), gtol=0.0, ftol=0.0, maxcor=20, maxls=40),
+                                   callback=_GradientStop(fun, gtol))
+
+
 def _lbfgs(spec, z0, data, weights, gtol, max_iters):
     """SciPy's L-BFGS-B driven by one compiled value-and-gradient program.
 
@@ -81,18 +101,8 @@ def _lbfgs(spec, z0, data, weights, gtol, max_iters):
     inlines the model in every line-search evaluation and compiled 3–4× longer).
     """
     dtype = z0.dtype
-
-    def fun(z):
-        value, grad = _value_and_grad(spec, jnp.asarray(z, dtype), data, weights)
-        value, grad = float(value), np.asarray(grad, dtype=np.float64)
-        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
-            return np.inf, np.zeros_like(grad)  # outside the support: the line search backs off
-        return value, grad
-
-    result = scipy.optimize.minimize(fun, np.asarray(z0, dtype=np.float64), jac=True, method="L-BFGS-B",
-                                     options=dict(maxiter=int(max_iters), gtol=0.0, ftol=0.0, maxcor=20,
-                                                  maxls=40),
-                                     callback=_GradientStop(fun, gtol))
+    fun = _host_objective(lambda z: _value_and_grad(spec, z, data, weights), dtype)
+    result = _minimize(fun, z0, gtol, max_iters)
     z = jnp.asarray(result.x, dtype)
     value, grad = _value_and_grad(spec, z, data, weights)
     return z, value, grad, int(result.nit)
@@ -296,7 +306,7 @@ def _mean_field_value_and_grad(spec, params, noise, data, weights):
     return jax.value_and_grad(objective)(params)
 
 
-def fixed_draw_objective(spec, data, family, q, weights=None, num_pairs=ELBO_DRAWS, seed=0):
+def fixed_draw_objective(spec, data, family, q, weights=None, num_pairs=ELBO_DRAWS, seed=0) -> float:
     r"""The variational objective ``E_q[ℓ_0 + Σ_i w_i ℓ_i] − H(q)`` estimated on fixed antithetic draws.
 
     One scale on which starts of any family are compared (the same draws for each); finite or ``inf``.
@@ -309,7 +319,7 @@ def fixed_draw_objective(spec, data, family, q, weights=None, num_pairs=ELBO_DRA
 
 
 def mean_field_elbo(spec, data, family, z0, weights=None, num_pairs=ELBO_DRAWS, seed=0, max_iters=2000,
-                    gtol=None):
+                    gtol=None) -> MapResult:
     r"""A start from the mean-field variational optimum, on fixed draws (no MAP involved).
 
     Minimises the sample-average approximation of the negative ELBO of ``N(m, diag(e^{2ρ}))``
@@ -339,19 +349,11 @@ def mean_field_elbo(spec, data, family, z0, weights=None, num_pairs=ELBO_DRAWS, 
     gtol = (1e-8 if dtype == jnp.float64 else 1e-4) if gtol is None else gtol
     noise = _fixed_noise(dim, num_pairs, seed, dtype)
 
-    def fun(params):
-        value, grad = _mean_field_value_and_grad(spec, jnp.asarray(params, dtype), noise, data, weights)
-        value, grad = float(value), np.asarray(grad, dtype=np.float64)
-        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
-            return np.inf, np.zeros_like(grad)
-        return value, grad
-
+    fun = _host_objective(lambda p: _mean_field_value_and_grad(spec, p, noise, data, weights), dtype)
     params0 = np.concatenate([np.asarray(z0, np.float64), np.zeros(dim)])
     if not np.isfinite(fun(params0)[0]):
         params0[dim:] = -3.0
-    result = scipy.optimize.minimize(fun, params0, jac=True, method="L-BFGS-B",
-                                     options=dict(maxiter=int(max_iters), gtol=0.0, ftol=0.0, maxcor=20, maxls=40),
-                                     callback=_GradientStop(fun, gtol))
+    result = _minimize(fun, params0, gtol, max_iters)
     value, grad = fun(result.x)
     grad_norm = float(np.max(np.abs(grad))) if np.isfinite(value) else float("inf")
     mean = jnp.asarray(result.x[:dim], dtype)
