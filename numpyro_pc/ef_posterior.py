@@ -33,6 +33,7 @@ import numpy as np
 from .ef_product import ProductFamily, make_factor
 from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
+from .fixed_point import default_tol
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, MonteCarloErrorWarning,
                      OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
@@ -314,11 +315,6 @@ class EFPosterior:
     def __repr__(self):
         return (f"EFPosterior({', '.join(f'{n}: {fam}' for n, (fam, _) in self.family.describe(self.natural).items())}"
                 f", N={self.num_examples})")
-
-
-def default_tol(dtype):
-    """Relative residual tolerance of the fixed point: ``1e-10`` in float64, ``1e-5`` in float32."""
-    return 1e-10 if jnp.finfo(dtype).bits == 64 else 1e-5
 
 
 def _rows(config, num):

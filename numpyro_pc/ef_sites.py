@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import fixed_point
 from .ef_product import ProductFamily
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, OutOfDomainError
 from .likelihood import ModelSpec, example_loss, prior_loss
@@ -324,29 +325,31 @@ class SolveInfo(NamedTuple):
 
 
 def relative_residual(lam, target):
-    """:math:`\\|\\lambda - \\tau\\| / (1 + \\|\\tau\\|)`."""
-    return float(jnp.linalg.norm(lam - target) / (1.0 + jnp.linalg.norm(target)))
+    """:math:`\\|\\lambda - \\tau\\| / (1 + \\|\\tau\\|)` as a float (:func:`numpyro_pc.fixed_point.relative_residual`)."""
+    return float(fixed_point.relative_residual(lam, target))
 
 
-def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, raise_on_failure=True, memory=5):
-    r"""Run the BLR to the fixed point of ``target_fn``.
+def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise_on_failure=True, memory=5):
+    r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.fixed_point`).
 
-    With ``memory > 0`` the plain step is accelerated by Anderson mixing over the last
-    ``memory`` iterates (type II; Walker & Ni, 2011): with :math:`f_k = \tau(\lambda_k) - \lambda_k`
-    and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate is
-    :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`. It is used only when it
-    lies inside the domain; otherwise the safeguarded plain step is taken. When the residual
-    exceeds the largest of the last three, the history is cleared, and the step is halved
-    if the step that made it worse was a plain one; a residual below the smallest of the
-    last three doubles the step again (up to ``rho``). The test is non-monotone because simultaneous updates of the factors of
-    a product oscillate on their way to the fixed point (a residual that alternates between
-    two decreasing sequences, as coordinate-ascent VB updated in parallel does). A conjugate model still converges in one
-    step (there is no history at the first step).
+    Each step is :func:`numpyro_pc.fixed_point.natural_propose`: Anderson mixing over the last
+    ``memory`` iterates (type II; Walker & Ni, 2011) with :math:`f_k = \tau(\lambda_k) - \lambda_k`
+    and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate
+    :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`, used only when it
+    lies inside the domain; otherwise the plain step halved until inside. The damping is
+    non-monotone (:func:`numpyro_pc.fixed_point.damping_observe`): a residual above the largest of
+    the last three clears the history and halves the step if the step that made it worse was a
+    plain one; a residual below the smallest of the last three doubles it again (up to ``rho``).
+    Simultaneous updates of the factors of a product oscillate on their way to the fixed point
+    (as coordinate-ascent VB updated in parallel does), which a monotone test would reject. A
+    conjugate model converges in one step (there is no history at the first step).
+    :func:`numpyro_pc.fixed_point.natural_solve` is the same iteration as one ``lax.while_loop``.
 
     :param target_fn: ``λ -> (τ(λ), aux)``: the fixed-point target and what was computed
         with it (the sites at ``λ``); jit it.
-    :param in_domain: ``λ -> bool``.
+    :param in_domain: ``λ -> bool`` (traceable).
     :param lam: the start (inside the domain).
+    :param tol: relative residual tolerance (default :func:`numpyro_pc.fixed_point.default_tol`).
     :return: ``(λ, aux, SolveInfo)`` where ``aux`` belongs to the returned ``λ``.
     :raises OutOfDomainError: if the start is outside the domain, or no step keeps
         the iterate inside.
@@ -356,57 +359,31 @@ def blr_solve(target_fn, in_domain, lam, tol=1e-10, max_iters=200, rho=1.0, rais
     if not bool(in_domain(lam)):
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
                                f"parameter: {np.asarray(lam).tolist()}")
-    recent = []  # the last few residuals: a non-monotone test, since block (Jacobi-type) updates oscillate
-    accelerated = False
-    step = float(rho)
-    lams, fs = [], []
-    for it in range(max_iters + 1):
-        target, aux = target_fn(lam)
+    tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)
+
+    def evaluate(x, it):
+        target, aux = target_fn(x)
         if not bool(jnp.all(jnp.isfinite(target))):
             raise NonFiniteResultError(f"the sites at iteration {it} are not finite (natural parameter "
-                                       f"{np.asarray(lam).tolist()})")
-        res = relative_residual(lam, target)
+                                       f"{np.asarray(x).tolist()})")
+        return target, aux
+
+    target, aux = evaluate(lam, 0)
+    state = fixed_point.natural_init(lam, target, rho, memory)
+    while True:
+        res, it = float(state.residual), int(state.iteration)
         if res < tol:
-            return lam, aux, SolveInfo(it, res, True, step)
-        if it == max_iters:
+            return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
+        if it >= max_iters:
             break
-        if recent and res > max(recent):
-            if not accelerated:  # a plain step made it worse: damp
-                step = max(step * 0.5, 1e-3)
-            lams, fs = [], []  # either way the secant history is stale
-        elif recent and res < min(recent):
-            step = min(2.0 * step, float(rho))  # progress again: let the damping recover
-        recent = (recent + [res])[-3:]
-        lams.append(lam)
-        fs.append(target - lam)
-        lams, fs = lams[-(memory + 1):], fs[-(memory + 1):]
-        cand = _anderson(lams, fs, step) if memory and len(fs) > 1 else None
-        accelerated = cand is not None and bool(in_domain(cand))
-        if not accelerated:
-            cand = _plain_step(lam, target, step, in_domain)
-        lam = cand
-    info = SolveInfo(max_iters, res, False, step)
+        new, state = fixed_point.natural_propose_jit(state, in_domain, rho)
+        if not bool(state.inside):
+            raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
+                                   f"positive (target {np.asarray(state.target).tolist()})")
+        target, aux = evaluate(new, it + 1)
+        state = fixed_point.natural_observe(state, new, target)
+    info = SolveInfo(max_iters, res, False, float(state.damping.step))
     if raise_on_failure:
         raise ConvergenceError(f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} "
                                f"iterations (relative residual {res:.3g})")
-    return lam, aux, info
-
-
-def _plain_step(lam, target, step, in_domain):
-    r""":math:`(1-\rho)\lambda + \rho\tau`, halving :math:`\rho` until inside the domain."""
-    trial = step
-    for _ in range(60):
-        cand = (1.0 - trial) * lam + trial * target
-        if bool(in_domain(cand)):
-            return cand
-        trial *= 0.5
-    raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
-                           f"positive (target {np.asarray(target).tolist()})")
-
-
-def _anderson(lams, fs, step):
-    d_lam = jnp.stack([b - a for a, b in zip(lams[:-1], lams[1:])], 1)
-    d_f = jnp.stack([b - a for a, b in zip(fs[:-1], fs[1:])], 1)
-    gamma = jnp.linalg.lstsq(d_f, fs[-1])[0]
-    cand = lams[-1] + step * fs[-1] - (d_lam + step * d_f) @ gamma
-    return cand if bool(jnp.all(jnp.isfinite(cand))) else None
+    return state.lam, aux, info

@@ -45,6 +45,7 @@ from jax.scipy.linalg import cho_solve
 from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from .curvature import FULL, NONE
 from . import newton_polish
+from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol, stagnation
 from .families import Gaussian
 from .rowops import all_finite
 from .sites import compute_sites
@@ -54,9 +55,6 @@ __all__ = ["SiteProblem", "dual_residual", "solve", "default_tol", "live_totals"
 _WATCH = 3  # residuals remembered by the non-monotone acceptance rule
 _LINEAR = 1e-2  # accelerate only while the residual shrinks by less than 100× per step
 _LOCAL = 1e-2  # below this residual, progress may also be judged by the residual itself
-_PATIENCE = 25  # iterations without halving the best residual before the run is declared stagnant
-_TINY_STEP = 1e-3  # accepted damped steps this small, _TINY_RUN times in a row, also mean stagnation
-_TINY_RUN = 8
 _NEWTON_MIN_STEP = 2.0**-6  # shortest step along a Newton–CG direction before the plain damped step is tried
 
 
@@ -85,11 +83,6 @@ class SiteProblem(NamedTuple):
         return compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
                              storage=self.storage, chunk_size=self.chunk_size, ids=self.ids,
                              need_hessian_sum=need_hessian_sum, weights=self.weights)
-
-
-def default_tol(dtype):
-    """Default residual tolerance: ``1e-8`` in float64, ``1e-5`` in float32."""
-    return 1e-8 if jnp.dtype(dtype) == jnp.float64 else 1e-5
 
 
 def _base_terms(family, q, base, point_loss=False):
@@ -249,18 +242,6 @@ def _unpack(x, like):
     return Gaussian(x[:d], jnp.reshape(x[d:], like.precision.shape))
 
 
-def _anderson(xs, fs):
-    """Anderson (type II) extrapolation from the last iterates ``xs`` and residuals ``fs = T(x) − x``."""
-    return _anderson_stacked(jnp.stack(xs), jnp.stack(fs))
-
-
-@jax.jit
-def _anderson_stacked(xs, fs):
-    dx, df = (xs[1:] - xs[:-1]).T, (fs[1:] - fs[:-1]).T
-    gamma, *_ = jnp.linalg.lstsq(df, fs[-1])
-    return xs[-1] + fs[-1] - (dx + df) @ gamma
-
-
 def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
           progress=False, sites=None, sums=None, memory=3):
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
@@ -292,7 +273,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     point = _evaluate(problem, q, sites, sums)
     history = [_history_entry(0, point, 0.0, False, start)]
     bar = _progress(progress, max_iters)
-    xs, fs = [], []
+    anderson = anderson_init(_pack(q), memory)
     it = 0
 
     def attempt(trial, permissive=False):
@@ -324,9 +305,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         q = point.q
         direction, target = _fixed_point_map(problem, point)
         x = _pack(q)
-        xs.append(x)
-        fs.append(_pack(Gaussian(q.mean + direction, target)) - x)
-        xs, fs = xs[-(memory + 1):], fs[-(memory + 1):]
+        anderson = anderson_push(anderson, x, _pack(Gaussian(q.mean + direction, target)) - x)
         outcome, rho, accelerated = None, 0.0, False
         linear = len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
         if newton_polish.applies(problem):
@@ -343,11 +322,11 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
                 outcome = attempt(Gaussian(q.mean + rho * step, target))
                 rho = rho if outcome is not None else 0.5 * rho
             accelerated = outcome is not None
-        if outcome is None and memory > 0 and len(xs) > 1 and linear:
-            outcome = attempt(_unpack(_anderson(xs, fs), q))
+        if outcome is None and memory > 0 and int(anderson.count) > 1 and linear:
+            outcome = attempt(_unpack(anderson_mix(anderson), q))
             rho, accelerated = 1.0, outcome is not None
         if outcome is None:
-            xs, fs = xs[-1:], fs[-1:]  # restart the acceleration from the current point
+            anderson = anderson_restart(anderson, keep=1)  # restart the acceleration from the current point
             target_pd = family.accepts_target(target)
             for permissive in (False, True):  # a falling residual far away counts only as a last resort
                 rho = float(step_size)
@@ -365,7 +344,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
                     history.append(_history_entry(it, passed, 1.0, False, start))
                     it += 1
                 outcome, rho, accelerated = path[-1], 1.0, False
-                xs, fs = [], []
+                anderson = anderson_restart(anderson)
         if outcome is None:
             break
         point = outcome
@@ -485,21 +464,8 @@ def _check_representable(problem, point):
 
 
 def _stagnation(history):
-    """Why the run is stagnant (a short phrase), or ``None`` while it still makes progress.
-
-    Stagnant: the best residual of the last ``_PATIENCE`` iterations is not below half the
-    best residual before them, or the last ``_TINY_RUN`` accepted steps were all damped
-    below ``_TINY_STEP``.
-    """
-    residuals = [h["residual"] for h in history]
-    if len(residuals) > _PATIENCE + 1:
-        before, recent = min(residuals[:-_PATIENCE]), min(residuals[-_PATIENCE:])
-        if not recent < 0.5 * before:
-            return f"stagnant: the best residual did not halve in the last {_PATIENCE} iterations"
-    steps = [h["step"] for h in history[1:]]
-    if len(steps) >= _TINY_RUN and all(0.0 < s <= _TINY_STEP for s in steps[-_TINY_RUN:]):
-        return f"stagnant: the last {_TINY_RUN} accepted steps were damped below {_TINY_STEP:g}"
-    return None
+    """:func:`numpyro_pc.fixed_point.stagnation` of a solve's history (a phrase, or ``None``)."""
+    return stagnation([h["residual"] for h in history], [h["step"] for h in history[1:]])
 
 
 def _advice(point, history):

@@ -45,6 +45,7 @@ from .errors import ConvergenceError, DataShapeError, InvalidOptionError
 from .families import Gaussian
 from .likelihood import ModelData
 from .sites import compute_sites
+from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart
 from .solvers import default_tol, live_totals
 
 __all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "window_step", "delete_step",
@@ -171,16 +172,6 @@ def newton_terms(config, q, data, ids, weights, base, prior_live):
     return residual, sites, direction, precision
 
 
-def _anderson_point(xs, fs, count):
-    """Anderson (type II) extrapolation from the ring buffers of iterates and residuals ``T(x) − x``
-    (``count`` entries filled, newest last); rows not yet filled carry zero weight."""
-    dx, df = (xs[1:] - xs[:-1]), (fs[1:] - fs[:-1])
-    filled = (jnp.arange(xs.shape[0] - 1) >= xs.shape[0] - count)[:, None]  # both ends of the difference filled
-    dx, df = jnp.where(filled, dx, 0.0), jnp.where(filled, df, 0.0)
-    gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
-    return xs[-1] + fs[-1] - (dx + df).T @ gamma
-
-
 def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
     """Natural-gradient steps from ``q0`` until the residual is below ``tol`` (pure; the kernels of this
     module and of :mod:`numpyro_pc.site_table`); returns ``q``, the live sites at ``q``, the
@@ -202,13 +193,11 @@ def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
         return (residual > config.tol) & (it < config.max_iters) & (rho >= _MIN_STEP)
 
     def body(c):
-        q, residual, sites, direction, target, rho, it, xs, fs, count = c
+        q, residual, sites, direction, target, rho, it, history = c
         x = ravel_pytree(q)[0]
         plain = Gaussian(q.mean + direction, target)
-        xs = jnp.concatenate([xs[1:], x[None]])
-        fs = jnp.concatenate([fs[1:], (ravel_pytree(plain)[0] - x)[None]])
-        count = jnp.minimum(count + 1, xs.shape[0])
-        accelerated = unravel(_anderson_point(xs, fs, count))
+        history = anderson_push(history, x, ravel_pytree(plain)[0] - x)
+        accelerated = unravel(anderson_mix(history))
 
         def evaluate(trial):
             return (trial, *newton_terms(config, trial, data, ids, weights, base, prior_live))
@@ -220,27 +209,26 @@ def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
         def skip(_):
             return (q, residual, sites, direction, target), jnp.asarray(False)
 
-        use = (count > 1) & proper(accelerated) & (rho == 1.0)
+        use = (history.count > 1) & proper(accelerated) & (rho == 1.0)
         candidate, better = jax.lax.cond(use, try_anderson, skip, None)
         trial = Gaussian(q.mean + rho * direction, family.blend(q.precision, target, rho))
 
         def damped(_):
             def advance(_):
-                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count)
+                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, history)
 
             def shrink(_):  # a halved step restarts the extrapolation
-                return q, residual, sites, direction, target, 0.5 * rho, it, xs, fs, jnp.zeros_like(count)
+                return q, residual, sites, direction, target, 0.5 * rho, it, anderson_restart(history)
 
             return jax.lax.cond(proper(trial), advance, shrink, None)
 
-        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, xs, fs, count),
+        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, history),
                             damped, None)
 
     dtype = q0.mean.dtype
-    history = jnp.zeros((memory + 1, flat0.shape[0]), dtype)
     start = (q0, *newton_terms(config, q0, data, ids, weights, base, prior_live), jnp.asarray(1.0, dtype),
-             jnp.asarray(0), history, history, jnp.asarray(0))
-    q, residual, sites, _, _, _, iterations, _, _, _ = jax.lax.while_loop(cond, body, start)
+             jnp.asarray(0), anderson_init(flat0, memory))
+    q, residual, sites, _, _, _, iterations, _ = jax.lax.while_loop(cond, body, start)
     return q, sites, residual, iterations
 
 

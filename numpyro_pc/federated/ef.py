@@ -15,8 +15,8 @@ g_i(\lambda)` the client's site at :math:`\lambda`, the stationarity condition o
     \lambda_k = \lambda + \tfrac1\rho\big(\hat\eta_k(\lambda_k) - \eta_k\big)
     = \underbrace{\lambda - \eta_k/\rho}_{\rho\text{-cavity}} - \tfrac1\rho \textstyle\sum_{i\in D_k} g_i(\lambda_k),
 
-a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.ef_sites.blr_solve`'s
-iteration written as a ``lax.while_loop``, so that clients are ``vmap``-ed (shards padded as
+a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.fixed_point.natural_solve` (the
+iteration of :func:`~numpyro_pc.ef_sites.blr_solve` as a ``lax.while_loop``), so that clients are ``vmap``-ed (shards padded as
 in :mod:`numpyro_pc.federated.core`). The client sends
 :math:`\eta_k' = \hat\eta_k(\lambda_k)` (with ``ρ = 1``: :math:`\lambda_k - (\lambda - \eta_k)`,
 the local posterior over the cavity); PVI damping ``δ`` sends :math:`\eta_k + \delta(\eta_k'
@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ef_posterior import EFPosterior, EFState, family_for_model
+from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
@@ -146,46 +147,6 @@ def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, sh
                      weight)
 
 
-def _anderson_solve(target, in_domain, lam, tol, max_iters, memory=5):
-    """:func:`~numpyro_pc.ef_sites.blr_solve` as a ``lax.while_loop``: Anderson mixing (type II) over the last
-    ``memory`` iterates when inside the domain, else the plain step halved until inside; the step is halved and
-    the history cleared when the residual exceeds the largest of the last three.
-    ``target: λ -> (τ(λ), aux)``; returns ``(λ, aux, iterations, residual, ok)``."""
-    dtype, size = lam.dtype, lam.shape[0]
-    rel = lambda x, t: jnp.linalg.norm(x - t) / (1.0 + jnp.linalg.norm(t))  # noqa: E731
-    halvings = 0.5 ** jnp.arange(40, dtype=dtype)
-    tau, aux = target(lam)
-    zeros = jnp.zeros((size, memory), dtype)
-    start = (lam, tau, aux, rel(lam, tau), jnp.full(3, jnp.inf, dtype), jnp.asarray(1.0, dtype), zeros, zeros,
-             lam, tau - lam, jnp.asarray(False), jnp.asarray(0), jnp.asarray(True))
-
-    def cond(c):
-        return (c[11] < max_iters) & (c[3] > tol) & jnp.isfinite(c[3]) & c[12]
-
-    def body(c):
-        lam, tau, _, res, recent, step, d_lam, d_f, prev_lam, prev_f, has_prev, it, _ = c
-        f = tau - lam
-        worse = res > jnp.max(recent)
-        step = jnp.where(worse, jnp.maximum(0.5 * step, 1e-3), step)
-        push = lambda hist, col: jnp.concatenate([hist[:, 1:], col[:, None]], 1)  # noqa: E731
-        keep = has_prev & ~worse
-        d_lam = jnp.where(worse, 0.0, jnp.where(keep, push(d_lam, lam - prev_lam), d_lam))
-        d_f = jnp.where(worse, 0.0, jnp.where(keep, push(d_f, f - prev_f), d_f))
-        recent = jnp.concatenate([recent[1:], res[None]])
-        gamma = jnp.linalg.lstsq(d_f, f)[0]
-        anderson = lam + step * f - (d_lam + step * d_f) @ gamma
-        use = jnp.any(d_f != 0) & jnp.all(jnp.isfinite(anderson)) & in_domain(anderson)
-        cands = lam[None] + (step * halvings)[:, None] * f[None]
-        inside = jax.vmap(in_domain)(cands)
-        new = jnp.where(use, anderson, cands[jnp.argmax(inside)])
-        tau, aux = target(new)
-        return (new, tau, aux, rel(new, tau), recent, step, d_lam, d_f, lam, f, jnp.asarray(True), it + 1,
-                use | jnp.any(inside))
-
-    lam, tau, aux, res, *_, it, moved = jax.lax.while_loop(cond, body, start)
-    return lam, aux, it, res, moved & in_domain(lam) & jnp.isfinite(res)
-
-
 def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
     """Smallest weight ``ρ_k ≥ ρ`` whose ρ-cavity :math:`\\lambda - \\eta_k/\\rho_k` lies inside the domain with
     the relative ``margin``: ``max(ρ, (1 + margin) ρ*)``, ``ρ*`` the boundary (bisection on the convex domain).
@@ -217,7 +178,7 @@ def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight
         s = -(mask @ sites.grads) - weight * (sites.prior + prior)  # padding rows have mask 0
         return cavity + s / rho, s
 
-    lam, s, it, res, ok = _anderson_solve(target, config.family.in_domain, lam_jnt, tol, max_iters)
+    lam, s, it, res, ok = natural_solve(target, config.family.in_domain, lam_jnt, tol, max_iters)
     return EFLocalResult(s, lam, it, res, ok & jnp.all(jnp.isfinite(s)))
 
 

@@ -1,0 +1,270 @@
+r"""The one fixed-point engine: the pieces every dual-form solve in the package is built from.
+
+Every solve in numpyro_pc looks for a fixed point :math:`x = T(x)` of a natural-gradient
+(Bayesian learning rule) map — the Gaussian solver on ``(m, S)``
+(:mod:`numpyro_pc.solvers`), the pure kernels of :mod:`numpyro_pc.stream_state` and
+:mod:`numpyro_pc.site_table`, the exponential-family solve on the natural parameter
+(:func:`numpyro_pc.ef_sites.blr_solve`) and the federated clients' local solves
+(:mod:`numpyro_pc.federated.ef`). They share these pieces, each a pure function over a
+``NamedTuple`` carry so that the same code runs in a host loop and inside
+``lax.while_loop``:
+
+* **Anderson acceleration** (type II; Walker & Ni 2011), :class:`AndersonHistory` with
+  :func:`anderson_init` / :func:`anderson_push` / :func:`anderson_restart` /
+  :func:`anderson_mix`: from the last iterates :math:`x_j` and residuals
+  :math:`f_j = T(x_j) - x_j`, with :math:`\gamma = \arg\min_\gamma \|f_k - \Delta F \gamma\|`,
+
+  .. math:: x^{+} = x_k + \beta f_k - (\Delta X + \beta\, \Delta F)\, \gamma .
+
+  With ``β = 1`` and a full history this is GMRES on a linear map, so on an affine
+  :math:`T` it reaches the fixed point in at most ``n + 1`` steps.
+* **Non-monotone damping with recovery**, :class:`Damping` with :func:`damping_init` /
+  :func:`damping_observe`: a residual above the largest of the last three halves the step
+  (when the step that caused it was a plain one) and clears the secant history; a residual
+  below the smallest of the last three doubles it again, up to its initial value. Block
+  (Jacobi-type) updates of a product family oscillate on their way to the fixed point, so a
+  monotone test would reject them.
+* **The natural-parameter iteration** on a convex domain, :class:`NaturalState` with
+  :func:`natural_init` / :func:`natural_propose` / :func:`natural_observe` and the traced
+  driver :func:`natural_solve`: the Anderson candidate when it is inside the domain, else
+  the plain step :math:`(1-\rho)\lambda + \rho\tau` halved until it is.
+* **Stagnation detection**, :func:`stagnation`, and **one default tolerance rule per
+  dtype**, :func:`default_tol`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
+           "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
+           "natural_observe", "natural_propose_jit", "natural_solve", "relative_residual", "default_tol", "stagnation",
+           "PATIENCE", "TINY_STEP", "TINY_RUN"]
+
+PATIENCE = 25  # iterations without halving the best residual before a run is declared stagnant
+TINY_STEP = 1e-3  # accepted damped steps this small, TINY_RUN times in a row, also mean stagnation
+TINY_RUN = 8
+_RECENT = 3  # residuals remembered by the non-monotone damping rule
+_MIN_DAMPING = 1e-3  # the damping rule never halves the step below this
+_HALVINGS = 60  # plain-step halvings tried before a natural-parameter step is declared out of the domain
+
+
+def default_tol(dtype) -> float:
+    """The default residual tolerance of every solve: ``1e-8`` in float64, ``1e-5`` in float32.
+
+    The residuals are relative (a gradient norm over the norms of its terms; a natural-parameter
+    gap over ``1 + ‖τ‖``), so the rule is one per dtype: about ``1e-8`` is where float64 sums
+    over thousands of sites stop being exact, ``1e-5`` the same for float32's ``1.2e-7``
+    machine epsilon.
+    """
+    return 1e-8 if jnp.dtype(dtype) == jnp.float64 else 1e-5
+
+
+def relative_residual(lam, target):
+    r""":math:`\|\lambda - \tau\| / (1 + \|\tau\|)`, the natural-parameter residual (traceable)."""
+    return jnp.linalg.norm(lam - target) / (1.0 + jnp.linalg.norm(target))
+
+
+class AndersonHistory(NamedTuple):
+    """Ring buffers of the last ``memory + 1`` iterates and residuals (newest last).
+
+    :ivar xs: iterates, shape ``(memory + 1, n)``.
+    :ivar fs: residuals ``T(x) − x`` at those iterates, same shape.
+    :ivar count: how many of the newest rows are filled (int scalar).
+    """
+
+    xs: jax.Array
+    fs: jax.Array
+    count: jax.Array
+
+
+def anderson_init(x, memory: int) -> AndersonHistory:
+    """An empty history for iterates shaped like the flat vector ``x`` (``memory ≥ 0``)."""
+    zeros = jnp.zeros((int(memory) + 1, x.shape[0]), x.dtype)
+    return AndersonHistory(zeros, zeros, jnp.asarray(0))
+
+
+@jax.jit
+def anderson_push(history: AndersonHistory, x, f) -> AndersonHistory:
+    """The history with ``(x, f = T(x) − x)`` appended (the oldest pair drops out)."""
+    xs = jnp.concatenate([history.xs[1:], x[None]])
+    fs = jnp.concatenate([history.fs[1:], f[None]])
+    return AndersonHistory(xs, fs, jnp.minimum(history.count + 1, xs.shape[0]))
+
+
+def anderson_restart(history: AndersonHistory, keep=0) -> AndersonHistory:
+    """The history with only its newest ``keep`` (0 or 1) pairs: a restart after a stale secant."""
+    return history._replace(count=jnp.minimum(history.count, keep))
+
+
+@jax.jit
+def anderson_mix(history: AndersonHistory, beta=1.0):
+    r"""The Anderson (type II) candidate :math:`x_k + \beta f_k - (\Delta X + \beta \Delta F)\gamma`.
+
+    Differences whose ends are not both filled carry zero weight, so with fewer than two
+    pairs this is the plain step :math:`x_k + \beta f_k` (the least-squares solution of a zero
+    system is zero).
+    """
+    xs, fs = history.xs, history.fs
+    rows = xs.shape[0]
+    filled = (jnp.arange(rows - 1) >= rows - history.count)[:, None]
+    dx = jnp.where(filled, xs[1:] - xs[:-1], 0.0)
+    df = jnp.where(filled, fs[1:] - fs[:-1], 0.0)
+    gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
+    return xs[-1] + beta * fs[-1] - (dx + beta * df).T @ gamma
+
+
+class Damping(NamedTuple):
+    """The non-monotone damping rule's state.
+
+    :ivar step: the current step ``ρ``.
+    :ivar recent: the last residuals (newest last).
+    :ivar seen: how many of ``recent`` are filled.
+    """
+
+    step: jax.Array
+    recent: jax.Array
+    seen: jax.Array
+
+
+def damping_init(rho, dtype) -> Damping:
+    """The rule's state before the first residual, with step ``rho``."""
+    return Damping(jnp.asarray(rho, dtype), jnp.zeros(_RECENT, dtype), jnp.asarray(0))
+
+
+def damping_observe(damping: Damping, residual, accelerated, rho_max):
+    """Update the damping from the residual at the new iterate.
+
+    :return: ``(damping, worse)``; ``worse`` — the residual exceeds the largest of the last
+        three — means the secant history is stale.
+    """
+    filled = jnp.arange(_RECENT) >= _RECENT - damping.seen
+    worse = (damping.seen > 0) & (residual > jnp.max(jnp.where(filled, damping.recent, -jnp.inf)))
+    better = (damping.seen > 0) & (residual < jnp.min(jnp.where(filled, damping.recent, jnp.inf)))
+    step = jnp.where(worse & ~accelerated, jnp.maximum(0.5 * damping.step, _MIN_DAMPING),
+                     jnp.where(better, jnp.minimum(2.0 * damping.step, rho_max), damping.step))
+    recent = jnp.concatenate([damping.recent[1:], jnp.asarray(residual, damping.recent.dtype)[None]])
+    return Damping(step, recent, jnp.minimum(damping.seen + 1, _RECENT)), worse
+
+
+class NaturalState(NamedTuple):
+    """The carry of the natural-parameter iteration :math:`\\lambda \\to \\tau(\\lambda)`.
+
+    :ivar lam: the current natural parameter.
+    :ivar target: :math:`\\tau(\\lambda)`, the fixed-point map at ``lam``.
+    :ivar residual: :func:`relative_residual` of ``lam`` and ``target``.
+    :ivar iteration: steps taken.
+    :ivar history: the :class:`AndersonHistory`.
+    :ivar damping: the :class:`Damping` state.
+    :ivar accelerated: whether the step to ``lam`` was the Anderson candidate.
+    :ivar inside: whether the last proposal found a point inside the domain.
+    """
+
+    lam: jax.Array
+    target: jax.Array
+    residual: jax.Array
+    iteration: jax.Array
+    history: AndersonHistory
+    damping: Damping
+    accelerated: jax.Array
+    inside: jax.Array
+
+
+def natural_init(lam, target, rho=1.0, memory=5) -> NaturalState:
+    """The state at the start ``lam`` with its map value ``target``."""
+    false = jnp.asarray(False)
+    return NaturalState(lam, target, relative_residual(lam, target), jnp.asarray(0), anderson_init(lam, memory),
+                        damping_init(rho, lam.dtype), false, jnp.asarray(True))
+
+
+def natural_propose(state: NaturalState, in_domain: Callable, rho_max=1.0):
+    """The next iterate: the damping rule observes the current residual, then the Anderson candidate
+    is taken when it is finite and inside the domain, else the plain step halved until inside.
+
+    :return: ``(lam, state)``; ``state.accelerated`` and ``state.inside`` describe the proposal
+        (``inside`` false: no halving of the plain step is inside the domain, and ``lam`` is the
+        current iterate unchanged).
+    """
+    lam, f = state.lam, state.target - state.lam
+    damping, worse = damping_observe(state.damping, state.residual, state.accelerated, rho_max)
+    pushed = anderson_push(state.history, lam, f)
+    restarted = anderson_push(anderson_restart(state.history), lam, f)
+    history = jax.tree.map(lambda kept, cleared: jnp.where(worse, cleared, kept), pushed, restarted)
+    step = damping.step
+    anderson = anderson_mix(history, step)
+    use = (history.count > 1) & jnp.all(jnp.isfinite(anderson)) & in_domain(anderson)
+    trials = lam[None] + (step * 0.5 ** jnp.arange(_HALVINGS, dtype=lam.dtype))[:, None] * f[None]
+    inside = jax.vmap(in_domain)(trials)
+    new = jnp.where(use, anderson, jnp.where(jnp.any(inside), trials[jnp.argmax(inside)], lam))
+    return new, state._replace(history=history, damping=damping, accelerated=use, inside=use | jnp.any(inside))
+
+
+def natural_observe(state: NaturalState, lam, target) -> NaturalState:
+    """The state at the proposed ``lam`` once its map value ``target`` is known."""
+    return state._replace(lam=lam, target=target, residual=relative_residual(lam, target),
+                          iteration=state.iteration + 1)
+
+
+@partial(jax.jit, static_argnames=("in_domain",))
+def _propose(state, in_domain, rho_max):
+    return natural_propose(state, in_domain, rho_max)
+
+
+def natural_propose_jit(state, in_domain, rho_max=1.0):
+    """:func:`natural_propose` compiled once per ``in_domain`` and shape (the host driver's step);
+    an unhashable ``in_domain`` runs it op by op."""
+    rho_max = jnp.asarray(rho_max, state.lam.dtype)
+    try:
+        hash(in_domain)
+    except TypeError:
+        return natural_propose(state, in_domain, rho_max)
+    return _propose(state, in_domain, rho_max)
+
+
+def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rho=1.0, memory=5):
+    """The natural-parameter iteration as one ``lax.while_loop`` (traceable; e.g. ``vmap`` over clients).
+
+    :param target: ``λ -> (τ(λ), aux)``, traceable.
+    :param in_domain: ``λ -> bool``, traceable.
+    :return: ``(λ, aux, iterations, residual, ok)``; ``ok`` is false when a proposal left the
+        domain or the residual is not finite.
+    """
+    tau, aux = target(lam)
+    start = (natural_init(lam, tau, rho, memory), aux)
+
+    def cond(carry):
+        state = carry[0]
+        return ((state.iteration < max_iters) & (state.residual > tol) & jnp.isfinite(state.residual)
+                & state.inside)
+
+    def body(carry):
+        new, state = natural_propose(carry[0], in_domain, rho)
+        tau, aux = target(new)
+        return natural_observe(state, new, tau), aux
+
+    state, aux = jax.lax.while_loop(cond, body, start)
+    ok = state.inside & in_domain(state.lam) & jnp.isfinite(state.residual)
+    return state.lam, aux, state.iteration, state.residual, ok
+
+
+def stagnation(residuals, steps):
+    """Why a run is stagnant (a short phrase), or ``None`` while it still makes progress (host).
+
+    Stagnant: the best residual of the last :data:`PATIENCE` iterations is not below half the
+    best before them, or the last :data:`TINY_RUN` accepted steps were all damped below
+    :data:`TINY_STEP`.
+
+    :param residuals: the residual at every iterate, the start first.
+    :param steps: the step size of every accepted step (``0`` for an undamped special step).
+    """
+    if len(residuals) > PATIENCE + 1:
+        before, recent = min(residuals[:-PATIENCE]), min(residuals[-PATIENCE:])
+        if not recent < 0.5 * before:
+            return f"stagnant: the best residual did not halve in the last {PATIENCE} iterations"
+    if len(steps) >= TINY_RUN and all(0.0 < s <= TINY_STEP for s in steps[-TINY_RUN:]):
+        return f"stagnant: the last {TINY_RUN} accepted steps were damped below {TINY_STEP:g}"
+    return None

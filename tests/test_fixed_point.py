@@ -1,0 +1,139 @@
+"""The one fixed-point engine (numpyro_pc.fixed_point): Anderson, damping, the natural-parameter
+iteration's host and traced drivers, stagnation and the tolerance rule.
+
+Oracles: the fixed point of an affine map in closed form, ``(I − A)⁻¹ b``; Anderson type II
+with a full history is GMRES on an affine map, so it must land on it in at most ``n + 1``
+steps while the plain iteration needs hundreds (the spectral radius is 0.95); the host driver
+(:func:`numpyro_pc.ef_sites.blr_solve`) and the traced one (:func:`natural_solve`) run the same
+pieces, so their iterates agree to rounding. All in float64.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from numpyro_pc import ef_posterior, ef_sites, fixed_point, solvers
+from numpyro_pc.errors import OutOfDomainError
+from numpyro_pc.fixed_point import (anderson_init, anderson_mix, anderson_push, anderson_restart, damping_init,
+                                    damping_observe, natural_solve)
+
+
+def _affine(n, seed, radius=0.95):
+    """``T(x) = A x + b`` with A symmetric, spectral radius ``radius`` (slow for the plain iteration)."""
+    rng = np.random.default_rng(seed)
+    basis, _ = np.linalg.qr(rng.normal(size=(n, n)))
+    eig = np.linspace(-radius, radius, n)
+    a = basis @ np.diag(eig) @ basis.T
+    b = rng.normal(size=n)
+    return jnp.asarray(a), jnp.asarray(b), np.linalg.solve(np.eye(n) - a, b)
+
+
+def test_anderson_with_full_memory_solves_an_affine_map_in_n_plus_one_steps():
+    with jax.enable_x64(True):
+        n = 6
+        a, b, exact = _affine(n, 0)
+        target = lambda x: (a @ x + b, None)  # noqa: E731
+        inside = lambda x: jnp.asarray(True)  # noqa: E731
+        lam, _, its, res, ok = natural_solve(target, inside, jnp.zeros(n), 1e-13, 200, memory=n)
+        assert bool(ok) and float(res) <= 1e-13
+        assert int(its) <= n + 1  # GMRES on an n-dimensional affine map
+        np.testing.assert_allclose(lam, exact, rtol=1e-11, atol=1e-12)
+        _, _, plain_its, _, _ = natural_solve(target, inside, jnp.zeros(n), 1e-13, 2000, memory=0)
+        assert int(plain_its) > 20 * n  # the acceleration is what made the difference
+
+
+def test_host_and_traced_drivers_take_the_same_iterates():
+    # a nonlinear map on the positive orthant: λ ↦ c + 0.5·log(λ) (fixed point where λ = c + 0.5 log λ)
+    with jax.enable_x64(True):
+        c = jnp.asarray([2.0, 3.0, 1.5])
+        target = jax.jit(lambda x: (c + 0.5 * jnp.log(x), x))
+        inside = lambda x: jnp.all(x > 0)  # noqa: E731
+        start = jnp.asarray([1.0, 1.0, 1.0])
+        lam_h, aux_h, info = ef_sites.blr_solve(target, inside, start, tol=1e-12, max_iters=100)
+        lam_t, aux_t, its, res, ok = natural_solve(target, inside, start, 1e-12, 100)
+        assert info.converged and bool(ok)
+        assert info.iterations == int(its)
+        np.testing.assert_allclose(lam_h, lam_t, rtol=1e-14)
+        np.testing.assert_allclose(aux_h, lam_h)  # aux belongs to the returned λ
+        np.testing.assert_allclose(lam_h, c + 0.5 * np.log(np.asarray(lam_h)), rtol=1e-11)
+
+
+def test_proposals_stay_inside_the_domain():
+    # the plain step of λ ↦ −1 + 0.1 λ from λ = 1 leaves λ > 0 at once; the fixed point (−1/0.9) is outside, so
+    # the iteration must stop inside the domain, unconverged, never propose an outside point
+    with jax.enable_x64(True):
+        seen = []
+
+        def target(x):
+            seen.append(x)
+            return -1.0 + 0.1 * x, None
+
+        inside = lambda x: jnp.all(x > 0)  # noqa: E731
+        with pytest.raises(Exception) as err:
+            ef_sites.blr_solve(target, inside, jnp.asarray([1.0]), tol=1e-12, max_iters=30)
+        assert isinstance(err.value, (OutOfDomainError, ef_sites.ConvergenceError))
+        assert all(float(x[0]) > 0 for x in seen)
+        lam, _, _, _, ok = jax.jit(lambda s: natural_solve(lambda x: (-1.0 + 0.1 * x, None), inside, s, 1e-12, 30))(
+            jnp.asarray([1.0]))
+        assert float(lam[0]) > 0 and not bool(ok)
+
+
+def test_damping_halves_on_a_worse_plain_step_only_and_recovers():
+    with jax.enable_x64(True):
+        d = damping_init(1.0, jnp.float64)
+        for r in (1.0, 0.5, 0.4):
+            d, worse = damping_observe(d, r, False, 1.0)
+            assert not bool(worse)
+        d, worse = damping_observe(d, 2.0, True, 1.0)  # worse, but the step was accelerated: no damping
+        assert bool(worse) and float(d.step) == 1.0
+        d, worse = damping_observe(d, 3.0, False, 1.0)  # worse after a plain step: halve
+        assert bool(worse) and float(d.step) == 0.5
+        d, _ = damping_observe(d, 4.0, False, 1.0)
+        assert float(d.step) == 0.25
+        d, worse = damping_observe(d, 0.1, False, 1.0)  # below the last three: double again, capped at ρ
+        assert not bool(worse) and float(d.step) == 0.5
+        d, _ = damping_observe(d, 0.05, False, 1.0)
+        d, _ = damping_observe(d, 0.01, False, 1.0)
+        assert float(d.step) == 1.0
+
+
+def test_anderson_history_masks_what_is_not_filled():
+    with jax.enable_x64(True):
+        h = anderson_init(jnp.zeros(3), 4)
+        x, f = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([0.5, -1.0, 0.25])
+        h = anderson_push(h, x, f)
+        np.testing.assert_array_equal(anderson_mix(h, 0.5), x + 0.5 * f)  # one pair: the plain step
+        h = anderson_push(h, x + f, 0.3 * f)
+        assert int(h.count) == 2
+        assert int(anderson_restart(h, keep=1).count) == 1
+        np.testing.assert_array_equal(anderson_mix(anderson_restart(h, keep=1)), x + 1.3 * f)
+        # two pairs on the line x + t·f with residual (1 − 0.7 t)·f: the secant root t = 1/0.7
+        np.testing.assert_allclose(anderson_mix(h), x + f / 0.7, rtol=1e-14)
+
+
+def test_natural_solve_vmaps_over_independent_problems():
+    with jax.enable_x64(True):
+        a, _, _ = _affine(4, 1, radius=0.8)
+        bs = jnp.asarray(np.random.default_rng(2).normal(size=(5, 4)))
+
+        def one(b):
+            lam, _, _, res, ok = natural_solve(lambda x: (a @ x + b, None), lambda x: jnp.asarray(True), jnp.zeros(4),
+                                               1e-12, 50)
+            return lam, ok
+
+        lams, oks = jax.jit(jax.vmap(one))(bs)
+        assert bool(jnp.all(oks))
+        exact = np.linalg.solve(np.eye(4) - np.asarray(a), np.asarray(bs).T).T
+        np.testing.assert_allclose(lams, exact, rtol=1e-10, atol=1e-11)
+
+
+def test_one_tolerance_rule_per_dtype():
+    assert solvers.default_tol is fixed_point.default_tol is ef_posterior.default_tol
+    assert fixed_point.default_tol(jnp.float64) == 1e-8 and fixed_point.default_tol(jnp.float32) == 1e-5
+
+
+def test_stagnation_rule():
+    assert fixed_point.stagnation([1.0] * 30, [1.0] * 29).startswith("stagnant: the best residual")
+    assert "damped" in fixed_point.stagnation([1.0, 0.9], [1e-4] * 8)
+    assert fixed_point.stagnation([0.5 ** k for k in range(40)], [1.0] * 39) is None
