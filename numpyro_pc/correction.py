@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .curvature import FULL
-from .errors import UnsupportedModelError
+from .errors import ConvergenceError, UnsupportedModelError
 from .families import add_site, remove_site, scale_site
 from .rowops import filled
 from .rows import concat_data, pad_to_bucket, positions, take_data
 from .sites import SiteSums, compute_sites
 from .solvers import SiteProblem, solve
+from .start import default_start
 
 __all__ = ["solve_update"]
 
@@ -58,7 +59,10 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
 
     The live terms are the new examples and the ``corrected`` ones (weighted by ``weight``),
     the fixed factor is the cavity of the old posterior, and the solver starts from
-    ``q_t`` with the corrected examples' cached sites where they are fresh.
+    ``q_t`` with the corrected examples' cached sites where they are fresh. When every site and
+    the prior are corrected (the exact update, whose fixed point is the batch fit's) and the solve
+    from ``q_t`` fails, it is repeated from the batch fit's start
+    (:func:`~numpyro_pc.start.default_start`); ``history[0]["restart"]`` says so and why.
 
     :param post: the :class:`~numpyro_pc.posterior.DualPosterior` ``q_t``.
     :param new_data: the new batch's :class:`~numpyro_pc.likelihood.ModelData`.
@@ -81,6 +85,7 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     cavity = _cavity(post, stale_sum, correct_prior, weight, corrects_all)
     data_rows = positions(post.data_ids, corrected)
     active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
+    unpadded = active
     active_ids = np.concatenate([corrected, new_ids])
     dtype = post.state.mean.dtype
     weights = filled([(corrected.size, weight), (new_ids.size, 1.0)], dtype)
@@ -90,9 +95,21 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                           jnp.asarray(padded_ids), cavity, correct_prior, weights)
     start_sites, start_sums = _sites_at_start(post, problem, stale, new_data, new_ids, weights)
-    q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure, sites=start_sites,
-                              sums=start_sums, **solve_options)
-    history[0]["reused_sites"] = 0 if start_sites is None else int(corrected.size)
+    # the exact update's fixed point is the batch fit's: where the warm start q_t is too far from it (a new
+    # batch that informs latents the old data left at their prior), the batch fit's own start is tried next
+    batch_problem = corrects_all and correct_prior and weight == 1.0
+    try:
+        q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure or batch_problem,
+                                  sites=start_sites, sums=start_sums, **solve_options)
+        history[0]["reused_sites"] = 0 if start_sites is None else int(corrected.size)
+    except ConvergenceError as err:
+        if not batch_problem:
+            raise
+        cold = default_start(replace(post.spec, num_examples=num_active), unpadded, family, None, dtype)
+        q, fresh, history = solve(problem, cold.start, raise_on_failure=raise_on_failure, **solve_options)
+        history[0]["reused_sites"] = 0
+        history[0]["restart"] = dict(kind=cold.kind, candidates=cold.candidates,
+                                     reason=f"from q_t: {type(err).__name__}: {str(err).split(';')[0]}")
     fresh = fresh.take(np.arange(num_active))
     offset = post.offset
     if weight != 1.0:  # λ_{t+1} − Σ sites: the part of the scaled correction no single site holds

@@ -16,27 +16,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import ef_guides as _ef_guides
 from . import guides as _guides
 from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
 from .dual import DualPosteriorBase, build_posterior, in_own_precision
-from .errors import ConvergenceError, DataShapeError, InvalidOptionError, NonFiniteResultError
-from .expectations import get_rule, prior_is_separable, prior_structure
-from .families import ExponentialFamily, Gaussian, get_family
+from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
+from .expectations import get_rule
+from .families import ExponentialFamily, get_family
 from .io import load as _load
 from .io import save as _save
-from .likelihood import bind_model, prior_loss
-from .rows import pad_to_bucket
-from .prior_site import prior_diagonal_at
-from .start import fixed_draw_objective, map_laplace, mean_field_elbo
+from .likelihood import bind_model
+from .start import default_start
 from .streaming import update as _update
 from .unlearning import delete as _delete
 
@@ -182,7 +176,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
             raise
         # the fixed point does not depend on the start: a guide far from it (SVI stopped early,
         # unscaled data) is replaced by the MAP/Laplace start, and the record says so
-        start = _start(spec, data, family, None, q.mean.dtype)
+        start = default_start(spec, data, family, None, q.mean.dtype)
         post = build_posterior(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine,
                                tol, max_iters, progress, raise_on_failure, cls=DualPosterior)
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
@@ -240,7 +234,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     fam = get_family(family, rank=rank)
     fam.check_dimension(spec.latent.dim)
     dtype = _float_dtype()
-    start = _start(spec, data, fam, init, dtype)
+    start = default_start(spec, data, fam, init, dtype)
     if expectation is None:
         expectation = "delta" if fam.fixed_precision else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
@@ -248,91 +242,6 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
                            max_iters, progress, raise_on_failure, cls=DualPosterior)
     info = {k: v for k, v in start._asdict().items() if k != "start"}
     return post.evolve(record=dict(post.record or {}, start=info))
-
-
-class _Start(NamedTuple):
-    start: Gaussian
-    kind: str
-    iterations: int = 0
-    grad_norm: float = float("nan")
-    value: float = float("nan")
-    converged: bool = False
-    saddle_escapes: int = 0
-    candidates: dict | None = None  # objective value of each start compared (lower is better), when compared
-
-
-def _start(spec, data, family, init, dtype):
-    """The solver's starting point: the MAP/Laplace start, the mean-field ELBO start, or the prior's curvature.
-
-    ``init="map"`` (default) runs L-BFGS from ``0`` (or from an array ``init``). Where that search
-    did not converge, or the prior is hierarchical (:func:`~numpyro_pc.expectations.prior_structure`
-    is ``"qmc"``: a converged MAP may be a collapsed mode), the mean-field ELBO start is computed too
-    and the better of the two by objective value is taken (``kind`` ``"map"`` or ``"elbo"``, both
-    scores in ``candidates``). If neither is usable, the prior start (``kind == "prior"``).
-    """
-    z0 = jnp.zeros(spec.latent.dim, dtype)
-    if init is None or isinstance(init, str):
-        kind = "map" if init is None else str(init)
-        if kind not in ("map", "prior"):
-            raise InvalidOptionError(f"init must be 'map', 'prior' or an array of {spec.latent.dim} values; "
-                                     f"got {init!r}")
-    else:
-        z0 = jnp.asarray(init, dtype)
-        if z0.shape != (spec.latent.dim,):
-            raise DataShapeError(f"init must be a flat unconstrained vector of shape ({spec.latent.dim},) in the "
-                                 f"order {spec.latent.labels()[:6]}...; got shape {z0.shape}")
-        kind = "map"
-    if kind == "map":
-        padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
-        bucket = replace(spec, num_examples=int(ids.size))
-        found = map_laplace(bucket, padded, family, z0, weights)
-        usable = found.start.precision is not None and bool(family.is_positive_definite(found.start.precision))
-        # a converged MAP of a hierarchy can still be a collapsed mode: seeds' gamma(0.001, 0.001) group
-        # precision has a mode with every group effect at 0 and log τ = 9.3 whatever the data, which the
-        # mean-field ELBO start beats (53.7 against 69.3) and the solver cannot leave from the MAP start
-        hierarchical = not family.fixed_precision and prior_structure(bucket, padded, z0) == "qmc"
-        if usable and (family.fixed_precision or (found.converged and not hierarchical)):
-            return _Start(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged,
-                          found.saddle_escapes)
-        if not family.fixed_precision:
-            chosen = _compare_with_elbo_start(bucket, padded, family, z0, weights, found if usable else None)
-            if chosen is not None:
-                return chosen
-    if family.fixed_precision:
-        return _Start(Gaussian(z0, jnp.asarray(1.0, dtype)), "prior")
-    if family.sparse_sites and prior_is_separable(spec, data, z0):  # matrix-free: no (d, d) prior Hessian
-        precision = family.project_diagonal(prior_diagonal_at(spec, data, z0))
-        if not bool(family.is_positive_definite(precision)):
-            precision = family.project_diagonal(jnp.ones(spec.latent.dim, dtype))
-        return _Start(Gaussian(z0, precision), "prior")
-    hess = jax.hessian(lambda z: prior_loss(spec, z, data))(z0)
-    precision = family.project_curvature(0.5 * (hess + hess.T))
-    if not bool(family.is_positive_definite(precision)):
-        precision = family.project_curvature(jnp.eye(spec.latent.dim, dtype=dtype))
-    return _Start(Gaussian(z0, precision), "prior")
-
-
-def _compare_with_elbo_start(spec, data, family, z0, weights, found):
-    """The better of the MAP/Laplace start (when usable) and the mean-field ELBO start, by objective value.
-
-    Called when the MAP search did not converge: on a centred hierarchical model the joint
-    density grows without bound as a group scale goes to ``0``, L-BFGS drifts towards that
-    boundary (``log τ ≈ −19`` after 377 iterations on a 40-group regression) and the Laplace
-    precision there puts standard deviations of 1e-5 on every latent; the solver started from it
-    follows the funnel down (its objective fell by the same 15.6 nats at every step) and stagnates.
-    Both candidates are scored by :func:`~numpyro_pc.start.fixed_draw_objective` on the same draws; the
-    lower wins, and ``record["start"]["candidates"]`` keeps both scores.
-    """
-    elbo = mean_field_elbo(spec, data, family, z0, weights)
-    if not bool(family.is_positive_definite(elbo.start.precision)) or not np.isfinite(elbo.value):
-        return None
-    scores = {"elbo": fixed_draw_objective(spec, data, family, elbo.start, weights)}
-    if found is not None:
-        scores["map"] = fixed_draw_objective(spec, data, family, found.start, weights)
-    if found is not None and scores["map"] < scores["elbo"]:
-        return _Start(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged,
-                      found.saddle_escapes, scores)
-    return _Start(elbo.start, "elbo", elbo.iterations, elbo.grad_norm, elbo.value, elbo.converged, 0, scores)
 
 
 def _float_dtype():

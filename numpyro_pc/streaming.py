@@ -179,6 +179,8 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                   iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
                   weight=weight, fallback=fallback, past_examples_touched=int(touched),
                   reused_sites=int(history[0].get("reused_sites", 0)))
+    if "restart" in history[0]:
+        record["restart"] = history[0]["restart"]
     if corrected.size and correction != "stochastic":
 
         # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
