@@ -352,7 +352,7 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         if bar is not None:
             bar.update(1)
             bar.set_postfix(residual=f"{point.residual:.2e}")
-        stagnant = _stagnation(history)
+        stagnant = _stagnation(history, family.minimises_objective)
         if stagnant is not None and not point.residual <= tol:
             break
     if bar is not None:
@@ -463,9 +463,11 @@ def _check_representable(problem, point):
             "(collinear covariates, unscaled data).")
 
 
-def _stagnation(history):
-    """:func:`numpyro_pc.fixed_point.stagnation` of a solve's history (a phrase, or ``None``)."""
-    return stagnation([h["residual"] for h in history], [h["step"] for h in history[1:]])
+def _stagnation(history, minimises_objective=False):
+    """:func:`numpyro_pc.fixed_point.stagnation` of a solve's history (a phrase, or ``None``); the objective
+    counts as progress for a family whose iteration minimises it."""
+    objectives = [h["objective"] for h in history] if minimises_objective else None
+    return stagnation([h["residual"] for h in history], [h["step"] for h in history[1:]], objectives)
 
 
 def _advice(point, history):

@@ -137,3 +137,7 @@ def test_stagnation_rule():
     assert fixed_point.stagnation([1.0] * 30, [1.0] * 29).startswith("stagnant: the best residual")
     assert "damped" in fixed_point.stagnation([1.0, 0.9], [1e-4] * 8)
     assert fixed_point.stagnation([0.5 ** k for k in range(40)], [1.0] * 39) is None
+    # a flat residual with an objective that keeps falling (0.05 nats per iteration) is progress; 0.001 is not
+    flat = [0.03] * 40
+    assert fixed_point.stagnation(flat, [1.0] * 39, [600.0 - 0.05 * k for k in range(40)]) is None
+    assert "did not halve" in fixed_point.stagnation(flat, [1.0] * 39, [600.0 - 0.001 * k for k in range(40)])

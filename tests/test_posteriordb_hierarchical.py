@@ -202,6 +202,8 @@ def test_the_translation_is_the_stan_log_density(name, x64):
 # rats and pilots posteriors fit too (docs/posteriordb.md) but take minutes
 _CHEAP = ("ucbadmit-ucbadmit", "eight_schools-eight_schools_centered", "dogs-dogs_hierarchical",
           "seeds_data-seeds_centered_model")
+
+
 def _fit_and_update(name):
     tr = pdb.translate(name)
     n = tr.args[0].shape[0]
@@ -233,6 +235,18 @@ def test_seeds_model_exact_update_restarts_from_the_batch_fits_start(x64):
     # start, and the record says so; the answer is the batch fit (KL both ways below 1e-8)
     updated = _fit_and_update("seeds_data-seeds_model")
     assert updated.record["restart"]["reason"].startswith("from q_t: StagnationError")
+
+
+@needs_data
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::numpyro_pc.errors.MonteCarloErrorWarning")
+def test_rats_model_converges_while_its_objective_falls(x64):
+    # flat priors on the scales of a centred hierarchy, unscaled y (150-380): from the ELBO start the residual
+    # stays between 1e-2 and 9e-2 for about 70 iterations while the objective falls 587 -> 581 (climbing out of
+    # the sigma_beta funnel), then converges in 97; the stagnation rule stopped it at 45 when it judged the
+    # residual alone (fit 44 s, half fit + update 20 s on 2 cores)
+    updated = _fit_and_update("rats_data-rats_model")
+    assert "restart" not in updated.record
 
 
 def test_translate_finds_the_hierarchical_registry_and_refuses_unknown_names():
