@@ -8,13 +8,17 @@ from numpyro_pc.cli import demo
 def test_demo_fast(tmp_path, capsys):
     result = demo(out=tmp_path, fast=True, svi_steps=300)
     assert result["residual_before"] > 1e-3 > 1e-8 > result["residual_after"]
-    assert abs(result["kl_fit"]) < 1e-8  # fit from the prior reaches the same fixed point
+    assert abs(result["kl_fit"]) < 1e-8  # pc.fit without SVI reaches the same fixed point
     assert (tmp_path / "dual_form.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "KL(SVI guide" in printed and "residual" in printed
     stream = {label: kl for label, kl, _ in result["streaming"]["stream"]}
     assert stream["exact"] < 1e-8 < stream["none"]  # exact streaming recovers the batch posterior
     assert stream["stochastic"] < 1e-6
+    # a policy that fell back is marked in the table and explained under it, with the batches it happened at
+    marked = sorted(label.split()[0] for label in stream if label.endswith("*"))
+    assert marked == sorted(result["streaming"]["fallbacks"])
+    assert all(f"* {name}: at batch(es)" in printed for name in marked)
     deletion = {method: kl for method, kl, _ in result["streaming"]["delete"]}
     assert deletion["corrected"] < 1e-8 and deletion["remove_site"] < deletion["tracin"]
     assert (tmp_path / "streaming.png").stat().st_size > 10_000
