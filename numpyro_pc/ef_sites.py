@@ -376,7 +376,7 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise
             return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
         if it >= max_iters:
             break
-        new, state = fixed_point.natural_propose_jit(state, in_domain, rho)
+        new, state = fixed_point.natural_propose_host(state, in_domain, rho)
         if not bool(state.inside):
             raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
                                    f"positive (target {np.asarray(state.target).tolist()})")

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
            "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
-           "natural_observe", "natural_propose_jit", "natural_solve", "relative_residual", "default_tol", "stagnation",
+           "natural_observe", "natural_propose_host", "natural_solve", "relative_residual", "default_tol", "stagnation",
            "PATIENCE", "TINY_STEP", "TINY_RUN", "OBJECTIVE_PROGRESS"]
 
 PATIENCE = 25  # iterations without halving the best residual before a run is declared stagnant
@@ -210,20 +210,28 @@ def natural_observe(state: NaturalState, lam, target) -> NaturalState:
                           iteration=state.iteration + 1)
 
 
-@partial(jax.jit, static_argnames=("in_domain",))
-def _propose(state, in_domain, rho_max):
-    return natural_propose(state, in_domain, rho_max)
+@partial(jax.jit, static_argnames=("owner", "name"))
+def _propose_method(state, owner, name, rho_max):
+    return natural_propose(state, getattr(owner, name), rho_max)
 
 
-def natural_propose_jit(state, in_domain, rho_max=1.0):
-    """:func:`natural_propose` compiled once per ``in_domain`` and shape (the host driver's step);
-    an unhashable ``in_domain`` runs it op by op."""
+def natural_propose_host(state, in_domain, rho_max=1.0):
+    """:func:`natural_propose` for a host loop (:func:`numpyro_pc.ef_sites.blr_solve`).
+
+    When ``in_domain`` is a method of an object that hashes by value (a family: a frozen
+    dataclass) the proposal is compiled once per family and shape, so a new fit with an equal
+    family reuses it; otherwise it runs op by op (compiling the whole proposal for every new
+    ``in_domain`` cost 0.2 s per warm fit on bench_ef_guides, op by op 3 ms per iteration).
+    """
     rho_max = jnp.asarray(rho_max, state.lam.dtype)
+    owner, name = getattr(in_domain, "__self__", None), getattr(in_domain, "__name__", None)
     try:
-        hash(in_domain)
+        hash(owner)
     except TypeError:
+        owner = None
+    if owner is None or name is None:
         return natural_propose(state, in_domain, rho_max)
-    return _propose(state, in_domain, rho_max)
+    return _propose_method(state, owner, name, rho_max)
 
 
 def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rho=1.0, memory=5):
