@@ -324,12 +324,13 @@ class SolveInfo(NamedTuple):
     rho: float
 
 
-def relative_residual(lam, target):
+def relative_residual(lam, target) -> float:
     """:math:`\\|\\lambda - \\tau\\| / (1 + \\|\\tau\\|)` as a float (:func:`numpyro_pc.fixed_point.relative_residual`)."""
     return float(fixed_point.relative_residual(lam, target))
 
 
-def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise_on_failure=True, memory=5):
+def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise_on_failure=True,
+              memory=5) -> tuple[jax.Array, object, SolveInfo]:
     r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.fixed_point`).
 
     Each step is :func:`numpyro_pc.fixed_point.natural_propose`: Anderson mixing over the last

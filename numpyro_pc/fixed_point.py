@@ -65,7 +65,7 @@ def default_tol(dtype) -> float:
     return 1e-8 if jnp.dtype(dtype) == jnp.float64 else 1e-5
 
 
-def relative_residual(lam, target):
+def relative_residual(lam, target) -> jax.Array:
     r""":math:`\|\lambda - \tau\| / (1 + \|\tau\|)`, the natural-parameter residual (traceable)."""
     return jnp.linalg.norm(lam - target) / (1.0 + jnp.linalg.norm(target))
 
@@ -103,7 +103,7 @@ def anderson_restart(history: AndersonHistory, keep=0) -> AndersonHistory:
 
 
 @jax.jit
-def anderson_mix(history: AndersonHistory, beta=1.0):
+def anderson_mix(history: AndersonHistory, beta=1.0) -> jax.Array:
     r"""The Anderson (type II) candidate :math:`x_k + \beta f_k - (\Delta X + \beta \Delta F)\gamma`.
 
     Differences whose ends are not both filled carry zero weight, so with fewer than two
@@ -137,7 +137,7 @@ def damping_init(rho, dtype) -> Damping:
     return Damping(jnp.asarray(rho, dtype), jnp.zeros(_RECENT, dtype), jnp.asarray(0))
 
 
-def damping_observe(damping: Damping, residual, accelerated, rho_max):
+def damping_observe(damping: Damping, residual, accelerated, rho_max) -> tuple[Damping, jax.Array]:
     """Update the damping from the residual at the new iterate.
 
     :return: ``(damping, worse)``; ``worse`` — the residual exceeds the largest of the last
