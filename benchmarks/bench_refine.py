@@ -187,20 +187,20 @@ def run_reference(X, y, tol, max_iters):
 def count_site_computations(fn):
     """Run ``fn()`` (untimed) counting the solver's site computations (accepted and rejected
     trials) by wrapping ``SiteProblem.sites`` for the duration of the call."""
-    from numpyro_pc import solvers
+    from numpyro_pc import site_problem
 
-    original = solvers.SiteProblem.sites
+    original = site_problem.SiteProblem.sites
     count = [0]
 
     def counting(self, *args, **kwargs):
         count[0] += 1
         return original(self, *args, **kwargs)
 
-    solvers.SiteProblem.sites = counting
+    site_problem.SiteProblem.sites = counting
     try:
         fn()
     finally:
-        solvers.SiteProblem.sites = original
+        site_problem.SiteProblem.sites = original
     return count[0]
 
 

@@ -18,7 +18,8 @@ from .families import add_site, remove_site, scale_site
 from .rowops import filled
 from .rows import concat_data, pad_to_bucket, positions, take_data
 from .sites import SiteSums, compute_sites
-from .solvers import SiteProblem, solve
+from .site_problem import SiteProblem
+from .solvers import solve
 from .start import default_start
 
 __all__ = ["solve_update"]

@@ -35,7 +35,8 @@ from .families import add_site
 from .likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
-from .solvers import SiteProblem, default_tol, dual_residual, solve
+from .site_problem import SiteProblem, dual_residual
+from .solvers import default_tol, solve
 
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
            "require_gaussian"]

@@ -18,6 +18,8 @@ Every solve in numpyro_pc looks for a fixed point :math:`x = T(x)` of a natural-
 
   With ``β = 1`` and a full history this is GMRES on a linear map, so on an affine
   :math:`T` it reaches the fixed point in at most ``n + 1`` steps.
+* **Backtracking**, :func:`backtrack`: the longest of ``ρ, ρ/2, ρ/4, …`` that a test accepts
+  (e.g. the iterate stays a proper Gaussian).
 * **Non-monotone damping with recovery**, :class:`Damping` with :func:`damping_init` /
   :func:`damping_observe`: a residual above the largest of the last three halves the step
   (when the step that caused it was a plain one) and clears the secant history; a residual
@@ -41,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
-           "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
+           "backtrack", "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
            "natural_observe", "natural_propose_host", "natural_solve", "relative_residual", "default_tol", "stagnation",
            "PATIENCE", "TINY_STEP", "TINY_RUN", "OBJECTIVE_PROGRESS"]
 
@@ -117,6 +119,18 @@ def anderson_mix(history: AndersonHistory, beta=1.0) -> jax.Array:
     df = jnp.where(filled, fs[1:] - fs[:-1], 0.0)
     gamma = jnp.linalg.lstsq(df.T, fs[-1])[0]
     return xs[-1] + beta * fs[-1] - (dx + beta * df).T @ gamma
+
+
+def backtrack(accept: Callable, rho, min_rho) -> jax.Array:
+    """The longest step ``ρ·2⁻ᵏ ≥ min_rho`` that ``accept`` takes (traceable): ``accept(ρ)`` is tried,
+    then its halves; a result below ``min_rho`` means none was accepted.
+
+    The Gaussian kernels halve a step until the iterate is a proper Gaussian
+    (:func:`numpyro_pc.stream_state.iterate`, :func:`numpyro_pc.federated.core.local_update`);
+    :func:`natural_propose` tries the same halvings at once, vectorised over the domain test.
+    """
+    rho = jnp.asarray(rho)
+    return jax.lax.while_loop(lambda r: (r >= min_rho) & ~accept(r), lambda r: 0.5 * r, rho)
 
 
 class Damping(NamedTuple):

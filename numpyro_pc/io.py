@@ -53,7 +53,7 @@ from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
 from .rowops import to_device
 from .sites import Sites
-from .solvers import dual_residual
+from .site_problem import dual_residual
 from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",

@@ -65,7 +65,7 @@ def _hvp(spec, family, include_prior, data, weights, base, mean, vector):
 def newton_direction(problem, q, grad, pre, forcing=1e-4):
     """``δ ≈ −∇²L(m)⁻¹ ∇L(m)`` by CG preconditioned with the family's mean preconditioner ``pre``.
 
-    :param problem: the :class:`~numpyro_pc.solvers.SiteProblem`.
+    :param problem: the :class:`~numpyro_pc.site_problem.SiteProblem`.
     :param q: the current member (its mean is ``m``).
     :param grad: ``∇L(m)``, the sum of the live terms' site gradients.
     :param pre: the mean preconditioner of :meth:`~numpyro_pc.families.ExponentialFamily.fixed_point`,

@@ -65,7 +65,8 @@ from .errors import ConvergenceError, InvalidOptionError, UnsupportedModelError
 from .families import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from .likelihood import ModelData
 from .sites import Sites
-from .solvers import default_tol, live_totals
+from .fixed_point import default_tol
+from .site_problem import live_totals
 from .stream_state import StepInfo, iterate
 
 __all__ = ["TableState", "TableConfig", "from_posterior", "correct_step", "remove_step",

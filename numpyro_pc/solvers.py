@@ -34,7 +34,7 @@ globalised Newton method on the mean.
 from __future__ import annotations
 
 import time
-from functools import partial
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -47,190 +47,14 @@ from .curvature import FULL, NONE
 from . import newton_polish
 from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol, stagnation
 from .families import Gaussian
-from .rowops import all_finite
-from .sites import compute_sites
+from .site_problem import check_finite_sites, evaluate, fixed_point_map
 
-__all__ = ["SiteProblem", "dual_residual", "solve", "default_tol", "live_totals"]
+__all__ = ["SolveState", "SolveOptions", "solve", "solve_init", "solve_step", "solve_converged", "default_tol"]
 
 _WATCH = 3  # residuals remembered by the non-monotone acceptance rule
 _LINEAR = 1e-2  # accelerate only while the residual shrinks by less than 100× per step
 _LOCAL = 1e-2  # below this residual, progress may also be judged by the residual itself
 _NEWTON_MIN_STEP = 2.0**-6  # shortest step along a Newton–CG direction before the plain damped step is tried
-
-
-class SiteProblem(NamedTuple):
-    """A dual-form fixed-point problem: which terms are live and how their sites are computed.
-
-    The target is ``q ∝ base(z) · exp(−ℓ_0(z))^{[include_prior]} · Π_i exp(−ℓ_i(z))`` over the
-    examples in ``data``, where ``base`` is a fixed (possibly improper) Gaussian factor in
-    natural parameters — e.g. the old posterior with the sites of corrected examples
-    divided out (docs/adapting.md, "Adding data" and "Deleting data").
-    """
-
-    spec: object
-    data: object
-    family: object
-    rule: object
-    curvature: str
-    storage: str
-    chunk_size: int | None
-    ids: object
-    base: object = None
-    include_prior: bool = True
-    weights: object = None
-
-    def sites(self, q, need_hessian_sum=False):
-        return compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
-                             storage=self.storage, chunk_size=self.chunk_size, ids=self.ids,
-                             need_hessian_sum=need_hessian_sum, weights=self.weights)
-
-
-def _base_terms(family, q, base, point_loss=False):
-    """Gradient, family-format and dense curvature, and loss of a Gaussian factor.
-
-    The factor ``exp(bᵀz − ½ zᵀBz)`` contributes the loss ``½ zᵀBz − bᵀz``: its expectation
-    under ``q`` (``+ ½ tr(BΣ)``), or its value at the mean when ``point_loss``.
-    """
-    b_mean = family.natural(Gaussian(q.mean, base.precision)).linear  # B m
-    grad = b_mean - base.linear
-    dense_b = family.dense_precision(Gaussian(q.mean, base.precision)) if family.needs_dense_sum else None
-    loss = 0.5 * q.mean @ b_mean - base.linear @ q.mean
-    if not point_loss:
-        loss = loss + 0.5 * family.trace_with_covariance(q, base.precision)
-    return grad, base.precision, dense_b, loss
-
-
-def _point_rule(problem):
-    """Whether the problem's sites are evaluated at the mean alone (the delta rule): then they do not
-    depend on the precision, and neither does the objective (the MAP loss)."""
-    return problem.rule is not None and problem.rule.kind == "delta"
-
-
-def _totals(problem, q, sites, sums=None):
-    """Sums over the live terms: gradient, Σ‖gradients‖, curvature (family format), dense curvature, loss."""
-    return live_totals(problem.family, bool(problem.include_prior), q, sites, sums, problem.base, problem.weights,
-                       point_loss=_point_rule(problem))
-
-
-@partial(jax.jit, static_argnums=(0, 1), static_argnames=("point_loss",))
-def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss=False):
-    """Sums over a problem's live terms at ``q`` (pure; the solver's and :mod:`numpyro_pc.site_table`'s).
-
-    :param family: the :class:`~numpyro_pc.families.ExponentialFamily` (static).
-    :param bool include_prior: whether the prior site is a live term (static).
-    :param q: the current member.
-    :param sites: the live examples' :class:`~numpyro_pc.sites.Sites` (their prior site is used
-        when ``include_prior``).
-    :param sums: their :class:`~numpyro_pc.sites.SiteSums`, or ``None`` (no dense curvature and loss).
-    :param base: a fixed Gaussian factor in natural parameters, or ``None``.
-    :param weights: per-example weights of the live examples, or ``None`` (all 1).
-    :param bool point_loss: the base factor's loss at the mean rather than its expectation (static;
-        the delta rule, whose example and prior losses are values at the mean).
-    :return: ``(gradient, Σ‖gradients‖, target precision in the family's format, dense
-        curvature or None, expected loss or None)``.
-    """
-    grad, norms = sites.grad_totals(q.mean, weights)
-    w = jnp.ones(sites.num_examples, grad.dtype) if weights is None else weights
-    dense = None if sums is None or not family.needs_dense_sum else sums.hessian
-    loss = None if sums is None else sums.loss
-    prior_curvature = b_curv = None
-    if include_prior:
-        p_grad = sites.prior_grad_at(q.mean)
-        grad, norms = grad + p_grad, norms + jnp.linalg.norm(p_grad)
-        prior_curvature = sites.prior_curvature
-        dense = None if dense is None else dense + sites.prior_curvature_dense()
-        loss = None if loss is None else loss + sites.prior_loss
-    if base is not None:
-        b_grad, b_curv, b_dense, b_loss = _base_terms(family, q, base, point_loss)
-        grad, norms = grad + b_grad, norms + jnp.linalg.norm(b_grad)
-        dense = None if dense is None else dense + b_dense
-        loss = None if loss is None else loss + b_loss
-    # the family forms the target from all its parts at once (a non-linear projection sees their sum)
-    curv = family.target_precision(sites.curv, w, prior_curvature, b_curv)
-    if not family.needs_dense_sum:  # a matrix-free family may still precondition the mean with Σ Ĥ_i
-        dense = family.newton_operator(sites.curv, w, prior_curvature, b_curv)
-    return grad, norms, curv, dense, loss
-
-
-def dual_residual(family, q, sites, base=None, include_prior=True, weights=None):
-    """Relative residuals of the two dual-form identities (docs/notation.md, "Dual-form residual").
-
-    With ``∇ℓ̂_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the gradient of site ``i`` at the mean (equal to
-    ``ĝ_i`` for a site computed at ``q`` itself):
-
-    ``mean = ‖Σ_i ∇ℓ̂_i(m)‖ / Σ_i ‖∇ℓ̂_i(m)‖`` (the site gradients cancel at the mean) and
-    ``precision = ‖S − Σ_i Ĥ_i‖_F / ‖S‖_F`` (zero by construction for the isotropic family,
-    whose precision is fixed); sums run over the prior site, the example sites and an
-    optional fixed Gaussian ``base`` factor; example sites may carry ``weights``.
-
-    :return: ``(residual, {"mean": ..., "precision": ...})`` with ``residual`` the larger.
-    """
-    if sites.num_examples:  # bucket-padded with weight-0 copies: a growing stream reuses a few compilations
-        sites, weights = sites.bucketed(weights)
-    problem = SiteProblem(None, None, family, None, None, None, None, None, base, include_prior, weights)
-    return _residual_from_totals(family, q, _totals(problem, q, sites))
-
-
-def _residual_from_totals(family, q, totals):
-    grad, norms, curv = totals[:3]
-    r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
-    r_prec = float(family.precision_residual(q.precision, curv))
-    return max(r_mean, r_prec), {"mean": r_mean, "precision": r_prec}
-
-
-class _Point(NamedTuple):
-    """An evaluated iterate: its sites, their sums over the live terms, residual and objective."""
-
-    q: object
-    sites: object
-    totals: tuple
-    residual: float
-    parts: dict
-    objective: float
-
-
-def _evaluate(problem, q, sites, sums):
-    """Residual and objective of ``q`` from one pass over its sites' totals.
-
-    Under the delta rule the sites, their totals and the objective depend on the mean alone, so
-    the precision the fixed point asks for at that mean, ``S = T(m)``, is known as soon as the
-    sites are: the point takes it (when it is positive definite), and the precision identity
-    then holds by construction. Without this a trial that moves the mean carries the precision
-    of the previous mean, and the solver ends up trading one identity against the other (an
-    uncorrected update of the digits network wandered between residuals 0.01 and 0.2 for 35
-    iterations). The fixed points are unchanged: ``∇L(m) = 0`` and ``S = T(m)``.
-    """
-    totals = _totals(problem, q, sites, sums)
-    if _point_rule(problem):
-        family = problem.family
-        own, _ = family.fixed_point(q, totals[2], totals[3])
-        if bool(family.is_positive_definite(own)):
-            q = Gaussian(q.mean, own)
-    res, parts = _residual_from_totals(problem.family, q, totals)
-    return _Point(q, sites, totals, res, parts, _objective_from_totals(problem, q, totals))
-
-
-def _objective_from_totals(problem, q, totals):
-    """Variational objective ``Σ E_q[live losses] − H(q)`` (the MAP loss for the delta rule)."""
-    value = totals[4]
-    if problem.rule.kind != "delta":
-        value = value - problem.family.entropy(q)
-    return float(value)
-
-
-def _check_finite(sites):
-    if not (all_finite(sites.grad) and all_finite(sites.prior_grad)):
-        raise NonFiniteResultError(
-            "site gradients are not finite at the current posterior; the model's log density is NaN/inf "
-            "somewhere the posterior puts mass (check priors, constraints and the data)."
-        )
-
-
-def _fixed_point_map(problem, point):
-    """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
-    grad, _, target, dense, _ = point.totals
-    target, pre = problem.family.fixed_point(point.q, target, dense)
-    return -problem.family.precondition(pre, grad), target
 
 
 def _pack(q):
@@ -242,14 +66,186 @@ def _unpack(x, like):
     return Gaussian(x[:d], jnp.reshape(x[d:], like.precision.shape))
 
 
+class SolveState(NamedTuple):
+    """The carry of the Gaussian solve: :func:`solve_init` makes it, :func:`solve_step` advances it.
+
+    :ivar point: the current iterate, evaluated (sites, totals, residual, objective).
+    :ivar anderson: the :class:`~numpyro_pc.fixed_point.AndersonHistory` of undamped steps.
+    :ivar history: one dict per accepted iterate, the start first (a tuple: the carry is never mutated).
+    :ivar iteration: accepted steps so far (a watchdog path counts each of its steps).
+    :ivar stagnant: why the run is stagnant (:func:`~numpyro_pc.fixed_point.stagnation`), or ``None``.
+    :ivar stalled: no proposal made progress at the last step: the iteration cannot go on.
+    :ivar started: ``time.perf_counter()`` at the start (the history's clock).
+    """
+
+    point: object
+    anderson: object
+    history: tuple
+    iteration: int
+    stagnant: str | None
+    stalled: bool
+    started: float
+
+
+class SolveOptions(NamedTuple):
+    """The static policies of a solve: initial damped step, its floor, and the Anderson memory."""
+
+    step_size: float = 1.0
+    min_step: float = 2.0**-30
+    memory: int = 3
+
+
+def solve_init(problem, q, sites=None, sums=None, memory=3) -> SolveState:
+    """The carry at the start ``q`` (its sites are computed unless ``sites`` and ``sums`` are given).
+
+    :raises NonFiniteResultError: the site gradients, residual or objective are not finite at ``q``.
+    """
+    started = time.perf_counter()
+    if sites is None or sums is None:
+        sites, sums = problem.sites(q, need_hessian_sum=problem.family.needs_dense_sum)
+    check_finite_sites(sites)
+    point = evaluate(problem, q, sites, sums)
+    if not np.isfinite(point.residual) or not np.isfinite(point.objective):
+        raise NonFiniteResultError(
+            f"the dual-form residual ({point.residual}) or objective ({point.objective}) is not finite at the "
+            "starting posterior; the expected log density overflows there (check priors, constraints, data "
+            "scaling, or start from init='map')."
+        )
+    return SolveState(point, anderson_init(_pack(q), memory), (_history_entry(0, point, 0.0, False, started),),
+                      0, None, False, started)
+
+
+def solve_converged(state: SolveState, tol: float) -> bool:
+    """Whether the current residual is at most ``tol`` (a NaN residual is not converged)."""
+    return bool(state.point.residual <= tol)
+
+
+def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions()) -> SolveState:
+    """One accepted step of the Gaussian solve, built from the engine's proposals in order.
+
+    1. :func:`_newton_proposal` — for a Laplace–Gauss–Newton fit, the Newton–CG step on the MAP
+       condition, backtracked along its direction;
+    2. :func:`_anderson_proposal` — while convergence is linear, the Anderson candidate of the
+       last undamped steps;
+    3. :func:`_damped_proposal` — the damped step, halved from ``options.step_size`` down to
+       ``options.min_step`` (the Anderson history restarts from the current point);
+    4. :func:`_watchdog` — for a family judged by the residual alone, up to three undamped steps.
+
+    Each trial is judged by :func:`_accept`. Returns the new carry; ``stalled`` is set when no
+    proposal made progress.
+    """
+    point, family = state.point, problem.family
+    direction, target = fixed_point_map(problem, point)
+    x = _pack(point.q)
+    anderson = anderson_push(state.anderson, x, _pack(Gaussian(point.q.mean + direction, target)) - x)
+    iteration, history = state.iteration + 1, state.history
+    outcome, rho, accelerated = _newton_proposal(problem, point, history, target)
+    if outcome is None and _linear(history):
+        outcome, rho, accelerated = _anderson_proposal(problem, point, history, anderson, options.memory)
+    if outcome is None:
+        anderson = anderson_restart(anderson, keep=1)  # restart the acceleration from the current point
+        outcome, rho, accelerated = _damped_proposal(problem, point, history, direction, target, options)
+    if outcome is None and not family.minimises_objective:
+        path = _watchdog(problem, point)
+        if path is not None:  # the intermediate full steps are iterations too
+            passed = tuple(_history_entry(iteration + k, p, 1.0, False, state.started) for k, p in enumerate(path[:-1]))
+            history, iteration = history + passed, iteration + len(passed)
+            outcome, rho, accelerated = path[-1], 1.0, False
+            anderson = anderson_restart(anderson)
+    if outcome is None:
+        return state._replace(iteration=iteration, stalled=True)
+    history = history + (_history_entry(iteration, outcome, rho, accelerated, state.started),)
+    return SolveState(outcome, anderson, history, iteration, _stagnation(history, family.minimises_objective),
+                      False, state.started)
+
+
+def _linear(history):
+    """Convergence is linear: the residual shrank by less than 100× at the last step."""
+    return len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
+
+
+def _accept(problem, point, history, trial, permissive=False):
+    """The evaluated ``trial`` if it makes progress from ``point``, else ``None``.
+
+    Progress is a lower variational objective (for a family whose iteration minimises it) or —
+    close to the fixed point (residual below 1e-2), as a last resort, or for a family judged by
+    the residual alone — a residual below the largest of the last three (non-monotone: full
+    steps alternate between reducing the mean and the precision identity). Far from the fixed
+    point only the objective counts: a falling residual there can come from running away
+    (non-log-concave models). A trial that is not a proper Gaussian, or whose sites or loss are
+    not finite, is refused before or after its sites are computed.
+    """
+    family = problem.family
+    if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
+        return None
+    t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
+    if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
+        return None
+    candidate = evaluate(problem, trial, t_sites, t_sums)
+    reference = max(h["residual"] for h in history[-_WATCH:])
+    slack = 1e-12 * (1.0 + abs(point.objective))
+    local = candidate.residual < _LOCAL or permissive or not family.minimises_objective
+    descent = family.minimises_objective and candidate.objective <= point.objective + slack
+    if np.isfinite(candidate.residual) and ((local and candidate.residual < reference) or descent):
+        return candidate
+    return None
+
+
+def _newton_proposal(problem, point, history, target):
+    """Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
+    Gauss–Newton precision as preconditioner, truncated at negative curvature) removes the linear
+    rate of the plain step. Far from a minimum of a non-convex loss the full step overshoots while
+    a shorter one still descends, so it is backtracked along its direction down to 1/64.
+
+    :return: ``(point or None, step, accelerated)``.
+    """
+    if not newton_polish.applies(problem):
+        return None, 0.0, False
+    family, q = problem.family, point.q
+    _, pre = family.fixed_point(q, point.totals[2], point.totals[3])
+    step = newton_polish.newton_direction(problem, q, point.totals[0], pre)
+    rho = 1.0
+    while step is not None and rho >= _NEWTON_MIN_STEP:
+        outcome = _accept(problem, point, history, Gaussian(q.mean + rho * step, target))
+        if outcome is not None:
+            return outcome, rho, True
+        rho *= 0.5
+    return None, rho, False
+
+
+def _anderson_proposal(problem, point, history, anderson, memory):
+    """The Anderson (type II) candidate of the last ``memory`` undamped steps, if it makes progress."""
+    if memory <= 0 or int(anderson.count) <= 1:
+        return None, 0.0, False
+    outcome = _accept(problem, point, history, _unpack(anderson_mix(anderson), point.q))
+    return outcome, 1.0, outcome is not None
+
+
+def _damped_proposal(problem, point, history, direction, target, options):
+    """The damped step of rate ``ρ`` (:func:`_damped_trial`), halved from ``options.step_size`` until
+    it makes progress; a falling residual far from the fixed point is accepted only on a second,
+    permissive pass."""
+    target_pd = problem.family.accepts_target(target)
+    for permissive in (False, True):
+        rho = float(options.step_size)
+        while rho >= options.min_step:
+            trial = _damped_trial(point.q, direction, target, point.totals[0], rho, target_pd, problem.family)
+            outcome = _accept(problem, point, history, trial, permissive)
+            if outcome is not None:
+                return outcome, rho, False
+            rho *= 0.5
+    return None, 0.0, False
+
+
 def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
           progress=False, sites=None, sums=None, memory=3):
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
 
-    While convergence is linear (the residual shrinks by less than 100× per step), an
-    iteration first tries an Anderson-accelerated step built from the last ``memory``
-    undamped steps, which removes the slow modes; when that trial is not positive definite or makes no
-    progress, it falls back to the damped step with backtracking.
+    The host driver of :func:`solve_init` / :func:`solve_step`. While convergence is linear
+    (the residual shrinks by less than 100× per step), an iteration first tries an
+    Anderson-accelerated step built from the last ``memory`` undamped steps, which removes the
+    slow modes; when that trial is not positive definite or makes no progress, it falls back to
+    the damped step with backtracking.
 
     :param SiteProblem problem: model, data and site options.
     :param Gaussian q: starting point.
@@ -263,101 +259,24 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     :param int memory: Anderson history length (``0`` disables acceleration).
     :return: ``(q, sites, history)`` where history is a list of per-iteration dicts.
     """
-    family = problem.family
     tol = default_tol(q.mean.dtype) if tol is None else float(tol)
-    need_sum = family.needs_dense_sum
-    start = time.perf_counter()
-    if sites is None or sums is None:
-        sites, sums = problem.sites(q, need_hessian_sum=need_sum)
-    _check_finite(sites)
-    point = _evaluate(problem, q, sites, sums)
-    history = [_history_entry(0, point, 0.0, False, start)]
+    options = SolveOptions(float(step_size), float(min_step), int(memory))
+    state = solve_init(problem, q, sites, sums, memory)
     bar = _progress(progress, max_iters)
-    anderson = anderson_init(_pack(q), memory)
-    it = 0
-
-    def attempt(trial, permissive=False):
-        if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
-            return None
-        t_sites, t_sums = problem.sites(trial, need_hessian_sum=need_sum)
-        if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
-            return None
-        candidate = _evaluate(problem, trial, t_sites, t_sums)
-        reference = max(h["residual"] for h in history[-_WATCH:])
-        slack = 1e-12 * (1.0 + abs(point.objective))
-        # far from the fixed point only a lower objective counts: a falling residual ratio
-        # there can come from running away (non-log-concave models)
-        local = candidate.residual < _LOCAL or permissive or not family.minimises_objective
-        descent = family.minimises_objective and candidate.objective <= point.objective + slack
-        if np.isfinite(candidate.residual) and ((local and candidate.residual < reference) or descent):
-            return candidate
-        return None
-
-    if not np.isfinite(point.residual) or not np.isfinite(point.objective):
-        raise NonFiniteResultError(
-            f"the dual-form residual ({point.residual}) or objective ({point.objective}) is not finite at the "
-            "starting posterior; the expected log density overflows there (check priors, constraints, data "
-            "scaling, or start from init='map')."
-        )
-    stagnant = None
-    while not point.residual <= tol and it < max_iters:
-        it += 1
-        q = point.q
-        direction, target = _fixed_point_map(problem, point)
-        x = _pack(q)
-        anderson = anderson_push(anderson, x, _pack(Gaussian(q.mean + direction, target)) - x)
-        outcome, rho, accelerated = None, 0.0, False
-        linear = len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
-        if newton_polish.applies(problem):
-            # Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
-            # Gauss–Newton precision as preconditioner, truncated at negative curvature) removes
-            # the linear rate of the plain step, and far from the optimum it is judged by the
-            # same objective test as any other trial
-            _, pre = family.fixed_point(q, point.totals[2], point.totals[3])
-            step = newton_polish.newton_direction(problem, q, point.totals[0], pre)
-            rho = 1.0
-            while step is not None and outcome is None and rho >= _NEWTON_MIN_STEP:
-                # backtracking along the Newton direction: far from a minimum of a non-convex
-                # loss the full step overshoots, while a shorter one still descends
-                outcome = attempt(Gaussian(q.mean + rho * step, target))
-                rho = rho if outcome is not None else 0.5 * rho
-            accelerated = outcome is not None
-        if outcome is None and memory > 0 and int(anderson.count) > 1 and linear:
-            outcome = attempt(_unpack(anderson_mix(anderson), q))
-            rho, accelerated = 1.0, outcome is not None
-        if outcome is None:
-            anderson = anderson_restart(anderson, keep=1)  # restart the acceleration from the current point
-            target_pd = family.accepts_target(target)
-            for permissive in (False, True):  # a falling residual far away counts only as a last resort
-                rho = float(step_size)
-                while rho >= min_step and outcome is None:
-                    trial = _damped_trial(q, direction, target, point.totals[0], rho, target_pd, family)
-                    outcome = attempt(trial, permissive)
-                    if outcome is None:
-                        rho *= 0.5
-                if outcome is not None:
-                    break
-        if outcome is None and not family.minimises_objective:
-            path = _watchdog(problem, point, need_sum)
-            if path is not None:  # the intermediate full steps are iterations too
-                for passed in path[:-1]:
-                    history.append(_history_entry(it, passed, 1.0, False, start))
-                    it += 1
-                outcome, rho, accelerated = path[-1], 1.0, False
-                anderson = anderson_restart(anderson)
-        if outcome is None:
+    while not solve_converged(state, tol) and state.iteration < max_iters:
+        state = solve_step(problem, state, options)
+        if state.stalled:
             break
-        point = outcome
-        history.append(_history_entry(it, point, rho, accelerated, start))
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(residual=f"{point.residual:.2e}")
-        stagnant = _stagnation(history, family.minimises_objective)
-        if stagnant is not None and not point.residual <= tol:
+            bar.set_postfix(residual=f"{state.point.residual:.2e}")
+        if state.stagnant is not None and not solve_converged(state, tol):
             break
     if bar is not None:
         bar.close()
-    if not point.residual <= tol:
+    point, history, it = state.point, list(state.history), state.iteration
+    if not solve_converged(state, tol):
+        stagnant = state.stagnant
         why = (stagnant if stagnant is not None else "no step size made progress" if it < max_iters
                else f"max_iters={max_iters} reached")
         message = (f"refinement stopped at residual {point.residual:.3e} > tol {tol:.1e} after {it} iteration(s) "
@@ -366,13 +285,12 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
         if raise_on_failure:
             error = StagnationError if stagnant is not None or it < max_iters else ConvergenceError
             raise error(message, posterior=(point.q, point.sites), history=history)
-        import warnings
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     _check_representable(problem, point)
     return point.q, point.sites, history
 
 
-def _watchdog(problem, point, need_sum):
+def _watchdog(problem, point):
     """Up to ``_WATCH`` undamped steps from ``point``: the path to the first one whose residual is
     below ``point``'s, or ``None`` (a watchdog, Chamberlain et al. 1982).
 
@@ -382,14 +300,14 @@ def _watchdog(problem, point, need_sum):
     """
     family, path, reference = problem.family, [], point.residual
     for _ in range(_WATCH):
-        direction, target = _fixed_point_map(problem, point)
+        direction, target = fixed_point_map(problem, point)
         trial = Gaussian(point.q.mean + direction, target)
         if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
             return None
-        t_sites, t_sums = problem.sites(trial, need_hessian_sum=need_sum)
+        t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
         if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
             return None
-        point = _evaluate(problem, trial, t_sites, t_sums)
+        point = evaluate(problem, trial, t_sites, t_sums)
         if not np.isfinite(point.residual):
             return None
         path.append(point)

@@ -45,12 +45,13 @@ from .errors import ConvergenceError, DataShapeError, InvalidOptionError
 from .families import Gaussian
 from .likelihood import ModelData
 from .sites import compute_sites
-from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart
-from .solvers import default_tol, live_totals
+from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart, backtrack
+from .fixed_point import default_tol
+from .site_problem import live_totals
 
 __all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "window_step", "delete_step",
-           "run_stream", "split_batches", "to_posterior", "iterate",
-           "newton_terms"]
+           "run_stream", "split_batches", "to_posterior", "IterateState", "iterate_init",
+           "iterate_step", "iterate", "newton_terms"]
 
 
 class StreamState(NamedTuple):
@@ -172,64 +173,96 @@ def newton_terms(config, q, data, ids, weights, base, prior_live):
     return residual, sites, direction, precision
 
 
+class IterateState(NamedTuple):
+    """The carry of :func:`iterate`: the iterate and what its sites give.
+
+    :ivar q: the current Gaussian.
+    :ivar residual: its dual-form residual (``inf`` where its site gradients are not finite).
+    :ivar sites: the live sites at ``q``.
+    :ivar direction: the undamped mean step from ``q``.
+    :ivar target: the undamped precision from ``q``.
+    :ivar iteration: accepted steps.
+    :ivar history: the :class:`~numpyro_pc.fixed_point.AndersonHistory`.
+    :ivar stalled: no halving of the damped step down to ``2⁻²⁰`` is a proper Gaussian.
+    """
+
+    q: Gaussian
+    residual: jax.Array
+    sites: object
+    direction: jax.Array
+    target: jax.Array
+    iteration: jax.Array
+    history: object
+    stalled: jax.Array
+
+
+def iterate_init(config, q0, data, ids, weights, base, prior_live, memory=3) -> IterateState:
+    """The carry of :func:`iterate` at ``q0`` (one site computation)."""
+    return IterateState(q0, *newton_terms(config, q0, data, ids, weights, base, prior_live), jnp.asarray(0),
+                        anderson_init(ravel_pytree(q0)[0], memory), jnp.asarray(False))
+
+
+def iterate_step(config, state: IterateState, data, ids, weights, base, prior_live) -> IterateState:
+    """One step of :func:`iterate` (pure, traceable): the Anderson extrapolation of the last undamped
+    steps when it is a proper Gaussian that lowers the residual (Walker & Ni 2011, as the host
+    solver), else the undamped step :func:`~numpyro_pc.fixed_point.backtrack`-ed until it is a
+    proper Gaussian (a halved step restarts the extrapolation from the current point)."""
+    family = config.family
+    q = state.q
+    x, unravel = ravel_pytree(q)
+    history = anderson_push(state.history, x, ravel_pytree(Gaussian(q.mean + state.direction, state.target))[0] - x)
+
+    def proper(trial):
+        return jnp.all(jnp.isfinite(trial.mean)) & family.is_positive_definite(trial.precision)
+
+    def evaluate(trial):
+        return (trial, *newton_terms(config, trial, data, ids, weights, base, prior_live))
+
+    accelerated = unravel(anderson_mix(history))
+
+    def try_anderson(_):
+        out = evaluate(accelerated)
+        return out, out[1] < state.residual
+
+    def skip(_):
+        return (q, state.residual, state.sites, state.direction, state.target), jnp.asarray(False)
+
+    candidate, better = jax.lax.cond((history.count > 1) & proper(accelerated), try_anderson, skip, None)
+
+    def damped_at(rho):
+        return Gaussian(q.mean + rho * state.direction, family.blend(q.precision, state.target, rho))
+
+    def damped(_):
+        rho = backtrack(lambda r: proper(damped_at(r)), jnp.asarray(1.0, q.mean.dtype), _MIN_STEP)
+        kept = jax.tree.map(lambda full, restarted: jnp.where(rho < 1.0, restarted, full),
+                            history, anderson_restart(history, keep=1))
+        stalled = rho < _MIN_STEP
+
+        def advance(_):
+            return IterateState(*evaluate(damped_at(rho)), state.iteration + 1, kept, jnp.asarray(False))
+
+        return jax.lax.cond(stalled, lambda _: state._replace(stalled=jnp.asarray(True)), advance, None)
+
+    return jax.lax.cond(better, lambda _: IterateState(*candidate, state.iteration + 1, history, jnp.asarray(False)),
+                        damped, None)
+
+
 def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
     """Natural-gradient steps from ``q0`` until the residual is below ``tol`` (pure; the kernels of this
     module and of :mod:`numpyro_pc.site_table`); returns ``q``, the live sites at ``q``, the
     residual and the steps taken (``config`` needs ``family, spec, rule, curvature, storage,
     chunk_size, tol, max_iters``).
 
-    Each step first tries the Anderson extrapolation of the last ``memory`` undamped steps
-    (kept when it is in the cone and lowers the residual; Walker & Ni 2011, as the host
-    solver), then the undamped step, halved while it leaves the cone.
+    The traced driver of :func:`iterate_init` / :func:`iterate_step`: one ``lax.while_loop``
+    that stops at the tolerance, after ``max_iters`` steps, or when the step stalls.
     """
-    family = config.family
-    flat0, unravel = ravel_pytree(q0)
+    def cond(state):
+        return (state.residual > config.tol) & (state.iteration < config.max_iters) & ~state.stalled
 
-    def proper(q):
-        return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
-
-    def cond(c):
-        residual, rho, it = c[1], c[5], c[6]
-        return (residual > config.tol) & (it < config.max_iters) & (rho >= _MIN_STEP)
-
-    def body(c):
-        q, residual, sites, direction, target, rho, it, history = c
-        x = ravel_pytree(q)[0]
-        plain = Gaussian(q.mean + direction, target)
-        history = anderson_push(history, x, ravel_pytree(plain)[0] - x)
-        accelerated = unravel(anderson_mix(history))
-
-        def evaluate(trial):
-            return (trial, *newton_terms(config, trial, data, ids, weights, base, prior_live))
-
-        def try_anderson(_):
-            out = evaluate(accelerated)
-            return out, out[1] < residual
-
-        def skip(_):
-            return (q, residual, sites, direction, target), jnp.asarray(False)
-
-        use = (history.count > 1) & proper(accelerated) & (rho == 1.0)
-        candidate, better = jax.lax.cond(use, try_anderson, skip, None)
-        trial = Gaussian(q.mean + rho * direction, family.blend(q.precision, target, rho))
-
-        def damped(_):
-            def advance(_):
-                return (*evaluate(trial), jnp.asarray(1.0, rho.dtype), it + 1, history)
-
-            def shrink(_):  # a halved step restarts the extrapolation
-                return q, residual, sites, direction, target, 0.5 * rho, it, anderson_restart(history)
-
-            return jax.lax.cond(proper(trial), advance, shrink, None)
-
-        return jax.lax.cond(better, lambda _: (*candidate, jnp.asarray(1.0, rho.dtype), it + 1, history),
-                            damped, None)
-
-    dtype = q0.mean.dtype
-    start = (q0, *newton_terms(config, q0, data, ids, weights, base, prior_live), jnp.asarray(1.0, dtype),
-             jnp.asarray(0), anderson_init(flat0, memory))
-    q, residual, sites, _, _, _, iterations, _ = jax.lax.while_loop(cond, body, start)
-    return q, sites, residual, iterations
+    state = jax.lax.while_loop(
+        cond, lambda state: iterate_step(config, state, data, ids, weights, base, prior_live),
+        iterate_init(config, q0, data, ids, weights, base, prior_live, memory))
+    return state.q, state.sites, state.residual, state.iteration
 
 
 def _solve(config, state, data, weights, count, extra_failure):

@@ -46,7 +46,8 @@ from .dual import RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
-from .solvers import SiteProblem, solve
+from .site_problem import SiteProblem
+from .solvers import solve
 
 __all__ = ["METHODS", "delete"]
 

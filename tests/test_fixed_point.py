@@ -141,3 +141,80 @@ def test_stagnation_rule():
     flat = [0.03] * 40
     assert fixed_point.stagnation(flat, [1.0] * 39, [600.0 - 0.05 * k for k in range(40)]) is None
     assert "did not halve" in fixed_point.stagnation(flat, [1.0] * 39, [600.0 - 0.001 * k for k in range(40)])
+
+
+def test_backtrack_returns_the_longest_accepted_halving():
+    with jax.enable_x64(True):
+        accept_below = lambda limit: (lambda r: r <= limit)  # noqa: E731
+        assert float(fixed_point.backtrack(accept_below(0.3), 1.0, 2.0**-20)) == 0.25
+        assert float(fixed_point.backtrack(accept_below(2.0), 1.0, 2.0**-20)) == 1.0
+        assert float(fixed_point.backtrack(accept_below(-1.0), 1.0, 2.0**-20)) < 2.0**-20  # none accepted
+        traced = jax.jit(lambda limit: fixed_point.backtrack(lambda r: r <= limit, 1.0, 2.0**-20))
+        assert float(traced(0.1)) == 0.0625
+
+
+def _logistic_problem(n=60, d=3):
+    from conftest import logistic_model, make_logistic
+
+    from numpyro_pc.expectations import ExpectationRule
+    from numpyro_pc.families import get_family
+    from numpyro_pc.likelihood import bind_model
+    from numpyro_pc.site_problem import SiteProblem
+
+    X, y = make_logistic(n, d)
+    spec, data = bind_model(logistic_model, (X, y))
+    problem = SiteProblem(spec, data, get_family("full"), ExpectationRule("delta"), "hessian", "auto", None,
+                          jnp.arange(n))
+    return problem, (X, y)
+
+
+def test_gaussian_host_solve_is_its_init_and_step(x64):
+    # solvers.solve is the host driver of solve_init/solve_step: stepping the carry by hand must
+    # give the same iterates (same arithmetic, so equal to the last bit), and a step never
+    # mutates the carry it was given. Oracle for the end point: the delta rule's fixed point is
+    # the MAP, so the mean equals pc.fit's MAP/Laplace posterior on the same data to 1e-8.
+    import numpyro_pc as pc
+    from conftest import logistic_model
+
+    from numpyro_pc.families import Gaussian
+
+    problem, (X, y) = _logistic_problem()
+    start = Gaussian(jnp.zeros(4), jnp.eye(4))  # the intercept and three weights
+    q, _, history = solvers.solve(problem, start, tol=1e-10)
+    state = solvers.solve_init(problem, start)
+    first = state
+    while not solvers.solve_converged(state, 1e-10) and state.iteration < 100:
+        state = solvers.solve_step(problem, state, solvers.SolveOptions())
+        assert not state.stalled
+    assert len(first.history) == 1 and first.iteration == 0  # the carry is never mutated
+    assert [h["residual"] for h in state.history] == [h["residual"] for h in history]
+    np.testing.assert_array_equal(state.point.q.mean, q.mean)
+    laplace = pc.fit(logistic_model, X, y, expectation="delta", tol=1e-10)
+    np.testing.assert_allclose(q.mean, laplace.mean, rtol=1e-8, atol=1e-10)
+
+
+def test_traced_gaussian_iterate_is_its_init_and_step(x64):
+    # stream_state.iterate is one lax.while_loop over iterate_step: the same steps taken one by one
+    # from the host give the same iterate (rtol 1e-12: the two are compiled separately, so fusion
+    # may reorder sums), and the end point is pc.fit's fixed point on all the data (KL-level 1e-8).
+    import numpyro_pc as pc
+    from conftest import logistic_model, make_logistic
+
+    from numpyro_pc.likelihood import bind_model
+    from numpyro_pc.stream_state import from_posterior, iterate, iterate_init, iterate_step
+
+    X, y = make_logistic(60, 3)
+    post = pc.fit(logistic_model, X[:20], y[:20])
+    config, state = from_posterior(post, 64)
+    _, data = bind_model(logistic_model, (X, y))
+    args = (data, jnp.arange(60), jnp.ones(60), None, True)
+    q, _, residual, iterations = jax.jit(lambda q0: iterate(config, q0, *args))(state.q)
+    step = jax.jit(lambda carry: iterate_step(config, carry, *args))
+    carry = iterate_init(config, state.q, *args)
+    while float(carry.residual) > config.tol and int(carry.iteration) < config.max_iters and not bool(carry.stalled):
+        carry = step(carry)
+    assert int(carry.iteration) == int(iterations) > 0 and float(residual) <= config.tol
+    np.testing.assert_allclose(carry.q.mean, q.mean, rtol=1e-12)
+    np.testing.assert_allclose(carry.q.precision, q.precision, rtol=1e-12)
+    batch = pc.fit(logistic_model, X, y, tol=1e-12)
+    np.testing.assert_allclose(q.mean, batch.mean, rtol=1e-7, atol=1e-9)

@@ -16,7 +16,7 @@ from jax.extend.core import jaxprs_in_params
 
 import numpyro_pc as pc
 from numpyro_pc import sites as site_module
-from numpyro_pc import curvature_sparse, solvers
+from numpyro_pc import curvature_sparse, site_problem
 from numpyro_pc.curvature_sparse import SparseFactor
 from numpyro_pc.diagnostics import site_mismatch
 from numpyro_pc.expectations import prepare_rule, get_rule
@@ -161,10 +161,10 @@ def test_no_d_by_d_and_no_n_by_d_array_on_the_path(storage, monkeypatch):
                                  width=sites.grad.shape[1] if storage == "sparse" else 0,
                                  prior_diagonal=sites.prior_curvature.ndim == 1)
     weights = jnp.ones(n, jnp.float32)
-    problem = solvers.SiteProblem(spec, data, family, rule, "hessian", storage, 32, sites.ids, None, True, weights)
+    problem = site_problem.SiteProblem(spec, data, family, rule, "hessian", storage, 32, sites.ids, None, True, weights)
     found = {
         "sites": _shapes(lambda qq: site_module._compute(spec, cfg, family, qq, data, sites.ids, weights), q),
-        "totals": _shapes(lambda qq, ss: solvers._totals(problem, qq, ss)[:3], q, sites),
+        "totals": _shapes(lambda qq, ss: site_problem.problem_totals(problem, qq, ss)[:3], q, sites),
         "mismatch": _shapes(lambda qq, a, b: site_mismatch(a, b, qq, family, True), q, sites, sites),
     }
     stored = {tuple(x.shape) for x in jax.tree.leaves(sites)}

@@ -87,7 +87,8 @@ def test_nan_residual_is_not_converged(x64):
     from numpyro_pc.families import Gaussian, get_family
     from numpyro_pc.expectations import ExpectationRule
     from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.solvers import SiteProblem, solve
+    from numpyro_pc.site_problem import SiteProblem
+    from numpyro_pc.solvers import solve
 
     X, y = make_linear(20, 2)
     spec, data = bind_model(linear_model, (X, y))

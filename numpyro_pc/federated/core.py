@@ -37,6 +37,7 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 from ..errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from ..expectations import hermite_nodes
 from ..families import Gaussian, GaussianNatural
+from ..fixed_point import backtrack
 from ..likelihood import ModelData, bind_model, example_loss, example_params
 from .privacy import add_noise, clip_factors
 
@@ -295,14 +296,27 @@ def relative_top(chol, site):
     return jnp.linalg.eigvalsh(0.5 * (whitened + whitened.T))[-1]
 
 
+_MIN_HALF = 2.0**-20  # shortest fraction of a local Newton step tried before the client reports failure
+
+
+class _LocalState(NamedTuple):
+    """The carry of a client's local solve: iterate, steps taken, last relative change (−1: not finite)."""
+
+    q: Gaussian
+    iteration: jax.Array
+    change: jax.Array
+
+
 def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     r"""Solve ``λ_k = λ_jnt + (λ̂_k(q_k) − η_k)/ρ`` for one client (paper eq. ``local_update``).
 
     The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
     ``(b, B) = λ_jnt − η_k/ρ``; the precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the
-    isotropic family); a step that would leave an improper Gaussian is halved (at most 20
-    times). Starting from ``q_jnt``, iterations stop once the relative change
-    is below ``cfg.tol`` or after ``cfg.max_iters``.
+    isotropic family); a step that would leave an improper Gaussian is halved down to
+    ``2⁻²⁰`` (:func:`~numpyro_pc.fixed_point.backtrack`). Starting from ``q_jnt``, iterations
+    stop once the relative change is below ``cfg.tol`` or after ``cfg.max_iters``: each is a
+    Newton step on a strongly convex problem (the cavity keeps it so, see :func:`safe_rho`), so
+    the step length itself bounds the distance to the solution and no acceleration is needed.
 
     With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
     ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
@@ -344,26 +358,22 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
         full = Gaussian(mean, prec)
         # halve the step (in mean and precision) until the iterate is a proper Gaussian
         shrink = lambda beta: jax.tree.map(lambda a, b: a + beta * (b - a), q, full)  # noqa: E731
-        beta = jax.lax.while_loop(lambda b: (b > 2.0**-20) & ~valid(shrink(b)), lambda b: 0.5 * b,
-                                  jnp.asarray(1.0, q.mean.dtype))
-        return shrink(beta)
+        return shrink(backtrack(lambda beta: valid(shrink(beta)), jnp.asarray(1.0, q.mean.dtype), _MIN_HALF))
 
     def change(new, old):
         dm = jnp.max(jnp.abs(new.mean - old.mean)) / (1.0 + jnp.max(jnp.abs(old.mean)))
         ds = jnp.max(jnp.abs(new.precision - old.precision)) / (1.0 + jnp.max(jnp.abs(old.precision)))
         return jnp.maximum(dm, ds)
 
-    def cond(carry):
-        _, it, delta = carry
-        return (it < cfg.max_iters) & (delta > cfg.tol)
+    def cond(state):
+        return (state.iteration < cfg.max_iters) & (state.change > cfg.tol)
 
-    def body(carry):
-        q, it, _ = carry
-        new = step(q)
-        delta = change(new, q)
-        return new, it + 1, jnp.where(jnp.isfinite(delta), delta, -1.0)  # NaN stops the loop
+    def body(state):
+        new = step(state.q)
+        delta = change(new, state.q)
+        return _LocalState(new, state.iteration + 1, jnp.where(jnp.isfinite(delta), delta, -1.0))  # NaN stops
 
-    start = (q_jnt, jnp.asarray(0), jnp.asarray(jnp.inf, q_jnt.mean.dtype))
+    start = _LocalState(q_jnt, jnp.asarray(0), jnp.asarray(jnp.inf, q_jnt.mean.dtype))
     q, iters, delta = jax.lax.while_loop(cond, body, start)
     site = client_site(cfg, q, per_example, mask, shared)
     ok = (delta >= 0) & jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
