@@ -57,7 +57,7 @@ lint: venv
 	$(VENV)/bin/lint-imports --no-cache
 
 unit: venv
-	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --durations=15 tests
+	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 tests
 
 notebooks: venv
 	NUMPYRO_PC_FAST=1 $(PY) scripts/run_notebooks.py notebooks
