@@ -109,7 +109,7 @@ def solve_init(problem, q, sites=None, sums=None, memory=3) -> SolveState:
         raise NonFiniteResultError(
             f"the dual-form residual ({point.residual}) or objective ({point.objective}) is not finite at the "
             "starting posterior; the expected log density overflows there (check priors, constraints, data "
-            "scaling, or start from init='map')."
+            "scaling, or pc.fit's default start if this run started elsewhere)."
         )
     return SolveState(point, anderson_init(_pack(q), memory), (_history_entry(0, point, 0.0, False, started),),
                       0, None, False, started)
