@@ -10,9 +10,10 @@ from pathlib import Path
 
 import numpyro_pc as pc
 
+from .errors import InvalidOptionError
 from .plotting import save_figure
 
-__all__ = ["main", "demo"]
+__all__ = ["main", "demo", "SECTIONS"]
 
 
 def _logistic_model(X, y=None):
@@ -25,26 +26,35 @@ def _logistic_model(X, y=None):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
-def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
-    """The package on scikit-learn's breast-cancer data.
+SECTIONS = ("dual_form", "trust", "hierarchical", "streaming", "criticism", "merging_federated", "expfam",
+            "streaming_gp")
 
-    1. Dual form: SVI → ``dual_form`` → ``refine``; prints the residual before and after,
+
+def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None):
+    """The package on scikit-learn's breast-cancer data, in sections (:data:`SECTIONS`):
+
+    1. ``dual_form``: SVI → ``dual_form`` → ``refine``; prints the residual before and after,
        the KL between the SVI guide and the refined posterior and the time of each step;
        writes ``dual_form.png``.
-    2. Right or refused: a regression on scikit-learn's *unscaled* diabetes data with a
+    2. ``trust`` (right or refused): a regression on scikit-learn's *unscaled* diabetes data with a
        weakly-informative ``HalfNormal(100)`` noise prior fitted from the default start, and
        a model whose plate size is not tied to the data refused with a typed error.
-    3. Streaming: the data in 5 drifting batches with every correction policy, then a group
+    3. ``hierarchical``: a centred hierarchy fitted from the ELBO start and updated exactly.
+    4. ``streaming``: the data in 5 drifting batches with every correction policy, then a group
        deletion with every method; prints tables of KL and time; writes ``streaming.png``.
-    4. Merging and federated learning: two half-data posteriors merged with every method;
-       10 non-IID clients reaching the joint posterior; writes ``merging_federated.png``.
-    5. Exponential-family posterior: a regression with a full Gaussian weight block and a
-       Gamma noise precision on the unscaled diabetes data, streamed and pruned, checked
-       against closed-form coordinate ascent; writes ``expfam.png``.
-    6. Streaming sparse GP (``gp`` extra): a 1-D stream in 4 batches with learned
+    5. ``criticism``: all-N leave-one-out from the sites, ``az.compare`` against a smaller
+       model, exact refits of the flagged examples; writes ``criticism.png``.
+    6. ``merging_federated``: two half-data posteriors merged with every method; 10 non-IID
+       clients reaching the joint posterior; writes ``merging_federated.png``.
+    7. ``expfam``: a regression with a full Gaussian weight block and a Gamma noise precision
+       on the unscaled diabetes data, streamed and pruned, checked against closed-form
+       coordinate ascent; writes ``expfam.png``.
+    8. ``streaming_gp`` (``gp`` extra): a 1-D stream in 4 batches with learned
        hyperparameters and inducing inputs; writes ``streaming_gp.png``.
 
-    :return: a dict of the measured numbers.
+    :param sections: names from :data:`SECTIONS` to run (default: all, in that order). Without
+        ``dual_form`` the sections that need a fitted posterior use one ``pc.fit``.
+    :return: a dict of the measured numbers of the sections that ran.
     """
     import jax
     import jax.numpy as jnp
@@ -52,81 +62,103 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import optax
-    from numpyro.infer import SVI, Trace_ELBO
-    from numpyro.infer.autoguide import AutoMultivariateNormal
 
     from numpyro_pc.datasets import load_breast_cancer
 
+    chosen = SECTIONS if sections is None else tuple(sections)
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        raise InvalidOptionError(f"unknown demo section(s) {unknown}; expected some of {list(SECTIONS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = svi_steps or (500 if fast else 3000)
-    timings = {}
+    result = {}
     with jax.enable_x64(True):
         X, y, names = load_breast_cancer()
         X, y = jnp.asarray(X), jnp.asarray(y)
         print(f"breast-cancer data: N={X.shape[0]} examples, {X.shape[1]} features (+ intercept), float64")
+        post = scratch = None
+        if "dual_form" in chosen:
+            result.update(_demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed))
+            post, scratch = result.pop("_post"), result.pop("_scratch")
+        elif {"criticism", "merging_federated"} & set(chosen):
+            t0 = time.perf_counter()
+            scratch = post = pc.fit(_logistic_model, X, y, family="full")
+            result["timings"] = dict(fit=time.perf_counter() - t0)
+        if "trust" in chosen:
+            result["trust"] = _demo_trust()
+        if "hierarchical" in chosen:
+            result["hierarchical"] = _demo_hierarchical()
+        if "streaming" in chosen:
+            result["streaming"] = _demo_streaming(X, y, out, plt, fast)
+        if "criticism" in chosen:
+            result["criticism"] = _demo_criticism(post, X, y, out, plt, result["timings"]["fit"])
+        if "merging_federated" in chosen:
+            from .federated.demo import demo_merging_federated
 
-        guide = AutoMultivariateNormal(_logistic_model)
-        svi = SVI(_logistic_model, guide, optax.adam(0.01), Trace_ELBO())
-        t0 = time.perf_counter()
-        res = svi.run(jax.random.PRNGKey(seed), steps, X, y, progress_bar=False)
-        jax.block_until_ready(res.params)
-        timings["svi"] = time.perf_counter() - t0
+            result["merging_federated"] = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
+        if "expfam" in chosen:
+            from .ef_demo import demo_expfam
 
-        t0 = time.perf_counter()
-        raw = pc.dual_form(_logistic_model, guide, res.params, X, y, refine=False)
-        timings["dual_form"] = time.perf_counter() - t0
-        before = raw.residual
+            result["expfam"] = demo_expfam(out, plt, fast)
+        if "streaming_gp" in chosen:
+            try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
+                from .gp.demo import demo_streaming_gp
+            except ImportError:
+                result["streaming_gp"] = None
+                print("\nstreaming sparse GP section skipped (install the 'gp' extra for GPJax)")
+            else:
+                result["streaming_gp"] = demo_streaming_gp(out, plt, fast, seed)
+    return result
 
-        t0 = time.perf_counter()
-        post = raw.refine(progress=not fast)
-        timings["refine"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        scratch = pc.fit(_logistic_model, X, y, family="full")
-        timings["fit"] = time.perf_counter() - t0
+def _demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed):
+    """SVI, the dual form at its guide, refinement and ``pc.fit``; prints the table and the KLs."""
+    import jax
+    import optax
+    from numpyro.infer import SVI, Trace_ELBO
+    from numpyro.infer.autoguide import AutoMultivariateNormal
 
-        kl_svi = float(raw.kl(post))
-        kl_fit = float(scratch.kl(post))
-        rows = [
-            ("SVI (Adam, AutoMultivariateNormal)", f"{steps} steps", timings["svi"]),
-            ("dual_form: sites at the SVI guide", f"residual {before:.2e}", timings["dual_form"]),
-            ("refine: natural-gradient steps", f"residual {post.residual:.2e} in {len(post.history) - 1} it.",
-             timings["refine"]),
-            ("pc.fit (MAP/Laplace start, no SVI)", f"residual {scratch.residual:.2e}", timings["fit"]),
-        ]
-        print()
-        print(f"{'step':40s} {'result':32s} {'time [s]':>9s}")
-        for name, result, seconds in rows:
-            print(f"{name:40s} {result:32s} {seconds:9.2f}")
-        print()
-        print(f"KL(SVI guide ‖ refined posterior)     = {kl_svi:.3e}")
-        print(f"KL(fit from prior ‖ refined posterior) = {kl_fit:.3e}")
+    steps = svi_steps or (500 if fast else 3000)
+    timings = {}
+    guide = AutoMultivariateNormal(_logistic_model)
+    svi = SVI(_logistic_model, guide, optax.adam(0.01), Trace_ELBO())
+    t0 = time.perf_counter()
+    res = svi.run(jax.random.PRNGKey(seed), steps, X, y, progress_bar=False)
+    jax.block_until_ready(res.params)
+    timings["svi"] = time.perf_counter() - t0
 
-        figure = _plot(post, raw, X, y, names, plt)
-        path = save_figure(figure, out, "dual_form.png")
-        trust = _demo_trust()
-        hierarchical = _demo_hierarchical()
-        streaming = _demo_streaming(X, y, out, plt, fast)
-        criticism = _demo_criticism(post, X, y, out, plt, timings["fit"])
-        from .federated.demo import demo_merging_federated
+    t0 = time.perf_counter()
+    raw = pc.dual_form(_logistic_model, guide, res.params, X, y, refine=False)
+    timings["dual_form"] = time.perf_counter() - t0
+    before = raw.residual
 
-        merging = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
-        from .ef_demo import demo_expfam
+    t0 = time.perf_counter()
+    post = raw.refine(progress=not fast)
+    timings["refine"] = time.perf_counter() - t0
 
-        expfam = demo_expfam(out, plt, fast)
-        try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
-            from .gp.demo import demo_streaming_gp
-        except ImportError:
-            streaming_gp = None
-            print("\nstreaming sparse GP section skipped (install the 'gp' extra for GPJax)")
-        else:
-            streaming_gp = demo_streaming_gp(out, plt, fast, seed)
-        return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit,
-                    timings=timings, iterations=len(post.history) - 1, plot=str(path), streaming=streaming,
-                    merging_federated=merging, expfam=expfam, streaming_gp=streaming_gp, trust=trust, criticism=criticism,
-                    hierarchical=hierarchical)
+    t0 = time.perf_counter()
+    scratch = pc.fit(_logistic_model, X, y, family="full")
+    timings["fit"] = time.perf_counter() - t0
+
+    kl_svi = float(raw.kl(post))
+    kl_fit = float(scratch.kl(post))
+    rows = [
+        ("SVI (Adam, AutoMultivariateNormal)", f"{steps} steps", timings["svi"]),
+        ("dual_form: sites at the SVI guide", f"residual {before:.2e}", timings["dual_form"]),
+        ("refine: natural-gradient steps", f"residual {post.residual:.2e} in {len(post.history) - 1} it.",
+         timings["refine"]),
+        ("pc.fit (MAP/Laplace start, no SVI)", f"residual {scratch.residual:.2e}", timings["fit"]),
+    ]
+    print()
+    print(f"{'step':40s} {'result':32s} {'time [s]':>9s}")
+    for name, result, seconds in rows:
+        print(f"{name:40s} {result:32s} {seconds:9.2f}")
+    print()
+    print(f"KL(SVI guide ‖ refined posterior)     = {kl_svi:.3e}")
+    print(f"KL(pc.fit ‖ refined posterior)         = {kl_fit:.3e}")
+    path = save_figure(_plot(post, raw, X, y, names, plt), out, "dual_form.png")
+    return dict(residual_before=before, residual_after=post.residual, kl_svi=kl_svi, kl_fit=kl_fit, timings=timings,
+                iterations=len(post.history) - 1, plot=str(path), _post=post, _scratch=scratch)
 
 
 def _demo_criticism(post, X, y, out, plt, fit_seconds):
@@ -387,9 +419,11 @@ def main(argv=None):
     p_demo.add_argument("--fast", action="store_true", help="fewer SVI steps, no progress bars")
     p_demo.add_argument("--svi-steps", type=int, default=None, help="SVI steps (default 3000, 500 with --fast)")
     p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.add_argument("--section", action="append", choices=SECTIONS, dest="sections",
+                        help="run only this section (repeatable; default: all)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        demo(out=args.out, fast=args.fast, svi_steps=args.svi_steps, seed=args.seed)
+        demo(out=args.out, fast=args.fast, svi_steps=args.svi_steps, seed=args.seed, sections=args.sections)
     return 0
 
 
