@@ -164,6 +164,18 @@ def _linear(history):
     return len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
 
 
+def _evaluate_trial(problem, trial):
+    """``trial`` evaluated, or ``None`` when it is not a proper Gaussian (checked before its sites are
+    computed) or its site gradients or loss are not finite."""
+    family = problem.family
+    if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
+        return None
+    t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
+    if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
+        return None
+    return evaluate(problem, trial, t_sites, t_sums)
+
+
 def _accept(problem, point, history, trial, permissive=False):
     """The evaluated ``trial`` if it makes progress from ``point``, else ``None``.
 
@@ -176,12 +188,9 @@ def _accept(problem, point, history, trial, permissive=False):
     not finite, is refused before or after its sites are computed.
     """
     family = problem.family
-    if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
+    candidate = _evaluate_trial(problem, trial)
+    if candidate is None:
         return None
-    t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
-    if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
-        return None
-    candidate = evaluate(problem, trial, t_sites, t_sums)
     reference = max(h["residual"] for h in history[-_WATCH:])
     slack = 1e-12 * (1.0 + abs(point.objective))
     local = candidate.residual < _LOCAL or permissive or not family.minimises_objective
@@ -298,17 +307,11 @@ def _watchdog(problem, point):
     step raises the residual (the low-rank family from a MAP start on a7a: 9.0e-3, 2.0e-2,
     5.4e-4, then to 1e-16), which no damped step satisfies.
     """
-    family, path, reference = problem.family, [], point.residual
+    path, reference = [], point.residual
     for _ in range(_WATCH):
         direction, target = fixed_point_map(problem, point)
-        trial = Gaussian(point.q.mean + direction, target)
-        if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
-            return None
-        t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
-        if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
-            return None
-        point = evaluate(problem, trial, t_sites, t_sums)
-        if not np.isfinite(point.residual):
+        point = _evaluate_trial(problem, Gaussian(point.q.mean + direction, target))
+        if point is None or not np.isfinite(point.residual):
             return None
         path.append(point)
         if point.residual < reference:
