@@ -30,7 +30,7 @@ SECTIONS = ("dual_form", "trust", "hierarchical", "streaming", "criticism", "mer
             "streaming_gp")
 
 
-def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None):
+def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -> dict:
     """The package on scikit-learn's breast-cancer data, in sections (:data:`SECTIONS`):
 
     1. ``dual_form``: SVI → ``dual_form`` → ``refine``; prints the residual before and after,

@@ -229,7 +229,7 @@ def _propose_method(state, owner, name, rho_max):
     return natural_propose(state, getattr(owner, name), rho_max)
 
 
-def natural_propose_host(state, in_domain, rho_max=1.0):
+def natural_propose_host(state: NaturalState, in_domain: Callable, rho_max=1.0) -> tuple[jax.Array, NaturalState]:
     """:func:`natural_propose` for a host loop (:func:`numpyro_pc.ef_sites.blr_solve`).
 
     When ``in_domain`` is a method of an object that hashes by value (a family: a frozen

@@ -47,7 +47,9 @@ class SiteProblem(NamedTuple):
     include_prior: bool = True
     weights: object = None
 
-    def sites(self, q, need_hessian_sum=False):
+    def sites(self, q, need_hessian_sum=False) -> tuple:
+        """``(Sites, SiteSums)`` of the live examples at ``q`` (:func:`~numpyro_pc.sites.compute_sites`
+        with the problem's options)."""
         return compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
                              storage=self.storage, chunk_size=self.chunk_size, ids=self.ids,
                              need_hessian_sum=need_hessian_sum, weights=self.weights)
