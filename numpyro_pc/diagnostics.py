@@ -25,7 +25,9 @@ deviation under ``q`` of the log-ratio of the two site factors:
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -33,8 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batches import bind_batch
-from .dual import require_gaussian
-from .errors import InvalidOptionError
+from . import ef_sites
+from .dual import DualPosteriorBase
+from .ef_posterior import EFPosterior
+from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedGuideError
 from .rows import positions
 from .sites import compute_sites
 
@@ -78,14 +82,59 @@ def _dense(family, precision):
 
 
 def information_gain(old, new) -> dict[str, float]:
-    """Decompose ``KL(new ‖ old)`` into new-data, correction, removed and normaliser terms.
+    r"""Decompose ``KL(new ‖ old)`` into new-data, correction, removed and normaliser terms.
 
+    For an :class:`~numpyro_pc.EFPosterior` the sites are linear in the statistics,
+    :math:`\hat\ell_i = \langle g_i, T\rangle`, so :math:`E_{q_{new}}[\hat\ell_i] = \langle g_i,
+    \mu_{new}\rangle` and :math:`\log Z = A(\lambda)`; the prior term's change (zero for a
+    conjugate-form prior) counts as correction.
+
+    :param old: the posterior before the adaptation (same model and family as ``new``).
+    :param new: the posterior after it.
     :return: dict with ``kl`` (closed form), ``new_data``, ``correction``, ``removed``,
-        ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``).
-    :raises ValueError: for the isotropic family, whose sites carry no curvature.
+        ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``: the
+        dual-form residuals of both posteriors, so ``~tol``).
+    :raises InvalidOptionError: for the isotropic family, whose sites carry no curvature.
+    :raises IncompatiblePosteriorsError: posteriors of different kinds or families.
     """
-    require_gaussian(old, "pc.information_gain")
-    require_gaussian(new, "pc.information_gain")
+    if _information_gain.dispatch(type(old)) is not _information_gain.dispatch(type(new)):
+        raise IncompatiblePosteriorsError(f"pc.information_gain compares two posteriors of one kind; found "
+                                          f"{type(old).__name__} and {type(new).__name__}")
+    return _information_gain(new, old)
+
+
+@functools.singledispatch
+def _information_gain(new, old):
+    raise UnsupportedGuideError(f"pc.information_gain needs dual-form posteriors (from pc.fit or pc.dual_form); "
+                                f"found {type(new).__name__}")
+
+
+@_information_gain.register
+def _ef_information_gain(new: EFPosterior, old):
+    if new.family != old.family:
+        raise IncompatiblePosteriorsError("pc.information_gain needs posteriors in one family; found "
+                                          f"{new.family.names} and {old.family.names}")
+    with jax.enable_x64(new.natural.dtype == jnp.float64):
+        family = new.family
+        mu = family.expectation(new.natural)
+        v_new, v_old = np.asarray(new.state.grads @ mu), np.asarray(old.state.grads @ mu)
+        old_ids, new_ids = np.asarray(old.ids), np.asarray(new.ids)
+        in_old, in_new = np.isin(new_ids, old_ids), np.isin(old_ids, new_ids)
+        common = np.intersect1d(old_ids, new_ids)
+        rows_new, rows_old = positions(new_ids, common), positions(old_ids, common)
+        new_data = -float(np.sum(v_new[~in_old]))
+        prior_change = float(jnp.dot(new.state.prior - old.state.prior, mu))
+        correction = -float(np.sum(v_new[rows_new]) - np.sum(v_old[rows_old])) - prior_change
+        removed = float(np.sum(v_old[~in_new]))
+        ratio = float(family.log_normalizer(old.natural) - family.log_normalizer(new.natural))
+        total = float(family.kl(new.natural, old.natural))
+    parts = new_data + correction + removed + ratio
+    return dict(kl=total, new_data=new_data, correction=correction, removed=removed, log_normaliser_ratio=ratio,
+                identity_error=parts - total)
+
+
+@_information_gain.register
+def _gaussian_information_gain(new: DualPosteriorBase, old):
     if new.family.fixed_precision:
         raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
@@ -131,16 +180,48 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
 
 
 def correction_magnitude(post, *args, **kwargs) -> dict:
-    """Interference map: how much each retained past example's site would go stale under new data.
+    r"""Interference map: how much each retained past example's site would go stale under new data.
 
     The new batch (``args``/``kwargs`` as for the model) is added without correction (VCL);
     at that posterior the fresh site of every retained past example is compared with its
-    stored site (:func:`site_mismatch`).
+    stored site (:func:`site_mismatch`). For an :class:`~numpyro_pc.EFPosterior` the log-ratio
+    of a fresh to a stale site is :math:`\langle \delta g_i, T(x)\rangle`, whose standard
+    deviation under the VCL posterior is :math:`\sqrt{\delta g_i^\top F(\lambda)\, \delta g_i}`
+    (Fisher–vector products, never ``F`` itself); ``F`` is block diagonal, so the squares add
+    over the latent sites (``by_site``).
 
-    :return: dict with ``ids``, ``magnitude`` (per example), ``gradient`` and ``curvature``
-        parts, and ``total`` (sum of magnitudes).
+    :param post: a dual-form posterior with retained data.
+    :return: dict with ``ids``, ``magnitude`` (per example), ``total`` (sum of magnitudes),
+        and ``gradient`` and ``curvature`` parts (Gaussian) or ``by_site`` parts
+        (exponential-family product).
     """
-    require_gaussian(post, "pc.correction_magnitude")
+    return _correction_magnitude(post, args, kwargs)
+
+
+@functools.singledispatch
+def _correction_magnitude(post, args, kwargs):
+    raise UnsupportedGuideError(f"pc.correction_magnitude needs a dual-form posterior (from pc.fit or "
+                                f"pc.dual_form); found {type(post).__name__}")
+
+
+@_correction_magnitude.register
+def _ef_correction_magnitude(post: EFPosterior, args, kwargs):
+    vcl = post.update(*args, correction="none", **kwargs)
+    family = vcl.family
+    with jax.enable_x64(post.natural.dtype == jnp.float64):
+        config = replace(post.config, spec=replace(post.config.spec, num_examples=post.num_examples))
+        fresh = ef_sites.compute_sites(config, vcl.natural, post.data).grads
+        delta = fresh - post.state.grads
+        fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (vcl.natural,), (v,))[1])
+        weighted = delta * fisher_times(delta)  # δg ∘ F δg: F is block diagonal over the factors
+        by_site = {f.site: np.sqrt(np.maximum(np.asarray(jnp.sum(part, 1)), 0.0))
+                   for f, part in zip(family.factors, family.split(weighted))}
+        total = np.sqrt(np.maximum(np.asarray(jnp.sum(weighted, 1)), 0.0))
+    return dict(ids=np.asarray(post.ids), magnitude=total, by_site=by_site, total=float(np.sum(total)))
+
+
+@_correction_magnitude.register
+def _gaussian_correction_magnitude(post: DualPosteriorBase, args, kwargs):
     bind_batch(post, args, kwargs)
     vcl = post.update(*args, correction="none", **kwargs)
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):

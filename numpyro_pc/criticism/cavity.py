@@ -71,7 +71,8 @@ from ..families import Gaussian, GaussianNatural
 from ..likelihood import ModelData, example_loss, example_params
 from ..sites import compute_sites
 
-__all__ = ["Cavities", "cavities", "downdates", "log_predictive", "refit_predictive", "rule_nodes", "taylor_cavities"]
+__all__ = ["Cavities", "cavities", "downdates", "kl_shape", "log_predictive", "refit_predictive", "rule_nodes",
+           "taylor_cavities"]
 
 _POINT_BUDGET = 2**22  # numbers per batch of predictive evaluation points (examples × nodes × d)
 
@@ -380,3 +381,15 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
         return (jnp.where(converged, mean, start[0]), jnp.where(converged, prec, start[1]), converged)
 
     return jax.lax.map(one, (data.per_example, curv, shift), batch_size=min(num, 64))
+
+
+def kl_shape(kl):
+    r"""The leverage ``k ∈ [0, 1]`` whose pure-variance removal has ``KL = kl``: the root of
+    ``½(k/(1−k) + log(1−k)) = kl`` (vectorised bisection; ``inf`` maps to 1)."""
+    kl = np.asarray(kl, np.float64)
+    lo, hi = np.zeros_like(kl), np.ones_like(kl)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        above = 0.5 * (mid / (1.0 - mid) + np.log1p(-mid)) > kl
+        hi, lo = np.where(above, mid, hi), np.where(above, lo, mid)
+    return np.where(np.isfinite(kl), 0.5 * (lo + hi), 1.0)

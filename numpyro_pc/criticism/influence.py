@@ -33,8 +33,7 @@ from ..families import FullGaussian, Gaussian
 from ..likelihood import constrain
 from ..rows import positions
 from ..sites import compute_sites
-from .cavity import cavities, downdates
-from .loo import kl_shape
+from .cavity import cavities, downdates, kl_shape
 
 __all__ = ["influence", "InfluenceResult", "ESTIMATORS"]
 

@@ -25,6 +25,7 @@ The result subclasses :class:`arviz.ELPDData`, so ``az.compare``, ``az.plot_khat
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -34,8 +35,10 @@ import numpy as np
 from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..rows import positions, take_data
 from ..curvature import FULL
-from ..dual import require_gaussian
-from .cavity import cavities, refit_predictive, rule_nodes, taylor_cavities
+from ..dual import DualPosteriorBase
+from ..ef_posterior import EFPosterior
+from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
+from .ef_cavity import ef_loo_values
 
 __all__ = ["loo", "LooResult", "elpd_data", "kl_shape", "METHODS", "GOOD_K"]
 
@@ -134,7 +137,9 @@ def _where_rows(where, ids, khat, good_k):
 def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_iters=100):
     r"""Leave-one-out cross-validation of every example with retained data, without refitting.
 
-    :param post: a fitted :class:`~numpyro_pc.DualPosterior` (full or diagonal family).
+    :param post: a fitted :class:`~numpyro_pc.DualPosterior` (full or diagonal family) or
+        :class:`~numpyro_pc.EFPosterior` (cavities :math:`\lambda + g_i`, see
+        :mod:`~numpyro_pc.criticism.ef_cavity`; ``leverage`` is then absent).
     :param str method: ``"remove_site"`` (default): all ``N`` cavities in one batched, jitted
         computation; ``"taylor"``: the cavities moved to the deletion fixed point with the
         retained sites' total expanded to second order at ``q`` (full family; about one
@@ -153,16 +158,40 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
         entries ``refitted`` and ``method``.
     :raises NotPositiveDefiniteError: an example's cavity is not positive definite
         (``k̂_i ≥ 1``) and it is not among the refitted ones.
+    :raises UnsupportedGuideError: a posterior whose sites carry no precision (isotropic
+        family), ``method="taylor"`` without a dense Gaussian covariance, or an object that
+        is not a dual-form posterior.
     """
-    require_gaussian(post, "pc.loo")
     if method not in METHODS:
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
+    start = time.perf_counter()
+    result = _loo(post, method, where, good_k, tol, max_iters)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+@functools.singledispatch
+def _loo(post, method, where, good_k, tol, max_iters):
+    raise UnsupportedGuideError(f"pc.loo needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                                f"{type(post).__name__}")
+
+
+@_loo.register
+def _ef_loo(post: EFPosterior, method, where, good_k, tol, max_iters):
+    ids, pointwise, lppd, khat, kl, refit, points = ef_loo_values(
+        post, method, lambda ids, khat: _where_rows(where, ids, khat, good_k), tol, max_iters)
+    result = elpd_data(pointwise, lppd, khat, ids, post.config.spec.plate, points, good_k, refit, method)
+    result["kl"] = kl
+    return result
+
+
+@_loo.register
+def _gaussian_loo(post: DualPosteriorBase, method, where, good_k, tol, max_iters):
     if post.family.fixed_precision:
         raise UnsupportedGuideError(
             "leave-one-out needs a posterior with curvature (family 'full' or 'diagonal'); this one is isotropic "
             "(a point estimate / ERM), whose sites carry no precision to remove. Fit with family='full' or "
             "'diagonal'; pc.influence(post) still gives its parameter changes.")
-    start = time.perf_counter()
     dtype = post.state.mean.dtype
     with jax.enable_x64(dtype == jnp.float64):
         ids = np.asarray(post.data_ids)
@@ -202,20 +231,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     result["kl"] = np.asarray(cav.kl)
     if method == "taylor":
         result["taylor_converged"] = converged
-    result["seconds"] = time.perf_counter() - start
     return result
-
-
-def kl_shape(kl):
-    r"""The leverage ``k ∈ [0, 1]`` whose pure-variance removal has ``KL = kl``: the root of
-    ``½(k/(1−k) + log(1−k)) = kl`` (vectorised bisection; ``inf`` maps to 1)."""
-    kl = np.asarray(kl, np.float64)
-    lo, hi = np.zeros_like(kl), np.ones_like(kl)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        above = 0.5 * (mid / (1.0 - mid) + np.log1p(-mid)) > kl
-        hi, lo = np.where(above, mid, hi), np.where(above, lo, mid)
-    return np.where(np.isfinite(kl), 0.5 * (lo + hi), 1.0)
 
 
 def _refit_values(post, ids, chosen, tol, max_iters):

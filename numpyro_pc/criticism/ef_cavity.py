@@ -1,0 +1,143 @@
+r"""Leave-one-out cavities of an exponential-family product posterior, and LOO over them.
+
+In a minimal exponential family the site of example ``i`` is linear in the sufficient
+statistics, :math:`\hat\ell_i(x) = \langle g_i, T(x)\rangle`, and the posterior is
+:math:`\lambda = -g_0 - \sum_j g_j` (:mod:`numpyro_pc.ef_sites`). Removing the site leaves
+the cavity (paper §3.2, the memory-perturbation equation in natural parameters)
+
+.. math::
+
+    \lambda_{\setminus i} = \lambda + g_i ,
+
+one vector addition per example — no matrix is downdated. It is the exact leave-one-out
+posterior when the retained sites do not depend on ``q`` (every conjugate pair, where the
+sites are exact constants); otherwise the retained sites are stale by as much as the
+cavity moved, which is what the reliability measures. A cavity outside the family's
+domain (a Beta or Gamma shape, a Dirichlet concentration that is no longer positive; a
+Gaussian block's precision that is no longer positive definite) is not a distribution:
+its ``k̂`` is 1.
+
+**Reliability.** As for Gaussian cavities (:mod:`numpyro_pc.criticism.cavity`),
+:math:`KL(q_{\setminus i} \| q)` in closed form,
+:math:`A(\lambda) - A(\lambda_{\setminus i}) - \langle \lambda - \lambda_{\setminus i},
+\mu_{\setminus i}\rangle`, mapped to the leverage of a pure-variance removal with the same
+KL (:func:`~numpyro_pc.criticism.cavity.kl_shape`).
+
+**Predictive densities** :math:`\log E_{q_{\setminus i}}[p(y_i \mid x)]` use the
+posterior's own points (:func:`numpyro_pc.ef_sites.design`) placed at each cavity: the
+tensor Gauss rule of the factors that have one (exact for a likelihood polynomial in the
+factor's variable, e.g. Bernoulli under a Beta), the fixed draws of the others.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..ef_sites import design, model_point
+from ..errors import NotPositiveDefiniteError, UnsupportedGuideError
+from ..likelihood import example_loss
+from .cavity import kl_shape
+
+__all__ = ["EFCavities", "ef_cavities", "ef_predictive", "ef_loo_values"]
+
+_ROWS_PER_BATCH = 64  # examples whose points are evaluated at once (memory: rows × points × model)
+
+
+class EFCavities(NamedTuple):
+    """The cavities of every example: ``natural (N, P)``, ``inside (N,)`` (a distribution),
+    ``kl (N,)`` :math:`KL(q_{\\setminus i} \\| q)` (``inf`` outside the domain)."""
+
+    natural: jax.Array
+    inside: jax.Array
+    kl: jax.Array
+
+
+def ef_cavities(post) -> EFCavities:
+    """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.ef_posterior.EFPosterior`."""
+    family = post.family
+    lam = post.natural
+    natural = lam[None, :] + post.state.grads
+    inside = jax.vmap(family.in_domain)(natural)
+    safe = jnp.where(inside[:, None], natural, lam[None, :])  # no NaN from A outside its domain
+    kl = jax.vmap(lambda cav: family.kl(cav, lam))(safe)
+    return EFCavities(natural, inside, jnp.where(inside, kl, jnp.inf))
+
+
+@partial(jax.jit, static_argnums=0)
+def _row_predictive(config, naturals, per_example, shared):
+    """``log E_{q(λ_r)}[p(y_r | x)]`` for each row ``r`` of ``naturals`` with its own example."""
+    spec, family = config.spec, config.family
+
+    def one(args):
+        lam, example = args
+        values, weights = design(config, lam)
+
+        def loss(point):
+            z, discrete, _ = model_point(spec, family, point)
+            return example_loss(spec, z, example, shared, discrete)
+
+        losses = jax.vmap(loss)(values)
+        return jax.nn.logsumexp(-losses, b=weights)
+
+    return jax.lax.map(one, (naturals, per_example), batch_size=_ROWS_PER_BATCH)
+
+
+def ef_predictive(post, naturals, rows) -> np.ndarray:
+    """Predictive log densities of the examples at positions ``rows`` of ``post.data``, each under
+    the distribution of the matching row of ``naturals`` (``(len(rows), P)``), in float64."""
+    per_example = jax.tree.map(lambda x: jnp.asarray(x)[np.asarray(rows)], post.data.per_example)
+    values = _row_predictive(post.config, jnp.asarray(naturals), per_example, post.data.shared)
+    return np.asarray(values, np.float64)
+
+
+def ef_loo_values(post, method, chosen, tol, max_iters):
+    """Pointwise LOO pieces of an exponential-family posterior for :func:`numpyro_pc.criticism.loo`.
+
+    :param str method: ``"remove_site"`` or ``"corrected"`` (``"taylor"`` is refused: it is
+        a second-order expansion in a Gaussian's mean, and these sites are linear in ``T``).
+    :param chosen: a function of ``(ids, khat)`` giving the rows to refit (``"corrected"``).
+    :return: ``(ids, pointwise, lppd, khat, kl, refit mask, points per predictive)``.
+    :raises NotPositiveDefiniteError: a cavity outside the family's domain that is not refitted.
+    """
+    if method == "taylor":
+        raise UnsupportedGuideError(
+            "method='taylor' moves a Gaussian cavity by the retained sites' total expanded to second order in its "
+            "mean; an exponential-family product's sites are already linear in its sufficient statistics T(x), so "
+            "there is nothing to expand. Use method='remove_site' (exact when the retained sites are conjugate) "
+            "or method='corrected' (exact refits).")
+    ids = np.asarray(post.ids)
+    rows = np.arange(ids.size)
+    with jax.enable_x64(post.natural.dtype == jnp.float64):
+        cav = ef_cavities(post)
+        inside = np.asarray(cav.inside)
+        kl = np.asarray(cav.kl, np.float64)
+        khat = kl_shape(kl)
+        naturals = np.where(inside[:, None], np.asarray(cav.natural), np.asarray(post.natural)[None, :])
+        pointwise = np.where(inside, ef_predictive(post, naturals, rows), np.nan)
+        lppd = ef_predictive(post, np.broadcast_to(np.asarray(post.natural), naturals.shape), rows)
+        refit = np.zeros(ids.size, bool)
+        if method == "corrected":
+            picked = chosen(ids, khat)
+            if picked.size:
+                if tol is None and post.natural.dtype == jnp.float64:
+                    tol = 1e-12  # relative to the whole posterior: the default would accept q itself
+                refits = [post.delete([int(i)], method="corrected", tol=tol, max_iters=max_iters).natural
+                          for i in ids[picked]]  # host loop over the few refitted examples: one solve each
+                pointwise[picked] = ef_predictive(post, jnp.stack(refits), picked)
+                refit[picked] = True
+    bad = ~refit & ~np.isfinite(pointwise)
+    if bad.any():
+        raise NotPositiveDefiniteError(
+            f"removing the site of example(s) {ids[bad][:10].tolist()} leaves natural parameters outside the "
+            "family's domain (a shape or concentration that is not positive: the example carries most of that "
+            "parameter's information); refit them exactly with pc.loo(post, method='corrected', where=ids).")
+    if not np.all(np.isfinite(lppd)):
+        raise NotPositiveDefiniteError("the in-sample predictive density is not finite for some examples; check "
+                                       "the posterior (post.residual())")
+    points = int(design(post.config, post.natural)[1].shape[0])
+    return ids, pointwise, lppd, khat, kl, refit, points
