@@ -28,7 +28,6 @@ from .errors import (
     InvalidOptionError,
     MonteCarloErrorWarning,
     PointEstimateWarning,
-    UnsupportedGuideError,
 )
 from .expectations import prepare_rule
 from .families import add_site
@@ -38,17 +37,7 @@ from .rows import pad_to_bucket, positions, take_data
 from .site_problem import SiteProblem, dual_residual
 from .solvers import default_tol, solve
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
-           "require_gaussian"]
-
-
-def require_gaussian(post, operation: str):
-    """Refuse, with a typed error, anything but a Gaussian dual-form posterior (e.g. a
-    exponential-family :class:`~numpyro_pc.ef_posterior.EFPosterior`) as input of ``operation``."""
-    if not isinstance(post, DualPosteriorBase):
-        raise UnsupportedGuideError(
-            f"{operation} needs a Gaussian dual-form posterior (pc.fit / pc.dual_form with a Gaussian family); "
-            f"found {type(post).__name__}")
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior"]
 
 
 class PosteriorState(NamedTuple):

@@ -129,6 +129,21 @@ class EFPosterior:
     def num_examples(self):
         return int(self.state.ids.shape[0])
 
+    @property
+    def spec(self):
+        """The model binding (:class:`~numpyro_pc.likelihood.ModelSpec`), as on Gaussian posteriors."""
+        return self.config.spec
+
+    @property
+    def data_ids(self):
+        """Ids of the examples whose data is retained: every example's (the sites need their data)."""
+        return self.state.ids
+
+    @property
+    def num_retained(self) -> int:
+        """Examples whose data is retained (all of them)."""
+        return self.num_examples
+
     def residual(self):
         """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`."""
         return relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0))

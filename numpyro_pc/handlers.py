@@ -22,6 +22,7 @@ factor. Inner evaluations run under ``block`` and never leak sites to outer hand
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import jax
@@ -32,10 +33,10 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
-from .dual import require_gaussian
+from .dual import DualPosteriorBase
 from .ef_handlers import check_same_ef_model, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
-from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
+from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError, UnsupportedGuideError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
 from .rows import memory_ids, positions, take_data
@@ -67,15 +68,8 @@ class posterior_prior(Messenger):
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
-        self._factors = None
-        if isinstance(posterior, EFPosterior):
-            self._factors = posterior.distributions()
-            latent = posterior.config.spec.latent
-            self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
-        else:
-            require_gaussian(posterior, "posterior_prior")
-            self._latent = posterior.latent
-            self._shapes = dict(zip(posterior.latent.names, posterior.latent.shapes))
+        self._factors, self._shapes = _prior_factors(posterior)
+        self._latent = posterior.spec.latent
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
@@ -163,16 +157,49 @@ def _prior_site_value(sites, z):
     return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature_dense() @ diff
 
 
+@functools.singledispatch
+def _prior_factors(posterior):
+    raise UnsupportedGuideError(f"posterior_prior needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                                f"{type(posterior).__name__}")
+
+
+@_prior_factors.register
+def _ef_prior_factors(posterior: EFPosterior):
+    """Each latent site's factor (discrete ones included) and shape."""
+    latent = posterior.spec.latent
+    return posterior.distributions(), dict(zip(latent.names + latent.discrete_names,
+                                               latent.shapes + latent.discrete_shapes))
+
+
+@_prior_factors.register
+def _gaussian_prior_factors(posterior: DualPosteriorBase):
+    """No factors (one joint density over ``z``) and the latent shapes."""
+    return None, dict(zip(posterior.latent.names, posterior.latent.shapes))
+
+
+@functools.singledispatch
 def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_prior: bool = True,
                       removed: Iterable[int] = ()) -> Callable:
     """``z ↦`` the log-density of the correction terms (paper §3.1).
 
     ``−Σ_{i∈C}(ℓ_i(z) − ℓ̂_i(z))`` over the memory ``C`` (and the prior when
-    ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j(z)`` for deleted examples.
+    ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j(z)`` for deleted examples. For an
+    :class:`~numpyro_pc.EFPosterior` the sites are ``ℓ̂_i = ⟨T, g_i⟩`` and the function takes
+    a point in the factors' coordinates
+    (:func:`~numpyro_pc.ef_handlers.ef_correction_factor`).
 
     :param memory: ``"all"`` (every retained example), ``"none"`` or a list of ids.
+    :raises UnknownExampleError: ids that the posterior does not hold.
     """
-    require_gaussian(posterior, "correction_factor")
+    raise UnsupportedGuideError(f"correction_factor needs a dual-form posterior (from pc.fit or pc.dual_form); "
+                                f"found {type(posterior).__name__}")
+
+
+correction_factor.register(EFPosterior, ef_correction_factor)
+
+
+@correction_factor.register
+def _gaussian_correction_factor(posterior: DualPosteriorBase, memory="all", correct_prior=True, removed=()):
     post = posterior
     retained = np.asarray(post.data_ids)
     ids = memory_ids(memory, retained, removed)
@@ -206,10 +233,6 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
         when ``correct_prior=False``) or a list of ids.
     :param bool correct_prior: replace the prior's site by the true prior term.
     """
-    if isinstance(posterior, EFPosterior):
-        check_same_ef_model(model, posterior)
-        return posterior_prior(model, posterior, ef_correction_factor(posterior, memory, correct_prior))
-    require_gaussian(posterior, "pc.handlers.update")
     check_same_model(model, posterior)
     return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
 
@@ -223,9 +246,24 @@ def check_same_model(model, posterior, num_probes=3):
     posterior's to 1e-8 relative (float64) at ``num_probes`` points.
 
     :raises ModelMismatchError: naming what differs.
-    :raises UnsupportedGuideError: a posterior that is not a Gaussian dual-form posterior.
+    :raises UnsupportedGuideError: an object that is not a dual-form posterior.
     """
-    require_gaussian(posterior, "pc.handlers.check_same_model")
+    return _check_same_model(posterior, model, num_probes)
+
+
+@functools.singledispatch
+def _check_same_model(posterior, model, num_probes):
+    raise UnsupportedGuideError(f"pc.handlers.check_same_model needs a dual-form posterior (from pc.fit or "
+                                f"pc.dual_form); found {type(posterior).__name__}")
+
+
+@_check_same_model.register
+def _ef_check_same_model(posterior: EFPosterior, model, num_probes):
+    check_same_ef_model(model, posterior, num_probes)
+
+
+@_check_same_model.register
+def _gaussian_check_same_model(posterior: DualPosteriorBase, model, num_probes):
     spec = posterior.spec
     if model is spec.model or posterior.num_retained == 0:
         return
@@ -266,16 +304,9 @@ def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterabl
     posterior is the posterior without ``ids``.
     """
     ids = as_ids(ids)
-    if isinstance(posterior, EFPosterior):
-        check_same_ef_model(model, posterior)
-        extra = ef_correction_factor(posterior, memory, correct_prior, removed=ids)
-        spec, held = posterior.config.spec, posterior.num_examples
-    else:
-        require_gaussian(posterior, "pc.handlers.forget")
-        check_same_model(model, posterior)
-        positions(posterior.sites.ids, ids)
-        extra = correction_factor(posterior, memory, correct_prior, removed=ids)
-        spec, held = posterior.spec, posterior.num_retained
+    check_same_model(model, posterior)
+    extra = correction_factor(posterior, memory, correct_prior, removed=ids)
+    spec, held = posterior.spec, posterior.num_retained
     if not held:
         raise InvalidOptionError("forget needs at least one retained example to call the model for its latent sites")
     shape_args = take_data(posterior.data, np.zeros(1, np.int64))

@@ -41,15 +41,16 @@ The result is a :class:`~numpyro_pc.posterior.DualPosterior` over the union of t
 Gaussian; :meth:`~numpyro_pc.posterior.DualPosterior.refine` then reaches the joint
 posterior (retraining from the merged start).
 
-Beta/Gamma/Dirichlet posteriors (:class:`~numpyro_pc.ef_posterior.EFPosterior`) fitted on
-disjoint examples from the prior merge by Bayesian arithmetic,
-:math:`\lambda = \lambda_0 + \sum_i (\lambda_i - \lambda_0)` with the sites concatenated
-(:func:`numpyro_pc.ef_posterior.merge_ef`, exact for conjugate models): ``base=None``,
-``method="bayesian"`` and unit weights only.
+Exponential-family posteriors (:class:`~numpyro_pc.ef_posterior.EFPosterior`) merge by
+Bayesian arithmetic on their natural parameters, with a base or from the prior and with any
+weights, the sites attributed so that the result stays in dual form (exact for conjugate
+models); the other three methods are defined by Gaussian means, Hessians and precisions and
+are refused for them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -58,17 +59,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from .dual import DualPosteriorBase, build_posterior
-from .ef_posterior import EFPosterior, merge_ef
+from .ef_posterior import EFPosterior, EFState
 from .errors import (
     IncompatiblePosteriorsError,
     InvalidOptionError,
     NonFiniteResultError,
     NotPositiveDefiniteError,
+    OutOfDomainError,
     UnsupportedModelError,
 )
 from .families import Gaussian
 from .likelihood import losses, prior_loss
-from .rows import concat_data, take_data
+from .rows import concat_data, positions, take_data
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 
@@ -206,12 +208,36 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         ``record`` holds the method and weights (an :class:`~numpyro_pc.ef_posterior.EFPosterior`
         for Beta/Gamma/Dirichlet posteriors, see the module docstring).
     """
-    if isinstance(posteriors, EFPosterior):
-        raise InvalidOptionError("merge takes a base (or None) and a list of posteriors; found one EFPosterior "
-                                 "as posteriors (write pc.merge(None, [a, b]))")
+    if _merge.dispatch(type(posteriors)) is not _merge.dispatch(object):
+        raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found one "
+                                 f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
     posteriors = list(posteriors)
-    if any(isinstance(p, EFPosterior) for p in [base, *posteriors]):
-        return _merge_ef(base, posteriors, alphas, method, rule)
+    if method not in METHODS:
+        raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
+    if not posteriors:
+        raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
+    kinds = {_merge.dispatch(type(p)) for p in ([base] if base is not None else []) + posteriors}
+    if len(kinds) > 1:
+        names = [type(p).__name__ for p in ([base] if base is not None else []) + posteriors]
+        raise IncompatiblePosteriorsError(f"merging needs posteriors of one kind: all Gaussian dual-form posteriors "
+                                          f"or all exponential-family products; found {names}"
+                                          + (" (base first)" if base is not None else ""))
+    return _merge(posteriors[0], base, posteriors, alphas, method, rule)
+
+
+@functools.singledispatch
+def _merge(first, base, posteriors, alphas, method, rule):
+    raise IncompatiblePosteriorsError(f"merge needs dual-form posteriors (from pc.fit or pc.dual_form); found "
+                                      f"{type(first).__name__}")
+
+
+@_merge.register
+def _merge_ef_posteriors(first: EFPosterior, base, posteriors, alphas, method, rule):
+    return _merge_ef(base, posteriors, alphas, method, rule)
+
+
+@_merge.register
+def _merge_gaussian(first: DualPosteriorBase, base, posteriors, alphas, method, rule):
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
     family = first.family
@@ -244,32 +270,79 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
 
 
 def _merge_ef(base, posteriors, alphas, method, rule):
-    """Bayesian arithmetic of Beta/Gamma/Dirichlet posteriors fitted from the prior (:func:`merge_ef`, folded)."""
-    kinds = ["EFPosterior" if isinstance(p, EFPosterior) else type(p).__name__
-             for p in ([base] if base is not None else []) + posteriors]
-    if any(k != "EFPosterior" for k in kinds):
-        raise IncompatiblePosteriorsError(f"merging needs posteriors of one kind: all Gaussian dual-form posteriors "
-                                          f"or all Beta/Gamma/Dirichlet EFPosteriors; found {kinds}"
-                                          + (" (base first)" if base is not None else ""))
-    if base is not None:
-        raise InvalidOptionError("Beta/Gamma/Dirichlet posteriors merge over their common prior: pass base=None "
-                                 "(posteriors fitted on disjoint examples); found an EFPosterior base")
+    r"""Bayesian arithmetic of exponential-family posteriors:
+    :math:`\lambda = \lambda_{pre} + \sum_k \alpha_k (\lambda_k - \lambda_{pre})`.
+
+    The merged posterior stays in dual form with every site attributed: each task's own
+    examples keep :math:`\alpha_k g_i`, an example of the base keeps its base site plus
+    :math:`\sum_k \alpha_k (g_i^{(k)} - g_i^{pre})` (zero when the tasks froze the base, e.g. VCL
+    updates or conjugate pairs), and so does the prior term; without a base the
+    pre-posterior is the prior (:math:`\lambda_{pre} = -g_0`, no examples).
+    """
     if method != "bayesian":
-        raise InvalidOptionError(f"Beta/Gamma/Dirichlet posteriors merge by Bayesian arithmetic only: expected "
-                                 f"method='bayesian', found {method!r}")
-    if alphas is not None and any(float(a) != 1.0 for a in np.ravel(alphas)):
-        raise InvalidOptionError(f"Beta/Gamma/Dirichlet posteriors merge with unit weights only; found alphas "
-                                 f"{[float(a) for a in np.ravel(alphas)]}")
-    if alphas is not None and np.size(alphas) != len(posteriors):
-        raise InvalidOptionError(f"got {np.size(alphas)} alphas for {len(posteriors)} posteriors; expected one "
-                                 "weight per posterior")
+        raise InvalidOptionError(
+            f"exponential-family posteriors merge by Bayesian arithmetic on their natural parameters (the family's "
+            f"own merge, exact for conjugate pairs); method={method!r} is defined by Gaussian means, Hessians or "
+            "precisions. Use method='bayesian'.")
     if rule is not None:
         raise InvalidOptionError("rule= applies to Gaussian posteriors; a merged EFPosterior keeps the first "
                                  "posterior's configuration")
     if not posteriors:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
-    merged = posteriors[0]
-    for other in posteriors[1:]:
-        merged = merge_ef(merged, other)
-    return merged.evolve(record=dict(merged.record, operation="merge", method="bayesian",
-                                     num_tasks=len(posteriors)))
+    alphas = [1.0] * len(posteriors) if alphas is None else [float(a) for a in np.ravel(alphas)]
+    if len(alphas) != len(posteriors):
+        raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posteriors)} posteriors; expected one weight "
+                                 "per posterior")
+    first = posteriors[0]
+    for k, post in enumerate(posteriors[1:] + ([base] if base is not None else []), 1):
+        what = "base" if k == len(posteriors) else f"posterior {k}"
+        if post.spec.model is not first.spec.model or post.family != first.family:
+            raise IncompatiblePosteriorsError(f"{what} has another model or family than posterior 0; merging needs "
+                                              "posteriors of one model and family")
+        if post.conjugate_prior != first.conjugate_prior or (post.conjugate_prior and not bool(
+                jnp.allclose(post.state.prior, first.state.prior, rtol=1e-12, atol=1e-12))):
+            raise IncompatiblePosteriorsError(f"{what} has another prior than posterior 0")
+    with jax.enable_x64(first.natural.dtype == jnp.float64):
+        if base is None:
+            pre_lam, pre_prior = -first.state.prior, first.state.prior
+            pre_ids, pre_grads = jnp.zeros((0,), first.ids.dtype), first.state.grads[:0]
+        else:
+            pre_lam, pre_prior, pre_ids, pre_grads = base.natural, base.state.prior, base.ids, base.state.grads
+        held = np.asarray(pre_ids)
+        lam, prior, grads = pre_lam, pre_prior, pre_grads
+        ids, data, renumbered = [pre_ids], base.data if base is not None else None, False
+        task_grads = []
+        for alpha, post in zip(alphas, posteriors):
+            own = np.asarray(post.ids)
+            missing = np.setdiff1d(held, own)
+            if missing.size:
+                raise IncompatiblePosteriorsError(f"a task posterior lacks base examples {missing[:10].tolist()}; "
+                                                  "tasks must be obtained from the base (base.update(...))")
+            mine = positions(own, held)
+            grads = grads + alpha * (post.state.grads[mine] - pre_grads)
+            prior = prior + alpha * (post.state.prior - pre_prior)
+            lam = lam + alpha * (post.natural - pre_lam)
+            new = np.flatnonzero(~np.isin(own, held))
+            new_ids = post.ids[new]
+            taken = np.concatenate([np.asarray(i) for i in ids])
+            if np.intersect1d(taken, np.asarray(new_ids)).size:  # tasks from one base count on from it alike
+                new_ids = new_ids - jnp.min(new_ids) + int(taken.max()) + 1
+                renumbered = True
+            ids.append(new_ids)
+            task_grads.append(alpha * post.state.grads[new])
+            rows = take_data(post.data, new)
+            data = rows if data is None else concat_data(data, rows)
+        family = first.family
+        if not bool(family.in_domain(lam)):
+            raise OutOfDomainError(f"the merged natural parameter is outside the domain: {family.describe(lam)}")
+        all_grads = jnp.concatenate([grads, *task_grads])
+        gap = float(jnp.linalg.norm(lam + prior + jnp.sum(all_grads, 0)) / (1.0 + jnp.linalg.norm(lam)))
+        if not gap <= 1e-6:  # the tasks' own dual-form residuals, summed: a broken input shows here
+            raise IncompatiblePosteriorsError(f"the merged sites do not sum to the merged natural parameters "
+                                              f"(relative gap {gap:.1e}); are the inputs converged posteriors?")
+        ids = jnp.concatenate(ids)
+        config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
+        state = EFState(lam, all_grads, prior, ids)
+    return first.evolve(config=config, data=data, state=state,
+                        record=dict(operation="merge", method="bayesian", alphas=tuple(alphas),
+                                    num_tasks=len(posteriors), renumbered=renumbered))

@@ -353,11 +353,6 @@ def test_refusals_are_typed(x64):
         post.update(y=y, correction="weighted")
     with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
         post.delete([0], method="influence")
-    # the operations not yet written for it refuse with a typed error, not an AttributeError
-    # (pc.loo, pc.information_gain and pc.correction_magnitude accept it: tests/test_ef_criticism.py)
-    for operation in (pc.influence, lambda p: pc.handlers.correction_factor(p)):
-        with pytest.raises(UnsupportedGuideError, match="Gaussian dual-form posterior"):
-            operation(post)
 
 
 def test_solver_safeguards(x64):

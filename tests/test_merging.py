@@ -1,5 +1,6 @@
 """Merging against the joint posterior (exact for conjugate models) and its input checks."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -7,6 +8,8 @@ import numpyro_pc as pc
 from numpyro_pc.errors import IncompatiblePosteriorsError
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic, scale_model
+from test_ef_adapt import A0, B0, _bern, beta_bernoulli
+from test_ef_criticism import misclassified
 
 
 def shards(X, y, k):
@@ -84,3 +87,46 @@ def test_mismatched_posteriors_raise_clear_errors(x64):
     spec, data = pc.bind_model(scale_model, (X, y))
     with pytest.raises(pc.UnsupportedModelError, match="Gaussian prior"):
         pc.merging.gaussian_prior(spec, data)
+
+
+# ---------------------------------------------------------------- exponential-family posteriors
+# Oracles: the closed-form Beta posterior of the pooled data (conjugate: Bayesian arithmetic is
+# exact Bayes with any base), and λ_pre + Σ α_k (λ_k − λ_pre) computed here for weights and
+# for a likelihood that is not conjugate.
+
+
+def _beta_args(post):
+    (_, args), = post.family.describe(post.natural).values()
+    return np.array([float(v) for v in args.values()])
+
+
+def test_ef_merge_with_a_base_is_the_pooled_posterior(x64):
+    y = _bern(90, seed=4)
+    base = pc.fit(beta_bernoulli, y=jnp.asarray(y[:30]), family={"p": "beta"})
+    tasks = [base.update(y=jnp.asarray(y[30:60])), base.update(y=jnp.asarray(y[60:]), correction="none")]
+    merged = pc.merge(base, tasks)
+    np.testing.assert_allclose(_beta_args(merged), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-12)
+    assert merged.num_examples == 90 and np.unique(np.asarray(merged.ids)).size == 90
+    assert merged.record["renumbered"]  # both tasks counted on from the base's ids
+    assert float(merged.residual()) < 1e-12  # λ = −g_0 − Σ g_i with every site attributed
+    # the merged posterior is an ordinary one: deleting the second task's examples is exact
+    gone = merged.delete(np.asarray(merged.ids)[60:])
+    np.testing.assert_allclose(_beta_args(gone), [A0 + y[:60].sum(), B0 + (1 - y[:60]).sum()], rtol=1e-12)
+    weighted = pc.merge(base, tasks, alphas=[0.5, 2.0])
+    s = [y[:30].sum(), y[30:60].sum(), y[60:].sum()]
+    f = [30 - s[0], 30 - s[1], 30 - s[2]]
+    want = [A0 + s[0] + 0.5 * s[1] + 2 * s[2], B0 + f[0] + 0.5 * f[1] + 2 * f[2]]
+    np.testing.assert_allclose(_beta_args(weighted), want, rtol=1e-12)
+    assert float(weighted.residual()) < 1e-12
+
+
+def test_ef_merge_of_a_non_conjugate_likelihood_is_the_arithmetic(x64):
+    y = _bern(60, seed=2)
+    base = pc.fit(misclassified, y=jnp.asarray(y[:20]), family={"p": "beta"}, tol=1e-12)
+    tasks = [base.update(y=jnp.asarray(part), tol=1e-12) for part in (y[20:40], y[40:])]  # corrected: base sites move
+    merged = pc.merge(base, tasks, alphas=[1.0, 0.7])
+    want = base.natural + (tasks[0].natural - base.natural) + 0.7 * (tasks[1].natural - base.natural)
+    np.testing.assert_allclose(np.asarray(merged.natural), np.asarray(want), rtol=1e-13)
+    assert float(merged.residual()) < 1e-10  # the base sites carry the tasks' corrections
+    with pytest.raises(pc.errors.InvalidOptionError, match="Gaussian means"):
+        pc.merge(base, tasks, method="task_arithmetic")

@@ -43,7 +43,7 @@ from ..errors import NotPositiveDefiniteError, UnsupportedGuideError
 from ..likelihood import example_loss
 from .cavity import kl_shape
 
-__all__ = ["EFCavities", "ef_cavities", "ef_predictive", "ef_loo_values"]
+__all__ = ["EFCavities", "EF_ESTIMATORS", "ef_cavities", "ef_influence", "ef_predictive", "ef_loo_values", "mean_labels"]
 
 _ROWS_PER_BATCH = 64  # examples whose points are evaluated at once (memory: rows × points × model)
 
@@ -141,3 +141,84 @@ def ef_loo_values(post, method, chosen, tol, max_iters):
                                        "the posterior (post.residual())")
     points = int(design(post.config, post.natural)[1].shape[0])
     return ids, pointwise, lppd, khat, kl, refit, points
+
+
+EF_ESTIMATORS = ("remove_site", "influence")
+
+
+def _flat_mean(family, lam):
+    """Every latent site's :math:`E_q[x]` (constrained values) as one flat vector."""
+    return jnp.concatenate([jnp.ravel(v) for v in family.mean(lam).values()])
+
+
+def _unflatten(family, like, flat):
+    out, pos = {}, 0
+    for name, value in like.items():
+        size = int(np.prod(np.shape(value), dtype=int))
+        out[name] = jnp.reshape(flat[pos:pos + size], np.shape(value))
+        pos += size
+    return out
+
+
+def mean_labels(family, lam) -> tuple:
+    """Labels of the flat posterior means, e.g. ``"pi[2]"`` (scalar sites by their name)."""
+    out = []
+    for name, value in family.mean(lam).items():
+        shape = np.shape(value)
+        out.extend([name] if shape == () else [f"{name}[{','.join(map(str, i))}]" for i in np.ndindex(*shape)])
+    return tuple(out)
+
+
+def ef_influence(post, fn, estimators):
+    r"""Per-example change of every latent site's posterior mean :math:`E_q[x]` (constrained values).
+
+    ``"remove_site"``: :math:`E_{\lambda + g_i}[x] - E_\lambda[x]`, the cavity's mean (exact
+    leave-one-out for conjugate pairs); ``"influence"``: its first-order form
+    :math:`\tfrac{d}{dt} E_{\lambda + t g_i}[x]\big|_{t=0}`, the infinitesimal jackknife in natural
+    parameters (one Jacobian–vector product per example). ``"tracin"`` is refused: it is a
+    gradient step from a point estimate in the model's unconstrained coordinates, and these
+    posteriors live in natural parameters over the sites' own values, where removing a site is
+    exact (:math:`\Delta\lambda = g_i`).
+
+    :return: ``(ids, {estimator: (N, D)}, {estimator: fn changes} or None, khat (N,), labels)``;
+        ``fn`` is applied to the dict of posterior means (plug-in, as the Gaussian path applies
+        it at the constrained mean).
+    :raises UnsupportedGuideError: ``"tracin"`` among ``estimators``.
+    :raises NotPositiveDefiniteError: a cavity outside the family's domain (``"remove_site"``).
+    """
+    if "tracin" in estimators:
+        raise UnsupportedGuideError(
+            "the TracIn estimator is a gradient step from a point estimate in the model's unconstrained coordinates; "
+            "an exponential-family posterior lives in natural parameters over its sites' own values, where removing "
+            "a site is exact (Δλ = g_i). Use estimators=('remove_site', 'influence').")
+    family, lam = post.family, post.natural
+    ids = np.asarray(post.ids)
+    with jax.enable_x64(lam.dtype == jnp.float64):
+        cav = ef_cavities(post)
+        khat = kl_shape(np.asarray(cav.kl, np.float64))
+        base = _flat_mean(family, lam)
+        delta = {}
+        if "remove_site" in estimators:
+            inside = np.asarray(cav.inside)
+            if not inside.all():
+                raise NotPositiveDefiniteError(
+                    f"removing the site of example(s) {ids[~inside][:10].tolist()} leaves natural parameters outside "
+                    "the family's domain (k̂ = 1); estimators=('influence',) gives the first-order change")
+            delta["remove_site"] = np.asarray(jax.vmap(lambda c: _flat_mean(family, c) - base)(cav.natural))
+        if "influence" in estimators:
+            tangent = jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])
+            delta["influence"] = np.asarray(tangent(post.state.grads))
+        for name, values in delta.items():
+            if not np.all(np.isfinite(values)):
+                raise NotPositiveDefiniteError(f"the {name!r} change of some posterior means is not finite")
+        function = None
+        if fn is not None:
+            like = family.mean(lam)
+            start = fn(like)
+
+            def change(d):
+                return jax.tree.map(lambda a, b: a - b, fn(_unflatten(family, like, base + d)), start)
+
+            function = {e: jax.tree.map(np.asarray, jax.lax.map(change, jnp.asarray(d), batch_size=256))
+                        for e, d in delta.items()}
+    return ids, {e: delta[e] for e in estimators}, function, khat, mean_labels(family, lam)

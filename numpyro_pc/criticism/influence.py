@@ -14,10 +14,15 @@ of :mod:`numpyro_pc.unlearning` vectorised (paper §3.2):
 
 With ``fn`` the change of a user function of the constrained parameters is reported too,
 ``f(T(m + Δ_i)) − f(T(m))`` (plug-in at the mean), e.g. a prediction at a test input.
+
+An :class:`~numpyro_pc.EFPosterior` reports the change of each latent site's posterior mean
+instead, by its exact cavity ``λ + g_i`` and that cavity's first-order form
+(:func:`~numpyro_pc.criticism.ef_cavity.ef_influence`); TracIn has no meaning there.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -26,14 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..dual import require_gaussian
-from ..errors import InvalidOptionError, NotPositiveDefiniteError
+from ..dual import DualPosteriorBase
+from ..ef_posterior import EFPosterior
+from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..expectations import get_rule
 from ..families import FullGaussian, Gaussian
 from ..likelihood import constrain
 from ..rows import positions
 from ..sites import compute_sites
 from .cavity import cavities, downdates, kl_shape
+from .ef_cavity import EF_ESTIMATORS, ef_influence
 
 __all__ = ["influence", "InfluenceResult", "ESTIMATORS"]
 
@@ -77,23 +84,44 @@ def _function_change(spec, fn, mean, deltas, data):
                        deltas, batch_size=256)
 
 
-def influence(post, fn=None, estimators=ESTIMATORS):
+def influence(post, fn=None, estimators=None) -> InfluenceResult:
     """Per-example change of the posterior mean for every example with retained data.
 
-    :param post: a :class:`~numpyro_pc.DualPosterior`.
+    :param post: a :class:`~numpyro_pc.DualPosterior` (changes of the flat unconstrained
+        mean), or an :class:`~numpyro_pc.EFPosterior` (changes of each latent site's
+        posterior mean of its constrained value; see
+        :func:`~numpyro_pc.criticism.ef_cavity.ef_influence`).
     :param callable fn: optional function of the constrained parameters (a dict
         ``{site: value}``, as one draw of :meth:`~numpyro_pc.DualPosterior.sample`)
         returning an array; its change is reported per example and estimator.
-    :param estimators: any of ``"remove_site"``, ``"influence"``, ``"tracin"``.
+    :param estimators: any of ``"remove_site"``, ``"influence"``, ``"tracin"``; default:
+        every estimator the posterior has (an exponential-family posterior has no TracIn).
     :return: :class:`InfluenceResult`.
     :raises NotPositiveDefiniteError: the Hessian at the mean (influence) is not positive
         definite, or a site removal leaves an indefinite precision.
+    :raises UnsupportedGuideError: an estimator without meaning for the posterior's family.
     """
-    require_gaussian(post, "pc.influence")
-    estimators = tuple(estimators)
-    unknown = [e for e in estimators if e not in ESTIMATORS]
-    if unknown or not estimators:
+    estimators = None if estimators is None else tuple(estimators)
+    unknown = [e for e in estimators or () if e not in ESTIMATORS]
+    if unknown or estimators == ():
         raise InvalidOptionError(f"unknown estimator(s) {unknown}; expected a non-empty subset of {ESTIMATORS}")
+    return _influence(post, fn, estimators)
+
+
+@functools.singledispatch
+def _influence(post, fn, estimators):
+    raise UnsupportedGuideError(f"pc.influence needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                                f"{type(post).__name__}")
+
+
+@_influence.register
+def _ef_influence(post: EFPosterior, fn, estimators):
+    return InfluenceResult(*ef_influence(post, fn, EF_ESTIMATORS if estimators is None else estimators))
+
+
+@_influence.register
+def _gaussian_influence(post: DualPosteriorBase, fn, estimators):
+    estimators = ESTIMATORS if estimators is None else estimators
     dtype = post.state.mean.dtype
     with jax.enable_x64(dtype == jnp.float64):
         ids = np.asarray(post.data_ids)

@@ -8,12 +8,14 @@ site itself,
     \log \frac{q_{\setminus i}(z_s)}{q(z_s)} = \hat\ell_i(z_s) + c_i
         = z_sᵀ \hat g_i + \tfrac12 (z_s - m_i)ᵀ \hat H_i (z_s - m_i) + c_i,
 
-normalised over ``s`` (``c_i`` cancels). :func:`loo_pit` passes these weights, the
+normalised over ``s`` (``c_i`` cancels); for an exponential-family product the site is
+:math:`\langle g_i, T(x_s)\rangle`. :func:`loo_pit` passes these weights, the
 posterior-predictive draws and the observations to :func:`arviz.loo_pit`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import jax
@@ -23,8 +25,10 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
-from ..dual import require_gaussian
-from ..errors import InvalidOptionError
+from ..dual import DualPosteriorBase
+from ..ef_posterior import EFPosterior
+from ..ef_sites import model_point
+from ..errors import InvalidOptionError, UnsupportedGuideError
 from ..likelihood import trace_at, constrain
 from ..rows import positions
 
@@ -64,43 +68,79 @@ class _Unobserve(Messenger):
 
 
 def predictive_draws(post, draws, key, var_name=None):
-    """Posterior-predictive draws ``(S, N, ...)`` of the observed site ``var_name`` and its observations."""
-    names = post.spec.observed
+    """Posterior-predictive draws ``(S, N, ...)`` of the observed site ``var_name`` and its observations.
+
+    :param post: a :class:`~numpyro_pc.DualPosterior`.
+    :param draws: unconstrained draws ``(S, d)`` of ``post``.
+    """
+    data = post.data
+    spec = replace(post.spec, num_examples=int(data.per_example[0].shape[0]))
+    values = jax.vmap(lambda z: constrain(spec, z, data))(jnp.asarray(draws))
+    observed = trace_at(spec, post.state.mean, data.per_example, data.shared)
+    return _predictive(spec, data, values, observed, key, var_name)
+
+
+def _predictive(spec, data, values, observed, key, var_name):
+    """Predictive draws of ``var_name`` with the latent sites set to each of ``values`` (a dict of
+    ``(S, ...)`` site values), and the observations read from the trace ``observed``."""
+    names = spec.observed
     var_name = var_name or names[0]
     if var_name not in names:
         raise InvalidOptionError(f"{var_name!r} is not an observed site of the data plate; found {names}")
-    data = post.data
-    spec = replace(post.spec, num_examples=int(data.per_example[0].shape[0]))
 
-    def one(z, k):
+    def one(value, k):
         args, kwargs = spec.build_args(data.per_example, data.shared)
-        model = _Unobserve(handlers.seed(handlers.substitute(spec.model, data=constrain(spec, z, data)), k), [var_name])
+        model = _Unobserve(handlers.seed(handlers.substitute(spec.model, data=value), k), [var_name])
         with handlers.block():
             return handlers.trace(model).get_trace(*args, **kwargs)[var_name]["value"]
 
-    keys = jax.random.split(key, draws.shape[0])
-    y_hat = jax.lax.map(lambda a: one(*a), (jnp.asarray(draws), keys), batch_size=16)
-    observed = trace_at(spec, post.state.mean, data.per_example, data.shared)[var_name]["value"]
-    return np.asarray(y_hat), np.asarray(observed)
+    keys = jax.random.split(key, next(iter(values.values())).shape[0])
+    y_hat = jax.lax.map(lambda a: one(*a), (values, keys), batch_size=16)
+    return np.asarray(y_hat), np.asarray(observed[var_name]["value"])
 
 
-def loo_pit(post, key, num_samples=1000, var_name=None):
-    """LOO probability integral transform of every observation with :func:`arviz.loo_pit`.
+def loo_pit(post, key, num_samples=1000, var_name=None) -> np.ndarray:
+    r"""LOO probability integral transform of every observation with :func:`arviz.loo_pit`.
 
-    :param post: a :class:`~numpyro_pc.DualPosterior` that keeps its data.
+    :param post: a :class:`~numpyro_pc.DualPosterior` or :class:`~numpyro_pc.EFPosterior`
+        that keeps its data (for the latter the weights are
+        :math:`\log q_{\setminus i}/q = \langle g_i, T(x_s)\rangle + c_i`, exact too).
     :param key: a JAX PRNG key (posterior and predictive draws).
     :param int num_samples: posterior draws.
     :param str var_name: the observed site (default: the first in the data plate).
     :return: ``(N,)`` LOO-PIT values (uniform for a calibrated model).
     """
-    require_gaussian(post, "pc.loo_pit")
     import arviz as az
 
     k1, k2 = jax.random.split(key)
-    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
-        draws = post.sample_unconstrained(k1, num_samples)
-        y_hat, y = predictive_draws(post, draws, k2, var_name)
-    weights = loo_log_weights(post, draws)
+    y_hat, y, weights = _pit_inputs(post, k1, k2, int(num_samples), var_name)
     shape = y_hat.shape
     y_hat = y_hat.reshape(shape[0], shape[1], -1)[..., 0] if y_hat.ndim > 2 else y_hat
     return np.asarray(az.loo_pit(y=np.asarray(y).reshape(-1)[:shape[1]], y_hat=y_hat.T, log_weights=weights.T))
+
+
+@functools.singledispatch
+def _pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
+    raise UnsupportedGuideError(f"pc.loo_pit needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                                f"{type(post).__name__}")
+
+
+@_pit_inputs.register
+def _gaussian_pit_inputs(post: DualPosteriorBase, draw_key, predictive_key, num_samples, var_name):
+    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
+        draws = post.sample_unconstrained(draw_key, num_samples)
+        y_hat, y = predictive_draws(post, draws, predictive_key, var_name)
+    return y_hat, y, loo_log_weights(post, draws)
+
+
+@_pit_inputs.register
+def _ef_pit_inputs(post: EFPosterior, draw_key, predictive_key, num_samples, var_name):
+    spec, family, data = post.config.spec, post.family, post.data
+    with jax.enable_x64(post.natural.dtype == jnp.float64):
+        draws = family.sample(draw_key, post.natural, num_samples)
+        raw = family.stats(draws) @ post.state.grads.T  # ⟨g_i, T(x_s)⟩, (S, N)
+        weights = np.asarray(raw - logsumexp(raw, axis=0, keepdims=True))
+        z, discrete, _ = model_point(spec, family, {k: v[0] for k, v in draws.items()})
+        observed = trace_at(spec, z, data.per_example, data.shared, discrete)
+        y_hat, y = _predictive(spec, data, family.to_constrained(draws), observed, predictive_key, var_name)
+    return y_hat, y, weights
