@@ -260,3 +260,23 @@ def test_correction_factor_of_a_beta_posterior_is_the_site_gap(x64):
     np.testing.assert_allclose(values, values[0], rtol=0, atol=1e-10)
     with pytest.raises(pc.UnknownExampleError):
         pc.handlers.correction_factor(conjugate, memory=[999])
+
+
+# ---------------------------------------------------------------- leave-future-out
+
+
+@pytest.mark.parametrize("horizon", [1, 2])
+def test_lfo_of_a_beta_posterior_is_the_sequential_predictive(x64, horizon):
+    y = _bern(30, seed=7)
+    result = pc.lfo(beta_bernoulli, y=jnp.asarray(y), initial=10, step=3, horizon=horizon,
+                    fit_options={"family": {"p": "beta"}})
+    want = []
+    for i in result.ids:  # log p(y_{i+1:i+M} | y_{1:i}): the chain of beta-binomial one-step predictives
+        a, b, total = A0 + y[:i].sum(), B0 + i - y[:i].sum(), 0.0
+        for yj in y[i:i + horizon]:
+            total += np.log((a if yj == 1 else b) / (a + b))
+            a, b = a + yj, b + 1 - yj
+        want.append(total)
+    np.testing.assert_array_equal(result.ids, np.arange(10, 31 - horizon, 3))
+    # exact streaming updates of a conjugate pair, and Gauss–Jacobi rules exact for these polynomials
+    np.testing.assert_allclose(result.pointwise, want, rtol=0, atol=1e-10)

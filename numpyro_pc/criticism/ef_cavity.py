@@ -43,7 +43,8 @@ from ..errors import NotPositiveDefiniteError, UnsupportedGuideError
 from ..likelihood import example_loss
 from .cavity import kl_shape
 
-__all__ = ["EFCavities", "EF_ESTIMATORS", "ef_cavities", "ef_influence", "ef_predictive", "ef_loo_values", "mean_labels"]
+__all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",
+           "ef_predictive", "ef_loo_values", "mean_labels"]
 
 _ROWS_PER_BATCH = 64  # examples whose points are evaluated at once (memory: rows × points × model)
 
@@ -139,8 +140,7 @@ def ef_loo_values(post, method, chosen, tol, max_iters):
     if not np.all(np.isfinite(lppd)):
         raise NotPositiveDefiniteError("the in-sample predictive density is not finite for some examples; check "
                                        "the posterior (post.residual())")
-    points = int(design(post.config, post.natural)[1].shape[0])
-    return ids, pointwise, lppd, khat, kl, refit, points
+    return ids, pointwise, lppd, khat, kl, refit, ef_num_points(post)
 
 
 EF_ESTIMATORS = ("remove_site", "influence")
@@ -222,3 +222,29 @@ def ef_influence(post, fn, estimators):
             function = {e: jax.tree.map(np.asarray, jax.lax.map(change, jnp.asarray(d), batch_size=256))
                         for e, d in delta.items()}
     return ids, {e: delta[e] for e in estimators}, function, khat, mean_labels(family, lam)
+
+
+@partial(jax.jit, static_argnums=0)
+def _block_log_density(config, lam, per_example, shared):
+    spec, family = config.spec, config.family
+    values, weights = design(config, lam)
+
+    def joint(point):
+        z, discrete, _ = model_point(spec, family, point)
+        return -jnp.sum(jax.vmap(lambda ex: example_loss(spec, z, ex, shared, discrete))(per_example))
+
+    return jax.nn.logsumexp(jax.vmap(joint)(values), b=weights)
+
+
+def ef_block_density(post, block) -> float:
+    r""":math:`\log E_q[\prod_{j \in block} p(y_j \mid x)]` of examples ``block``
+    (:class:`~numpyro_pc.likelihood.ModelData`) not necessarily in ``post``, under the
+    posterior's own points (the joint density of a forecast horizon in
+    :func:`numpyro_pc.criticism.lfo`)."""
+    with jax.enable_x64(post.natural.dtype == jnp.float64):
+        return float(_block_log_density(post.config, post.natural, block.per_example, block.shared))
+
+
+def ef_num_points(post) -> int:
+    """How many points stand for ``q`` (the ``n_samples`` of an ELPD result)."""
+    return int(design(post.config, post.natural)[1].shape[0])

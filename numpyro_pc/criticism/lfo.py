@@ -17,11 +17,15 @@ at every origin instead (the brute-force reference).
 
 One-step predictions (``M = 1``) use the posterior's expectation rule; the joint
 ``M``-step density uses ``num_samples`` fixed, moment-matched draws of ``q_i`` (the
-``mc`` rule's noise; the plug-in at the mean for the ``delta`` rule).
+``mc`` rule's noise; the plug-in at the mean for the ``delta`` rule). With
+``fit_options={"family": {site: "beta", ...}}`` the posteriors are exponential-family
+products and every density uses their own points (Gauss rules or fixed draws; see
+:func:`~numpyro_pc.criticism.ef_cavity.ef_block_density`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import replace
@@ -32,11 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-from ..errors import DataShapeError, InvalidOptionError
+from ..dual import DualPosteriorBase
+from ..ef_posterior import EFPosterior
+from ..errors import DataShapeError, InvalidOptionError, UnsupportedGuideError
 from ..expectations import get_rule, mc_noise
 from ..likelihood import bind_model, example_loss, is_array
 from ..posterior import fit
 from .cavity import refit_predictive, rule_nodes
+from .ef_cavity import ef_block_density, ef_num_points
 from .loo import elpd_data
 
 __all__ = ["lfo", "METHODS"]
@@ -70,8 +77,42 @@ def _joint_block(spec, mean, draws, block):
     return logsumexp(values) - jnp.log(values.shape[0])
 
 
+@functools.singledispatch
 def _block_density(post, block, horizon, num_samples, seed):
     """``log p(block | data of post)`` under ``post``'s posterior."""
+    raise UnsupportedGuideError(f"pc.lfo needs a dual-form posterior; pc.fit returned {type(post).__name__}")
+
+
+@_block_density.register
+def _ef_block_density(post: EFPosterior, block, horizon, num_samples, seed):
+    return ef_block_density(post, block)
+
+
+@_block_density.register
+def _gaussian_block_density(post: DualPosteriorBase, block, horizon, num_samples, seed):
+    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
+        return _gaussian_density(post, block, horizon, num_samples, seed)
+
+
+@functools.singledispatch
+def _num_points(post, horizon, num_samples):
+    """The rule's nodes or draws behind each predictive density (ArviZ's ``n_samples``)."""
+    raise UnsupportedGuideError(f"pc.lfo needs a dual-form posterior; found {type(post).__name__}")
+
+
+@_num_points.register
+def _ef_num_points(post: EFPosterior, horizon, num_samples):
+    return ef_num_points(post)
+
+
+@_num_points.register
+def _gaussian_num_points(post: DualPosteriorBase, horizon, num_samples):
+    if horizon > 1:
+        return num_samples
+    return rule_nodes(post.rule, post.spec, post.dim, post.state.mean.dtype)[1].shape[0]
+
+
+def _gaussian_density(post, block, horizon, num_samples, seed):
     spec = replace(post.spec, num_examples=horizon)
     if horizon == 1:
         value = refit_predictive(post, block, post.state.mean[None], post.state.precision[None])[0]
@@ -132,8 +173,7 @@ def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1
                 post = post.update(*a, correction="exact", tol=tol, max_iters=max_iters, **kw)
         a, kw = take(int(i), int(i) + horizon)
         _, block = bind_model(model, a, kw, data_plate=post.spec.plate)
-        with jax.enable_x64(post.state.mean.dtype == jnp.float64):
-            pointwise.append(_block_density(post, block, horizon, num_samples, seed))
+        pointwise.append(_block_density(post, block, horizon, num_samples, seed))
         blocks.append(block)
     # in-sample term for p_loo: every block under the posterior of the whole series
     if method == "update":
@@ -144,10 +184,8 @@ def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1
     else:
         a, kw = take(0, num)
         full = fit(model, *a, **fit_options, max_iters=max_iters, **kw)
-    with jax.enable_x64(full.state.mean.dtype == jnp.float64):
-        lppd = [_block_density(full, block, horizon, num_samples, seed) for block in blocks]
-        draws = rule_nodes(full.rule, full.spec, full.dim, full.state.mean.dtype)[1].shape[0]
-    result = elpd_data(pointwise, lppd, None, origins, "origin", draws if horizon == 1 else num_samples,
+    lppd = [_block_density(full, block, horizon, num_samples, seed) for block in blocks]
+    result = elpd_data(pointwise, lppd, None, origins, "origin", _num_points(full, horizon, num_samples),
                        method=f"lfo-{method}")
     result["seconds"] = time.perf_counter() - start
     return result
