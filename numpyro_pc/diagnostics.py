@@ -11,7 +11,11 @@ Information gain (paper eq. ``knowledge_gap``). With both posteriors in dual for
       + \log\frac{Z_{old}}{Z_{new}} .
 
 (The paper writes the correction expectation under ``q_t``; the identity holds with
-``q_{t+1}``, which is what is computed here and checked in the tests.)
+``q_{t+1}``, which is what is computed here and checked in the tests.) Each site is taken in
+its natural-parameter form :math:`\hat\ell_i = -\langle\hat\lambda_i, T\rangle`, without an
+additive constant, so that ``Z = exp(A(λ))`` and a site that is exact — the same factor
+whatever ``q`` it was computed at — contributes no correction (with the constant of a
+second-order expansion at ``m_i`` it would, by an amount that means nothing).
 
 Correction magnitude (paper eq. ``nat_grad_mismatch``): the mismatch between a fresh site
 ``λ̂_i(q)`` and a stale one, measured in the Fisher metric of ``q`` — the standard
@@ -38,6 +42,7 @@ from .batches import bind_batch
 from . import ef_sites
 from .dual import DualPosteriorBase
 from .ef_posterior import EFPosterior
+from .family_protocol import require_site_product
 from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedGuideError
 from .rows import positions
 from .sites import compute_sites
@@ -52,29 +57,32 @@ def kl(q, p) -> jax.Array:
 
 
 def expected_site_values(sites, mean, cov):
-    """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``."""
-    diff = mean[None, :] - sites.refs()
+    """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``, each site in its
+    natural-parameter form ``ℓ̂_i(z) = −⟨λ̂_i, T(z)⟩ = zᵀ(ĝ_i − Ĥ_i m_i) + ½ zᵀĤ_i z`` (no constant:
+    a site recomputed at another point but unchanged as a factor keeps its value)."""
+    refs = sites.refs()
+    diff = mean[None, :] - refs
     trace, quad = sites.curv.trace_quad(cov, diff)
-    values = sites.dense_grad() @ mean + 0.5 * (quad + trace)
+    offsets = 0.5 * jnp.sum(refs * sites.curvature_matvec(refs), 1)
+    values = sites.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
     p_diff = mean - sites.prior_ref
     prior_curvature = sites.prior_curvature_dense()
-    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov))
+    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov)
+                                             - sites.prior_ref @ prior_curvature @ sites.prior_ref)
     return values, prior
 
 
 def log_normaliser(sites, family):
-    """``log ∫ Π_i exp(−ℓ̂_i(z)) dz`` over the prior and example sites (exact quadratics)."""
+    """``log ∫ Π_i exp(−ℓ̂_i(z)) dz`` over the prior and example sites in natural-parameter form:
+    the Gaussian log-partition ``A(λ)`` of ``λ = Σ_i λ̂_i``."""
     nat = sites.natural_sum(family)
     prior = sites.prior_natural(family)
     precision = _dense(family, nat.precision + prior.precision)
     linear = nat.linear + prior.linear
-    refs = sites.refs()
-    const = 0.5 * jnp.sum(refs * sites.curvature_matvec(refs))
-    const = const + 0.5 * sites.prior_ref @ sites.prior_curvature_dense() @ sites.prior_ref
     chol = jnp.linalg.cholesky(precision)
     white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
     d = linear.shape[0]
-    return -const + 0.5 * white @ white + 0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
+    return 0.5 * white @ white + 0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
 
 
 def _dense(family, precision):
@@ -137,6 +145,7 @@ def _ef_information_gain(new: EFPosterior, old):
 def _gaussian_information_gain(new: DualPosteriorBase, old):
     if new.family.fixed_precision:
         raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
+    require_site_product(new.family, "pc.information_gain")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
         mean, cov = new.state.mean, new.covariance
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)

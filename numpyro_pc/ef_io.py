@@ -90,7 +90,7 @@ def save_ef(post, path, key=None):
     dtype = str(arrays["natural"].dtype)
     with jax.enable_x64(dtype == "float64"):
         fingerprint = model_fingerprint(spec, post.data)
-        residual = float(post.residual())
+        residual = float(post.residual)
     manifest = {
         "format": FORMAT, "version": VERSION, "kind": KIND,
         "family": {f.site: f.family_name for f in post.family.factors},
@@ -230,7 +230,7 @@ def load_ef(path, model, manifest, arrays):
         config = _config(path, spec, family, manifest["config"])
         post = EFPosterior(config=config, data=data, state=EFState(natural, grads, prior, to_device(arrays["ids"])),
                            conjugate_prior=manifest["conjugate_prior"], guide_map=None)
-        residual = float(post.residual())
+        residual = float(post.residual)
         check_residual(manifest["residual"], residual, dtype)
         if post.conjugate_prior:
             _check_conjugate_prior(path, post, probe)

@@ -81,6 +81,33 @@ def _bucketed_target(config, data, prior_active, const, seed=None):
     return target
 
 
+def _called(name):
+    warnings.warn(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
+                  f"post.{name}(); the call form will be removed in the next release", FutureWarning, stacklevel=3)
+
+
+class _Residual(float):
+    """The residual as a float that can still be called (the pre-property spelling, deprecated)."""
+
+    def __call__(self):
+        _called("residual")
+        return self
+
+
+class _Means(dict):
+    """The posterior means as a dict that can still be called (the pre-property spelling, deprecated);
+    a pytree like a dict."""
+
+    def __call__(self):
+        _called("mean")
+        return self
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Means, lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
+    lambda keys, values: _Means(zip(keys, values)))
+
+
 class EFPosterior:
     """A mean-field exponential-family posterior with one cached site per example.
 
@@ -144,14 +171,17 @@ class EFPosterior:
         """Examples whose data is retained (all of them)."""
         return self.num_examples
 
-    def residual(self):
-        """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`."""
-        return relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0))
+    @property
+    def residual(self) -> float:
+        """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`
+        (a property, as on Gaussian posteriors; calling it is deprecated)."""
+        return _Residual(relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0)))
 
-    def mean(self):
+    @property
+    def mean(self) -> dict:
         """:math:`E_q[x]` per latent site (constrained values; the category probabilities of a
-        categorical site)."""
-        return self.family.mean(self.natural)
+        categorical site); a property, as on Gaussian posteriors (calling it is deprecated)."""
+        return _Means(self.family.mean(self.natural))
 
     def sample(self, key, num_samples):
         """``num_samples`` draws per latent site (constrained values, as the model's sites hold them)."""
@@ -292,14 +322,25 @@ class EFPosterior:
 
     def delete(self, ids, method="remove_site", tol=None, max_iters=200, raise_on_failure=True):
         """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;
-        ``"corrected"``: then the retained sites are recomputed to the fixed point (exact).
+        ``"corrected"``: then the retained sites are recomputed to the fixed point (exact);
+        ``"retrain"``: the fixed point of the retained data solved again from the prior (the
+        reference the others are measured against).
+
+        ``"influence"`` and ``"tracin"`` are refused: they approximate a removal by a Newton or a
+        gradient step in a Gaussian's mean, while here removing the sites is exact in the natural
+        parameters and ``"corrected"`` recomputes the others.
 
         :raises OutOfDomainError: ``"remove_site"`` leaving a shape parameter non-positive.
         :raises UnknownExampleError: ids that are not held.
         """
-        if method not in ("remove_site", "corrected"):
-            raise InvalidOptionError(f"method for exponential-family posteriors is 'remove_site' or 'corrected'; "
-                                     f"got {method!r}")
+        if method in ("influence", "tracin"):
+            raise InvalidOptionError(
+                f"method={method!r} approximates a deletion by a {'Newton' if method == 'influence' else 'gradient'} "
+                "step in a Gaussian's mean; an exponential-family posterior removes the sites exactly in its natural "
+                "parameters (λ + Σ g_j). Use 'remove_site', 'corrected' (the retained sites recomputed) or 'retrain'.")
+        if method not in ("remove_site", "corrected", "retrain"):
+            raise InvalidOptionError(f"method for exponential-family posteriors is 'remove_site', 'corrected' or "
+                                     f"'retrain'; got {method!r}")
         wanted = np.asarray(as_ids(ids))
         held = np.asarray(self.ids)
         missing = sorted(set(wanted.tolist()) - set(held.tolist()))
@@ -318,9 +359,11 @@ class EFPosterior:
             return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
                                record=dict(operation="delete", method=method))
         if keep.size == 0:
-            raise DataShapeError("corrected deletion needs at least one retained example")
-        post = _solve(self, data, self.ids[keep], removed if inside else self.natural, tol, max_iters,
-                      raise_on_failure)
+            raise DataShapeError(f"{method} deletion needs at least one retained example")
+        start = removed if inside else self.natural
+        if method == "retrain":
+            start = -self.state.prior if self.conjugate_prior else self.family.default_natural(self.natural.dtype)
+        post = _solve(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
         return post.evolve(record=dict(post.record, operation="delete", method=method))
 
     def merge(self, other, refine=False, **options):
@@ -425,7 +468,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     ids = jnp.arange(spec.num_examples)
     post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)
     if not refine:
-        return post.evolve(record=dict(operation="read", residual=post.residual()))
+        return post.evolve(record=dict(operation="read", residual=post.residual))
     if guide_map is None and conjugate:
         lam = -sites.prior  # from the prior itself
         post = post.evolve(state=post.state._replace(natural=lam))

@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .errors import NonFiniteResultError, NotPositiveDefiniteError
+from .errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
-           "scale_site"]
+           "scale_site", "require_site_product"]
 
 
 class Gaussian(NamedTuple):
@@ -39,6 +39,24 @@ class GaussianNatural(NamedTuple):
 
     linear: jax.Array
     precision: jax.Array
+
+
+def require_site_product(family, operation: str) -> None:
+    """Refuse ``operation`` unless ``q`` is the product of its sites in ``family`` (``λ = Σ_i λ̂_i``):
+    cavities, the information-gain decomposition and corrected models divide sites out of ``q``.
+
+    :raises UnsupportedGuideError: for a family whose precision is a fixed base measure
+        (isotropic) or a non-linear projection of the site sum (low-rank).
+    """
+    if family.fixed_precision:
+        why = "a fixed base measure, and its sites carry no curvature"
+    elif not family.linear_precision:
+        why = "a projection of the site sum, not the sum itself"
+    else:
+        return
+    raise UnsupportedGuideError(
+        f"{operation} divides sites out of q, which needs q to be the product of its sites; the {family.name} "
+        f"family's precision is {why}. Fit with family='full' or 'diagonal' for it.")
 
 
 def add_site(natural, site, alpha=1.0):

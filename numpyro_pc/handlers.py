@@ -36,6 +36,7 @@ from numpyro.primitives import Messenger
 from .dual import DualPosteriorBase
 from .ef_handlers import check_same_ef_model, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
+from .family_protocol import require_site_product
 from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError, UnsupportedGuideError
 from .likelihood import bind_model, example_loss, losses, prior_loss
 from .rowops import as_ids
@@ -200,6 +201,7 @@ correction_factor.register(EFPosterior, ef_correction_factor)
 
 @correction_factor.register
 def _gaussian_correction_factor(posterior: DualPosteriorBase, memory="all", correct_prior=True, removed=()):
+    require_site_product(posterior.family, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
     post = posterior
     retained = np.asarray(post.data_ids)
     ids = memory_ids(memory, retained, removed)

@@ -419,7 +419,7 @@ def test_pc_merge_of_shards_is_the_batch_posterior(x64):
     np.testing.assert_allclose(_args(merged), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-10)
     chained = shards[0].merge(shards[1]).merge(shards[2])
     np.testing.assert_array_equal(np.asarray(merged.natural), np.asarray(chained.natural))
-    assert merged.num_examples == y.size and merged.residual() < 1e-10
+    assert merged.num_examples == y.size and merged.residual < 1e-10
 
 
 def test_pc_merge_refuses_mixed_kinds_and_gaussian_options(x64):

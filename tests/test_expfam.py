@@ -158,7 +158,7 @@ def test_fit_reaches_closed_form(x64, kind, model, site, family):
     assert isinstance(post, EFPosterior) and post.conjugate_prior
     np.testing.assert_allclose(_args(post), closed_form(kind, d), rtol=RTOL)
     # dual form: λ = λ0 + Σ sites, with λ0 the prior itself
-    assert post.residual() < 1e-10
+    assert post.residual < 1e-10
     prior = closed_form(kind, d[:0]) if kind != "cat" else np.array([1.0, 2.0, 3.0])
     np.testing.assert_allclose(post.prior_natural, post.family.factors[0].from_args(*(
         prior if kind != "cat" else (prior,))), rtol=1e-10, atol=1e-10)
@@ -193,7 +193,7 @@ def test_two_site_guide_user_story(x64):
     params = read.to_guide_params()
     np.testing.assert_allclose([params["a"], params["b"], params["shape"], params["inv_scale"]], want, rtol=RTOL)
     assert set(read.sample(jax.random.PRNGKey(0), 5)) == {"p", "rate"}
-    np.testing.assert_allclose(read.mean()["p"], want[0] / want[:2].sum(), rtol=RTOL)
+    np.testing.assert_allclose(read.mean["p"], want[0] / want[:2].sum(), rtol=RTOL)
 
 
 @pytest.mark.parametrize("kind, model, site, family", CASES)
@@ -220,7 +220,7 @@ def test_streaming_deletion_and_merging_are_exact(x64, kind, model, site, family
     shards = [pc.fit(model, y=_y(kind, d[rows]), family={site: family}) for rows in batches]
     merged = shards[0].merge(shards[1]).merge(shards[2])
     np.testing.assert_allclose(_args(merged), closed_form(kind, d), rtol=RTOL)
-    assert merged.residual() < 1e-10 and merged.num_examples == d.size
+    assert merged.residual < 1e-10 and merged.num_examples == d.size
 
 
 # ---------------------------------------------------------------- non-conjugate oracles
@@ -284,7 +284,7 @@ def test_non_conjugate_prior_gamma_matches_elbo_optimum(x64):
     assert not post.conjugate_prior and post.record["converged"]
     np.testing.assert_allclose(_args(post), _best_gamma(y), rtol=1e-6)
     # the prior term is one more site at q: λ = -g0 - Σ g_i still holds
-    assert post.residual() < 1e-9
+    assert post.residual < 1e-9
 
 
 def test_non_conjugate_likelihood_beta_matches_elbo_optimum(x64):
@@ -351,7 +351,7 @@ def test_refusals_are_typed(x64):
         post.delete([999])
     with pytest.raises(pc.errors.InvalidOptionError, match="'exact', 'none', 'prior', 'memory' or 'stochastic'"):
         post.update(y=y, correction="weighted")
-    with pytest.raises(pc.errors.InvalidOptionError, match="'remove_site' or 'corrected'"):
+    with pytest.raises(pc.errors.InvalidOptionError, match="removes the sites exactly"):
         post.delete([0], method="influence")
 
 
@@ -418,7 +418,7 @@ def test_dual_form_of_dirichlet_guide(x64):
     post = pc.dual_form(dirichlet_categorical, guide, {"alpha": jnp.array([5.0, 1.0, 2.0])}, y=_y("cat", d))
     want = closed_form("cat", d)
     np.testing.assert_allclose(post.to_guide_params()["alpha"], want, rtol=RTOL)
-    np.testing.assert_allclose(post.mean()["pi"], want / want.sum(), rtol=RTOL)
+    np.testing.assert_allclose(post.mean["pi"], want / want.sum(), rtol=RTOL)
     assert post.config.rule == "mc"
 
 
@@ -453,3 +453,14 @@ def test_positional_data_update_and_delete(x64):
     kept = np.setdiff1d(np.arange(30), [1, 20])
     smaller = post.delete([1, 20], method="corrected")
     np.testing.assert_allclose(_args(smaller), [A0 + y[kept].sum(), 0.5 + e[kept].sum()], rtol=RTOL)
+
+
+def test_residual_and_mean_are_properties_and_the_call_form_warns(x64):
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(_data()["bern"]), family={"p": "beta"})
+    assert isinstance(post.residual, float) and post.residual < 1e-10  # as on Gaussian posteriors
+    a, b = (float(v) for v in post.family.describe(post.natural)["p"][1].values())
+    np.testing.assert_allclose(post.mean["p"], a / (a + b), rtol=1e-12)
+    with pytest.warns(FutureWarning, match="write post.residual instead of post.residual()"):
+        assert post.residual() == post.residual
+    with pytest.warns(FutureWarning, match="post.mean instead"):
+        assert post.mean()["p"] == post.mean["p"]

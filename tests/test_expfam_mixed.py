@@ -222,11 +222,11 @@ def test_discrete_latents_equal_exact_enumeration(x64):
     y = np.random.default_rng(4).poisson(2.0, 12).astype(float)
     post = pc.fit(switch, y=jnp.asarray(y), family={"z": "bernoulli"})
     logit = special.logit(0.3) + np.sum(stats.poisson(RATES[1]).logpmf(y) - stats.poisson(RATES[0]).logpmf(y))
-    _close(post.mean()["z"], special.expit(logit), 1e-10)
+    _close(post.mean["z"], special.expit(logit), 1e-10)
 
     post3 = pc.fit(three_way, y=jnp.asarray(y), family={"z": "categorical"})
     logp = np.log([0.5, 0.3, 0.2]) + np.array([stats.poisson(r).logpmf(y).sum() for r in (1.0, 2.0, 3.0)])
-    _close(post3.mean()["z"], np.exp(logp - special.logsumexp(logp)), 1e-10)
+    _close(post3.mean["z"], np.exp(logp - special.logsumexp(logp)), 1e-10)
     # exact streaming and corrected deletion stay exact Bayes
     first = pc.fit(three_way, y=jnp.asarray(y[:5]), family={"z": "categorical"})
     _close(first.update(y=jnp.asarray(y[5:])).natural, post3.natural, 1e-10)
@@ -255,7 +255,7 @@ def test_bernoulli_switch_with_a_normal_mean_is_coordinate_ascent(x64):
         ez = special.expit(special.logit(PI0) - np.sum(0.5 * DELTA**2 - DELTA * (y - m)))
     post = pc.fit(shifted, y=jnp.asarray(y), family={"mu": "normal", "z": "bernoulli"})
     assert post.family.names == ("mu", "z")  # continuous sites first, then discrete ones
-    _close(post.mean()["z"], ez)
+    _close(post.mean["z"], ez)
     _close(post.family.factors[0].to_args(post.family.split(post.natural)[0]), [m, np.sqrt(v)])
 
 
@@ -335,7 +335,7 @@ def test_mixed_user_story_update_and_delete(x64):
     family = {"p": "beta", "rate": "gamma", "w": "full"}
     args, kw = rows(np.arange(n))
     post = pc.fit(story, *args, family=family, **kw, **TIGHT)
-    assert post.config.rule == "mixed" and post.residual() < 1e-9
+    assert post.config.rule == "mixed" and post.residual < 1e-9
     q = post.distributions()  # Beta and Gamma blocks are conjugate and independent of w: closed form
     _close([q["p"].concentration1, q["p"].concentration0], [2.0 + data["c"].sum(), 2.0 + n - data["c"].sum()])
     _close([q["rate"].concentration, q["rate"].rate], [2.0 + data["k"].sum(), 1.0 + n])
@@ -370,7 +370,7 @@ def test_save_load_arviz_and_prior_handler_with_gaussian_and_discrete_factors(x6
     y3 = jnp.asarray(np.random.default_rng(4).poisson(2.0, 12).astype(float))
     first = pc.fit(three_way, y=y3[:5], family={"z": "categorical"})
     chained = pc.fit(pc.handlers.posterior_prior(three_way, first), y=y3[5:], family={"z": "categorical"})
-    _close(chained.mean()["z"], pc.fit(three_way, y=y3, family={"z": "categorical"}).mean()["z"], 1e-10)
+    _close(chained.mean["z"], pc.fit(three_way, y=y3, family={"z": "categorical"}).mean["z"], 1e-10)
 
 
 def test_batches_of_other_sizes_reuse_the_compiled_sites(x64):
@@ -404,7 +404,7 @@ def test_memory_and_prior_corrections(x64):
     half = first.update(**batch, correction="memory", memory=0.5)
     gaps = [float(p.kl(exact)) for p in (none, prior, half)]
     assert gaps[0] > 0 and gaps[2] < gaps[0], gaps  # correcting more stale sites moves toward the batch posterior
-    assert half.record["corrected"] == 10 and half.residual() < 1e-9
+    assert half.record["corrected"] == 10 and half.residual < 1e-9
     # stochastic: block Gauss–Seidel passes over all sites tend to the exact update
     one = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=1)
     many = first.update(**batch, correction="stochastic", batch_fraction=0.25, epochs=12)

@@ -108,7 +108,7 @@ def test_ef_merge_with_a_base_is_the_pooled_posterior(x64):
     np.testing.assert_allclose(_beta_args(merged), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-12)
     assert merged.num_examples == 90 and np.unique(np.asarray(merged.ids)).size == 90
     assert merged.record["renumbered"]  # both tasks counted on from the base's ids
-    assert float(merged.residual()) < 1e-12  # λ = −g_0 − Σ g_i with every site attributed
+    assert float(merged.residual) < 1e-12  # λ = −g_0 − Σ g_i with every site attributed
     # the merged posterior is an ordinary one: deleting the second task's examples is exact
     gone = merged.delete(np.asarray(merged.ids)[60:])
     np.testing.assert_allclose(_beta_args(gone), [A0 + y[:60].sum(), B0 + (1 - y[:60]).sum()], rtol=1e-12)
@@ -117,7 +117,7 @@ def test_ef_merge_with_a_base_is_the_pooled_posterior(x64):
     f = [30 - s[0], 30 - s[1], 30 - s[2]]
     want = [A0 + s[0] + 0.5 * s[1] + 2 * s[2], B0 + f[0] + 0.5 * f[1] + 2 * f[2]]
     np.testing.assert_allclose(_beta_args(weighted), want, rtol=1e-12)
-    assert float(weighted.residual()) < 1e-12
+    assert float(weighted.residual) < 1e-12
 
 
 def test_ef_merge_of_a_non_conjugate_likelihood_is_the_arithmetic(x64):
@@ -127,6 +127,6 @@ def test_ef_merge_of_a_non_conjugate_likelihood_is_the_arithmetic(x64):
     merged = pc.merge(base, tasks, alphas=[1.0, 0.7])
     want = base.natural + (tasks[0].natural - base.natural) + 0.7 * (tasks[1].natural - base.natural)
     np.testing.assert_allclose(np.asarray(merged.natural), np.asarray(want), rtol=1e-13)
-    assert float(merged.residual()) < 1e-10  # the base sites carry the tasks' corrections
+    assert float(merged.residual) < 1e-10  # the base sites carry the tasks' corrections
     with pytest.raises(pc.errors.InvalidOptionError, match="Gaussian means"):
         pc.merge(base, tasks, method="task_arithmetic")

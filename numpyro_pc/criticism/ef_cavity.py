@@ -139,7 +139,7 @@ def ef_loo_values(post, method, chosen, tol, max_iters):
             "parameter's information); refit them exactly with pc.loo(post, method='corrected', where=ids).")
     if not np.all(np.isfinite(lppd)):
         raise NotPositiveDefiniteError("the in-sample predictive density is not finite for some examples; check "
-                                       "the posterior (post.residual())")
+                                       "the posterior (post.residual)")
     return ids, pointwise, lppd, khat, kl, refit, ef_num_points(post)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..rows import positions, take_data
 from ..curvature import FULL
+from ..family_protocol import require_site_product
 from ..dual import DualPosteriorBase
 from ..ef_posterior import EFPosterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
@@ -192,6 +193,7 @@ def _gaussian_loo(post: DualPosteriorBase, method, where, good_k, tol, max_iters
             "leave-one-out needs a posterior with curvature (family 'full' or 'diagonal'); this one is isotropic "
             "(a point estimate / ERM), whose sites carry no precision to remove. Fit with family='full' or "
             "'diagonal'; pc.influence(post) still gives its parameter changes.")
+    require_site_product(post.family, "pc.loo")
     dtype = post.state.mean.dtype
     with jax.enable_x64(dtype == jnp.float64):
         ids = np.asarray(post.data_ids)
