@@ -1,0 +1,63 @@
+"""Files written by an earlier release still load (issue 26, item 5).
+
+``tests/fixtures`` holds posteriors saved by the release that had two file kinds (the
+Gaussian archive and the exponential-family ``"kind": "ef"`` archive), written once by
+``tests/fixtures/write_fixtures.py`` and never regenerated. Oracle: the numbers recorded
+beside them when they were written (``expected.json``), exactly — a file read back is the
+posterior that was saved, bit for bit — and the operations a user runs next.
+"""
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpyro_pc as pc
+from numpyro_pc import errors
+
+from conftest import logistic_model, make_logistic
+from test_ef_adapt import _bern, beta_bernoulli
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+KEY = b"fixture-signing-key"
+MODELS = {"gaussian_full": logistic_model, "gaussian_diagonal": logistic_model, "ef_beta": beta_bernoulli}
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_file_of_the_earlier_release_loads_bit_for_bit(x64, name, signed):
+    post = pc.load(FIXTURES / f"{name}{'_signed' if signed else ''}.npz", MODELS[name], key=KEY if signed else None)
+    want = EXPECTED[name]
+    if want["kind"] == "gaussian":
+        assert post.family.name == want["family"]
+        np.testing.assert_array_equal(np.asarray(post.mean), want["mean"])
+        np.testing.assert_array_equal(np.asarray(post.precision), want["precision"])
+        np.testing.assert_array_equal(np.asarray(post.sites.ids), want["ids"])
+    else:
+        np.testing.assert_array_equal(np.asarray(post.natural), want["natural"])
+        np.testing.assert_array_equal(np.asarray(post.ids), want["ids"])
+    assert post.residual < 1e-8  # the dual form it was saved in
+
+
+def test_loaded_files_keep_working(x64):
+    X, y = make_logistic(6, 2, seed=12)
+    post = pc.load(FIXTURES / "gaussian_full.npz", logistic_model)
+    grown = post.update(X, y, correction="exact", tol=1e-12)
+    assert grown.num_examples == post.num_examples + 6 and grown.residual < 1e-10
+    ef = pc.load(FIXTURES / "ef_beta.npz", beta_bernoulli)
+    more = ef.update(y=jnp.asarray(_bern(5, seed=6)))
+    a, b = (float(v) for v in more.family.describe(more.natural)["p"][1].values())
+    a0, b0 = (float(v) for v in ef.family.describe(ef.natural)["p"][1].values())
+    extra = _bern(5, seed=6)
+    np.testing.assert_allclose([a, b], [a0 + extra.sum(), b0 + (1 - extra).sum()], rtol=1e-12)  # conjugate
+
+
+def test_a_signed_file_of_the_earlier_release_refuses_another_key(x64):
+    for name in ("gaussian_full", "ef_beta"):
+        with pytest.raises(errors.IntegrityError, match="signature does not match"):
+            pc.load(FIXTURES / f"{name}_signed.npz", MODELS[name], key=b"another key")
+        with pytest.raises(errors.IntegrityError, match="carries no signature"):
+            pc.load(FIXTURES / f"{name}.npz", MODELS[name], key=KEY)
