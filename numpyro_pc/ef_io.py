@@ -43,7 +43,7 @@ from .ef_posterior import EFConfig, EFPosterior, EFState, family_for_model
 from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
                      PersistenceError, PosteriorCorrectionError, SavedModelMismatchError)
 from .fingerprint import model_fingerprint
-from .io import argument_layout, bind_saved_model, digest
+from .saved_model import argument_layout, bind_saved_model, digest
 from .likelihood import ModelData
 from .rowops import to_device
 from .validation import (DATA_DTYPES, FLOAT_DTYPES, FORMAT, INT_DTYPES, VERSION, check_array_entries,

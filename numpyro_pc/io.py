@@ -20,12 +20,11 @@ documentation page on saving for the threat model).
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -49,32 +48,18 @@ from .errors import (
 )
 from .expectations import ExpectationRule
 from .families import Gaussian, GaussianNatural, get_family
-from .fingerprint import compare_fingerprints, model_fingerprint
-from .likelihood import ModelData, bind_model
+from .fingerprint import model_fingerprint
 from .rowops import to_device
 from .sites import Sites
 from .site_problem import dual_residual
+from .ef_io import check_ef_manifest, load_ef, save_ef
+from .saved_model import argument_layout, bind_saved_model, digest
 from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
            "SavedModelMismatchError", "DtypeMismatchError", "save", "load", "digest", "argument_layout",
            "bind_saved_model", "check_read_archive"]
-
-
-def digest(array):
-    """SHA-256 (hex) of an array's C-ordered bytes, as recorded in a manifest."""
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
-
-
-_digest = digest
-
-
-def _json_static(value, name):
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise PersistenceError(f"argument {name!r} is a {type(value).__name__}; only arrays, None, bool, int, float "
-                           "and str arguments can be saved")
 
 
 def _arrays(post):
@@ -107,10 +92,22 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
         then refuses any file not signed with it.
     :return: the :class:`~pathlib.Path` written.
     """
-    if isinstance(post, EFPosterior):
-        from .ef_io import save_ef  # ef_io builds on this module's helpers
+    return _save(post, path, key)
 
-        return save_ef(post, path, key=key)
+
+@functools.singledispatch
+def _save(post, path, key):
+    raise PersistenceError(f"pc.save writes dual-form posteriors (from pc.fit or pc.dual_form); found "
+                           f"{type(post).__name__}")
+
+
+@_save.register
+def _save_ef(post: EFPosterior, path, key):
+    return save_ef(post, path, key=key)
+
+
+@_save.register
+def _save_gaussian(post: DualPosteriorBase, path, key):
     arrays = _arrays(post)
     spec = post.spec
     dtype = str(arrays["mean"].dtype)
@@ -123,7 +120,7 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
         "latent": post.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
         "arguments": argument_layout(spec), "next_id": post.next_id, "tombstones": list(post.tombstones),
         "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in post.data.per_example],
-        "arrays": {k: {"sha256": _digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
+        "arrays": {k: {"sha256": digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
         "residual": float(post.residual), "fingerprint": fingerprint, "signed": key is not None,
     }
     manifest = json.loads(json.dumps(manifest))  # exactly what load will see
@@ -140,36 +137,6 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
                                f"{len(text)} bytes, more than the {limit} a load accepts (a model with very many "
                                "sample sites)")
     return write_atomic(path, text, members, key=key)
-
-
-class _Slot:
-    def __init__(self, kind):
-        self.kind = kind
-
-
-def argument_layout(spec):
-    """JSON description of the model's top-level arguments (array slots, None and scalars).
-
-    :raises PersistenceError: an argument that is neither an array, ``None`` nor a scalar.
-    """
-    n_ex, n_sh = spec.kinds.count("example"), spec.kinds.count("shared")
-    args, kwargs = spec.build_args(tuple(_Slot("example") for _ in range(n_ex)),
-                                   tuple(_Slot("shared") for _ in range(n_sh)))
-    names = iter(spec.arg_names)
-
-    def describe(value):
-        if value is None:
-            return {"kind": "none"}
-        name = next(names)
-        if isinstance(value, _Slot):
-            return {"kind": value.kind, "name": name.split("[")[0]}
-        return {"kind": "static", "name": name, "value": _json_static(value, name)}
-
-    try:
-        return {"args": [describe(v) for v in args], "kwargs": {k: describe(kwargs[k]) for k in sorted(kwargs)}}
-    except StopIteration:
-        raise PersistenceError("only models whose arguments are arrays, None or scalars (no nested "
-                               "containers) can be saved") from None
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase | EFPosterior:
@@ -198,8 +165,6 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
     manifest, arrays, signed = read_archive(path, _check_any_manifest, key=key)
     check_read_archive(path, manifest, arrays, signed, key)
     if "kind" in manifest:
-        from .ef_io import load_ef  # ef_io builds on this module's helpers
-
         return load_ef(path, model, manifest, arrays)
     dtype = manifest["dtype"]
     check_contents(manifest, arrays)
@@ -227,8 +192,6 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
 def _check_any_manifest(manifest):
     """The manifest check of the file's kind: a Gaussian dual posterior (no ``kind``) or ``"ef"``."""
     if "kind" in manifest:
-        from .ef_io import check_ef_manifest
-
         return check_ef_manifest(manifest)
     return check_manifest(manifest)
 
@@ -251,62 +214,3 @@ def check_read_archive(path, manifest, arrays, signed, key):
 
 def _representable(dtype):
     return jax.dtypes.canonicalize_dtype(dtype) == dtype
-
-
-def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
-    """Bind ``model`` to the argument layout saved in ``manifest`` and check it is the saved
-    model (latent sites, observed sites, fingerprint); ``allow_discrete`` for posteriors with
-    discrete factors.
-
-    :return: ``(spec, data)`` with the saved data rows.
-    :raises SavedModelMismatchError:
-    """
-    per_example = [arrays[f"data.example.{k}"] for k in range(len(manifest["example_shapes"]))]
-    shared = [arrays[f"data.shared.{k}"] for k in range(sum(1 for m in _entries(manifest["arguments"])
-                                                            if m["kind"] == "shared"))]
-    probe = [x[:1] if x.shape[0] else np.zeros((1, *x.shape[1:]), x.dtype) for x in per_example]
-    args, kwargs = _rebuild_args(manifest["arguments"], probe, shared)
-    try:
-        spec, _ = bind_model(model, args, kwargs, data_plate=manifest["plate"], allow_discrete=allow_discrete,
-                             shared=tuple(m["name"] for m in _entries(manifest["arguments"]) if m["kind"] == "shared"))
-    except Exception as err:  # the model is user code run on the saved layout: any failure is a mismatch
-        raise SavedModelMismatchError(f"the model cannot be bound to the argument layout saved in {path}: "
-                                      f"{type(err).__name__}: {err}") from err
-    if spec.latent.signature() != manifest["latent"] or list(spec.observed) != manifest["observed"]:
-        raise SavedModelMismatchError(f"{path} was saved for latent sites {manifest['latent']['names']} with "
-                                      f"observed {manifest['observed']}; the model has {list(spec.latent.names)} / "
-                                      f"{list(spec.observed)}")
-    spec = replace(spec, num_examples=int(per_example[0].shape[0]))
-    data = ModelData(tuple(to_device(x) for x in per_example), tuple(to_device(x) for x in shared))
-    saved = manifest.get("fingerprint")
-    if saved is None:
-        warnings.warn(f"{path} was saved without a model fingerprint (an earlier numpyro_pc): the model could not "
-                      "be verified beyond its latent sites", UserWarning, stacklevel=3)
-        return spec, data
-    differences = compare_fingerprints(saved, model_fingerprint(spec, data))
-    if differences:
-        raise SavedModelMismatchError(f"{path} was saved with another model: " + "; ".join(differences[:8])
-                                      + (f"; … ({len(differences)} differences)" if len(differences) > 8 else ""),
-                                      differences)
-    return spec, data
-
-
-def _entries(layout):
-    return list(layout["args"]) + list(layout["kwargs"].values())
-
-
-def _rebuild_args(layout, per_example, shared):
-    ex, sh = iter(per_example), iter(shared)
-
-    def value(meta):
-        if meta["kind"] == "none":
-            return None
-        if meta["kind"] == "example":
-            return to_device(next(ex))
-        if meta["kind"] == "shared":
-            return to_device(next(sh))
-        return meta["value"]
-
-    args = tuple(value(m) for m in layout["args"])
-    kwargs = {k: value(m) for k, m in sorted(layout["kwargs"].items())}
-    return args, kwargs

@@ -52,6 +52,8 @@ def test_demo_fast(part, tmp_path, capsys):
         assert not [line for line in printed.splitlines() if line.startswith("fedpc") and "diverged" in line]
         assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
         assert (tmp_path / "expfam.png").stat().st_size > 10_000
+        expfam = result["expfam"]  # LOO from the cavities agrees with exact refits of the least reliable examples
+        assert expfam["loo_refit_gap"] < 1e-3 and expfam["loo_max_khat"] < 0.7 and np.isfinite(expfam["elpd_loo"])
         assert (tmp_path / "streaming_gp.png").stat().st_size > 10_000  # streaming sparse GP section
 
 

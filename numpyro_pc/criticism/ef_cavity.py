@@ -60,9 +60,12 @@ class EFCavities(NamedTuple):
 
 def ef_cavities(post) -> EFCavities:
     """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.ef_posterior.EFPosterior`."""
-    family = post.family
-    lam = post.natural
-    natural = lam[None, :] + post.state.grads
+    return _cavities(post.family, post.natural, post.state.grads)
+
+
+@partial(jax.jit, static_argnums=0)
+def _cavities(family, lam, grads):
+    natural = lam[None, :] + grads
     inside = jax.vmap(family.in_domain)(natural)
     safe = jnp.where(inside[:, None], natural, lam[None, :])  # no NaN from A outside its domain
     kl = jax.vmap(lambda cav: family.kl(cav, lam))(safe)
@@ -151,6 +154,18 @@ def _flat_mean(family, lam):
     return jnp.concatenate([jnp.ravel(v) for v in family.mean(lam).values()])
 
 
+@partial(jax.jit, static_argnums=0)
+def _mean_shifts(family, lam, naturals):
+    """``E_{λ_i}[x] − E_λ[x]`` for each row ``λ_i`` of ``naturals``."""
+    return jax.vmap(lambda c: _flat_mean(family, c))(naturals) - _flat_mean(family, lam)[None, :]
+
+
+@partial(jax.jit, static_argnums=0)
+def _mean_tangents(family, lam, directions):
+    """``d/dt E_{λ + t g_i}[x]`` at ``t = 0`` for each row ``g_i`` of ``directions``."""
+    return jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])(directions)
+
+
 def _unflatten(family, like, flat):
     out, pos = {}, 0
     for name, value in like.items():
@@ -204,10 +219,9 @@ def ef_influence(post, fn, estimators):
                 raise NotPositiveDefiniteError(
                     f"removing the site of example(s) {ids[~inside][:10].tolist()} leaves natural parameters outside "
                     "the family's domain (k̂ = 1); estimators=('influence',) gives the first-order change")
-            delta["remove_site"] = np.asarray(jax.vmap(lambda c: _flat_mean(family, c) - base)(cav.natural))
+            delta["remove_site"] = np.asarray(_mean_shifts(family, lam, cav.natural))
         if "influence" in estimators:
-            tangent = jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])
-            delta["influence"] = np.asarray(tangent(post.state.grads))
+            delta["influence"] = np.asarray(_mean_tangents(family, lam, post.state.grads))
         for name, values in delta.items():
             if not np.all(np.isfinite(values)):
                 raise NotPositiveDefiniteError(f"the {name!r} change of some posterior means is not finite")
@@ -246,5 +260,5 @@ def ef_block_density(post, block) -> float:
 
 
 def ef_num_points(post) -> int:
-    """How many points stand for ``q`` (the ``n_samples`` of an ELPD result)."""
-    return int(design(post.config, post.natural)[1].shape[0])
+    """How many points stand for ``q`` (the ``n_samples`` of an ELPD result; traced, not run)."""
+    return int(jax.eval_shape(lambda lam: design(post.config, lam)[1], post.natural).shape[0])

@@ -56,12 +56,10 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
@@ -69,50 +67,13 @@ from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import gaussian_prior, prior_natural
 from ..dual import build_posterior
 from ..posterior import DualPosterior
-from .core import (LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
+from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, release_site)
 from .robust import aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
 ALGORITHMS = ("fedpc", "pvi", "ama", "admm")
-
-
-@dataclass
-class FederatedResult:
-    """Outcome of :func:`run`.
-
-    :ivar posterior: the global posterior as a :class:`~numpyro_pc.posterior.DualPosterior`
-        over the union of the shards (sites evaluated at the final global Gaussian), or
-        ``None`` with ``keep_data=False``.
-    :ivar state: the final global :class:`~numpyro_pc.families.Gaussian`.
-    :ivar sites: the clients' site natural parameters, stacked on a leading axis.
-    :ivar history: one dict per round: ``round``, ``kl_to_previous``, ``residual``
-        (largest ``‖λ_k − λ_jnt‖ / ‖λ_jnt‖`` over the round's clients), ``participants``,
-        ``local_iterations`` (largest), ``bytes_up``, ``bytes_down``, ``bytes`` (cumulative),
-        ``seconds`` (cumulative) and ``kl_to_reference`` when a reference was given.
-    :ivar converged: whether both tolerances were met.
-    :ivar status: ``"converged"``, ``"max_rounds"`` or ``"diverged"``.
-    """
-
-    posterior: object
-    state: Gaussian
-    sites: GaussianNatural
-    history: list = field(default_factory=list)
-    converged: bool = False
-    status: str = "max_rounds"
-    algorithm: str = "fedpc"
-    rho: float = 1.0
-
-    @property
-    def rounds(self):
-        """Number of rounds run."""
-        return len(self.history)
-
-    def column(self, key):
-        """One history entry across rounds as a NumPy array."""
-        return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)
-
 
 def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if algorithm not in ALGORITHMS:

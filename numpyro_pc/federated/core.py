@@ -26,7 +26,7 @@ compiled computation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import jax
@@ -41,7 +41,7 @@ from ..fixed_point import backtrack
 from ..likelihood import ModelData, bind_model, example_loss, example_params
 from .privacy import add_noise, clip_factors
 
-__all__ = ["ClientStack", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
+__all__ = ["ClientStack", "FederatedResult", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
 
 
@@ -408,3 +408,41 @@ def joint_spec(spec, num_examples):
 def concat_datas(datas):
     """Union of the clients' unpadded data (shared leaves from client 0)."""
     return ModelData(tuple(jnp.concatenate(col, 0) for col in zip(*(d.per_example for d in datas))), datas[0].shared)
+
+
+
+@dataclass
+class FederatedResult:
+    """Outcome of :func:`numpyro_pc.federated.run` (and of the exponential-family
+    :func:`~numpyro_pc.federated.ef.run_ef`).
+
+    :ivar posterior: the global posterior as a :class:`~numpyro_pc.posterior.DualPosterior`
+        over the union of the shards (sites evaluated at the final global Gaussian), or
+        ``None`` with ``keep_data=False``.
+    :ivar state: the final global :class:`~numpyro_pc.families.Gaussian`.
+    :ivar sites: the clients' site natural parameters, stacked on a leading axis.
+    :ivar history: one dict per round: ``round``, ``kl_to_previous``, ``residual``
+        (largest ``‖λ_k − λ_jnt‖ / ‖λ_jnt‖`` over the round's clients), ``participants``,
+        ``local_iterations`` (largest), ``bytes_up``, ``bytes_down``, ``bytes`` (cumulative),
+        ``seconds`` (cumulative) and ``kl_to_reference`` when a reference was given.
+    :ivar converged: whether both tolerances were met.
+    :ivar status: ``"converged"``, ``"max_rounds"`` or ``"diverged"``.
+    """
+
+    posterior: object
+    state: Gaussian
+    sites: GaussianNatural
+    history: list = field(default_factory=list)
+    converged: bool = False
+    status: str = "max_rounds"
+    algorithm: str = "fedpc"
+    rho: float = 1.0
+
+    @property
+    def rounds(self):
+        """Number of rounds run."""
+        return len(self.history)
+
+    def column(self, key):
+        """One history entry across rounds as a NumPy array."""
+        return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)

@@ -65,8 +65,7 @@ from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
-from .algorithms import FederatedResult
-from .core import ClientStack, bind_clients, concat_datas
+from .core import ClientStack, FederatedResult, bind_clients, concat_datas
 
 __all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
            "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef", "round_ef",
@@ -354,7 +353,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     :param str init: ``"zero"`` or ``"prior"`` (:func:`init_ef`).
     :param expectation, num_nodes, num_samples, draw_seed: the site rule, as ``fit``'s ``expectation``,
         ``num_nodes``, ``num_samples``, ``seed``.
-    :return: :class:`~numpyro_pc.federated.algorithms.FederatedResult` with ``state`` the final
+    :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
         :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
         ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``), ``local_iterations``, ``local_residual``,
         ``rho_min``/``rho_max``/``rho_floor``, ``retries``, ``bytes``, ``seconds``; with a reference also

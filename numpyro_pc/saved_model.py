@@ -1,0 +1,125 @@
+r"""The model side of a saved posterior: its argument layout, and binding a model to it.
+
+A file holds the data rows and a JSON description of how the model was called (which
+arguments are per-example arrays, shared arrays, ``None`` or scalars); loading binds the
+user's model to that layout and checks it is the saved model (latent and observed sites,
+fingerprint). Both file kinds — Gaussian (:mod:`numpyro_pc.io`) and exponential-family
+(:mod:`numpyro_pc.ef_io`) — use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import replace
+
+import numpy as np
+
+from .errors import PersistenceError, SavedModelMismatchError
+from .fingerprint import compare_fingerprints, model_fingerprint
+from .likelihood import ModelData, bind_model
+from .rowops import to_device
+
+__all__ = ["argument_layout", "bind_saved_model", "digest"]
+
+
+def digest(array):
+    """SHA-256 (hex) of an array's C-ordered bytes, as recorded in a manifest."""
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
+
+def _json_static(value, name):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise PersistenceError(f"argument {name!r} is a {type(value).__name__}; only arrays, None, bool, int, float "
+                           "and str arguments can be saved")
+
+
+class _Slot:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def argument_layout(spec):
+    """JSON description of the model's top-level arguments (array slots, None and scalars).
+
+    :raises PersistenceError: an argument that is neither an array, ``None`` nor a scalar.
+    """
+    n_ex, n_sh = spec.kinds.count("example"), spec.kinds.count("shared")
+    args, kwargs = spec.build_args(tuple(_Slot("example") for _ in range(n_ex)),
+                                   tuple(_Slot("shared") for _ in range(n_sh)))
+    names = iter(spec.arg_names)
+
+    def describe(value):
+        if value is None:
+            return {"kind": "none"}
+        name = next(names)
+        if isinstance(value, _Slot):
+            return {"kind": value.kind, "name": name.split("[")[0]}
+        return {"kind": "static", "name": name, "value": _json_static(value, name)}
+
+    try:
+        return {"args": [describe(v) for v in args], "kwargs": {k: describe(kwargs[k]) for k in sorted(kwargs)}}
+    except StopIteration:
+        raise PersistenceError("only models whose arguments are arrays, None or scalars (no nested "
+                               "containers) can be saved") from None
+
+
+def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
+    """Bind ``model`` to the argument layout saved in ``manifest`` and check it is the saved
+    model (latent sites, observed sites, fingerprint); ``allow_discrete`` for posteriors with
+    discrete factors.
+
+    :return: ``(spec, data)`` with the saved data rows.
+    :raises SavedModelMismatchError:
+    """
+    per_example = [arrays[f"data.example.{k}"] for k in range(len(manifest["example_shapes"]))]
+    shared = [arrays[f"data.shared.{k}"] for k in range(sum(1 for m in _entries(manifest["arguments"])
+                                                            if m["kind"] == "shared"))]
+    probe = [x[:1] if x.shape[0] else np.zeros((1, *x.shape[1:]), x.dtype) for x in per_example]
+    args, kwargs = _rebuild_args(manifest["arguments"], probe, shared)
+    try:
+        spec, _ = bind_model(model, args, kwargs, data_plate=manifest["plate"], allow_discrete=allow_discrete,
+                             shared=tuple(m["name"] for m in _entries(manifest["arguments"]) if m["kind"] == "shared"))
+    except Exception as err:  # the model is user code run on the saved layout: any failure is a mismatch
+        raise SavedModelMismatchError(f"the model cannot be bound to the argument layout saved in {path}: "
+                                      f"{type(err).__name__}: {err}") from err
+    if spec.latent.signature() != manifest["latent"] or list(spec.observed) != manifest["observed"]:
+        raise SavedModelMismatchError(f"{path} was saved for latent sites {manifest['latent']['names']} with "
+                                      f"observed {manifest['observed']}; the model has {list(spec.latent.names)} / "
+                                      f"{list(spec.observed)}")
+    spec = replace(spec, num_examples=int(per_example[0].shape[0]))
+    data = ModelData(tuple(to_device(x) for x in per_example), tuple(to_device(x) for x in shared))
+    saved = manifest.get("fingerprint")
+    if saved is None:
+        warnings.warn(f"{path} was saved without a model fingerprint (an earlier numpyro_pc): the model could not "
+                      "be verified beyond its latent sites", UserWarning, stacklevel=3)
+        return spec, data
+    differences = compare_fingerprints(saved, model_fingerprint(spec, data))
+    if differences:
+        raise SavedModelMismatchError(f"{path} was saved with another model: " + "; ".join(differences[:8])
+                                      + (f"; … ({len(differences)} differences)" if len(differences) > 8 else ""),
+                                      differences)
+    return spec, data
+
+
+def _entries(layout):
+    return list(layout["args"]) + list(layout["kwargs"].values())
+
+
+def _rebuild_args(layout, per_example, shared):
+    ex, sh = iter(per_example), iter(shared)
+
+    def value(meta):
+        if meta["kind"] == "none":
+            return None
+        if meta["kind"] == "example":
+            return to_device(next(ex))
+        if meta["kind"] == "shared":
+            return to_device(next(sh))
+        return meta["value"]
+
+    args = tuple(value(m) for m in layout["args"])
+    kwargs = {k: value(m) for k, m in sorted(layout["kwargs"].items())}
+    return args, kwargs
