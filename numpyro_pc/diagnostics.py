@@ -29,7 +29,6 @@ deviation under ``q`` of the log-ratio of the two site factors:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 from functools import partial
@@ -40,10 +39,10 @@ import numpy as np
 
 from .batches import bind_batch
 from . import ef_sites
-from .dual import DualPosteriorBase
+from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_posterior import EFPosterior
 from .family_protocol import require_site_product
-from .errors import IncompatiblePosteriorsError, InvalidOptionError, UnsupportedGuideError
+from .errors import IncompatiblePosteriorsError, InvalidOptionError
 from .rows import positions
 from .sites import compute_sites
 
@@ -111,10 +110,7 @@ def information_gain(old, new) -> dict[str, float]:
     return _information_gain(new, old)
 
 
-@functools.singledispatch
-def _information_gain(new, old):
-    raise UnsupportedGuideError(f"pc.information_gain needs dual-form posteriors (from pc.fit or pc.dual_form); "
-                                f"found {type(new).__name__}")
+_information_gain = by_posterior_kind("pc.information_gain")
 
 
 @_information_gain.register
@@ -207,10 +203,7 @@ def correction_magnitude(post, *args, **kwargs) -> dict:
     return _correction_magnitude(post, args, kwargs)
 
 
-@functools.singledispatch
-def _correction_magnitude(post, args, kwargs):
-    raise UnsupportedGuideError(f"pc.correction_magnitude needs a dual-form posterior (from pc.fit or "
-                                f"pc.dual_form); found {type(post).__name__}")
+_correction_magnitude = by_posterior_kind("pc.correction_magnitude")
 
 
 @_correction_magnitude.register

@@ -28,6 +28,7 @@ from .errors import (
     InvalidOptionError,
     MonteCarloErrorWarning,
     PointEstimateWarning,
+    UnsupportedGuideError,
 )
 from .expectations import prepare_rule
 from .families import add_site
@@ -37,7 +38,22 @@ from .rows import pad_to_bucket, positions, take_data
 from .site_problem import SiteProblem, dual_residual
 from .solvers import default_tol, solve
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior"]
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
+           "by_posterior_kind"]
+
+
+def by_posterior_kind(operation: str, error: type = UnsupportedGuideError):
+    """A :func:`functools.singledispatch` function over the kind of its first argument, a posterior:
+    each kind registers its implementation (``@impl.register``), anything else is refused with
+    ``error`` naming ``operation`` and what was found — the one place an operation looks up
+    what to do with a Gaussian or an exponential-family posterior.
+    """
+
+    def refuse(post, *args, **kwargs):
+        raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                    f"{type(post).__name__}")
+
+    return functools.singledispatch(refuse)
 
 
 class PosteriorState(NamedTuple):

@@ -33,7 +33,7 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
-from .dual import DualPosteriorBase
+from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_handlers import check_same_ef_model, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
 from .family_protocol import require_site_product
@@ -158,10 +158,7 @@ def _prior_site_value(sites, z):
     return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature_dense() @ diff
 
 
-@functools.singledispatch
-def _prior_factors(posterior):
-    raise UnsupportedGuideError(f"posterior_prior needs a dual-form posterior (from pc.fit or pc.dual_form); found "
-                                f"{type(posterior).__name__}")
+_prior_factors = by_posterior_kind("pc.handlers.posterior_prior")
 
 
 @_prior_factors.register
@@ -253,10 +250,7 @@ def check_same_model(model, posterior, num_probes=3):
     return _check_same_model(posterior, model, num_probes)
 
 
-@functools.singledispatch
-def _check_same_model(posterior, model, num_probes):
-    raise UnsupportedGuideError(f"pc.handlers.check_same_model needs a dual-form posterior (from pc.fit or "
-                                f"pc.dual_form); found {type(posterior).__name__}")
+_check_same_model = by_posterior_kind("pc.handlers.check_same_model")
 
 
 @_check_same_model.register

@@ -20,7 +20,6 @@ documentation page on saving for the threat model).
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import warnings
@@ -31,7 +30,7 @@ import jax
 import numpy as np
 
 from .archive import manifest_limit, npy_bytes, read_archive, write_atomic
-from .dual import DualPosteriorBase
+from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_posterior import EFPosterior
 from .errors import (
     CorruptFileError,
@@ -95,10 +94,7 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     return _save(post, path, key)
 
 
-@functools.singledispatch
-def _save(post, path, key):
-    raise PersistenceError(f"pc.save writes dual-form posteriors (from pc.fit or pc.dual_form); found "
-                           f"{type(post).__name__}")
+_save = by_posterior_kind("pc.save", PersistenceError)
 
 
 @_save.register

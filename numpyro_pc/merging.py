@@ -50,7 +50,6 @@ are refused for them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -58,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .dual import DualPosteriorBase, build_posterior
+from .dual import DualPosteriorBase, build_posterior, by_posterior_kind
 from .ef_posterior import EFPosterior, EFState
 from .errors import (
     IncompatiblePosteriorsError,
@@ -225,10 +224,7 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
     return _merge(posteriors[0], base, posteriors, alphas, method, rule)
 
 
-@functools.singledispatch
-def _merge(first, base, posteriors, alphas, method, rule):
-    raise IncompatiblePosteriorsError(f"merge needs dual-form posteriors (from pc.fit or pc.dual_form); found "
-                                      f"{type(first).__name__}")
+_merge = by_posterior_kind("pc.merge", IncompatiblePosteriorsError)
 
 
 @_merge.register

@@ -22,7 +22,6 @@ instead, by its exact cavity ``λ + g_i`` and that cavity's first-order form
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from functools import partial
 from typing import NamedTuple
@@ -31,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..dual import DualPosteriorBase
+from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
-from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
+from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from ..expectations import get_rule
 from ..families import FullGaussian, Gaussian
 from ..family_protocol import require_site_product
@@ -109,10 +108,7 @@ def influence(post, fn=None, estimators=None) -> InfluenceResult:
     return _influence(post, fn, estimators)
 
 
-@functools.singledispatch
-def _influence(post, fn, estimators):
-    raise UnsupportedGuideError(f"pc.influence needs a dual-form posterior (from pc.fit or pc.dual_form); found "
-                                f"{type(post).__name__}")
+_influence = by_posterior_kind("pc.influence")
 
 
 @_influence.register

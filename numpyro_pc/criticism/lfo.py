@@ -25,7 +25,6 @@ products and every density uses their own points (Gauss rules or fixed draws; se
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from dataclasses import replace
@@ -36,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-from ..dual import DualPosteriorBase
+from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
-from ..errors import DataShapeError, InvalidOptionError, UnsupportedGuideError
+from ..errors import DataShapeError, InvalidOptionError
 from ..expectations import get_rule, mc_noise
 from ..likelihood import bind_model, example_loss, is_array
 from ..posterior import fit
@@ -77,10 +76,7 @@ def _joint_block(spec, mean, draws, block):
     return logsumexp(values) - jnp.log(values.shape[0])
 
 
-@functools.singledispatch
-def _block_density(post, block, horizon, num_samples, seed):
-    """``log p(block | data of post)`` under ``post``'s posterior."""
-    raise UnsupportedGuideError(f"pc.lfo needs a dual-form posterior; pc.fit returned {type(post).__name__}")
+_block_density = by_posterior_kind("pc.lfo")
 
 
 @_block_density.register
@@ -94,10 +90,7 @@ def _gaussian_block_density(post: DualPosteriorBase, block, horizon, num_samples
         return _gaussian_density(post, block, horizon, num_samples, seed)
 
 
-@functools.singledispatch
-def _num_points(post, horizon, num_samples):
-    """The rule's nodes or draws behind each predictive density (ArviZ's ``n_samples``)."""
-    raise UnsupportedGuideError(f"pc.lfo needs a dual-form posterior; found {type(post).__name__}")
+_num_points = by_posterior_kind("pc.lfo")
 
 
 @_num_points.register

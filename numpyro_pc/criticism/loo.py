@@ -25,7 +25,6 @@ The result subclasses :class:`arviz.ELPDData`, so ``az.compare``, ``az.plot_khat
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
@@ -36,7 +35,7 @@ from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGu
 from ..rows import positions, take_data
 from ..curvature import FULL
 from ..family_protocol import require_site_product
-from ..dual import DualPosteriorBase
+from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
@@ -171,10 +170,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     return result
 
 
-@functools.singledispatch
-def _loo(post, method, where, good_k, tol, max_iters):
-    raise UnsupportedGuideError(f"pc.loo needs a dual-form posterior (from pc.fit or pc.dual_form); found "
-                                f"{type(post).__name__}")
+_loo = by_posterior_kind("pc.loo")
 
 
 @_loo.register

@@ -15,7 +15,6 @@ posterior-predictive draws and the observations to :func:`arviz.loo_pit`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import jax
@@ -25,10 +24,10 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
-from ..dual import DualPosteriorBase
+from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
 from ..ef_sites import model_point
-from ..errors import InvalidOptionError, UnsupportedGuideError
+from ..errors import InvalidOptionError
 from ..likelihood import trace_at, constrain
 from ..rows import positions
 
@@ -119,10 +118,7 @@ def loo_pit(post, key, num_samples=1000, var_name=None) -> np.ndarray:
     return np.asarray(az.loo_pit(y=np.asarray(y).reshape(-1)[:shape[1]], y_hat=y_hat.T, log_weights=weights.T))
 
 
-@functools.singledispatch
-def _pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
-    raise UnsupportedGuideError(f"pc.loo_pit needs a dual-form posterior (from pc.fit or pc.dual_form); found "
-                                f"{type(post).__name__}")
+_pit_inputs = by_posterior_kind("pc.loo_pit")
 
 
 @_pit_inputs.register
