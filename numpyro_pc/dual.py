@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -42,7 +43,7 @@ __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelecti
            "by_posterior_kind"]
 
 
-def by_posterior_kind(operation: str, error: type = UnsupportedGuideError):
+def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Callable:
     """A :func:`functools.singledispatch` function over the kind of its first argument, a posterior:
     each kind registers its implementation (``@impl.register``), anything else is refused with
     ``error`` naming ``operation`` and what was found — the one place an operation looks up

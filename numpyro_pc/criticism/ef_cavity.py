@@ -99,7 +99,7 @@ def ef_predictive(post, naturals, rows) -> np.ndarray:
     return np.asarray(values, np.float64)
 
 
-def ef_loo_values(post, method, chosen, tol, max_iters):
+def ef_loo_values(post, method: str, chosen, tol: float | None, max_iters: int) -> tuple:
     """Pointwise LOO pieces of an exponential-family posterior for :func:`numpyro_pc.criticism.loo`.
 
     :param str method: ``"remove_site"`` or ``"corrected"`` (``"taylor"`` is refused: it is
@@ -184,7 +184,7 @@ def mean_labels(family, lam) -> tuple:
     return tuple(out)
 
 
-def ef_influence(post, fn, estimators):
+def ef_influence(post, fn, estimators) -> tuple:
     r"""Per-example change of every latent site's posterior mean :math:`E_q[x]` (constrained values).
 
     ``"remove_site"``: :math:`E_{\lambda + g_i}[x] - E_\lambda[x]`, the cavity's mean (exact
