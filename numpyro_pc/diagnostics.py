@@ -115,8 +115,8 @@ _information_gain = by_posterior_kind("pc.information_gain")
 
 @_information_gain.register
 def _ef_information_gain(new: EFPosterior, old):
-    if new.family != old.family:
-        raise IncompatiblePosteriorsError("pc.information_gain needs posteriors in one family; found "
+    if new.family != old.family or new.spec.model is not old.spec.model:
+        raise IncompatiblePosteriorsError("pc.information_gain needs posteriors of one model in one family; found "
                                           f"{new.family.names} and {old.family.names}")
     with jax.enable_x64(new.natural.dtype == jnp.float64):
         family = new.family
@@ -142,6 +142,7 @@ def _gaussian_information_gain(new: DualPosteriorBase, old):
     if new.family.fixed_precision:
         raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
     require_site_product(new.family, "pc.information_gain")
+    require_site_product(old.family, "pc.information_gain")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
         mean, cov = new.state.mean, new.covariance
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)

@@ -528,13 +528,13 @@ def merge_ef(a, b, refine=False, tol=None, max_iters=200):
     renumbered = bool(np.intersect1d(np.asarray(a.ids), np.asarray(b_ids)).size)
     if renumbered:  # separately fitted shards both count from 0: b's examples get ids after a's
         b_ids = b_ids - jnp.min(b_ids) + int(np.max(np.asarray(a.ids))) + 1
-    lam = a.natural + b.natural + b.state.prior
+    lam = a.natural + b.natural + a.state.prior  # the pre-posterior is a's prior term (as pc.merge takes it)
     if not bool(a.family.in_domain(lam)):
         raise OutOfDomainError(f"the merged natural parameter is outside the domain: {a.family.describe(lam)}")
     data = _join(a.data, b.data)
     ids = jnp.concatenate([a.ids, b_ids])
     cfg = _rows(a.config, int(ids.shape[0]))
-    state = EFState(lam, jnp.concatenate([a.state.grads, b.state.grads]), a.state.prior, ids)
+    state = EFState(lam, jnp.concatenate([a.state.grads, b.state.grads]), b.state.prior, ids)
     merged = a.evolve(config=cfg, data=data, state=state, record=dict(operation="merge", renumbered=renumbered))
     if refine:
         merged = _solve(merged, data, ids, lam, tol, max_iters, True)

@@ -68,6 +68,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .families import Gaussian
+from .fixed_point import default_tol
 from .likelihood import losses, prior_loss
 from .rows import concat_data, positions, take_data
 
@@ -315,6 +316,13 @@ def _merge_ef(base, posteriors, alphas, method, rule):
                 raise IncompatiblePosteriorsError(f"a task posterior lacks base examples {missing[:10].tolist()}; "
                                                   "tasks must be obtained from the base (base.update(...))")
             mine = positions(own, held)
+            if base is not None:
+                stored = take_data(post.data, mine)
+                if not all(np.array_equal(np.asarray(x), np.asarray(y))
+                           for x, y in zip(stored.per_example, base.data.per_example)):
+                    raise IncompatiblePosteriorsError(
+                        "a task posterior holds other data than the base under the base's example ids; tasks must "
+                        "be obtained from the base (base.update(...)), not fitted separately")
             grads = grads + alpha * (post.state.grads[mine] - pre_grads)
             prior = prior + alpha * (post.state.prior - pre_prior)
             lam = lam + alpha * (post.natural - pre_lam)
@@ -332,10 +340,15 @@ def _merge_ef(base, posteriors, alphas, method, rule):
         if not bool(family.in_domain(lam)):
             raise OutOfDomainError(f"the merged natural parameter is outside the domain: {family.describe(lam)}")
         all_grads = jnp.concatenate([grads, *task_grads])
-        gap = float(jnp.linalg.norm(lam + prior + jnp.sum(all_grads, 0)) / (1.0 + jnp.linalg.norm(lam)))
-        if not gap <= 1e-6:  # the tasks' own dual-form residuals, summed: a broken input shows here
+        inputs = [p for p in ([base] if base is not None else []) + list(posteriors)]
+        scale = 1.0 + max(float(jnp.linalg.norm(p.natural)) for p in inputs)
+        gap = float(jnp.linalg.norm(lam + prior + jnp.sum(all_grads, 0))) / scale
+        allowed = 10.0 * (1.0 + sum(abs(a) for a in alphas)) * max(
+            [default_tol(lam.dtype)] + [float(p.residual) for p in inputs])
+        if not gap <= allowed:  # the inputs' own dual-form residuals, summed: a broken input shows here
             raise IncompatiblePosteriorsError(f"the merged sites do not sum to the merged natural parameters "
-                                              f"(relative gap {gap:.1e}); are the inputs converged posteriors?")
+                                              f"(relative gap {gap:.1e}, allowed {allowed:.1e}); are the inputs "
+                                              "converged posteriors?")
         ids = jnp.concatenate(ids)
         config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
         state = EFState(lam, all_grads, prior, ids)

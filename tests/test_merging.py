@@ -130,3 +130,7 @@ def test_ef_merge_of_a_non_conjugate_likelihood_is_the_arithmetic(x64):
     assert float(merged.residual) < 1e-10  # the base sites carry the tasks' corrections
     with pytest.raises(pc.errors.InvalidOptionError, match="Gaussian means"):
         pc.merge(base, tasks, method="task_arithmetic")
+    # a "task" fitted on its own: its ids 0..19 hold other data than the base's examples 0..19
+    separate = pc.fit(misclassified, y=jnp.asarray(y[20:]), family={"p": "beta"}, tol=1e-12)
+    with pytest.raises(pc.IncompatiblePosteriorsError, match="other data than the base"):
+        pc.merge(base, [separate])

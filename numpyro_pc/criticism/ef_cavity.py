@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ef_sites import design, model_point
-from ..errors import NotPositiveDefiniteError, UnsupportedGuideError
+from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..likelihood import example_loss
 from .cavity import kl_shape
 
@@ -128,22 +128,31 @@ def ef_loo_values(post, method: str, chosen, tol: float | None, max_iters: int) 
         if method == "corrected":
             picked = chosen(ids, khat)
             if picked.size:
-                if tol is None and post.natural.dtype == jnp.float64:
-                    tol = 1e-12  # relative to the whole posterior: the default would accept q itself
+                if tol is None:  # relative to the whole posterior: the default would accept q itself
+                    tol = 1e-12 if post.natural.dtype == jnp.float64 else 1e-6
                 refits = [post.delete([int(i)], method="corrected", tol=tol, max_iters=max_iters).natural
                           for i in ids[picked]]  # host loop over the few refitted examples: one solve each
                 pointwise[picked] = ef_predictive(post, jnp.stack(refits), picked)
                 refit[picked] = True
-    bad = ~refit & ~np.isfinite(pointwise)
-    if bad.any():
+                if not np.all(np.isfinite(pointwise[picked])):
+                    raise NotPositiveDefiniteError("an exact refit gave a non-finite predictive density for "
+                                                   f"example(s) {ids[picked][~np.isfinite(pointwise[picked])][:10]}")
+        points = ef_num_points(post)
+    outside = ~refit & ~inside
+    if outside.any():
         raise NotPositiveDefiniteError(
-            f"removing the site of example(s) {ids[bad][:10].tolist()} leaves natural parameters outside the "
+            f"removing the site of example(s) {ids[outside][:10].tolist()} leaves natural parameters outside the "
             "family's domain (a shape or concentration that is not positive: the example carries most of that "
             "parameter's information); refit them exactly with pc.loo(post, method='corrected', where=ids).")
+    bad = ~refit & ~np.isfinite(pointwise)
+    if bad.any():
+        raise NonFiniteResultError(f"the leave-one-out predictive density of example(s) {ids[bad][:10].tolist()} is "
+                                   "not finite under a cavity inside the family's domain; check the model's "
+                                   "likelihood at those observations")
     if not np.all(np.isfinite(lppd)):
         raise NotPositiveDefiniteError("the in-sample predictive density is not finite for some examples; check "
                                        "the posterior (post.residual)")
-    return ids, pointwise, lppd, khat, kl, refit, ef_num_points(post)
+    return ids, pointwise, lppd, khat, kl, refit, points
 
 
 EF_ESTIMATORS = ("remove_site", "influence")
@@ -166,7 +175,7 @@ def _mean_tangents(family, lam, directions):
     return jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])(directions)
 
 
-def _unflatten(family, like, flat):
+def _unflatten(like, flat):
     out, pos = {}, 0
     for name, value in like.items():
         size = int(np.prod(np.shape(value), dtype=int))
@@ -231,7 +240,7 @@ def ef_influence(post, fn, estimators) -> tuple:
             start = fn(like)
 
             def change(d):
-                return jax.tree.map(lambda a, b: a - b, fn(_unflatten(family, like, base + d)), start)
+                return jax.tree.map(lambda a, b: a - b, fn(_unflatten(like, base + d)), start)
 
             function = {e: jax.tree.map(np.asarray, jax.lax.map(change, jnp.asarray(d), batch_size=256))
                         for e, d in delta.items()}
@@ -261,4 +270,5 @@ def ef_block_density(post, block) -> float:
 
 def ef_num_points(post) -> int:
     """How many points stand for ``q`` (the ``n_samples`` of an ELPD result; traced, not run)."""
-    return int(jax.eval_shape(lambda lam: design(post.config, lam)[1], post.natural).shape[0])
+    with jax.enable_x64(post.natural.dtype == jnp.float64):
+        return int(jax.eval_shape(lambda lam: design(post.config, lam)[1], post.natural).shape[0])

@@ -102,7 +102,8 @@ def _ef_num_points(post: EFPosterior, horizon, num_samples):
 def _gaussian_num_points(post: DualPosteriorBase, horizon, num_samples):
     if horizon > 1:
         return num_samples
-    return rule_nodes(post.rule, post.spec, post.dim, post.state.mean.dtype)[1].shape[0]
+    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
+        return rule_nodes(post.rule, post.spec, post.dim, post.state.mean.dtype)[1].shape[0]
 
 
 def _gaussian_density(post, block, horizon, num_samples, seed):
@@ -165,7 +166,8 @@ def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1
                 warnings.simplefilter("ignore", RuntimeWarning)  # residual notices of near-converged updates
                 post = post.update(*a, correction="exact", tol=tol, max_iters=max_iters, **kw)
         a, kw = take(int(i), int(i) + horizon)
-        _, block = bind_model(model, a, kw, data_plate=post.spec.plate)
+        _, block = bind_model(model, a, kw, data_plate=post.spec.plate,
+                              allow_discrete=bool(post.spec.latent.discrete_names))
         pointwise.append(_block_density(post, block, horizon, num_samples, seed))
         blocks.append(block)
     # in-sample term for p_loo: every block under the posterior of the whole series
