@@ -30,7 +30,6 @@ deviation under ``q`` of the log-ratio of the two site factors:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from functools import partial
 
 import jax
@@ -212,8 +211,7 @@ def _ef_correction_magnitude(post: EFPosterior, args, kwargs):
     vcl = post.update(*args, correction="none", **kwargs)
     family = vcl.family
     with jax.enable_x64(post.natural.dtype == jnp.float64):
-        config = replace(post.config, spec=replace(post.config.spec, num_examples=post.num_examples))
-        fresh = ef_sites.compute_sites(config, vcl.natural, post.data).grads
+        fresh = ef_sites.compute_sites(post.config, vcl.natural, post.data).grads  # the config is sized to the data
         delta = fresh - post.state.grads
         fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (vcl.natural,), (v,))[1])
         weighted = delta * fisher_times(delta)  # δg ∘ F δg: F is block diagonal over the factors

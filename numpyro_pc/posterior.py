@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from . import ef_guides as _ef_guides
 from . import guides as _guides
 from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
-from .dual import DualPosteriorBase, build_posterior, in_own_precision
+from .dual import DualPosteriorBase, build_posterior, by_posterior_kind, in_own_precision
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
 from .families import ExponentialFamily, get_family
@@ -111,8 +111,12 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
     """Load a posterior saved with :meth:`DualPosterior.save` or :func:`numpyro_pc.io.save`; see
     :func:`numpyro_pc.io.load`, which checks the file and the model, for the parameters and the
     errors raised. A file saved from an :class:`~numpyro_pc.ef_posterior.EFPosterior` loads as one."""
-    loaded = _load(path, model, key=key)
-    return loaded if isinstance(loaded, EFPosterior) else DualPosterior.adopt(loaded)
+    return _as_held(_load(path, model, key=key))
+
+
+_as_held = by_posterior_kind("pc.load")
+_as_held.register(EFPosterior, lambda post: post)
+_as_held.register(DualPosteriorBase, DualPosterior.adopt)
 
 
 def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",

@@ -383,7 +383,7 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
     return jax.lax.map(one, (data.per_example, curv, shift), batch_size=min(num, 64))
 
 
-def kl_shape(kl):
+def kl_shape(kl) -> np.ndarray:
     r"""The leverage ``k ∈ [0, 1]`` whose pure-variance removal has ``KL = kl``: the root of
     ``½(k/(1−k) + log(1−k)) = kl`` (vectorised bisection; ``inf`` maps to 1)."""
     kl = np.asarray(kl, np.float64)

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ef_sites import design, model_point
+from ..ef_sites import design, model_point, point_losses
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
-from ..likelihood import example_loss
+from ..likelihood import ModelData, example_loss
 from .cavity import kl_shape
 
 __all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",
@@ -77,11 +77,11 @@ def _row_predictive(config, naturals, per_example, shared):
     """``log E_{q(λ_r)}[p(y_r | x)]`` for each row ``r`` of ``naturals`` with its own example."""
     spec, family = config.spec, config.family
 
-    def one(args):
+    def one(args) -> jax.Array:
         lam, example = args
         values, weights = design(config, lam)
 
-        def loss(point):
+        def loss(point) -> jax.Array:
             z, discrete, _ = model_point(spec, family, point)
             return example_loss(spec, z, example, shared, discrete)
 
@@ -123,7 +123,8 @@ def ef_loo_values(post, method: str, chosen, tol: float | None, max_iters: int) 
         khat = kl_shape(kl)
         naturals = np.where(inside[:, None], np.asarray(cav.natural), np.asarray(post.natural)[None, :])
         pointwise = np.where(inside, ef_predictive(post, naturals, rows), np.nan)
-        lppd = ef_predictive(post, np.broadcast_to(np.asarray(post.natural), naturals.shape), rows)
+        losses, weights = _losses_at(post.config, post.natural, post.data.per_example, post.data.shared)
+        lppd = np.asarray(jax.nn.logsumexp(-losses, b=weights, axis=1), np.float64)  # one design at q for all
         refit = np.zeros(ids.size, bool)
         if method == "corrected":
             picked = chosen(ids, khat)
@@ -239,7 +240,7 @@ def ef_influence(post, fn, estimators) -> tuple:
             like = family.mean(lam)
             start = fn(like)
 
-            def change(d):
+            def change(d) -> jax.Array:
                 return jax.tree.map(lambda a, b: a - b, fn(_unflatten(like, base + d)), start)
 
             function = {e: jax.tree.map(np.asarray, jax.lax.map(change, jnp.asarray(d), batch_size=256))
@@ -248,15 +249,11 @@ def ef_influence(post, fn, estimators) -> tuple:
 
 
 @partial(jax.jit, static_argnums=0)
-def _block_log_density(config, lam, per_example, shared):
-    spec, family = config.spec, config.family
+def _losses_at(config, lam, per_example, shared):
+    """The posterior's points at ``lam``: every example's loss there ``(N, S)`` and their weights ``(S,)``."""
     values, weights = design(config, lam)
-
-    def joint(point):
-        z, discrete, _ = model_point(spec, family, point)
-        return -jnp.sum(jax.vmap(lambda ex: example_loss(spec, z, ex, shared, discrete))(per_example))
-
-    return jax.nn.logsumexp(jax.vmap(joint)(values), b=weights)
+    losses, _ = point_losses(config.spec, config.family, values, ModelData(per_example, shared))
+    return losses, weights
 
 
 def ef_block_density(post, block) -> float:
@@ -265,7 +262,8 @@ def ef_block_density(post, block) -> float:
     posterior's own points (the joint density of a forecast horizon in
     :func:`numpyro_pc.criticism.lfo`)."""
     with jax.enable_x64(post.natural.dtype == jnp.float64):
-        return float(_block_log_density(post.config, post.natural, block.per_example, block.shared))
+        losses, weights = _losses_at(post.config, post.natural, block.per_example, block.shared)
+        return float(jax.nn.logsumexp(-jnp.sum(losses, 0), b=weights))
 
 
 def ef_num_points(post) -> int:
