@@ -30,6 +30,7 @@ from .expectations import ExpectationRule
 from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
 from .likelihood import bind_model
 from .ef_posterior import EFPosterior
+from .ef_product import register_factor
 from .lowrank import LowRankGaussian
 from .posterior import DualPosterior, dual_form, fit, load
 from .io import save
@@ -44,7 +45,8 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path without an i
 __all__ = [
     "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "LowRankGaussian",
-    "get_family", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl", "information_gain",
+    "get_family", "register_factor", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl",
+    "information_gain",
     "correction_magnitude", "load", "save",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
     "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",

@@ -16,13 +16,15 @@ site of a loss is linear in :math:`T`: a constant plus linear plus quadratic for
 :math:`u` — the Gaussian site of the dual form, here estimated by the same regression as the
 other factors (:mod:`numpyro_pc.ef_sites`). A scalar site is integrated by Gauss–Hermite
 (:func:`numpyro_pc.ef_rules.hermite_rule`); a vector site by moment-matched draws
-(:func:`numpyro_pc.ef_rules.whitened_normal`), which make every quadratic loss — the
-conjugate Gaussian case — exact.
+(:func:`numpyro_pc.ef_rules.whitened_normal`) or, in a product with Gauss-ruled factors, the
+degree-3 symmetric cubature (:func:`numpyro_pc.ef_rules.symmetric_cubature`), both of which
+make every quadratic loss — the conjugate Gaussian case — exact.
 """
 
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import jax
@@ -93,6 +95,17 @@ class _GaussianFactor(Factor):
         x, w = hermite_rule(jnp.reshape(loc, ()), jnp.reshape(scale, ()), num_nodes)
         return jnp.reshape(x, (num_nodes,) + self.shape), w
 
+    @abstractmethod
+    def score(self, lam, values):
+        r""":math:`-\nabla_u \log q(u) = S (u - m)` at ``values`` ``(num, *shape)``, flat ``(num, dim)``:
+        Stein's identity :math:`E_q[\nabla^2\ell] = E_q[\nabla\ell\,(S(u-m))^\top]` turns gradients
+        at the points into the expected Hessian."""
+
+    @abstractmethod
+    def from_whitened(self, lam, eps):
+        """The values ``m + L ε`` (``L Lᵀ`` the covariance) of whitened points ``eps`` ``(num, dim)``:
+        draws, or the points of a cubature rule."""
+
     def _flat_mean(self, lam):
         return jnp.reshape(self._moments(lam)[0], (-1,))
 
@@ -153,9 +166,15 @@ class NormalFactor(_GaussianFactor):
         return loc + scale * jax.random.normal(key, (num,) + self.shape, lam.dtype)
 
     def design_draws(self, key, lam, num):
+        return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))
+
+    def from_whitened(self, lam, eps):
         loc, scale = self._moments(lam)
-        eps = whitened_normal(key, num, self.dim, lam.dtype)
-        return loc + scale * jnp.reshape(eps, (num,) + self.shape)
+        return loc + scale * jnp.reshape(eps, (eps.shape[0],) + self.shape)
+
+    def score(self, lam, values):
+        loc, scale = self._moments(lam)
+        return jnp.reshape((values - loc) / scale**2, (values.shape[0], -1))
 
 
 @dataclass(frozen=True)
@@ -230,13 +249,17 @@ class FullGaussianFactor(_GaussianFactor):
         loc, tril = self.to_args(lam)
         return self._wrap(dist.MultivariateNormal(jnp.reshape(loc, (-1,)), scale_tril=tril))
 
-    def _draws(self, lam, eps):
+    def score(self, lam, values):
+        loc = self._flat_mean(lam)
+        return (jnp.reshape(values, (values.shape[0], -1)) - loc) @ self.precision(lam)
+
+    def from_whitened(self, lam, eps):
         loc, tril = self.to_args(lam)
         num = eps.shape[0]
         return jnp.reshape(jnp.reshape(loc, (-1,)) + eps @ tril.T, (num,) + self.shape)
 
     def sample(self, key, lam, num):
-        return self._draws(lam, jax.random.normal(key, (num, self.dim), lam.dtype))
+        return self.from_whitened(lam, jax.random.normal(key, (num, self.dim), lam.dtype))
 
     def design_draws(self, key, lam, num):
-        return self._draws(lam, whitened_normal(key, num, self.dim, lam.dtype))
+        return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))

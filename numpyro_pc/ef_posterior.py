@@ -34,7 +34,7 @@ from .ef_product import ProductFamily, make_factor
 from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
-from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, relative_residual
+from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual, relative_residual
 from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, MonteCarloErrorWarning,
                      OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
@@ -401,20 +401,30 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
 
 
 def _draw_error(config, data, prior_active, const, lam, tol):
-    """The fixed point's residual under an independent set of draws (seed + 1).
+    """The fixed point's residual under an independent set of points (seed + 1): other draws,
+    or the cubature rotated by another orthogonal matrix.
 
-    The solver reaches the fixed point of the expectations under *its* draws; the residual a
+    The solver reaches the fixed point of the expectations under *its* points; the residual a
     second set sees at that point estimates how far the answer is from the family's true
     optimum (0 up to rounding for conjugate losses, whose sites are exact whatever the
-    points). Warned about when well above the tolerance.
+    points, and, under ``"cubature"``, for losses of degree at most 4 in the Gaussian blocks).
+    Warned about when well above the tolerance.
     """
     other, _ = _bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
     residual = relative_residual(lam, other)
+    cubature = config.rule == "cubature"
     if not residual <= 100 * tol:  # a NaN residual warns too
-        warnings.warn(f"the fixed point's residual is below {tol:g} for its own {config.num_samples} draws but "
-                      f"{residual:.1e} for independent draws: the answer is only as accurate as the Monte Carlo "
-                      "error of the draws; raise num_samples (or give vector sites scalar factors with Gauss rules)",
-                      MonteCarloErrorWarning, stacklevel=4)
+        if cubature:
+            what = (f"its own cubature points but {residual:.1e} for a rotated cubature: the loss is far from a "
+                    "polynomial of degree 4 in the Gaussian blocks over q, and the degree-3 rule's error shows; pass "
+                    "expectation='mixed' (num_samples draws) or 'mc'")
+        else:
+            what = (f"its own {config.num_samples} draws but {residual:.1e} for independent draws: the answer is "
+                    "only as accurate as the Monte Carlo error of the draws; raise num_samples (or give vector "
+                    "sites scalar factors with Gauss rules)")
+        warnings.warn(f"the fixed point's residual is below {tol:g} for {what}", MonteCarloErrorWarning, stacklevel=4)
+    if cubature:
+        return dict(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
     return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
 
 
@@ -464,7 +474,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     if not bool(fam.in_domain(lam)):
         raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
     _, sites = _bucketed_target(cfg, data, True, jnp.zeros_like(lam))(lam)
-    conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
+    conjugate = bool(prior_form_residual(cfg, lam, data, sites) < conjugate_rtol(lam.dtype))
     ids = jnp.arange(spec.num_examples)
     post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)
     if not refine:
@@ -481,7 +491,7 @@ def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
     :param dict family: ``{latent site: name}`` covering every site, names from
         :data:`~numpyro_pc.ef_product.EF_FAMILIES` (``"beta"``, ``"gamma"``, ``"dirichlet"``,
         ``"normal"``/``"lognormal"``, ``"full"``, ``"bernoulli"``, ``"categorical"``).
-    :param options: ``expectation`` (``"auto"``, ``"quadrature"``, ``"mc"``), ``num_nodes``,
+    :param options: ``expectation`` (``"auto"``, ``"quadrature"``, ``"cubature"``, ``"mixed"``, ``"mc"``), ``num_nodes``,
         ``num_samples``, ``seed``, ``tol``, ``max_iters``, ``raise_on_failure``; the rest are
         the model's keyword arguments.
     """

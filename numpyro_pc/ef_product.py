@@ -24,16 +24,19 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import ExpTransform, IdentityTransform, IndependentTransform, biject_to
 
 from .ef_discrete import BernoulliFactor, CategoricalFactor
-from .ef_families import BetaFactor, DirichletFactor, GammaFactor
+from .ef_families import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .ef_gaussian import FullGaussianFactor, NormalFactor
+from .ef_rules import symmetric_cubature
 from .errors import InvalidOptionError, UnsupportedGuideError, UnsupportedModelError
 
-__all__ = ["ProductFamily", "EF_FAMILIES", "make_factor", "factor_from_distribution", "unwrap_distribution"]
+__all__ = ["ProductFamily", "EF_FAMILIES", "register_factor", "make_factor", "factor_from_distribution",
+           "unwrap_distribution"]
 
 EF_FAMILIES = {"beta": BetaFactor, "gamma": GammaFactor, "dirichlet": DirichletFactor, "normal": NormalFactor,
                "lognormal": NormalFactor, "full": FullGaussianFactor, "mvn": FullGaussianFactor,
@@ -52,7 +55,8 @@ def make_factor(family, site, shape, support):
     name = str(family).lower()
     cls = EF_FAMILIES.get(name)
     if cls is None:
-        raise InvalidOptionError(f"family {family!r} for latent site {site!r} is not one of {sorted(EF_FAMILIES)}")
+        raise InvalidOptionError(f"family {family!r} for latent site {site!r} is not one of {sorted(EF_FAMILIES)} "
+                                 "(a factor of your own: numpyro_pc.register_factor, before fitting or loading)")
     shape = tuple(shape)
     discrete = support is not None and support.is_discrete
     if cls.space == "discrete" and not discrete:
@@ -113,6 +117,43 @@ def unwrap_distribution(fn):
 
 _CONSTRAINED = ((dist.Beta, BetaFactor), (dist.Gamma, GammaFactor), (dist.Dirichlet, DirichletFactor),
                 (dist.BernoulliProbs, BernoulliFactor))
+_BUILT_IN = frozenset(EF_FAMILIES)
+_REGISTERED = []  # (distribution class, factor class) of register_factor, matched before unwrapping
+
+
+def register_factor(factor_class):
+    """Make a factor the package does not ship available by its ``family_name``: to ``pc.fit``'s
+    ``family={site: name}``, to :func:`numpyro_pc.dual_form` of guides whose site is its
+    ``dist_class`` (arguments named by ``dist_args``), and to :func:`numpyro_pc.load` of files
+    that name it (register before loading). A new family is one
+    :class:`~numpyro_pc.ef_families.Factor` subclass on the site's constrained values —
+    ``stats``, ``log_normalizer``, ``in_domain``, ``to_args``, ``from_args``, ``sample`` and,
+    for a Gauss rule, ``has_rule``/``rule`` — plus this call; every operation of the
+    exponential-family posterior then applies (``tests/test_ef_registration.py`` registers an
+    inverse-Gamma).
+
+    :return: ``factor_class`` (so that it can decorate the class).
+    :raises InvalidOptionError: a class that is not a constrained-space ``Factor`` with a
+        ``family_name``, ``support``, ``dist_class`` and ``dist_args``; a name that is taken
+        by another class.
+    """
+    if not (isinstance(factor_class, type) and issubclass(factor_class, Factor)):
+        raise InvalidOptionError(f"register_factor expects a subclass of numpyro_pc.ef_families.Factor, found "
+                                 f"{factor_class!r}")
+    name = factor_class.family_name
+    missing = [attr for attr in ("support", "dist_class") if getattr(factor_class, attr, None) is None]
+    if not (isinstance(name, str) and name.isidentifier() and name == name.lower()) or missing or \
+            not factor_class.dist_args or factor_class.space != "constrained":
+        raise InvalidOptionError(
+            f"{factor_class.__name__}: a registered factor needs a lower-case identifier family_name (found {name!r}), "
+            f"a support and a dist_class (missing {missing}), the dist_args of its distribution (found "
+            f"{factor_class.dist_args!r}) and space 'constrained' (found {factor_class.space!r})")
+    if EF_FAMILIES.get(name, factor_class) is not factor_class or name in _BUILT_IN:
+        raise InvalidOptionError(f"the family name {name!r} is taken by {EF_FAMILIES[name].__name__}")
+    if name not in EF_FAMILIES:
+        EF_FAMILIES[name] = factor_class
+        _REGISTERED.append((factor_class.dist_class, factor_class))
+    return factor_class
 
 
 def factor_from_distribution(site, fn, support):
@@ -126,6 +167,13 @@ def factor_from_distribution(site, fn, support):
 
     :raises UnsupportedGuideError: for any other distribution.
     """
+    inner = fn
+    while isinstance(inner, dist.Independent):
+        inner = inner.base_dist
+    for dist_cls, cls in _REGISTERED:  # a registered class may itself be a transformed distribution
+        if type(inner) is dist_cls:
+            factor = cls(site, tuple(inner.batch_shape) + tuple(inner.event_shape))
+            return factor, factor.from_args(*(getattr(inner, n) for n in cls.dist_args)), cls.dist_args
     base, transforms = unwrap_distribution(fn)
     shape = tuple(base.batch_shape) + tuple(base.event_shape)
     for dist_cls, cls in _CONSTRAINED:
@@ -273,13 +321,26 @@ class ProductFamily:
                 size *= f.rule_size(num_nodes)
         return size
 
-    def drawn_size(self, use_rules=True):
-        """Natural parameters of the factors that are integrated by draws."""
+    def drawn_size(self, use_rules=True, cubature=False):
+        """Natural parameters of the factors that are integrated by draws (none under ``cubature``)."""
+        if cubature:
+            return 0
         return sum(f.size for f in self.factors if not (use_rules and f.has_rule))
 
-    def design(self, lam, num_nodes, num_samples, seed, use_rules=True):
+    def admits_cubature(self):
+        """Whether every factor without a Gauss rule is a Gaussian block (then the symmetric
+        cubature of :func:`numpyro_pc.ef_rules.symmetric_cubature` can stand for them)."""
+        return all(f.has_rule or f.space == "unconstrained" for f in self.factors)
+
+    def cubature_size(self):
+        """Points of the symmetric cubature over the Gaussian blocks without a rule: ``2 D``."""
+        return 2 * sum(f.dim for f in self.factors if not f.has_rule)
+
+    def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False):
         """Points standing for ``q``: the tensor grid of the factors' rules (``use_rules``) times
-        ``num_samples`` fixed draws of the other factors; ``(values dict (S, ...), weights (S,))``."""
+        ``num_samples`` fixed draws of the other factors, or (``cubature``, where
+        :meth:`admits_cubature`) times the ``2D`` points of the symmetric cubature over the
+        Gaussian blocks jointly, rotated by ``seed``; ``(values dict (S, ...), weights (S,))``."""
         parts = self.split(lam)
         keys = jax.random.split(jax.random.PRNGKey(seed), len(self.factors))
         ruled = [k for k, f in enumerate(self.factors) if use_rules and f.has_rule]
@@ -289,12 +350,18 @@ class ProductFamily:
         idx = [g.reshape(-1) for g in jnp.meshgrid(*[jnp.arange(n) for n in sizes], indexing="ij")] if ruled else []
         grid_w = jnp.prod(jnp.stack([rules[k][1][i] for k, i in zip(ruled, idx)]), 0) if ruled else \
             jnp.ones((1,), lam.dtype)
-        reps = num_samples if drawn else 1
+        if cubature and drawn:
+            points = symmetric_cubature(keys[0], sum(self.factors[k].dim for k in drawn), lam.dtype)
+            cuts = np.cumsum([0] + [self.factors[k].dim for k in drawn])
+            drawn_values = {k: self.factors[k].from_whitened(parts[k], points[:, a:b])
+                            for k, a, b in zip(drawn, cuts[:-1], cuts[1:])}
+        else:
+            drawn_values = {k: self.factors[k].design_draws(keys[k], parts[k], num_samples) for k in drawn}
+        reps = next(iter(drawn_values.values())).shape[0] if drawn else 1
         values = {}
         for k, i in zip(ruled, idx):
             values[self.factors[k].site] = jnp.repeat(rules[k][0][i], reps, axis=0)
-        for k in drawn:
-            draws = self.factors[k].design_draws(keys[k], parts[k], num_samples)
+        for k, draws in drawn_values.items():
             values[self.factors[k].site] = jnp.tile(draws, (grid_w.shape[0],) + (1,) * (draws.ndim - 1))
         weights = jnp.repeat(grid_w, reps) / reps
         return values, weights

@@ -25,6 +25,10 @@ are
   generalised Gauss–Laguerre for Gamma, Gauss–Hermite for Normal, enumeration for discrete
   sites; :mod:`numpyro_pc.ef_rules`), deterministic; available when every latent site is a
   scalar continuous or a discrete site;
+* ``"cubature"``: that grid for the sites that have a rule times the ``2D`` points of the
+  degree-3 symmetric cubature over the Gaussian blocks (:func:`numpyro_pc.ef_rules.symmetric_cubature`),
+  when every site without a rule is a Gaussian block: Bonnet's and Price's expectations are
+  exact for losses of degree at most 4 in the blocks, with ``2D`` points instead of draws;
 * ``"mixed"``: that grid for the sites that have a rule times ``num_samples`` fixed draws
   shared by the others (vector sites; moment-matched for Gaussian factors);
 * ``"mc"``: ``num_samples`` draws of every factor with a fixed seed, so the fixed point is
@@ -78,7 +82,7 @@ from .ef_product import ProductFamily
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, OutOfDomainError
 from .likelihood import ModelSpec, example_loss, prior_loss
 
-__all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "conjugate_rtol",
+__all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol",
            "SolveInfo", "blr_solve", "relative_residual"]
 
 
@@ -111,35 +115,48 @@ class EFConfig:
              max_mixed_points=1024):
         """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
         grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
-        to 4); else the mixed design when the grid times the draws fits in
+        to 4); else, when every other site is a Gaussian block, the grid times the ``2D``
+        points of the symmetric cubature over the blocks (``"cubature"``), and otherwise the
+        grid times ``num_samples`` draws (``"mixed"``), each when it fits in
         ``max_mixed_points``; else Monte Carlo. ``num_samples`` defaults to 2048 draws for
         Monte Carlo and 64 for the mixed design (its draws stand for vector sites only;
-        Gaussian blocks are exact for quadratic losses with any number of moment-matched draws).
+        Gaussian blocks are exact for quadratic losses with any number of moment-matched draws);
+        under ``"cubature"`` the draws are those of the conjugate-form test of the prior term
+        only (the cubature's ``2D`` points cannot tell a quadratic prior from another).
 
         :raises InvalidOptionError: an unknown ``expectation``; ``"quadrature"`` for a family
-            without a rule for every site; fewer draws than four per natural parameter integrated
-            by draws (a Gaussian block's regression needs them).
+            without a rule for every site; ``"cubature"`` for a family whose sites without a
+            rule are not all Gaussian blocks; fewer draws than four per natural parameter
+            integrated by draws (a Gaussian block's regression needs them).
         """
-        if expectation not in ("auto", "quadrature", "mixed", "mc"):
+        if expectation not in ("auto", "quadrature", "mixed", "cubature", "mc"):
             raise InvalidOptionError(f"expectation for exponential-family products must be 'auto', 'quadrature', "
-                                     f"'mixed' or 'mc'; got {expectation!r}")
+                                     f"'mixed', 'cubature' or 'mc'; got {expectation!r}")
         if expectation == "mixed" and (family.has_rule() or not any(f.has_rule for f in family.factors)):
             raise InvalidOptionError("'mixed' needs some sites with a rule (scalar or discrete) and some without")
+        if expectation == "cubature" and (family.has_rule() or not family.admits_cubature()):
+            raise InvalidOptionError("'cubature' needs Gaussian vector blocks and a Gauss rule for every other site "
+                                     f"(the family has {[f.family_name for f in family.factors]}); use 'mixed' or "
+                                     "'mc'")
         if expectation == "quadrature" and not family.has_rule():
             raise InvalidOptionError("quadrature needs every latent site to be a scalar continuous site or a discrete "
                                      "site; use 'mc'")
         choice = None
-        if expectation != "mc" and any(f.has_rule for f in family.factors):
+        some_rules = any(f.has_rule for f in family.factors)
+        cubature = expectation == "cubature" or (
+            expectation == "auto" and some_rules and not family.has_rule() and family.admits_cubature())
+        if expectation != "mc" and (some_rules or cubature):
             mixed = not family.has_rule()
             num_samples = int(num_samples if num_samples is not None else 64 if mixed else 2048)
-            draws = num_samples if mixed else 1
-            cap = max_points if draws == 1 else max_mixed_points
+            points = family.cubature_size() if cubature else num_samples if mixed else 1
+            rule = "cubature" if cubature else "mixed" if mixed else "quadrature"
+            cap = max_points if points == 1 else max_mixed_points
             nodes = int(num_nodes)
-            while family.grid_size(nodes) * draws > cap and nodes > 4:
+            while family.grid_size(nodes) * points > cap and nodes > 4:
                 nodes -= 1
-            if family.grid_size(nodes) * draws <= cap:
-                choice = cls(spec, family, "quadrature" if draws == 1 else "mixed", nodes, num_samples, int(seed))
-            elif expectation in ("quadrature", "mixed"):
+            if family.grid_size(nodes) * points <= cap:
+                choice = cls(spec, family, rule, nodes, num_samples, int(seed))
+            elif expectation in ("quadrature", "mixed", "cubature"):
                 raise InvalidOptionError(f"a tensor Gauss rule over {len(family.factors)} sites exceeds {cap} points; "
                                          "use 'mc'")
         if choice is None:
@@ -155,7 +172,8 @@ class EFConfig:
 
 class EFSites(NamedTuple):
     """Sites at one ``λ``: ``grads[i] = ∇_μ E_q[ℓ_i]`` ``(N, P)``, the prior term's ``prior (P,)``,
-    and the regression residuals (relative RMS) of the examples ``(N,)`` and of the prior."""
+    the regression residuals (relative RMS) of the examples ``(N,)`` and of the prior term on all
+    statistics (``inf`` under ``"cubature"``, whose points cannot tell: see :func:`prior_form_residual`)."""
 
     grads: jax.Array
     prior: jax.Array
@@ -163,15 +181,19 @@ class EFSites(NamedTuple):
     prior_residual: jax.Array
 
 
-def design(config, lam, seed=None):
+def design(config, lam, seed=None, cubature=None):
     """Points standing for ``q``: ``(values dict (S, ...), weights (S,))`` in the factors' coordinates.
 
-    :param seed: the draws' seed (an integer or a traced integer array, so that a check with
-        another seed reuses the compiled program); default ``config.seed``.
+    :param seed: the draws' seed, or the cubature's rotation (an integer or a traced integer
+        array, so that a check with another seed reuses the compiled program); default ``config.seed``.
+    :param cubature: ``None``: as the rule says; ``False``: draws for the Gaussian blocks even
+        under ``"cubature"`` (what a predictive density, which is no low-degree polynomial, and
+        the prior's conjugate-form test are computed with).
     """
     seed = config.seed if seed is None else seed
+    cubature = config.rule == "cubature" if cubature is None else cubature
     return config.family.design(lam, config.num_nodes, config.num_samples, seed,
-                                use_rules=config.rule != "mc")
+                                use_rules=config.rule != "mc", cubature=cubature)
 
 
 def model_point(spec, family, point):
@@ -198,16 +220,28 @@ def _losses_at(spec, family, point, data):
     return jnp.concatenate([per, (prior_loss(spec, z, data, discrete) + log_det)[None]])
 
 
+def _prior_at(spec, family, point, data):
+    """The prior term ``-log p_0`` at one design point (the log-det added back, as in :func:`_losses_at`)."""
+    z, discrete, log_det = model_point(spec, family, point)
+    return prior_loss(spec, z, data, discrete) + log_det
+
+
 def point_losses(spec, family, values, data):
     """``(ℓ_i(x_s))`` ``(N, S)`` and the prior term ``-log p_0(x_s)`` ``(S,)`` at the points."""
     out = jax.vmap(lambda point: _losses_at(spec, family, point, data))(values)
     return out[:, :-1].T, out[:, -1]
 
 
-def gaussian_moments(spec, family, values, weights, data):
+def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
     r"""For each Gaussian factor, :math:`E[\nabla_u \ell_i]` ``(N+1, d)`` and
     :math:`E[\nabla^2_u \ell_i]` ``(N+1, d, d)`` over the points (row ``N``: the prior term),
     derivatives with respect to the factor's own unconstrained coordinates.
+
+    With ``stein``, the expected Hessian is Stein's :math:`E[\nabla\ell\,(S(u - m))^\top]`
+    (symmetrised) from the gradients alone — one reverse pass per point instead of ``d``
+    forward-over-reverse passes; over a symmetric degree-3 rule it is exact for losses of
+    degree at most 3 in the block (quadratic ones — the conjugate case — among them), over
+    draws it is noisier than the Hessians, so it is used with the cubature only.
 
     Memory grows as points × examples × d², so Gaussian factors are meant for blocks of
     modest size (regression weights, a handful of scales); the Gaussian posteriors of
@@ -228,6 +262,11 @@ def gaussian_moments(spec, family, values, weights, data):
             return prior_loss(spec, z, data, discrete) + log_det
 
         blocks = [jnp.reshape(point[f.site], f.shape) for f in gaussian]
+        if stein:  # forward mode over the block: d passes over all examples at once
+            per_grad = jax.jacfwd(lambda b: jax.vmap(lambda ex: example(ex, b))(data.per_example))(blocks)
+            pri_grad = jax.grad(prior)(blocks)
+            return [jnp.concatenate([jnp.reshape(per_grad[k], (-1, f.dim)), jnp.reshape(pri_grad[k], (1, f.dim))])
+                    for k, f in enumerate(gaussian)]
         # one scalar loss at a time: d forward-over-reverse passes each, not (N+1) reverse passes
         per_grad, per_hess = jax.vmap(lambda ex: (jax.grad(example, 1)(ex, blocks),
                                                   jax.hessian(example, 1)(ex, blocks)))(data.per_example)
@@ -241,6 +280,14 @@ def gaussian_moments(spec, family, values, weights, data):
         return out
 
     moments = jax.vmap(at)(values)
+    if stein:
+        parts = dict(zip([f.site for f in family.factors], family.split(lam)))
+        out = {}
+        for f, g in zip(gaussian, moments):
+            score = f.score(parts[f.site], values[f.site])
+            hess = jnp.einsum("s,snd,se->nde", weights, g, score)
+            out[f.site] = (jnp.einsum("s,snd->nd", weights, g), 0.5 * (hess + jnp.swapaxes(hess, -1, -2)))
+        return out
     return {f.site: (jnp.einsum("s,snd->nd", weights, g), jnp.einsum("s,snde->nde", weights, h))
             for f, (g, h) in zip(gaussian, moments)}
 
@@ -281,10 +328,11 @@ def compute_sites(config, lam, data, seed=None):
     :math:`g = (E[\nabla\ell] - E[\nabla^2\ell]\,m,\ \tfrac12 E[\nabla^2\ell])` in the factor's
     natural coordinates (:meth:`numpyro_pc.ef_gaussian.NormalFactor.site_from_moments`), exact
     for a loss quadratic in the block whatever the points as long as they reproduce the mean —
-    which a regression on the block's own statistics is not when the loss couples its elements.
+    which a regression on the block's own statistics is not when the loss couples its elements;
+    under ``"cubature"`` the expected Hessian is Stein's form from gradients (:func:`gaussian_moments`).
     The prior term counts as conjugate-form when it is linear in *all* statistics (one more
-    regression on the full design, for its residual only). ``seed`` overrides the draws'
-    seed (see :func:`design`).
+    regression on the full design, for its residual only; :func:`prior_form_residual`). ``seed``
+    overrides the draws' seed (see :func:`design`).
     """
     family = config.family
     values, weights = design(config, lam, seed)
@@ -302,15 +350,37 @@ def compute_sites(config, lam, data, seed=None):
             pos += f.size
     prior_resid = resid[-1]
     if len(regressed) < len(family.factors):
-        moments = gaussian_moments(config.spec, family, values, weights, data)
-        parts = family.split(lam)
-        for f, part in zip(family.factors, parts):
+        cubature = config.rule == "cubature"
+        moments = gaussian_moments(config.spec, family, lam, values, weights, data, stein=cubature)
+        for f, part in zip(family.factors, family.split(lam)):
             if f.space == "unconstrained":
                 blocks[f.site] = f.site_from_moments(part, *moments[f.site])
-        _, full_resid = regress(family.stats(values), weights, prior[None])
-        prior_resid = full_resid[0]
+        if cubature:
+            prior_resid = jnp.asarray(jnp.inf, lam.dtype)
+        else:
+            _, full_resid = regress(family.stats(values), weights, prior[None])
+            prior_resid = full_resid[0]
     grads = jnp.concatenate([blocks[f.site] for f in family.factors], -1)
     return EFSites(grads[:-1], grads[-1], resid[:-1], prior_resid)
+
+
+def prior_form_residual(config, lam, data, sites) -> float:
+    r"""Relative residual of the regression of the prior term on *all* the family's statistics:
+    below :func:`conjugate_rtol`, the prior is conjugate-form (linear in ``T``) and its site
+    is the constant :math:`\lambda_0`. ``sites`` (:class:`EFSites` at ``lam``) carry it, except
+    under ``"cubature"``, whose ``2D`` points cannot tell a quadratic prior from another: then it
+    is computed with draws for the Gaussian blocks (the prior term alone, once)."""
+    if config.rule != "cubature":
+        return float(sites.prior_residual)
+    return float(_drawn_prior_residual(config, lam, data))
+
+
+@partial(jax.jit, static_argnums=0)
+def _drawn_prior_residual(config, lam, data):
+    values, weights = design(config, lam, cubature=False)
+    prior = jax.vmap(lambda point: _prior_at(config.spec, config.family, point, data))(values)
+    _, resid = regress(config.family.stats(values), weights, prior[None])
+    return resid[0]
 
 
 # --------------------------------------------------------------------------- the BLR fixed point

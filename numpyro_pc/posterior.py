@@ -132,8 +132,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     Bernoulli or Categorical distribution with ``numpyro.param`` arguments (or an AutoNormal
     part) gives an :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
     (:func:`numpyro_pc.ef_posterior.dual_form_ef`; ``expectation`` is then ``"auto"``,
-    ``"quadrature"`` or ``"mc"``, ``num_nodes`` the Gauss nodes per site, default 32, and
-    ``num_samples`` the draws of ``"mc"``, default 2048, or of the vector sites of ``"mixed"``, default 64).
+    ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"`` — :meth:`numpyro_pc.ef_sites.EFConfig.make` —,
+    ``num_nodes`` the Gauss nodes per site, default 32, and ``num_samples`` the draws of ``"mc"``,
+    default 2048, or of the vector sites of ``"mixed"``, default 64).
 
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).

@@ -432,8 +432,10 @@ def test_rule_choice():
     assert EFConfig.make(None, ProductFamily((BetaFactor("p", (3,)),))).rule == "mc"
     with pytest.raises(InvalidOptionError, match="scalar continuous site or a discrete"):
         EFConfig.make(None, ProductFamily((DirichletFactor("pi", (3,)),)), "quadrature")
-    with pytest.raises(InvalidOptionError, match="'auto', 'quadrature', 'mixed' or 'mc'"):
+    with pytest.raises(InvalidOptionError, match="'auto', 'quadrature', 'mixed', 'cubature' or 'mc'"):
         EFConfig.make(None, scalars, "gh")
+    with pytest.raises(InvalidOptionError, match="'cubature' needs Gaussian vector blocks"):
+        EFConfig.make(None, ProductFamily((BetaFactor("p", ()), DirichletFactor("pi", (3,)))), "cubature")
 
 
 def poisson_exposure(e, y=None):

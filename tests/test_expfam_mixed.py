@@ -30,7 +30,7 @@ import numpyro_pc as pc
 from numpyro_pc.ef_discrete import BernoulliFactor, CategoricalFactor
 from numpyro_pc.ef_gaussian import FullGaussianFactor, NormalFactor
 from numpyro_pc.ef_product import ProductFamily
-from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
+from numpyro_pc.errors import InvalidOptionError, MonteCarloErrorWarning, UnsupportedModelError
 
 RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
 
@@ -165,7 +165,7 @@ def test_regression_with_unknown_precision_full_block(x64):
     X, y = _regression_data()
     m, cov, a, b = _cavi_regression(X, y)
     post = pc.fit(regression, jnp.asarray(X), y=jnp.asarray(y), family={"tau": "gamma", "w": "full"}, **TIGHT)
-    assert post.config.rule == "mixed" and post.conjugate_prior
+    assert post.config.rule == "cubature" and post.conjugate_prior
     q = post.distributions()
     _close(q["w"].loc, m)
     _close(q["w"].covariance_matrix, cov)
@@ -180,6 +180,60 @@ def test_regression_with_unknown_precision_full_block(x64):
     second = pc.fit(regression, jnp.asarray(X[20:]), y=jnp.asarray(y[20:]), family={"tau": "gamma", "w": "full"},
                     **TIGHT)
     _close(first.merge(second, refine=True, **TIGHT).natural, post.natural)
+
+
+def test_symmetric_cubature_is_a_degree_three_rule(x64):
+    from numpyro_pc.ef_rules import symmetric_cubature
+
+    dim = 4
+    points = np.asarray(symmetric_cubature(jax.random.PRNGKey(3), dim, jnp.float64))
+    assert points.shape == (2 * dim, dim)
+    # equal weights 1/(2D): odd moments vanish, the second moment is I (rounding only: 1e-13)
+    np.testing.assert_allclose(points.mean(0), 0.0, atol=1e-13)
+    np.testing.assert_allclose(points.T @ points / (2 * dim), np.eye(dim), atol=1e-13)
+    np.testing.assert_allclose(np.einsum("si,sj,sk->ijk", points, points, points) / (2 * dim), 0.0, atol=1e-13)
+    # not degree 5: E[x_1^4] = 3 under N(0, I), not under the rule — the rule's error on a higher degree
+    assert abs(np.mean(points[:, 0] ** 4) - 3.0) > 0.1
+    other = np.asarray(symmetric_cubature(jax.random.PRNGKey(4), dim, jnp.float64))
+    assert np.max(np.abs(other - points)) > 0.1  # another seed, another rotation (the error estimate's rule)
+
+
+def test_cubature_sites_of_gaussian_blocks(x64):
+    """Gaussian blocks beside Gauss-ruled factors use the 2D-point cubature with Stein's expected
+    Hessian: exact for the conjugate regression (the CAVI oracle above), with the rotated rule's
+    residual at rounding; the prior's conjugate-form test still tells a Laplace prior from a Normal
+    one (2D points alone cannot); a logistic loss shows the rule's error and warns."""
+    X, y = _regression_data()
+    post = pc.fit(regression, jnp.asarray(X), y=jnp.asarray(y), family={"tau": "gamma", "w": "full"}, **TIGHT)
+    drawn = pc.fit(regression, jnp.asarray(X), y=jnp.asarray(y), family={"tau": "gamma", "w": "full"},
+                   expectation="mixed", **TIGHT)
+    assert post.config.rule == "cubature" and drawn.config.rule == "mixed"
+    _close(post.natural, drawn.natural)  # both exact for a quadratic loss
+    error = post.record["expectation_error"]
+    assert error["num_points"] == 6 and error["rotated_cubature_residual"] < 1e-9
+
+    def laplace_prior(X, y=None):
+        tau = numpyro.sample("tau", dist.Gamma(A0, B0))
+        w = numpyro.sample("w", dist.Laplace(0.0, 2.0).expand([X.shape[1]]).to_event(1))
+        with numpyro.plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
+
+    laplace = pc.fit(laplace_prior, jnp.asarray(X), y=jnp.asarray(y), family={"tau": "gamma", "w": "full"})
+    assert laplace.config.rule == "cubature" and not laplace.conjugate_prior
+
+    rng = np.random.default_rng(7)
+    n = 40
+    Xs = rng.normal(size=(n, 2))
+    data = dict(k=rng.poisson(3.0, n).astype(float), c=rng.binomial(1, 0.3, n).astype(float),
+                t=rng.binomial(1, special.expit(Xs @ np.array([1.0, -1.0]))).astype(float))
+    kw = {k: jnp.asarray(v) for k, v in data.items()}
+    family = {"p": "beta", "rate": "gamma", "w": "full"}
+    with pytest.warns(MonteCarloErrorWarning, match="rotated cubature"):
+        logistic = pc.fit(story, jnp.asarray(Xs), family=family, **kw, **TIGHT)
+    assert 1e-6 < logistic.record["expectation_error"]["rotated_cubature_residual"] < 1e-2
+    # the rule's error is of the size the rotated rule reports: within 1e-3 in KL of 64 moment-matched draws
+    mixed = pc.fit(story, jnp.asarray(Xs), family=family, **kw, expectation="mixed", **TIGHT)
+    assert float(logistic.family.kl(logistic.natural, mixed.natural)) < 1e-3
 
 
 def test_lognormal_factor_matches_the_gaussian_path(x64):
@@ -335,7 +389,7 @@ def test_mixed_user_story_update_and_delete(x64):
     family = {"p": "beta", "rate": "gamma", "w": "full"}
     args, kw = rows(np.arange(n))
     post = pc.fit(story, *args, family=family, **kw, **TIGHT)
-    assert post.config.rule == "mixed" and post.residual < 1e-9
+    assert post.config.rule == "cubature" and post.residual < 1e-9
     q = post.distributions()  # Beta and Gamma blocks are conjugate and independent of w: closed form
     _close([q["p"].concentration1, q["p"].concentration0], [2.0 + data["c"].sum(), 2.0 + n - data["c"].sum()])
     _close([q["rate"].concentration, q["rate"].rate], [2.0 + data["k"].sum(), 1.0 + n])
@@ -421,7 +475,6 @@ def test_memory_and_prior_corrections(x64):
 
 
 def test_monte_carlo_error_is_estimated_with_independent_draws(x64):
-    from numpyro_pc.errors import MonteCarloErrorWarning
 
     def grouped_misclassified(g, y=None):
         p = numpyro.sample("p", dist.Beta(2.0, 2.0).expand([3]).to_event(1))

@@ -26,7 +26,9 @@ KL (:func:`~numpyro_pc.criticism.cavity.kl_shape`).
 **Predictive densities** :math:`\log E_{q_{\setminus i}}[p(y_i \mid x)]` use the
 posterior's own points (:func:`numpyro_pc.ef_sites.design`) placed at each cavity: the
 tensor Gauss rule of the factors that have one (exact for a likelihood polynomial in the
-factor's variable, e.g. Bernoulli under a Beta), the fixed draws of the others.
+factor's variable, e.g. Bernoulli under a Beta), the fixed draws of the others — also for
+Gaussian blocks whose sites use the degree-3 cubature (``"cubature"``), because a predictive
+density is no low-degree polynomial.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _row_predictive(config, naturals, per_example, shared):
 
     def one(args) -> jax.Array:
         lam, example = args
-        values, weights = design(config, lam)
+        values, weights = design(config, lam, cubature=False)
 
         def loss(point) -> jax.Array:
             z, discrete, _ = model_point(spec, family, point)
@@ -251,7 +253,7 @@ def ef_influence(post, fn, estimators) -> tuple:
 @partial(jax.jit, static_argnums=0)
 def _losses_at(config, lam, per_example, shared):
     """The posterior's points at ``lam``: every example's loss there ``(N, S)`` and their weights ``(S,)``."""
-    values, weights = design(config, lam)
+    values, weights = design(config, lam, cubature=False)
     losses, _ = point_losses(config.spec, config.family, values, ModelData(per_example, shared))
     return losses, weights
 
@@ -269,4 +271,4 @@ def ef_block_density(post, block) -> float:
 def ef_num_points(post) -> int:
     """How many points stand for ``q`` (the ``n_samples`` of an ELPD result; traced, not run)."""
     with jax.enable_x64(post.natural.dtype == jnp.float64):
-        return int(jax.eval_shape(lambda lam: design(post.config, lam)[1], post.natural).shape[0])
+        return int(jax.eval_shape(lambda lam: design(post.config, lam, cubature=False)[1], post.natural).shape[0])

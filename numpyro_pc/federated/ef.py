@@ -62,7 +62,7 @@ import numpy as np
 
 from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..fixed_point import natural_solve
-from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol
+from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas
@@ -134,7 +134,7 @@ def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, sh
     cfg_one = replace(cfg, spec=replace(spec, num_examples=1))
     lam = fam.default_natural(stack.mask.dtype)
     sites = compute_sites(cfg_one, lam, one)
-    conjugate = bool(sites.prior_residual < conjugate_rtol(lam.dtype))
+    conjugate = bool(prior_form_residual(cfg_one, lam, one, sites) < conjugate_rtol(lam.dtype))
     if conjugate:
         prior = -sites.prior
     else:  # the prior's projection onto the family: the fixed point without data
