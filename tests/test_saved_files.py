@@ -19,11 +19,13 @@ from numpyro_pc import errors
 
 from conftest import logistic_model, make_logistic
 from test_ef_adapt import _bern, beta_bernoulli
+from test_expfam_mixed import _regression_data, regression
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 KEY = b"fixture-signing-key"
-MODELS = {"gaussian_full": logistic_model, "gaussian_diagonal": logistic_model, "ef_beta": beta_bernoulli}
+MODELS = {"gaussian_full": logistic_model, "gaussian_diagonal": logistic_model, "ef_beta": beta_bernoulli,
+          "ef_mixed": regression}
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["plain", "signed"])
@@ -53,6 +55,23 @@ def test_loaded_files_keep_working(x64):
     a0, b0 = (float(v) for v in ef.family.describe(ef.natural)["p"][1].values())
     extra = _bern(5, seed=6)
     np.testing.assert_allclose([a, b], [a0 + extra.sum(), b0 + (1 - extra).sum()], rtol=1e-12)  # conjugate
+
+
+def test_a_file_of_the_draws_design_keeps_its_design(x64):
+    """``ef_mixed`` was written by 72a601e, whose Gaussian blocks beside Gauss-ruled factors were
+    integrated by 64 moment-matched draws; today's default for that family is the cubature. The
+    loaded posterior keeps the design it was saved with (its sites are recomputed with the same
+    points), and an exact update is the batch fit of the conjugate regression under either design
+    (1e-8: both are exact for a loss quadratic in the block)."""
+    X, y = _regression_data()
+    family = {"tau": "gamma", "w": "full"}
+    post = pc.load(FIXTURES / "ef_mixed.npz", regression)
+    assert post.config.rule == "mixed" and post.config.num_samples == 64
+    grown = post.update(jnp.asarray(X[30:]), y=jnp.asarray(y[30:]), tol=1e-12)
+    assert grown.config.rule == "mixed"
+    batch = pc.fit(regression, jnp.asarray(X), y=jnp.asarray(y), family=family, tol=1e-12)
+    assert batch.config.rule == "cubature"
+    np.testing.assert_allclose(np.asarray(grown.natural), np.asarray(batch.natural), rtol=1e-8, atol=1e-8)
 
 
 def test_a_signed_file_of_the_earlier_release_refuses_another_key(x64):
