@@ -407,7 +407,9 @@ def _draw_error(config, data, prior_active, const, lam, tol):
     The solver reaches the fixed point of the expectations under *its* points; the residual a
     second set sees at that point estimates how far the answer is from the family's true
     optimum (0 up to rounding for conjugate losses, whose sites are exact whatever the
-    points, and, under ``"cubature"``, for losses of degree at most 4 in the Gaussian blocks).
+    points, and, under ``"cubature"``, for losses of degree at most 3 in the Gaussian blocks; the
+    second cubature has another rotation *and* radius, so that an error depending on the radius
+    alone shows too).
     Warned about when well above the tolerance.
     """
     other, _ = _bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
@@ -416,7 +418,7 @@ def _draw_error(config, data, prior_active, const, lam, tol):
     if not residual <= 100 * tol:  # a NaN residual warns too
         if cubature:
             what = (f"its own cubature points but {residual:.1e} for a rotated cubature: the loss is far from a "
-                    "polynomial of degree 4 in the Gaussian blocks over q, and the degree-3 rule's error shows; pass "
+                    "polynomial of degree 3 in the Gaussian blocks over q, and the degree-3 rule's error shows; pass "
                     "expectation='mixed' (num_samples draws) or 'mc'")
         else:
             what = (f"its own {config.num_samples} draws but {residual:.1e} for independent draws: the answer is "
@@ -534,6 +536,10 @@ def merge_ef(a, b, refine=False, tol=None, max_iters=200):
     if a.conjugate_prior != b.conjugate_prior or (a.conjugate_prior and not bool(
             jnp.allclose(a.state.prior, b.state.prior, rtol=1e-12, atol=1e-12))):
         raise IncompatiblePosteriorsError("merging needs posteriors of the same prior")
+    if a.config.design_key() != b.config.design_key():
+        raise IncompatiblePosteriorsError(
+            f"the sites were computed on two designs ({a.config.design_key()} and {b.config.design_key()}); refit one "
+            "with the other's expectation=, num_nodes=, num_samples= and seed=")
     b_ids = b.ids
     renumbered = bool(np.intersect1d(np.asarray(a.ids), np.asarray(b_ids)).size)
     if renumbered:  # separately fitted shards both count from 0: b's examples get ids after a's

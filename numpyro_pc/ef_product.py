@@ -118,7 +118,9 @@ def unwrap_distribution(fn):
 _CONSTRAINED = ((dist.Beta, BetaFactor), (dist.Gamma, GammaFactor), (dist.Dirichlet, DirichletFactor),
                 (dist.BernoulliProbs, BernoulliFactor))
 _BUILT_IN = frozenset(EF_FAMILIES)
-_REGISTERED = []  # (distribution class, factor class) of register_factor, matched before unwrapping
+_REGISTERED = {}  # distribution class -> factor class of register_factor, matched before unwrapping
+_BUILT_IN_DISTRIBUTIONS = frozenset(d for d, _ in _CONSTRAINED) | {dist.CategoricalProbs, dist.Normal,
+                                                                    dist.MultivariateNormal}
 
 
 def register_factor(factor_class):
@@ -132,10 +134,13 @@ def register_factor(factor_class):
     exponential-family posterior then applies (``tests/test_ef_registration.py`` registers an
     inverse-Gamma).
 
+    Registering a class of the same module and name again (a re-run notebook cell, a reloaded
+    module) replaces the earlier one.
+
     :return: ``factor_class`` (so that it can decorate the class).
     :raises InvalidOptionError: a class that is not a constrained-space ``Factor`` with a
-        ``family_name``, ``support``, ``dist_class`` and ``dist_args``; a name that is taken
-        by another class.
+        ``family_name``, ``support``, ``dist_class`` and ``dist_args``; a name or a
+        distribution class that a built-in factor or another registered class already has.
     """
     if not (isinstance(factor_class, type) and issubclass(factor_class, Factor)):
         raise InvalidOptionError(f"register_factor expects a subclass of numpyro_pc.ef_families.Factor, found "
@@ -148,11 +153,21 @@ def register_factor(factor_class):
             f"{factor_class.__name__}: a registered factor needs a lower-case identifier family_name (found {name!r}), "
             f"a support and a dist_class (missing {missing}), the dist_args of its distribution (found "
             f"{factor_class.dist_args!r}) and space 'constrained' (found {factor_class.space!r})")
-    if EF_FAMILIES.get(name, factor_class) is not factor_class or name in _BUILT_IN:
+    def same(other):
+        return (other.__module__, other.__qualname__) == (factor_class.__module__, factor_class.__qualname__)
+
+    if name in _BUILT_IN or (name in EF_FAMILIES and not same(EF_FAMILIES[name])):
         raise InvalidOptionError(f"the family name {name!r} is taken by {EF_FAMILIES[name].__name__}")
-    if name not in EF_FAMILIES:
-        EF_FAMILIES[name] = factor_class
-        _REGISTERED.append((factor_class.dist_class, factor_class))
+    owner = _REGISTERED.get(factor_class.dist_class)
+    if factor_class.dist_class in _BUILT_IN_DISTRIBUTIONS or (owner is not None and not same(owner)):
+        taken_by = owner.__name__ if owner is not None else "a built-in factor"
+        raise InvalidOptionError(f"guide sites of {factor_class.dist_class.__name__} are read by {taken_by}; "
+                                 f"{factor_class.__name__} needs a distribution class of its own")
+    stale = [d for d, c in _REGISTERED.items() if c.family_name == name]
+    for d in stale:
+        del _REGISTERED[d]
+    EF_FAMILIES[name] = factor_class
+    _REGISTERED[factor_class.dist_class] = factor_class
     return factor_class
 
 
@@ -170,10 +185,10 @@ def factor_from_distribution(site, fn, support):
     inner = fn
     while isinstance(inner, dist.Independent):
         inner = inner.base_dist
-    for dist_cls, cls in _REGISTERED:  # a registered class may itself be a transformed distribution
-        if type(inner) is dist_cls:
-            factor = cls(site, tuple(inner.batch_shape) + tuple(inner.event_shape))
-            return factor, factor.from_args(*(getattr(inner, n) for n in cls.dist_args)), cls.dist_args
+    cls = _REGISTERED.get(type(inner))  # a registered class may itself be a transformed distribution
+    if cls is not None:
+        factor = cls(site, tuple(inner.batch_shape) + tuple(inner.event_shape))
+        return factor, factor.from_args(*(getattr(inner, n) for n in cls.dist_args)), cls.dist_args
     base, transforms = unwrap_distribution(fn)
     shape = tuple(base.batch_shape) + tuple(base.event_shape)
     for dist_cls, cls in _CONSTRAINED:
@@ -321,10 +336,8 @@ class ProductFamily:
                 size *= f.rule_size(num_nodes)
         return size
 
-    def drawn_size(self, use_rules=True, cubature=False):
-        """Natural parameters of the factors that are integrated by draws (none under ``cubature``)."""
-        if cubature:
-            return 0
+    def drawn_size(self, use_rules=True):
+        """Natural parameters of the factors that are integrated by draws (the others have a rule)."""
         return sum(f.size for f in self.factors if not (use_rules and f.has_rule))
 
     def admits_cubature(self):
@@ -333,14 +346,18 @@ class ProductFamily:
         return all(f.has_rule or f.space == "unconstrained" for f in self.factors)
 
     def cubature_size(self):
-        """Points of the symmetric cubature over the Gaussian blocks without a rule: ``2 D``."""
-        return 2 * sum(f.dim for f in self.factors if not f.has_rule)
+        """Points of the symmetric cubature over the Gaussian blocks without a rule: ``2 D + 1``."""
+        return 2 * sum(f.dim for f in self.factors if not f.has_rule) + 1
+
+    def cubature_blocks(self):
+        """How many Gaussian blocks share the cubature (those without a rule)."""
+        return sum(1 for f in self.factors if not f.has_rule)
 
     def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False):
         """Points standing for ``q``: the tensor grid of the factors' rules (``use_rules``) times
         ``num_samples`` fixed draws of the other factors, or (``cubature``, where
-        :meth:`admits_cubature`) times the ``2D`` points of the symmetric cubature over the
-        Gaussian blocks jointly, rotated by ``seed``; ``(values dict (S, ...), weights (S,))``."""
+        :meth:`admits_cubature`) times the ``2D + 1`` points of the symmetric cubature over the
+        Gaussian blocks jointly, drawn with ``seed``; ``(values dict (S, ...), weights (S,))``."""
         parts = self.split(lam)
         keys = jax.random.split(jax.random.PRNGKey(seed), len(self.factors))
         ruled = [k for k, f in enumerate(self.factors) if use_rules and f.has_rule]
@@ -351,19 +368,23 @@ class ProductFamily:
         grid_w = jnp.prod(jnp.stack([rules[k][1][i] for k, i in zip(ruled, idx)]), 0) if ruled else \
             jnp.ones((1,), lam.dtype)
         if cubature and drawn:
-            points = symmetric_cubature(keys[0], sum(self.factors[k].dim for k in drawn), lam.dtype)
+            points, point_w = symmetric_cubature(keys[0], sum(self.factors[k].dim for k in drawn), lam.dtype)
             cuts = np.cumsum([0] + [self.factors[k].dim for k in drawn])
             drawn_values = {k: self.factors[k].from_whitened(parts[k], points[:, a:b])
                             for k, a, b in zip(drawn, cuts[:-1], cuts[1:])}
         else:
             drawn_values = {k: self.factors[k].design_draws(keys[k], parts[k], num_samples) for k in drawn}
+            point_w = None
         reps = next(iter(drawn_values.values())).shape[0] if drawn else 1
         values = {}
         for k, i in zip(ruled, idx):
             values[self.factors[k].site] = jnp.repeat(rules[k][0][i], reps, axis=0)
         for k, draws in drawn_values.items():
             values[self.factors[k].site] = jnp.tile(draws, (grid_w.shape[0],) + (1,) * (draws.ndim - 1))
-        weights = jnp.repeat(grid_w, reps) / reps
+        if point_w is None:
+            weights = jnp.repeat(grid_w, reps) / reps
+        else:
+            weights = jnp.repeat(grid_w, reps) * jnp.tile(point_w, grid_w.shape[0])
         return values, weights
 
     def describe(self, lam):

@@ -22,16 +22,18 @@ exactly the identity; mapped through :math:`m + L\epsilon` they reproduce the me
 covariance of :math:`q` exactly, so every expectation of a quadratic function — the
 conjugate Gaussian case — is exact whatever the number of draws.
 
-**Symmetric cubature.** For Gaussian blocks of total dimension :math:`D` the :math:`2D`
-points :math:`\pm\sqrt{D}\,Q e_j` with equal weights :math:`1/(2D)` (the degree-3 spherical
-rule; Stroud, 1971; the cubature Kalman filter's points), :math:`Q` an orthogonal matrix:
-every odd moment vanishes and the second moment is :math:`QQ^\top = I`, so the rule
-integrates every polynomial of degree at most 3 exactly. A site of a Gaussian block needs
-:math:`E[\nabla\ell]` and :math:`E[\nabla^2\ell]`, which the rule gives exactly for any
-loss of degree at most 4 in the block (quadratic losses — the conjugate case — among them),
-with :math:`2D` points instead of the dozens of draws a regression needs. Another
-:math:`Q` is another rule of the same degree: their disagreement at the fixed point
-estimates the rule's error on a loss of higher degree.
+**Symmetric cubature.** For Gaussian blocks of total dimension :math:`D` the centre with
+weight :math:`1 - 1/c` and the :math:`2D` points :math:`\pm\sqrt{cD}\,Q e_j` with weights
+:math:`1/(2Dc)` (the degree-3 spherical rule; Stroud, 1971; :math:`c = 1` is the cubature
+Kalman filter's rule), :math:`Q` an orthogonal matrix and :math:`c \in [1.5, 2.5]`, both
+drawn with the seed: every odd moment vanishes and the second moment is :math:`QQ^\top = I`,
+so the rule integrates every polynomial of degree at most 3 exactly. A site of a Gaussian
+block needs :math:`E[\nabla\ell]` (exact for losses of degree at most 4) and
+:math:`E[\nabla^2\ell]` (exact up to degree 5 from Hessians, up to degree 3 from Stein's
+identity), with :math:`2D + 1` points instead of the dozens of draws a regression needs.
+Another seed is another rule of the same degree, at another radius and rotation: their
+disagreement at the fixed point estimates the rule's error on a loss of higher degree
+(a fixed radius would hide an error that depends on the radius alone).
 """
 
 from __future__ import annotations
@@ -126,12 +128,17 @@ def whitened_normal(key, num, dim, dtype):
 
 
 def symmetric_cubature(key, dim, dtype):
-    r"""The ``(2 dim, dim)`` points :math:`\pm\sqrt{D}\,Q e_j` of the degree-3 spherical rule
-    (equal weights), rotated by the orthogonal :math:`Q` of the QR factorisation of a
-    standard-normal matrix drawn with ``key`` (signs fixed so that :math:`Q` is unique).
+    r"""The degree-3 symmetric rule for :math:`N(0, I_D)`: ``(points (2 dim + 1, dim), weights (2 dim + 1,))``,
+    the centre and :math:`\pm\sqrt{cD}\,Q e_j`, with :math:`Q` the orthogonal factor of the QR
+    factorisation of a standard-normal matrix (signs fixed so that it is unique) and
+    :math:`c = 1.5 + U(0, 1)`, both drawn with ``key``.
     """
-    gauss = jax.random.normal(key, (dim, dim), dtype)
-    q, r = jnp.linalg.qr(gauss)
+    k_rotation, k_radius = jax.random.split(key)
+    q, r = jnp.linalg.qr(jax.random.normal(k_rotation, (dim, dim), dtype))
     q = q * jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0).astype(dtype)
-    cols = jnp.sqrt(jnp.asarray(dim, dtype)) * q.T
-    return jnp.concatenate([cols, -cols], 0)
+    spread = 1.5 + jax.random.uniform(k_radius, (), dtype)
+    cols = jnp.sqrt(spread * dim) * q.T
+    points = jnp.concatenate([jnp.zeros((1, dim), dtype), cols, -cols], 0)
+    weights = jnp.concatenate([jnp.reshape(1.0 - 1.0 / spread, (1,)),
+                               jnp.full((2 * dim,), 0.5 / (dim * spread), dtype)])
+    return points, weights

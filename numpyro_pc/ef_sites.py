@@ -25,10 +25,10 @@ are
   generalised Gauss–Laguerre for Gamma, Gauss–Hermite for Normal, enumeration for discrete
   sites; :mod:`numpyro_pc.ef_rules`), deterministic; available when every latent site is a
   scalar continuous or a discrete site;
-* ``"cubature"``: that grid for the sites that have a rule times the ``2D`` points of the
+* ``"cubature"``: that grid for the sites that have a rule times the ``2D + 1`` points of the
   degree-3 symmetric cubature over the Gaussian blocks (:func:`numpyro_pc.ef_rules.symmetric_cubature`),
   when every site without a rule is a Gaussian block: Bonnet's and Price's expectations are
-  exact for losses of degree at most 4 in the blocks, with ``2D`` points instead of draws;
+  exact for losses of degree at most 3 in the blocks, with ``2D + 1`` points instead of draws;
 * ``"mixed"``: that grid for the sites that have a rule times ``num_samples`` fixed draws
   shared by the others (vector sites; moment-matched for Gaussian factors);
 * ``"mc"``: ``num_samples`` draws of every factor with a fixed seed, so the fixed point is
@@ -97,9 +97,10 @@ class EFConfig:
 
     :ivar spec: the :class:`~numpyro_pc.likelihood.ModelSpec`.
     :ivar family: the :class:`~numpyro_pc.ef_families.ProductFamily` (trace order).
-    :ivar rule: ``"quadrature"``, ``"mixed"`` or ``"mc"``.
-    :ivar num_nodes: Gauss nodes per site (``"quadrature"``).
-    :ivar num_samples: draws (``"mc"``).
+    :ivar rule: ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"``.
+    :ivar num_nodes: Gauss nodes per site (``"quadrature"``, ``"cubature"``, ``"mixed"``).
+    :ivar num_samples: draws (``"mc"``, ``"mixed"``; under ``"cubature"`` those of the prior's
+        conjugate-form test and of predictive densities).
     :ivar seed: seed of the fixed draws.
     """
 
@@ -115,14 +116,15 @@ class EFConfig:
              max_mixed_points=1024):
         """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
         grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
-        to 4); else, when every other site is a Gaussian block, the grid times the ``2D``
+        to 4); else, when every other site is a Gaussian block, the grid times the ``2D + 1``
         points of the symmetric cubature over the blocks (``"cubature"``), and otherwise the
         grid times ``num_samples`` draws (``"mixed"``), each when it fits in
         ``max_mixed_points``; else Monte Carlo. ``num_samples`` defaults to 2048 draws for
         Monte Carlo and 64 for the mixed design (its draws stand for vector sites only;
         Gaussian blocks are exact for quadratic losses with any number of moment-matched draws);
         under ``"cubature"`` the draws are those of the conjugate-form test of the prior term
-        only (the cubature's ``2D`` points cannot tell a quadratic prior from another).
+        only (the cubature's ``2D + 1`` points cannot tell a quadratic prior from another), at least
+        64 and four per natural parameter of the blocks.
 
         :raises InvalidOptionError: an unknown ``expectation``; ``"quadrature"`` for a family
             without a rule for every site; ``"cubature"`` for a family whose sites without a
@@ -147,7 +149,8 @@ class EFConfig:
             expectation == "auto" and some_rules and not family.has_rule() and family.admits_cubature())
         if expectation != "mc" and (some_rules or cubature):
             mixed = not family.has_rule()
-            num_samples = int(num_samples if num_samples is not None else 64 if mixed else 2048)
+            drawn_default = max(64, 4 * family.drawn_size()) if cubature else 64
+            num_samples = int(num_samples if num_samples is not None else drawn_default if mixed else 2048)
             points = family.cubature_size() if cubature else num_samples if mixed else 1
             rule = "cubature" if cubature else "mixed" if mixed else "quadrature"
             cap = max_points if points == 1 else max_mixed_points
@@ -165,9 +168,25 @@ class EFConfig:
         needed = family.drawn_size(choice.rule != "mc")
         num_samples = choice.num_samples
         if needed and num_samples < 4 * needed:
+            what = ("the draws of the prior's conjugate-form test and of predictive densities" if choice.rule == "cubature"
+                    else "their regression")
             raise InvalidOptionError(f"{needed} natural parameters are integrated by draws; num_samples={num_samples} "
-                                     f"must be at least {4 * needed} for their regression (pass num_samples=)")
+                                     f"must be at least {4 * needed} for {what} (pass num_samples=)")
         return choice
+
+    def design_key(self) -> dict:
+        """What fixes the points of the site computation (posteriors merge only on equal keys)."""
+        return {"rule": self.rule, "num_nodes": int(self.num_nodes), "num_samples": int(self.num_samples),
+                "seed": int(self.seed)}
+
+    def draws_nodes(self, max_points=1024):
+        """Gauss nodes per site of the draws design (``design(..., cubature=False)``) of a
+        ``"cubature"`` configuration: its own nodes, reduced (down to 4) until the grid times
+        ``num_samples`` draws has at most ``max_points`` points, as ``"mixed"`` would choose."""
+        nodes = int(self.num_nodes)
+        while self.family.grid_size(nodes) * self.num_samples > max_points and nodes > 4:
+            nodes -= 1
+        return nodes
 
 
 class EFSites(NamedTuple):
@@ -192,8 +211,9 @@ def design(config, lam, seed=None, cubature=None):
     """
     seed = config.seed if seed is None else seed
     cubature = config.rule == "cubature" if cubature is None else cubature
-    return config.family.design(lam, config.num_nodes, config.num_samples, seed,
-                                use_rules=config.rule != "mc", cubature=cubature)
+    nodes = config.draws_nodes() if config.rule == "cubature" and not cubature else config.num_nodes
+    return config.family.design(lam, nodes, config.num_samples, seed, use_rules=config.rule != "mc",
+                                cubature=cubature)
 
 
 def model_point(spec, family, point):
@@ -238,10 +258,12 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
     derivatives with respect to the factor's own unconstrained coordinates.
 
     With ``stein``, the expected Hessian is Stein's :math:`E[\nabla\ell\,(S(u - m))^\top]`
-    (symmetrised) from the gradients alone — one reverse pass per point instead of ``d``
-    forward-over-reverse passes; over a symmetric degree-3 rule it is exact for losses of
-    degree at most 3 in the block (quadratic ones — the conjugate case — among them), over
-    draws it is noisier than the Hessians, so it is used with the cubature only.
+    (symmetrised) from the gradients alone — ``d`` forward passes over all examples at once
+    instead of ``d`` forward-over-reverse passes per example; over a symmetric degree-3 rule it
+    is exact for losses of degree at most 3 in the block (quadratic ones — the conjugate case —
+    among them); over draws it is noisier than the Hessians, and over a rule shared by several
+    blocks a loss bilinear in two of them is quartic jointly, so it is used with the cubature of
+    one block only.
 
     Memory grows as points × examples × d², so Gaussian factors are meant for blocks of
     modest size (regression weights, a handful of scales); the Gaussian posteriors of
@@ -329,7 +351,8 @@ def compute_sites(config, lam, data, seed=None):
     natural coordinates (:meth:`numpyro_pc.ef_gaussian.NormalFactor.site_from_moments`), exact
     for a loss quadratic in the block whatever the points as long as they reproduce the mean —
     which a regression on the block's own statistics is not when the loss couples its elements;
-    under ``"cubature"`` the expected Hessian is Stein's form from gradients (:func:`gaussian_moments`).
+    under ``"cubature"`` of one block the expected Hessian is Stein's form from gradients
+    (:func:`gaussian_moments`).
     The prior term counts as conjugate-form when it is linear in *all* statistics (one more
     regression on the full design, for its residual only; :func:`prior_form_residual`). ``seed``
     overrides the draws' seed (see :func:`design`).
@@ -351,7 +374,8 @@ def compute_sites(config, lam, data, seed=None):
     prior_resid = resid[-1]
     if len(regressed) < len(family.factors):
         cubature = config.rule == "cubature"
-        moments = gaussian_moments(config.spec, family, lam, values, weights, data, stein=cubature)
+        stein = cubature and family.cubature_blocks() == 1
+        moments = gaussian_moments(config.spec, family, lam, values, weights, data, stein=stein)
         for f, part in zip(family.factors, family.split(lam)):
             if f.space == "unconstrained":
                 blocks[f.site] = f.site_from_moments(part, *moments[f.site])
@@ -368,8 +392,9 @@ def prior_form_residual(config, lam, data, sites) -> float:
     r"""Relative residual of the regression of the prior term on *all* the family's statistics:
     below :func:`conjugate_rtol`, the prior is conjugate-form (linear in ``T``) and its site
     is the constant :math:`\lambda_0`. ``sites`` (:class:`EFSites` at ``lam``) carry it, except
-    under ``"cubature"``, whose ``2D`` points cannot tell a quadratic prior from another: then it
-    is computed with draws for the Gaussian blocks (the prior term alone, once)."""
+    under ``"cubature"``, whose ``2D + 1`` points cannot tell a quadratic prior from another: then it
+    is computed with draws for the Gaussian blocks (the prior term alone, once; nodes as
+    :meth:`EFConfig.draws_nodes`)."""
     if config.rule != "cubature":
         return float(sites.prior_residual)
     return float(_drawn_prior_residual(config, lam, data))

@@ -299,6 +299,11 @@ def _merge_ef(base, posteriors, alphas, method, rule):
         if post.conjugate_prior != first.conjugate_prior or (post.conjugate_prior and not bool(
                 jnp.allclose(post.state.prior, first.state.prior, rtol=1e-12, atol=1e-12))):
             raise IncompatiblePosteriorsError(f"{what} has another prior than posterior 0")
+        if post.config.design_key() != first.config.design_key():
+            raise IncompatiblePosteriorsError(
+                f"the sites of {what} were computed on another design ({post.config.design_key()}) than those of "
+                f"posterior 0 ({first.config.design_key()}); refit one with the other's expectation=, num_nodes=, "
+                "num_samples= and seed=")
     with jax.enable_x64(first.natural.dtype == jnp.float64):
         if base is None:
             pre_lam, pre_prior = -first.state.prior, first.state.prior

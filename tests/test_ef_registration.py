@@ -134,7 +134,7 @@ def test_registered_family_reads_a_guide_and_scores_leave_one_out(x64, data):
     np.testing.assert_allclose(loo.pointwise, want, rtol=1e-8)
 
 
-def test_registered_family_saves_and_loads(x64, data, tmp_path):
+def test_registered_family_saves_and_loads(x64, data, tmp_path, monkeypatch):
     y = jnp.asarray(data)
     post = pc.fit(variance_model, y=y, family={"sigma2": "invgamma"})
     path = tmp_path / "variance.npc"
@@ -146,12 +146,10 @@ def test_registered_family_saves_and_loads(x64, data, tmp_path):
 
     from numpyro_pc import ef_product
 
-    del ef_product.EF_FAMILIES["invgamma"]  # a session that has not registered the factor
-    try:
-        with pytest.raises(SavedModelMismatchError, match="register_factor"):
-            pc.load(path, variance_model)
-    finally:
-        pc.register_factor(InverseGammaFactor)
+    monkeypatch.delitem(ef_product.EF_FAMILIES, "invgamma")  # a session that has not registered the factor
+    monkeypatch.delitem(ef_product._REGISTERED, dist.InverseGamma)
+    with pytest.raises(SavedModelMismatchError, match="register_factor"):
+        pc.load(path, variance_model)
 
 
 def test_register_factor_refuses_what_it_cannot_use():
@@ -171,4 +169,19 @@ def test_register_factor_refuses_what_it_cannot_use():
 
     with pytest.raises(InvalidOptionError, match="taken by GammaFactor"):
         pc.register_factor(Impostor)
+
+    @dataclass(frozen=True)
+    class BetaReader(InverseGammaFactor):
+        family_name = "betareader"
+        dist_class = dist.Beta
+
+    with pytest.raises(InvalidOptionError, match="read by a built-in factor"):
+        pc.register_factor(BetaReader)
+
+    @dataclass(frozen=True)
+    class SecondReader(InverseGammaFactor):
+        family_name = "secondreader"
+
+    with pytest.raises(InvalidOptionError, match="read by InverseGammaFactor"):
+        pc.register_factor(SecondReader)
     assert pc.register_factor(InverseGammaFactor) is InverseGammaFactor  # registering again is harmless

@@ -186,16 +186,55 @@ def test_symmetric_cubature_is_a_degree_three_rule(x64):
     from numpyro_pc.ef_rules import symmetric_cubature
 
     dim = 4
-    points = np.asarray(symmetric_cubature(jax.random.PRNGKey(3), dim, jnp.float64))
-    assert points.shape == (2 * dim, dim)
-    # equal weights 1/(2D): odd moments vanish, the second moment is I (rounding only: 1e-13)
-    np.testing.assert_allclose(points.mean(0), 0.0, atol=1e-13)
-    np.testing.assert_allclose(points.T @ points / (2 * dim), np.eye(dim), atol=1e-13)
-    np.testing.assert_allclose(np.einsum("si,sj,sk->ijk", points, points, points) / (2 * dim), 0.0, atol=1e-13)
+    points, weights = (np.asarray(a) for a in symmetric_cubature(jax.random.PRNGKey(3), dim, jnp.float64))
+    assert points.shape == (2 * dim + 1, dim) and np.all(weights >= 0)
+    # odd moments vanish, the second moment is I (rounding only: 1e-13)
+    np.testing.assert_allclose(weights.sum(), 1.0, atol=1e-14)
+    np.testing.assert_allclose(weights @ points, 0.0, atol=1e-13)
+    np.testing.assert_allclose(np.einsum("s,si,sj->ij", weights, points, points), np.eye(dim), atol=1e-13)
+    np.testing.assert_allclose(np.einsum("s,si,sj,sk->ijk", weights, points, points, points), 0.0, atol=1e-13)
     # not degree 5: E[x_1^4] = 3 under N(0, I), not under the rule — the rule's error on a higher degree
-    assert abs(np.mean(points[:, 0] ** 4) - 3.0) > 0.1
-    other = np.asarray(symmetric_cubature(jax.random.PRNGKey(4), dim, jnp.float64))
-    assert np.max(np.abs(other - points)) > 0.1  # another seed, another rotation (the error estimate's rule)
+    assert abs(weights @ points[:, 0] ** 4 - 3.0) > 0.1
+    # another seed: another rotation and radius, so even a radial error (E|x|^4 = D^2 + 2D) differs
+    other, other_w = (np.asarray(a) for a in symmetric_cubature(jax.random.PRNGKey(4), dim, jnp.float64))
+    radial = [w @ np.sum(p**2, 1) ** 2 for p, w in ((points, weights), (other, other_w))]
+    assert abs(radial[0] - radial[1]) > 0.1 and all(abs(r - dim**2 - 2 * dim) > 0.1 for r in radial)
+
+
+def bilinear(y=None):
+    tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    u = numpyro.sample("u", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    v = numpyro.sample("v", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(jnp.dot(u, v), 1.0 / jnp.sqrt(tau)), obs=y)
+
+
+def test_cubature_sites_of_two_blocks_in_one_loss(x64):
+    """Two Gaussian blocks share one cubature that mixes them, and ½τ(y − uᵀv)² is quartic in (u, v)
+    jointly: the expected Hessian comes from Hessians at the points (degree 2 in v: exact), not from
+    Stein's identity (degree 4: wrong, even indefinite). Oracle: the closed-form site of u,
+    E[∇ᵤℓ] = E[τ](−y m_v + E[vvᵀ] m_u), E[∇²ᵤℓ] = E[τ] E[vvᵀ], at 1e-10."""
+    from numpyro_pc.ef_sites import compute_sites
+
+    y = jnp.asarray(np.random.default_rng(4).normal(1.0, 0.5, 12))
+    family = {"tau": "gamma", "u": "full", "v": "full"}
+    post = pc.fit(bilinear, y=y, family=family, max_iters=3, raise_on_failure=False)
+    assert post.config.rule == "cubature"
+    lam = post.natural
+    fam = post.family
+    parts = dict(zip([f.site for f in fam.factors], fam.split(lam)))
+    factors = {f.site: f for f in fam.factors}
+    a, r = factors["tau"].to_args(parts["tau"])
+    e_tau = float(a / r)
+    m_u, tril_u = (np.asarray(x) for x in factors["u"].to_args(parts["u"]))
+    m_v, tril_v = (np.asarray(x) for x in factors["v"].to_args(parts["v"]))
+    vv = tril_v @ tril_v.T + np.outer(m_v, m_v)
+    grads = np.asarray(compute_sites(post.config, lam, post.data).grads)
+    for i, yi in enumerate(np.asarray(y)):
+        want = factors["u"].site_from_moments(parts["u"], jnp.asarray(e_tau * (-yi * m_v + vv @ m_u)),
+                                              jnp.asarray(e_tau * vv))
+        got = dict(zip(parts, fam.split(jnp.asarray(grads[i]))))["u"]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-10)
 
 
 def test_cubature_sites_of_gaussian_blocks(x64):
@@ -210,7 +249,7 @@ def test_cubature_sites_of_gaussian_blocks(x64):
     assert post.config.rule == "cubature" and drawn.config.rule == "mixed"
     _close(post.natural, drawn.natural)  # both exact for a quadratic loss
     error = post.record["expectation_error"]
-    assert error["num_points"] == 6 and error["rotated_cubature_residual"] < 1e-9
+    assert error["num_points"] == 7 and error["rotated_cubature_residual"] < 1e-9
 
     def laplace_prior(X, y=None):
         tau = numpyro.sample("tau", dist.Gamma(A0, B0))

@@ -72,6 +72,12 @@ def test_a_file_of_the_draws_design_keeps_its_design(x64):
     batch = pc.fit(regression, jnp.asarray(X), y=jnp.asarray(y), family=family, tol=1e-12)
     assert batch.config.rule == "cubature"
     np.testing.assert_allclose(np.asarray(grown.natural), np.asarray(batch.natural), rtol=1e-8, atol=1e-8)
+    # merging it with a posterior of the other design would join sites of two designs: refused
+    shard = pc.fit(regression, jnp.asarray(X[30:]), y=jnp.asarray(y[30:]), family=family, tol=1e-12)
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="another design"):
+        pc.merge(None, [post, shard])
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="two designs"):
+        post.merge(shard)
 
 
 def test_a_signed_file_of_the_earlier_release_refuses_another_key(x64):
