@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 # makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: help venv demo test lint unit notebooks docs bench clean distclean
+.PHONY: help venv demo test lint unit notebooks notebooks-full docs bench clean distclean
 
 help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
@@ -22,7 +22,8 @@ help:
 	@echo "make test       ruff, unit tests, then notebooks, then the strict docs build"
 	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns) and the import-layer contract"
 	@echo "make unit       pytest on tests/"
-	@echo "make notebooks  execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
+	@echo "make notebooks  check that the committed outputs are current, then execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
+	@echo "make notebooks-full  full-size runs written back into notebooks/ with their outputs (commit them)"
 	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
 	@echo "make bench      run every benchmarks/bench_*.py"
 	@echo "make clean      remove build and run outputs (keeps $(VENV)); distclean also removes $(VENV)"
@@ -60,7 +61,11 @@ unit: venv
 	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 tests
 
 notebooks: venv
+	$(PY) scripts/run_notebooks.py notebooks --check-committed
 	NUMPYRO_PC_FAST=1 $(PY) scripts/run_notebooks.py notebooks
+
+notebooks-full: venv
+	$(PY) scripts/run_notebooks.py notebooks --full --write-back
 
 docs: venv
 	$(SPHINXBUILD) -W --keep-going -b html docs docs/_build/html

@@ -2,9 +2,10 @@
 
 Notebooks are not executed here (``make notebooks`` runs them).  At build time
 the notebooks in ``../notebooks`` are copied into ``_generated_notebooks/``
-(git-ignored), preferring the executed copy in ``../notebooks/_executed`` when
-it is at least as new as the source, so the rendered pages carry outputs after
-``make test``.
+(git-ignored): the committed notebook when it carries the outputs of a full run
+(``make notebooks-full``; ``make notebooks`` checks that they belong to the current
+code cells), else the executed fast copy in ``../notebooks/_executed`` when it is at
+least as new as the source, so the rendered pages carry outputs after ``make test``.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ def _heading(cells: list) -> str | None:
 
 
 def _notebook_for_docs(src: Path) -> str:
-    """The notebook text to render: the executed copy when it is current, with a
-    title cell added when the notebook has no heading (Sphinx needs page titles)."""
+    """The notebook text to render: the committed full run, else the executed copy when it is
+    current, with a title cell added when the notebook has no heading (Sphinx needs page titles)."""
     executed = NOTEBOOKS / "_executed" / src.name
-    use = executed if executed.exists() and executed.stat().st_mtime >= src.stat().st_mtime else src
+    full_run = json.loads(src.read_text(encoding="utf-8")).get("metadata", {}).get("numpyro_pc", {}).get("mode")
+    fresh = executed.exists() and executed.stat().st_mtime >= src.stat().st_mtime
+    use = src if full_run == "full" or not fresh else executed
     text = use.read_text(encoding="utf-8")
     nb = json.loads(text)
     if _heading(nb.get("cells", [])) is None:
