@@ -96,15 +96,19 @@ class _GaussianFactor(Factor):
         return jnp.reshape(x, (num_nodes,) + self.shape), w
 
     @abstractmethod
-    def score(self, lam, values):
+    def score(self, lam, values) -> jax.Array:
         r""":math:`-\nabla_u \log q(u) = S (u - m)` at ``values`` ``(num, *shape)``, flat ``(num, dim)``:
         Stein's identity :math:`E_q[\nabla^2\ell] = E_q[\nabla\ell\,(S(u-m))^\top]` turns gradients
         at the points into the expected Hessian."""
 
     @abstractmethod
-    def from_whitened(self, lam, eps):
+    def from_whitened(self, lam, eps) -> jax.Array:
         """The values ``m + L ε`` (``L Lᵀ`` the covariance) of whitened points ``eps`` ``(num, dim)``:
         draws, or the points of a cubature rule."""
+
+    def design_draws(self, key, lam, num) -> jax.Array:
+        """Moment-matched draws (:func:`numpyro_pc.ef_rules.whitened_normal`) mapped by :meth:`from_whitened`."""
+        return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))
 
     def _flat_mean(self, lam):
         return jnp.reshape(self._moments(lam)[0], (-1,))
@@ -165,14 +169,11 @@ class NormalFactor(_GaussianFactor):
         loc, scale = self._moments(lam)
         return loc + scale * jax.random.normal(key, (num,) + self.shape, lam.dtype)
 
-    def design_draws(self, key, lam, num):
-        return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))
-
-    def from_whitened(self, lam, eps):
+    def from_whitened(self, lam, eps) -> jax.Array:
         loc, scale = self._moments(lam)
         return loc + scale * jnp.reshape(eps, (eps.shape[0],) + self.shape)
 
-    def score(self, lam, values):
+    def score(self, lam, values) -> jax.Array:
         loc, scale = self._moments(lam)
         return jnp.reshape((values - loc) / scale**2, (values.shape[0], -1))
 
@@ -249,11 +250,11 @@ class FullGaussianFactor(_GaussianFactor):
         loc, tril = self.to_args(lam)
         return self._wrap(dist.MultivariateNormal(jnp.reshape(loc, (-1,)), scale_tril=tril))
 
-    def score(self, lam, values):
+    def score(self, lam, values) -> jax.Array:
         loc = self._flat_mean(lam)
         return (jnp.reshape(values, (values.shape[0], -1)) - loc) @ self.precision(lam)
 
-    def from_whitened(self, lam, eps):
+    def from_whitened(self, lam, eps) -> jax.Array:
         loc, tril = self.to_args(lam)
         num = eps.shape[0]
         return jnp.reshape(jnp.reshape(loc, (-1,)) + eps @ tril.T, (num,) + self.shape)
@@ -261,5 +262,3 @@ class FullGaussianFactor(_GaussianFactor):
     def sample(self, key, lam, num):
         return self.from_whitened(lam, jax.random.normal(key, (num, self.dim), lam.dtype))
 
-    def design_draws(self, key, lam, num):
-        return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))

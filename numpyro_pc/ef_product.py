@@ -123,7 +123,7 @@ _BUILT_IN_DISTRIBUTIONS = frozenset(d for d, _ in _CONSTRAINED) | {dist.Categori
                                                                     dist.MultivariateNormal}
 
 
-def register_factor(factor_class):
+def register_factor(factor_class: type) -> type:
     """Make a factor the package does not ship available by its ``family_name``: to ``pc.fit``'s
     ``family={site: name}``, to :func:`numpyro_pc.dual_form` of guides whose site is its
     ``dist_class`` (arguments named by ``dist_args``), and to :func:`numpyro_pc.load` of files
@@ -340,16 +340,16 @@ class ProductFamily:
         """Natural parameters of the factors that are integrated by draws (the others have a rule)."""
         return sum(f.size for f in self.factors if not (use_rules and f.has_rule))
 
-    def admits_cubature(self):
+    def admits_cubature(self) -> bool:
         """Whether every factor without a Gauss rule is a Gaussian block (then the symmetric
         cubature of :func:`numpyro_pc.ef_rules.symmetric_cubature` can stand for them)."""
         return all(f.has_rule or f.space == "unconstrained" for f in self.factors)
 
-    def cubature_size(self):
+    def cubature_size(self) -> int:
         """Points of the symmetric cubature over the Gaussian blocks without a rule: ``2 D + 1``."""
         return 2 * sum(f.dim for f in self.factors if not f.has_rule) + 1
 
-    def cubature_blocks(self):
+    def cubature_blocks(self) -> int:
         """How many Gaussian blocks share the cubature (those without a rule)."""
         return sum(1 for f in self.factors if not f.has_rule)
 

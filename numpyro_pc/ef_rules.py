@@ -127,7 +127,7 @@ def whitened_normal(key, num, dim, dtype):
     return jax.scipy.linalg.solve_triangular(chol, eps.T, lower=True).T
 
 
-def symmetric_cubature(key, dim, dtype):
+def symmetric_cubature(key, dim, dtype) -> tuple[jax.Array, jax.Array]:
     r"""The degree-3 symmetric rule for :math:`N(0, I_D)`: ``(points (2 dim + 1, dim), weights (2 dim + 1,))``,
     the centre and :math:`\pm\sqrt{cD}\,Q e_j`, with :math:`Q` the orthogonal factor of the QR
     factorisation of a standard-normal matrix (signs fixed so that it is unique) and

@@ -179,7 +179,7 @@ class EFConfig:
         return {"rule": self.rule, "num_nodes": int(self.num_nodes), "num_samples": int(self.num_samples),
                 "seed": int(self.seed)}
 
-    def draws_nodes(self, max_points=1024):
+    def draws_nodes(self, max_points=1024) -> int:
         """Gauss nodes per site of the draws design (``design(..., cubature=False)``) of a
         ``"cubature"`` configuration: its own nodes, reduced (down to 4) until the grid times
         ``num_samples`` draws has at most ``max_points`` points, as ``"mixed"`` would choose."""
@@ -200,7 +200,7 @@ class EFSites(NamedTuple):
     prior_residual: jax.Array
 
 
-def design(config, lam, seed=None, cubature=None):
+def design(config, lam, seed=None, cubature=None) -> tuple[dict, jax.Array]:
     """Points standing for ``q``: ``(values dict (S, ...), weights (S,))`` in the factors' coordinates.
 
     :param seed: the draws' seed, or the cubature's rotation (an integer or a traced integer
@@ -401,7 +401,7 @@ def prior_form_residual(config, lam, data, sites) -> float:
 
 
 @partial(jax.jit, static_argnums=0)
-def _drawn_prior_residual(config, lam, data):
+def _drawn_prior_residual(config, lam, data) -> jax.Array:
     values, weights = design(config, lam, cubature=False)
     prior = jax.vmap(lambda point: _prior_at(config.spec, config.family, point, data))(values)
     _, resid = regress(config.family.stats(values), weights, prior[None])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+from importlib import metadata
 import os
 import platform
 import re
@@ -101,8 +102,6 @@ def code_digest(nb) -> str:
 
 
 def _stamp(nb, elapsed: float) -> dict:
-    from importlib import metadata
-
     versions = {}
     for name in ("numpyro-pc", "jax", "numpyro"):
         try:
