@@ -36,7 +36,13 @@ for its refinement, so the dual-form identities hold for that rule exactly:
 ``auto``
     the default: ``gh`` where the model has a constant dependence subspace of dimension
     at most :data:`MAX_SUBSPACE_DIM`, else ``mc`` — whose error is then estimated at the
-    fixed point and reported (:func:`numpyro_pc.posterior.fit` records it).
+    fixed point and reported (:func:`numpyro_pc.posterior.fit` records it). When the
+    subspace is constant but larger (``r`` up to :data:`MAX_MC_SUBSPACE_DIM` and at most
+    ``d/2``: a varying-intercept-and-slope example, ``r = 7``), ``mc`` takes its draws in the
+    full space but its derivatives along ``P_i`` only: the identities above hold at every
+    draw, so ``E_q[∇²ℓ_i] = P_iᵀ E[∇²_u φ_i] P_i`` costs ``r`` Hessian-vector products per draw
+    instead of ``d`` and is stored factorised, ``O(N·r·d)`` numbers instead of ``N·d²``, with
+    the same values as the dense rule.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ from .likelihood import ModelData, example_params, prior_loss
 from .rowops import take_rows
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",
-           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM", "prior_is_separable", "prior_structure"]
+           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM", "MAX_MC_SUBSPACE_DIM",
+           "prior_is_separable", "prior_structure"]
 
 _KINDS = ("delta", "mc", "gh", "auto")
 MAX_SUBSPACE_DIM = 3  # tensor Gauss–Hermite beyond this many dimensions costs more than it saves
+MAX_MC_SUBSPACE_DIM = 32  # largest dependence subspace the Monte Carlo rule differentiates along (and r ≤ d/2)
 _NODE_BUDGET = 400  # quadrature points per example for a subspace of dimension >= 2
 
 
@@ -170,35 +178,41 @@ def _unit_rows(jac):
     return jac / jnp.where(norms > 0, norms, 1.0)
 
 
-def subspace_basis(spec, mean, example, shared, dim, num_probes=3):
+def subspace_basis(spec, mean, example, shared, dim, num_probes=None):
     """Orthonormal ``(dim, d)`` basis of the span of the example's parameter Jacobians near ``mean``.
 
-    The rows of ``∂θ_i/∂z`` at ``num_probes`` fixed points around ``mean`` are normalised
-    and stacked; their top-``dim`` right singular vectors span the subspace ``ℓ_i`` depends on
-    (an extra direction with singular value 0, for an example of lower rank, is harmless:
-    ``ℓ_i`` does not vary along it).
+    The rows of ``∂θ_i/∂z`` at ``num_probes`` fixed points around ``mean`` (default: 3 for the
+    Gauss–Hermite subspaces, ``dim + 1`` beyond, so that one parameter whose Jacobian keeps a
+    fixed direction, e.g. a global noise scale, still leaves enough rows to span the rest)
+    are normalised and stacked; their top-``dim`` right singular vectors span the subspace
+    ``ℓ_i`` depends on (an extra direction with singular value 0, for an example of lower
+    rank, is harmless: ``ℓ_i`` does not vary along it).
     """
     theta = lambda z: example_params(spec, z, example, shared)[0]  # noqa: E731
+    num_probes = (3 if dim <= MAX_SUBSPACE_DIM else dim + 1) if num_probes is None else num_probes
     offsets = _probe_offsets(mean.shape[0], num_probes, mean.dtype)
-    jacs = jax.vmap(lambda o: jax.jacfwd(theta)(mean + o))(offsets)  # (probes, k, d)
+    jac_fn = jax.jacrev if spec.num_params < mean.shape[0] else jax.jacfwd
+    jacs = jax.vmap(lambda o: jac_fn(theta)(mean + o))(offsets)  # (probes, k, d)
     stacked = _unit_rows(jnp.reshape(jacs, (-1, mean.shape[0])))
     _, _, vt = jnp.linalg.svd(stacked, full_matrices=False)
     return vt[:dim]
 
 
-def dependence_subspace_dim(spec, data, z, num_rows=4):
+def dependence_subspace_dim(spec, data, z, num_rows=4, max_dim=MAX_SUBSPACE_DIM):
     """Dimension ``r`` of the constant subspace each example's loss depends on, or ``None``.
 
     Measured on the first ``num_rows`` examples: the rank of the stacked parameter
-    Jacobians at three points around ``z``, verified at two further points (their rows
-    must lie in the span to 1e-6). ``None`` when the span changes with ``z`` (e.g. a neural
-    network) or the model has no ``z``-dependent distribution parameter.
+    Jacobians at ``max(3, max_dim + 1)`` points around ``z``, verified at two further points
+    (their rows must lie in the span to 1e-6). ``None`` when the span changes with ``z``
+    (e.g. a neural network), is larger than ``max_dim`` can show, or the model has no
+    ``z``-dependent distribution parameter.
     """
     if spec.num_params == 0:
         return None
     rows = np.arange(min(num_rows, spec.num_examples))
     examples = tuple(take_rows(x, rows) for x in data.per_example)
-    offsets = _probe_offsets(z.shape[0], 5, z.dtype, seed=11)
+    spanning = max(3, max_dim + 1)
+    offsets = _probe_offsets(z.shape[0], spanning + 2, z.dtype, seed=11)
     jacs = np.asarray(_probe_jacobians(replace(spec, num_examples=int(rows.size)), z, examples, data.shared, offsets))  # (rows, 5, k, d)
     if not np.all(np.isfinite(jacs)):
         return None
@@ -206,12 +220,12 @@ def dependence_subspace_dim(spec, data, z, num_rows=4):
     off_span = 1e-6 if z.dtype == jnp.float64 else 1e-3
     best = 0
     for per_row in jacs:
-        span = np.asarray(_unit_rows(per_row[:3].reshape(-1, z.shape[0])))
+        span = np.asarray(_unit_rows(per_row[:spanning].reshape(-1, z.shape[0])))
         _, sv, vt = np.linalg.svd(span, full_matrices=False)
         if sv.max() <= 0:
             continue
         basis = vt[:int(np.sum(sv > tol * sv.max()))]
-        check = np.asarray(_unit_rows(per_row[3:].reshape(-1, z.shape[0])))
+        check = np.asarray(_unit_rows(per_row[spanning:].reshape(-1, z.shape[0])))
         if np.max(np.linalg.norm(check - (check @ basis.T) @ basis, axis=1)) > off_span:
             return None
         best = max(best, basis.shape[0])
@@ -222,7 +236,8 @@ def dependence_subspace_dim(spec, data, z, num_rows=4):
 def _probe_jacobians(spec, z, examples, shared, offsets):
     def one(ex):
         theta = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
-        return jax.vmap(lambda o: jax.jacfwd(theta)(z + o))(offsets)
+        jac_fn = jax.jacrev if spec.num_params < z.shape[0] else jax.jacfwd
+        return jax.vmap(lambda o: jac_fn(theta)(z + o))(offsets)
 
     return jax.vmap(one)(examples)
 
@@ -232,18 +247,33 @@ def prepare_rule(rule, spec, data, z):
 
     ``"auto"`` becomes ``"gh"`` (with the model's dependence-subspace dimension) where the
     model has a constant dependence subspace of dimension at most
-    :data:`MAX_SUBSPACE_DIM`, else ``"mc"``.
+    :data:`MAX_SUBSPACE_DIM`, else ``"mc"`` — differentiating along the subspace
+    (``subspace_dim = r``) where it is constant with ``r ≤`` :data:`MAX_MC_SUBSPACE_DIM` and
+    ``r ≤ d/2``. An explicit ``"mc"`` is kept as given (dense per-example Hessians unless
+    ``subspace_dim`` is set).
 
     :raises ExpectationRuleError: ``"gh"`` on a model whose examples do not depend on
-        ``z`` through a constant subspace of dimension at most :data:`MAX_SUBSPACE_DIM`.
+        ``z`` through a constant subspace of dimension at most :data:`MAX_SUBSPACE_DIM`;
+        ``"mc"`` with a ``subspace_dim`` smaller than the model's dependence subspace.
     """
+    if rule.kind == "mc" and rule.subspace_dim:
+        dim = dependence_subspace_dim(spec, data, z, max_dim=rule.subspace_dim)
+        if dim is None or dim > rule.subspace_dim:
+            found = "a subspace that changes with z" if dim is None else f"a {dim}-dimensional subspace"
+            raise ExpectationRuleError(
+                f"expectation='mc' with subspace_dim={rule.subspace_dim} differentiates each example's likelihood "
+                f"along a fixed subspace of that dimension; this model's examples depend on {found}, so the "
+                "Hessians would miss directions. Leave subspace_dim at 0 (dense Hessians) or use expectation='auto'.")
+        return rule
     if rule.kind not in ("gh", "auto"):
         return rule
     scalar_glm = spec.num_params == 1 and spec.affine
-    dim = 1 if scalar_glm else dependence_subspace_dim(spec, data, z)
+    dim = 1 if scalar_glm else dependence_subspace_dim(spec, data, z, max_dim=MAX_MC_SUBSPACE_DIM)
     if dim is None or dim > MAX_SUBSPACE_DIM:
         if rule.kind == "auto":
-            return replace(rule, kind="mc")
+            along = dim is not None and dim <= min(MAX_MC_SUBSPACE_DIM, z.shape[0] // 2) \
+                and rule.mc_precision == "hessian"
+            return replace(rule, kind="mc", subspace_dim=int(dim) if along else 0)
         found = "a subspace that changes with z" if dim is None else f"a {dim}-dimensional subspace"
         raise ExpectationRuleError(
             "expectation='gh' needs each example's likelihood to depend on the latents through a fixed subspace "

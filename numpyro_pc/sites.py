@@ -37,7 +37,8 @@ from .likelihood import example_loss, example_params
 from .memory import dense_auto_budget, format_bytes, machine_memory
 from .prior_site import prior_terms, prior_terms_reparam, reparam_curvature
 
-__all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "trace_count"]  # Sites, SiteSums: re-exported
+__all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
+           "trace_count"]  # Sites, SiteSums: re-exported
 
 _CHUNK_BUDGET = 2**23  # numbers per chunk of transient per-example curvature
 _TRACES = {"compute": 0}
@@ -71,8 +72,8 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
     ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one; else
     ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, ``O(N·k·d)``; ``"sparse"`` for a family with
     matrix-free sites) where the sites factorise exactly: distribution parameters affine in
-    ``z``, the ``"gh"`` rule over a fixed dependence subspace, or ``curvature="ggn"`` with the
-    ``"delta"`` rule; else ``"dense"`` when its ``N·d²`` numbers, counted in bytes of ``dtype``,
+    ``z``, the ``"gh"`` or ``"mc"`` rule over a fixed dependence subspace
+    (:func:`mc_along_subspace`), or ``curvature="ggn"`` with the ``"delta"`` rule; else ``"dense"`` when its ``N·d²`` numbers, counted in bytes of ``dtype``,
     fit the budget ``_DENSE_AUTO_LIMIT`` (:func:`dense_auto_budget`: 1/8 of
     :func:`machine_memory`, or 1 GiB where that cannot be read). Otherwise, and for a store that
     cannot hold what the family or model needs, it raises
@@ -83,8 +84,8 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
     """
     d, n = spec.latent.dim, spec.num_examples
     family.check_dimension(d)
-    factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")) \
-        and spec.num_params > 0
+    factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
+                    or mc_along_subspace(rule, curvature)) and spec.num_params > 0
     if isinstance(storage, str) and storage == "auto":
         if family.default_storage is not None:
             return get_store(family.default_storage)
@@ -115,6 +116,12 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
         raise SiteStorageError(f"the {family.name} family needs more per-example curvature than "
                                f"storage={store.name!r} holds; {_say([remedy])}.", [remedy[0]])
     return store
+
+
+def mc_along_subspace(rule, curvature) -> bool:
+    """Whether the ``"mc"`` rule differentiates each example along its dependence subspace
+    (``rule.subspace_dim > 0``, exact Hessians): its sites are then stored as ``(P_i, E[∇²_u φ_i])``."""
+    return rule.kind == "mc" and rule.subspace_dim > 0 and curvature == "hessian" and rule.mc_precision == "hessian"
 
 
 def _why(spec, rule):
@@ -262,6 +269,9 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         loss, grad, cross = jax.tree.map(lambda x: x / draws.shape[0], total)
         return (loss, grad, None, cross), dense_sum(None)  # cross → Ĥ in _compute
 
+    if mc_along_subspace(rule, cfg.curvature):
+        return _subspace_draw_terms(spec, cfg, q, shared, extra, ex_chunk, dense_sum)
+
     samples = extra  # (S, d) fixed draws
     jac_at_mean = None
     if cfg.storage.keeps_jacobian:  # affine: the Jacobian does not depend on z
@@ -284,6 +294,38 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     total, _ = jax.lax.scan(body, init, samples)
     loss, grad, stored, dsum = jax.tree.map(lambda x: x / samples.shape[0], total)
     return (loss, grad, jac_at_mean, stored), dsum
+
+
+def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum):
+    """Monte Carlo sites of a chunk differentiated along each example's dependence subspace.
+
+    ``ℓ_i`` depends on ``z`` only through ``P_i z`` (``P_i`` ``(r, d)``, orthonormal rows), so at
+    every draw ``∇ℓ_i = P_iᵀ ∇_t`` and ``∇²ℓ_i = P_iᵀ ∇²_t P_i`` with ``t`` the subspace
+    coordinates: ``r`` Hessian-vector products per draw instead of ``d``, and the site is held
+    as the factor ``(P_i, E[∇²_t])`` — the numbers of the dense rule, ``O(r·d)`` per example.
+    """
+    r = cfg.rule.subspace_dim
+    bases = jax.vmap(lambda ex: subspace_basis(spec, q.mean, ex, shared, r))(ex_chunk)  # (n, r, d)
+
+    def at_sample(z):
+        def one(ex, basis):
+            f = lambda t: example_loss(spec, z + t @ basis, ex, shared)  # noqa: E731
+            zero = jnp.zeros(r, z.dtype)
+            value, grad = jax.value_and_grad(f)(zero)
+            return value, grad, jax.hessian(f)(zero)
+
+        return jax.vmap(one)(ex_chunk, bases)
+
+    def body(acc, z):
+        return jax.tree.map(jnp.add, acc, at_sample(z)), None
+
+    shapes = jax.eval_shape(at_sample, samples[0])
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, _ = jax.lax.scan(body, init, samples)
+    loss, grad_t, hess_t = jax.tree.map(lambda x: x / samples.shape[0], total)
+    stored, dense = jax.vmap(cfg.storage.from_point)(bases, hess_t)
+    grad = jnp.einsum("nr,nrd->nd", grad_t, bases)
+    return (loss, grad, bases, stored), dense_sum(dense)
 
 
 def _subspace_terms(spec, cfg, family, q, shared, extra, ex):

@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from .curvature import STORES
+from .expectations import MAX_MC_SUBSPACE_DIM
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
 
@@ -92,7 +93,7 @@ def _choice(manifest, key, options):
 
 def _check_rule(rule):
     fields = {"kind": ("delta", "mc", "gh"), "num_samples": (1, 10**6), "seed": (0, 2**32), "num_nodes": (2, 10**4),
-              "prior_mode": (None, "separable", "quadratic", "qmc"), "subspace_dim": (0, 4),
+              "prior_mode": (None, "separable", "quadratic", "qmc"), "subspace_dim": (0, MAX_MC_SUBSPACE_DIM + 1),
               "num_prior_points": (1, 10**7), "mc_precision": ("hessian", "reparam")}
     if not isinstance(rule, dict) or not set(rule) <= set(fields) or "kind" not in rule:
         _fail("rule", f"an object with 'kind' and some of {sorted(fields)}", rule)
