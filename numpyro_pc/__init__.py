@@ -32,7 +32,7 @@ from .likelihood import bind_model
 from .ef_posterior import EFPosterior
 from .ef_product import register_factor
 from .lowrank import LowRankGaussian
-from .posterior import DualPosterior, dual_form, fit, load
+from .posterior import DualPosterior, Posterior, dual_form, fit, load
 from .io import save
 from .sites import Sites, compute_sites
 from .diagnostics import correction_magnitude, information_gain, kl
@@ -43,7 +43,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path without an i
     __version__ = "0+unknown"
 
 __all__ = [
-    "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
+    "Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "LowRankGaussian",
     "get_family", "register_factor", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl",
     "information_gain",

@@ -36,6 +36,7 @@ from .families import add_site
 from .likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
+from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
 from .solvers import default_tol, solve
 
@@ -113,10 +114,11 @@ def in_own_precision(method):
     return wrapper
 
 
-class DualPosteriorBase:
-    """What a dual-form posterior is and answers: its data, state and sites, densities,
-    sampling, export and refinement (:class:`numpyro_pc.posterior.DualPosterior` adds the
-    operations that change its data: ``update``, ``delete``, ``save``).
+class DualPosteriorBase(Posterior):
+    """What a Gaussian dual-form posterior is and answers (a
+    :class:`~numpyro_pc.posterior_protocol.Posterior`): its data, state and sites, densities,
+    sampling, export and refinement (:class:`numpyro_pc.posterior.DualPosterior` spells out the
+    options of the operations that change its data: ``update``, ``delete``).
 
     Operations build results with :meth:`evolve`, which keeps the caller's class.
     """

@@ -13,7 +13,7 @@ Categorical on a discrete latent; :mod:`numpyro_pc.ef_product`), a family member
 held in :class:`EFState` (a pytree). :class:`EFPosterior` is a thin immutable wrapper:
 :func:`fit_ef` reaches the fixed point from the prior, :func:`dual_form_ef` from a fitted
 hand-written guide; :meth:`EFPosterior.update`, :meth:`~EFPosterior.delete` and
-:func:`merge_ef` are the paper's operations in these families (§3.1 streaming with the
+:meth:`~EFPosterior.merge` are the paper's operations in these families (§3.1 streaming with the
 exact correction or none, §3.2 deletion by site removal or corrected, Bayesian arithmetic
 :math:`\lambda_a + \lambda_b - \lambda_0`). With a conjugate-form prior and likelihood the
 sites are exact and constant, so all of these are exact Bayes.
@@ -35,11 +35,12 @@ from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual, relative_residual
-from .errors import (DataShapeError, IncompatiblePosteriorsError, InvalidOptionError, MonteCarloErrorWarning,
+from .errors import (DataShapeError, InvalidOptionError, MonteCarloErrorWarning,
                      OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
+from .posterior_protocol import Posterior
 from .rowops import as_ids, join_rows, take_rows
-from .rows import pad_to_bucket
+from .rows import concat_data, pad_to_bucket
 
 __all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "site_names", "default_tol"]
 
@@ -108,8 +109,9 @@ jax.tree_util.register_pytree_with_keys(
     lambda keys, values: _Means(zip(keys, values)))
 
 
-class EFPosterior:
-    """A mean-field exponential-family posterior with one cached site per example.
+class EFPosterior(Posterior):
+    """A mean-field exponential-family posterior with one cached site per example
+    (a :class:`~numpyro_pc.posterior_protocol.Posterior`).
 
     :ivar config: :class:`~numpyro_pc.ef_sites.EFConfig` (model binding, family, rule).
     :ivar data: the retained examples (:class:`~numpyro_pc.likelihood.ModelData`).
@@ -132,7 +134,7 @@ class EFPosterior:
     def evolve(self, **changes):
         fields = {k: getattr(self, k) for k in self.__slots__}
         fields.update(changes)
-        return EFPosterior(**fields)
+        return type(self)(**fields)
 
     # ------------------------------------------------------------------ the distribution
     @property
@@ -266,7 +268,7 @@ class EFPosterior:
         start = int(np.max(np.asarray(self.ids))) + 1 if self.num_examples else 0
         ids = jnp.arange(start, start + spec.num_examples)
         if correction == "exact":
-            data = _join(self.data, new)
+            data = concat_data(self.data, new)
             post = _solve(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
                           raise_on_failure)
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
@@ -285,7 +287,7 @@ class EFPosterior:
         state = EFState(lam, jnp.concatenate([grads, sites.grads[rows.size:]]),
                         sites.prior if prior_active else self.state.prior, jnp.concatenate([self.ids, ids]))
         return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
-                           data=_join(self.data, new), state=state,
+                           data=concat_data(self.data, new), state=state,
                            record=dict(operation="update", correction=correction, corrected=int(rows.size),
                                        **info._asdict()))
 
@@ -366,9 +368,19 @@ class EFPosterior:
         post = _solve(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
         return post.evolve(record=dict(post.record, operation="delete", method=method))
 
-    def merge(self, other, refine=False, **options):
-        """See :func:`merge_ef`."""
-        return merge_ef(self, other, refine=refine, **options)
+    def merge(self, *others, alphas=None, method="bayesian", refine=False, tol=None, max_iters=200):
+        r"""Bayesian arithmetic with posteriors of the same model, family and prior fitted on other
+        examples: :math:`\lambda = \lambda_0 + \sum_k \alpha_k (\lambda_k - \lambda_0)`, sites
+        concatenated (exact for conjugate models; :func:`numpyro_pc.merging.merge`). Ids that collide
+        with earlier posteriors' are shifted past them (``record["renumbered"]``). ``refine=True`` then
+        recomputes every site at the fixed point.
+
+        :raises IncompatiblePosteriorsError: other models, families, priors or site designs.
+        """
+        merged = super().merge(*others, alphas=alphas, method=method)
+        if refine:
+            merged = _solve(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
+        return merged
 
     def __repr__(self):
         return (f"EFPosterior({', '.join(f'{n}: {fam}' for n, (fam, _) in self.family.describe(self.natural).items())}"
@@ -378,10 +390,6 @@ class EFPosterior:
 def _rows(config, num):
     """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
     return replace(config, spec=replace(config.spec, num_examples=num))
-
-
-def _join(a, b):
-    return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
 
 def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
@@ -523,35 +531,8 @@ _OPTIONS = ("expectation", "num_nodes", "num_samples", "seed", "tol", "max_iters
 
 
 def merge_ef(a, b, refine=False, tol=None, max_iters=200):
-    r"""Bayesian arithmetic of two posteriors of the same model and prior fitted on disjoint
-    examples: :math:`\lambda = \lambda_a + \lambda_b - \lambda_0`, sites concatenated (exact
-    for conjugate models). ``refine=True`` then recomputes every site at the fixed point.
-
-    Ids of ``b`` that collide with ``a``'s are shifted past ``a``'s (``record["renumbered"]``).
-
-    :raises IncompatiblePosteriorsError: other models, families or priors.
-    """
-    if a.config.spec.model is not b.config.spec.model or a.family != b.family:
-        raise IncompatiblePosteriorsError("merging needs posteriors of the same model and family")
-    if a.conjugate_prior != b.conjugate_prior or (a.conjugate_prior and not bool(
-            jnp.allclose(a.state.prior, b.state.prior, rtol=1e-12, atol=1e-12))):
-        raise IncompatiblePosteriorsError("merging needs posteriors of the same prior")
-    if a.config.design_key() != b.config.design_key():
-        raise IncompatiblePosteriorsError(
-            f"the sites were computed on two designs ({a.config.design_key()} and {b.config.design_key()}); refit one "
-            "with the other's expectation=, num_nodes=, num_samples= and seed=")
-    b_ids = b.ids
-    renumbered = bool(np.intersect1d(np.asarray(a.ids), np.asarray(b_ids)).size)
-    if renumbered:  # separately fitted shards both count from 0: b's examples get ids after a's
-        b_ids = b_ids - jnp.min(b_ids) + int(np.max(np.asarray(a.ids))) + 1
-    lam = a.natural + b.natural + a.state.prior  # the pre-posterior is a's prior term (as pc.merge takes it)
-    if not bool(a.family.in_domain(lam)):
-        raise OutOfDomainError(f"the merged natural parameter is outside the domain: {a.family.describe(lam)}")
-    data = _join(a.data, b.data)
-    ids = jnp.concatenate([a.ids, b_ids])
-    cfg = _rows(a.config, int(ids.shape[0]))
-    state = EFState(lam, jnp.concatenate([a.state.grads, b.state.grads]), b.state.prior, ids)
-    merged = a.evolve(config=cfg, data=data, state=state, record=dict(operation="merge", renumbered=renumbered))
-    if refine:
-        merged = _solve(merged, data, ids, lam, tol, max_iters, True)
-    return merged
+    """Deprecated: ``a.merge(b, refine=refine)`` (:meth:`EFPosterior.merge`, which also takes several
+    posteriors and weights); this alias stays for one release."""
+    warnings.warn("numpyro_pc.ef_posterior.merge_ef is deprecated: write a.merge(b) or pc.merge(None, [a, b]); "
+                  "the alias will be removed in the next release", FutureWarning, stacklevel=2)
+    return a.merge(b, refine=refine, tol=tol, max_iters=max_iters)

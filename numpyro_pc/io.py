@@ -54,6 +54,7 @@ from .site_problem import dual_residual
 from .ef_io import check_ef_manifest, load_ef, save_ef
 from .saved_model import argument_layout, bind_saved_model, digest
 from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
+from .posterior_protocol import provides
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
@@ -79,6 +80,7 @@ def _arrays(post):
     return arrays
 
 
+@provides("save")
 def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     """Write ``post`` to ``path`` atomically (see the module docstring for the format).
 

@@ -71,6 +71,7 @@ from .families import Gaussian
 from .fixed_point import default_tol
 from .likelihood import losses, prior_loss
 from .rows import concat_data, positions, take_data
+from .posterior_protocol import provides
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 
@@ -190,6 +191,7 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
     return Gaussian(mean, family.keep_fixed(base_q.precision, family.project_curvature(h)))
 
 
+@provides("merge")
 def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase], alphas: Sequence[float] | None = None,
           method: str = "bayesian", rule=None) -> DualPosteriorBase:
     """Merge task posteriors fitted from a shared base (see the module docstring).

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import jax.numpy as jnp
 
@@ -28,13 +27,13 @@ from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
 from .families import ExponentialFamily, get_family
 from .io import load as _load
-from .io import save as _save
 from .likelihood import bind_model
+from .posterior_protocol import Posterior
 from .start import default_start
 from .streaming import update as _update
 from .unlearning import delete as _delete
 
-__all__ = ["DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
+__all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 
 
 class DualPosterior(DualPosteriorBase):
@@ -102,9 +101,6 @@ class DualPosterior(DualPosteriorBase):
         return _delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
                       raise_on_failure=raise_on_failure)
 
-    def save(self, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
-        """Write the posterior atomically to ``path`` (see :mod:`numpyro_pc.io`); ``key`` signs it (HMAC)."""
-        return _save(self, path, key=key)
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosterior | EFPosterior:

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +43,11 @@ from numpyro.distributions import constraints
 
 from .datasets import DatasetError
 from .errors import ModelBindingError, UnsupportedModelError
-from .posteriordb_base import (Posterior, Translation, flat_prior, load_data, posteriordb_dir, require_posteriordb_dir,
+from .posteriordb_base import (ReferencePosterior, Translation, flat_prior, load_data, posteriordb_dir, require_posteriordb_dir,
                                stack_draws, stan_names)
 from .posteriordb_hierarchical import HIERARCHICAL, translate_hierarchical
 
-__all__ = ["Posterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
+__all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
            "compare", "SUPPORTED", "UNSUPPORTED", "NOT_TRANSLATED",
            "HIERARCHICAL", "MAX_SKEW", "MAX_EXCESS_KURTOSIS"]
 
@@ -58,12 +59,21 @@ MAX_EXCESS_KURTOSIS = 1.0
 NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 
+def __getattr__(name):
+    if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
+        warnings.warn("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
+                      "fitted dual-form posterior); the old name will be removed in the next release",
+                      FutureWarning, stacklevel=2)
+        return ReferencePosterior
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_posterior(name, path=None):
     """Read ``posteriordb/{data,reference}`` files of the posterior ``<data>-<model>``.
 
     :param str name: e.g. ``"earnings-logearn_height"``.
     :param path: data directory (default: see :mod:`numpyro_pc.datasets`).
-    :rtype: Posterior
+    :rtype: ReferencePosterior
     :raises DatasetError: when the folder or a file is missing.
     """
     folder = require_posteriordb_dir(path)
@@ -74,7 +84,7 @@ def load_posterior(name, path=None):
     data = load_data(ref["data"], path)
     with np.load(folder / "reference" / f"{name}.npz") as z:
         draws = {k: np.asarray(z[k]) for k in z.files}
-    return Posterior(name, data, ref["summary"], draws)
+    return ReferencePosterior(name, data, ref["summary"], draws)
 
 
 # ----------------------------------------------------------------- regressions (y ~ normal(X beta, sigma))
@@ -393,7 +403,7 @@ def translate(name, path=None, posterior=None):
     :param str name: ``<data>-<model>``, a key of :data:`SUPPORTED`, :data:`UNSUPPORTED` or
         :data:`~numpyro_pc.posteriordb_hierarchical.HIERARCHICAL` (no reference draws: only the data are read).
     :param path: data directory.
-    :param Posterior posterior: already loaded posterior (else read with :func:`load_posterior`).
+    :param ReferencePosterior posterior: already loaded posterior (else read with :func:`load_posterior`).
     :rtype: Translation
     :raises UnsupportedModelError: for ODE models, and for names in no registry.
     """
@@ -414,7 +424,7 @@ def reference_unconstrained(translation, posterior, latent):
     """Reference draws mapped to the model's flat unconstrained space, ``(num_draws, d)``.
 
     :param Translation translation: from :func:`translate`.
-    :param Posterior posterior: from :func:`load_posterior`.
+    :param ReferencePosterior posterior: from :func:`load_posterior`.
     :param latent: the :class:`~numpyro_pc.latent.LatentSpace` of the fitted posterior.
     """
     constrained = translation.reference(posterior.draws)

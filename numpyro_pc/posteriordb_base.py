@@ -15,12 +15,12 @@ import numpyro.distributions as dist
 
 from .datasets import DatasetError, data_roots
 
-__all__ = ["Posterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
+__all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
            "stack_draws", "flat_prior"]
 
 
-class Posterior(NamedTuple):
-    """A posteriordb posterior: ``data`` (dict of arrays, keys as in Stan's ``data`` block),
+class ReferencePosterior(NamedTuple):
+    """A posteriordb posterior (formerly ``Posterior``): ``data`` (dict of arrays, keys as in Stan's ``data`` block),
     ``summary`` (``{stan_name: {"mean", "sd", "q05", "q50", "q95"}}``) and ``draws``
     (``{stan_name: (1000,) array}``)."""
 

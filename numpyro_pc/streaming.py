@@ -51,6 +51,7 @@ from .rowops import as_ids, to_device
 from .rows import concat_data, positions, take_data
 from .solvers import default_tol
 from .stochastic import stochastic_update
+from .posterior_protocol import provides
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
@@ -132,6 +133,7 @@ def _memory_size(memory, num_retained):
     return int(value)
 
 
+@provides("update")
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
            max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""

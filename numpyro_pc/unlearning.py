@@ -48,6 +48,7 @@ from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
 from .site_problem import SiteProblem
 from .solvers import solve
+from .posterior_protocol import provides
 
 __all__ = ["METHODS", "delete"]
 
@@ -143,6 +144,7 @@ def _remove(post, removal, damping, what):
     return q, alpha
 
 
+@provides("delete")
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
     if method not in METHODS:

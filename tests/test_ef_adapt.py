@@ -22,6 +22,7 @@ from scipy import special
 
 import numpyro_pc as pc
 from numpyro_pc import archive, errors, io
+from numpyro_pc.ef_posterior import merge_ef
 
 from conftest import logistic_model, make_logistic
 
@@ -418,8 +419,12 @@ def test_pc_merge_of_shards_is_the_batch_posterior(x64):
     assert isinstance(merged, pc.EFPosterior) and merged.record["operation"] == "merge"
     np.testing.assert_allclose(_args(merged), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-10)
     chained = shards[0].merge(shards[1]).merge(shards[2])
-    np.testing.assert_array_equal(np.asarray(merged.natural), np.asarray(chained.natural))
+    np.testing.assert_allclose(np.asarray(chained.natural), np.asarray(merged.natural), rtol=1e-14)
     assert merged.num_examples == y.size and merged.residual < 1e-10
+    np.testing.assert_array_equal(np.asarray(shards[0].merge(*shards[1:]).natural), np.asarray(merged.natural))
+    with pytest.warns(FutureWarning, match="a.merge"):  # the former function, an alias for one release
+        aliased = merge_ef(shards[0], shards[1])
+    np.testing.assert_array_equal(np.asarray(aliased.natural), np.asarray(shards[0].merge(shards[1]).natural))
 
 
 def test_pc_merge_refuses_mixed_kinds_and_gaussian_options(x64):

@@ -207,6 +207,7 @@ def _merged_oracle(name, merged, parts, pre=None):
 def merge_from_prior(name):
     shards = [_fit(name, tuple(range(0, 12))), _fit(name, tuple(range(12, N)))]
     _merged_oracle(name, pc.merge(None, shards), shards)
+    _merged_oracle(name, shards[0].merge(shards[1]), shards)  # the same operation as a method of the one type
 
 
 def merge_with_base(name):
@@ -221,7 +222,7 @@ def merge_with_base(name):
 
 def save_load(name, tmp_path):
     p = _first(name)
-    back = pc.load(pc.save(p, tmp_path / name), _model(name))
+    back = pc.load(p.save(tmp_path / name), _model(name))
     for a, b in zip(jax.tree.leaves(back.state), jax.tree.leaves(p.state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _kl(back, p) < 1e-12 and float(back.residual) == float(p.residual)
@@ -327,6 +328,17 @@ REFUSED = {
     ("lowrank-1", "information_gain"): (errors.UnsupportedGuideError, "projection of the site sum"),
     ("lowrank-1", "correction_factor"): (errors.UnsupportedGuideError, "projection of the site sum"),
 }
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_is_one_posterior_type(x64, name):
+    post = _first(name)
+    assert isinstance(post, pc.Posterior)
+    members = [m for m in vars(pc.Posterior) if not m.startswith("_")]
+    assert {"mean", "residual", "natural", "update", "delete", "merge", "save", "kl", "sample"} <= set(members)
+    for member in members:  # every member of the protocol answers (the properties are evaluated here)
+        getattr(post, member)
+    assert float(post.residual) < 1e-10 and post.num_examples == FIRST == post.num_retained
 
 
 @pytest.mark.parametrize("operation", OPERATIONS, ids=lambda op: op.__name__)

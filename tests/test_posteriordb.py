@@ -94,3 +94,12 @@ def test_loader_and_names():
     assert tr.params == {"beta": ["beta[1]", "beta[2]"], "sigma": ["sigma"]}
     with pytest.raises(pc.UnsupportedModelError):
         pdb.translate("no-such-posterior")
+
+
+def test_the_reference_posterior_type_was_renamed_with_an_alias():
+    # pc.Posterior is the fitted posterior of every family; the posteriordb entry is a ReferencePosterior
+    with pytest.warns(FutureWarning, match="ReferencePosterior"):
+        assert pdb.Posterior is pdb.ReferencePosterior
+    assert pdb.ReferencePosterior is not pc.Posterior
+    with pytest.raises(AttributeError):
+        pdb.NoSuchName  # noqa: B018

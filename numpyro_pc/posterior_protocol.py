@@ -1,0 +1,147 @@
+r"""The one posterior type: what every dual-form posterior is and answers, whatever its family.
+
+A fitted posterior in dual form (paper eq. ``qdualform``) is a distribution
+:math:`q \propto p_0 \prod_i \exp(-\hat\ell_i)` of a minimal exponential family together
+with its cached sites, its retained data and its model binding. The Gaussian families
+(:class:`~numpyro_pc.dual.DualPosteriorBase`: full, diagonal, isotropic, low-rank) and the
+exponential-family products (:class:`~numpyro_pc.ef_posterior.EFPosterior`: Beta, Gamma,
+Dirichlet, Gaussian blocks, discrete factors) are both :class:`Posterior`\ s: code that takes
+"a posterior" annotates and checks this one type, and every member below exists on both
+with one meaning.
+
+The operations that live above the posterior in the package's layers (saving, merging,
+adding and deleting data) are *looked up by name* when called: the module that implements
+one registers it with :func:`provides`, so a posterior can offer ``post.save(path)`` and
+``post.merge(other)`` without its module importing the file format or the merge rules.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import PosteriorCorrectionError
+
+__all__ = ["Posterior", "provides"]
+
+_OPERATIONS: dict[str, Callable] = {}
+
+
+def provides(name: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the implementation of :class:`Posterior` operation ``name``
+    (``"save"``, ``"merge"``, ``"update"``, ``"delete"``); it receives the posterior first."""
+
+    def register(fn: Callable) -> Callable:
+        _OPERATIONS[name] = fn
+        return fn
+
+    return register
+
+
+def _operation(name: str) -> Callable:
+    try:
+        return _OPERATIONS[name]
+    except KeyError:  # only when a module was imported without the package (numpyro_pc/__init__ imports all)
+        raise PosteriorCorrectionError(f"posterior operation {name!r} is not available: import numpyro_pc "
+                                       "rather than one of its modules alone") from None
+
+
+class Posterior(ABC):
+    """A fitted posterior in dual form: one cached site per example (and a prior site) whose
+    natural parameters add up to the posterior's, :math:`\\lambda = \\lambda_0 + \\sum_i \\hat\\lambda_i`.
+
+    Immutable: every operation returns a new posterior. The members below have one meaning
+    for every family; a family adds its own (a Gaussian's ``precision`` and ``covariance``, a
+    product's ``distributions()``). Where an operation has no meaning for a family it raises
+    a typed error that says why in mathematical terms (the table in docs/operations.md).
+    """
+
+    __slots__ = ()
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    @abstractmethod
+    def spec(self):
+        """The model binding (:class:`~numpyro_pc.likelihood.ModelSpec`)."""
+
+    @property
+    @abstractmethod
+    def family(self):
+        """The variational family (a Gaussian family or a product of exponential families)."""
+
+    @property
+    @abstractmethod
+    def ids(self):
+        """Stable integer ids of the examples with a site, aligned with the sites."""
+
+    @property
+    @abstractmethod
+    def num_examples(self) -> int:
+        """Number of examples with a site."""
+
+    @property
+    @abstractmethod
+    def num_retained(self) -> int:
+        """Number of examples whose data is kept (and whose sites can be recomputed)."""
+
+    @property
+    @abstractmethod
+    def mean(self):
+        """The posterior mean (a Gaussian's flat unconstrained ``m``; per latent site for a product)."""
+
+    @property
+    @abstractmethod
+    def natural(self):
+        """The natural parameters :math:`\\lambda` of the posterior."""
+
+    @property
+    @abstractmethod
+    def residual(self) -> float:
+        """Relative residual of the dual-form identity :math:`\\lambda = \\lambda_0 + \\sum_i \\hat\\lambda_i`
+        at the sites' fixed point (0 at the variational optimum)."""
+
+    # ------------------------------------------------------------------ what it answers
+    @abstractmethod
+    def sample(self, key, num_samples: int):
+        """``num_samples`` draws of the latent sites (constrained values, as the model holds them)."""
+
+    @abstractmethod
+    def entropy(self):
+        """The entropy of the posterior."""
+
+    @abstractmethod
+    def kl(self, other):
+        """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
+
+    @abstractmethod
+    def to_arviz(self, key, num_samples: int = 1000):
+        """ArviZ ``InferenceData`` with posterior draws, pointwise log-likelihoods and the observed data."""
+
+    @abstractmethod
+    def to_guide_params(self, guide=None):
+        """The guide's params that describe this posterior."""
+
+    @abstractmethod
+    def evolve(self, **changes):
+        """A copy with the given fields changed, of this posterior's class (nothing recomputed)."""
+
+    # ------------------------------------------------------------------ what changes it
+    def update(self, *args, **kwargs) -> Posterior:
+        """Add a batch of examples with a correction of the stale sites (paper §3.1); see
+        :func:`numpyro_pc.streaming.update` and :meth:`numpyro_pc.ef_posterior.EFPosterior.update`."""
+        return _operation("update")(self, *args, **kwargs)
+
+    def delete(self, ids, **kwargs) -> Posterior:
+        """Remove the examples ``ids`` (paper §3.2); see :func:`numpyro_pc.unlearning.delete`."""
+        return _operation("delete")(self, ids, **kwargs)
+
+    def merge(self, *others: Posterior, alphas=None, method: str = "bayesian") -> Posterior:
+        """Merge with posteriors of the same model and family fitted on other examples:
+        ``pc.merge(None, [self, *others], alphas, method)`` (:func:`numpyro_pc.merging.merge`)."""
+        return _operation("merge")(None, [self, *others], alphas=alphas, method=method)
+
+    def save(self, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
+        """Write the posterior atomically to ``path`` (:func:`numpyro_pc.io.save`); ``key`` signs it (HMAC)."""
+        return _operation("save")(self, path, key=key)
