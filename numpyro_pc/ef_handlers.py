@@ -29,7 +29,7 @@ from .likelihood import ModelData, bind_model, example_loss, prior_loss
 from .rowops import as_ids, take_rows
 from .rows import memory_ids, positions
 
-__all__ = ["ef_correction_factor", "factor_point", "check_same_ef_model"]
+__all__ = ["ef_correction_factor", "factor_point", "check_same_ef_model", "bind_like", "check_terms_agree"]
 
 
 def factor_point(post, values):
@@ -67,6 +67,39 @@ def ef_correction_factor(post, memory="all", correct_prior=True, removed=()):
     return log_density
 
 
+
+def bind_like(spec, model, first, allow_discrete=False):
+    """``model`` bound to the arguments of the posterior's first example ``first`` as ``spec`` was.
+
+    :raises ModelMismatchError: the model cannot be called that way.
+    """
+    args, kwargs = spec.build_args(first.per_example, first.shared)
+    shared_names = tuple(n for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
+    try:
+        return bind_model(model, args, kwargs, data_plate=spec.plate, shared=shared_names,
+                          allow_discrete=allow_discrete)
+    except PosteriorCorrectionError as err:
+        raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
+
+
+def check_terms_agree(spec, other, first, data, points, rtol, where):
+    """Refuse unless the prior term and the first example's likelihood of the two bindings agree to
+    ``rtol`` (relative) at every ``(z, discrete)`` of ``points`` (probe points named by ``where``).
+
+    :raises ModelMismatchError: naming the term and both values.
+    """
+    example = tuple(x[0] for x in first.per_example)
+    for z, discrete in points:
+        for what, a, b in (("prior", prior_loss(spec, z, first, discrete), prior_loss(other, z, data, discrete)),
+                           ("likelihood", example_loss(spec, z, example, first.shared, discrete),
+                            example_loss(other, z, example, data.shared, discrete))):
+            a, b = float(a), float(b)
+            if np.isfinite(a) and not abs(a - b) <= rtol * (1.0 + abs(a)):
+                raise ModelMismatchError(
+                    f"the model's {what} differs from the posterior's model: at {where} its negative log {what} is "
+                    f"{b:.6g} where the fitted model gives {a:.6g}; a posterior can only be updated with the model "
+                    "it was fitted to (refit for a new prior or likelihood).")
+
 def check_same_ef_model(model, post, num_probes=3):
     """Refuse ``model`` unless it is the posterior's model (latent sites and shapes, prior term and
     per-example likelihood at draws of ``post``, to 1e-8 relative in float64).
@@ -77,27 +110,11 @@ def check_same_ef_model(model, post, num_probes=3):
     if model is spec.model or post.num_examples == 0:
         return
     first = ModelData(tuple(take_rows(x, np.zeros(1, np.int64)) for x in post.data.per_example), post.data.shared)
-    args, kwargs = spec.build_args(first.per_example, first.shared)
-    shared_names = tuple(n for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
-    try:
-        other, data = bind_model(model, args, kwargs, data_plate=spec.plate, shared=shared_names, allow_discrete=True)
-    except PosteriorCorrectionError as err:
-        raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
+    other, data = bind_like(spec, model, first, allow_discrete=True)
     if site_names(other) != site_names(spec) or other.latent.shapes != spec.latent.shapes:
         raise ModelMismatchError(f"the model's latent sites {list(site_names(other))} differ from the posterior's "
                                  f"{list(site_names(spec))} (names and shapes)")
     rtol = 1e-8 if post.natural.dtype == jnp.float64 else 1e-4
     draws = post.family.sample(jax.random.PRNGKey(7), post.natural, num_probes)
-    example = tuple(x[0] for x in first.per_example)
-    for k in range(num_probes):
-        point = {name: v[k] for name, v in draws.items()}
-        z, discrete, _ = model_point(spec, post.family, point)
-        for what, a, b in (("prior", prior_loss(spec, z, first, discrete), prior_loss(other, z, data, discrete)),
-                           ("likelihood", example_loss(spec, z, example, first.shared, discrete),
-                            example_loss(other, z, example, data.shared, discrete))):
-            a, b = float(a), float(b)
-            if np.isfinite(a) and not abs(a - b) <= rtol * (1.0 + abs(a)):
-                raise ModelMismatchError(
-                    f"the model's {what} differs from the posterior's model: at a draw of the posterior its negative "
-                    f"log {what} is {b:.6g} where the fitted model gives {a:.6g}; a posterior can only be updated "
-                    "with the model it was fitted to (refit for a new prior or likelihood).")
+    points = [model_point(spec, post.family, {name: v[k] for name, v in draws.items()})[:2] for k in range(num_probes)]
+    check_terms_agree(spec, other, first, data, points, rtol, "a draw of the posterior")

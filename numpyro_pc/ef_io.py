@@ -29,7 +29,6 @@ pass it to :meth:`~numpyro_pc.ef_posterior.EFPosterior.to_guide_params` after lo
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
@@ -37,13 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .archive import manifest_limit, npy_bytes, write_atomic
 from .ef_eval import factor_prior_loss
 from .ef_posterior import EFConfig, EFPosterior, EFState, family_for_model
 from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
-                     PersistenceError, PosteriorCorrectionError, SavedModelMismatchError)
+                     PosteriorCorrectionError, SavedModelMismatchError)
 from .fingerprint import model_fingerprint
-from .saved_model import argument_layout, bind_saved_model, digest
+from .saved_model import bind_saved_model, binding_manifest, with_data_arrays, write_checked
 from .likelihood import ModelData
 from .rowops import to_device
 from .validation import (DATA_DTYPES, FLOAT_DTYPES, FORMAT, INT_DTYPES, VERSION, check_array_entries,
@@ -62,17 +60,9 @@ _PRIOR_PROBES = 8  # draws at which a conjugate-form prior is compared with the 
 
 
 def _arrays(post):
-    state, data = post.state, post.data
+    state = post.state
     arrays = {"natural": state.natural, "grads": state.grads, "prior": state.prior, "ids": state.ids}
-    for k, leaf in enumerate(data.per_example):
-        arrays[f"data.example.{k}"] = leaf
-    for k, leaf in enumerate(data.shared):
-        arrays[f"data.shared.{k}"] = leaf
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    for name, value in arrays.items():
-        if str(value.dtype) not in DATA_DTYPES:
-            raise PersistenceError(f"array {name!r} has dtype {value.dtype}; only {DATA_DTYPES} can be saved")
-    return arrays
+    return with_data_arrays(arrays, post.data, DATA_DTYPES)
 
 
 def save_ef(post, path, key=None):
@@ -97,23 +87,14 @@ def save_ef(post, path, key=None):
         "config": {"rule": cfg.rule, "num_nodes": int(cfg.num_nodes), "num_samples": int(cfg.num_samples),
                    "seed": int(cfg.seed)},
         "conjugate_prior": bool(post.conjugate_prior), "dtype": dtype,
-        "latent": spec.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
-        "arguments": argument_layout(spec),
-        "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in post.data.per_example],
-        "arrays": {k: {"sha256": digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
-        "residual": residual, "fingerprint": fingerprint, "signed": key is not None,
+        **binding_manifest(spec, post.data, arrays, residual, fingerprint, key is not None),
     }
-    manifest = json.loads(json.dumps(manifest))  # exactly what load will see
-    try:
-        check_ef_manifest(manifest)
-        check_ef_contents(manifest, arrays)
-    except PersistenceError as err:
-        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
-    text = json.dumps(manifest, indent=1).encode()
-    if len(text) > manifest_limit(0):
-        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
-                               f"{len(text)} bytes, more than the {manifest_limit(0)} a load accepts")
-    return write_atomic(path, text, [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()], key=key)
+    return write_checked(path, manifest, arrays, _check_file, key=key)
+
+
+def _check_file(manifest, arrays):
+    check_ef_manifest(manifest)
+    check_ef_contents(manifest, arrays)
 
 
 # --------------------------------------------------------------------------- checks of the file alone

@@ -34,11 +34,11 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .dual import DualPosteriorBase, by_posterior_kind
-from .ef_handlers import check_same_ef_model, ef_correction_factor, factor_point
+from .ef_handlers import bind_like, check_same_ef_model, check_terms_agree, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
 from .family_protocol import require_site_product
-from .errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError, UnsupportedGuideError
-from .likelihood import bind_model, example_loss, losses, prior_loss
+from .errors import InvalidOptionError, ModelMismatchError, UnsupportedGuideError
+from .likelihood import losses, prior_loss
 from .rowops import as_ids
 from .rows import memory_ids, positions, take_data
 
@@ -264,12 +264,7 @@ def _gaussian_check_same_model(posterior: DualPosteriorBase, model, num_probes):
     if model is spec.model or posterior.num_retained == 0:
         return
     first = take_data(posterior.data, np.zeros(1, np.int64))
-    args, kwargs = spec.build_args(first.per_example, first.shared)
-    shared_names = tuple(n for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
-    try:
-        other, data = bind_model(model, args, kwargs, data_plate=spec.plate, shared=shared_names)
-    except PosteriorCorrectionError as err:
-        raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
+    other, data = bind_like(spec, model, first)
     ours = {n: s for n, s in zip(spec.latent.names, spec.latent.unconstrained_shapes)}
     theirs = {n: s for n, s in zip(other.latent.names, other.latent.unconstrained_shapes)}
     if ours != theirs:
@@ -278,17 +273,8 @@ def _gaussian_check_same_model(posterior: DualPosteriorBase, model, num_probes):
     dtype = posterior.mean.dtype
     rtol = 1e-8 if dtype == jnp.float64 else 1e-4
     offsets = jax.random.normal(jax.random.PRNGKey(7), (num_probes, spec.latent.dim), dtype)
-    example = tuple(x[0] for x in first.per_example)
-    for z in posterior.mean[None, :] + 0.5 * offsets:
-        for what, a, b in (("prior", prior_loss(spec, z, first), prior_loss(other, z, data)),
-                           ("likelihood", example_loss(spec, z, example, first.shared),
-                            example_loss(other, z, example, data.shared))):
-            a, b = float(a), float(b)
-            if np.isfinite(a) and not abs(a - b) <= rtol * (1.0 + abs(a)):
-                raise ModelMismatchError(
-                    f"the model's {what} differs from the posterior's model: at a probe point its negative log "
-                    f"{what} is {b:.6g} where the fitted model gives {a:.6g}; a posterior can only be updated "
-                    "with the model it was fitted to (refit for a new prior or likelihood).")
+    points = [(z, None) for z in posterior.mean[None, :] + 0.5 * offsets]
+    check_terms_agree(spec, other, first, data, points, rtol, "a probe point")
 
 
 def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterable[int] = "all",

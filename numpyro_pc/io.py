@@ -20,7 +20,6 @@ documentation page on saving for the threat model).
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .archive import manifest_limit, npy_bytes, read_archive, write_atomic
+from .archive import read_archive
 from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_posterior import EFPosterior
 from .errors import (
@@ -52,7 +51,7 @@ from .rowops import to_device
 from .sites import Sites
 from .site_problem import dual_residual
 from .ef_io import check_ef_manifest, load_ef, save_ef
-from .saved_model import argument_layout, bind_saved_model, digest
+from .saved_model import argument_layout, bind_saved_model, binding_manifest, digest, with_data_arrays, write_checked
 from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
 from .posterior_protocol import provides
 
@@ -69,15 +68,7 @@ def _arrays(post):
         arrays[f"sites.{name}"] = value
     if post.offset is not None:
         arrays["offset.linear"], arrays["offset.precision"] = post.offset.linear, post.offset.precision
-    for k, leaf in enumerate(post.data.per_example):
-        arrays[f"data.example.{k}"] = leaf
-    for k, leaf in enumerate(post.data.shared):
-        arrays[f"data.shared.{k}"] = leaf
-    arrays = {k: np.asarray(v) for k, v in arrays.items()}
-    for name, value in arrays.items():
-        if str(value.dtype) not in DATA_DTYPES:
-            raise PersistenceError(f"array {name!r} has dtype {value.dtype}; only {DATA_DTYPES} can be saved")
-    return arrays
+    return with_data_arrays(arrays, post.data, DATA_DTYPES)
 
 
 @provides("save")
@@ -115,26 +106,15 @@ def _save_gaussian(post: DualPosteriorBase, path, key):
         "format": FORMAT, "version": VERSION, "family": post.family.name,
         "dtype": dtype, "rule": dict(vars(post.rule)),
         "curvature": post.curvature, "storage": post.sites.storage, "chunk_size": post.chunk_size,
-        "latent": post.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
-        "arguments": argument_layout(spec), "next_id": post.next_id, "tombstones": list(post.tombstones),
-        "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in post.data.per_example],
-        "arrays": {k: {"sha256": digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
-        "residual": float(post.residual), "fingerprint": fingerprint, "signed": key is not None,
+        "next_id": post.next_id, "tombstones": list(post.tombstones),
+        **binding_manifest(spec, post.data, arrays, float(post.residual), fingerprint, key is not None),
     }
-    manifest = json.loads(json.dumps(manifest))  # exactly what load will see
-    try:
-        check_manifest(manifest)
-        check_contents(manifest, arrays)
-    except PersistenceError as err:
-        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
-    members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
-    text = json.dumps(manifest, indent=1).encode()
-    limit = manifest_limit(len(dict(members)["tombstones.npy"]))
-    if len(text) > limit:
-        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
-                               f"{len(text)} bytes, more than the {limit} a load accepts (a model with very many "
-                               "sample sites)")
-    return write_atomic(path, text, members, key=key)
+    return write_checked(path, manifest, arrays, _check_file, key=key, sized_member="tombstones")
+
+
+def _check_file(manifest, arrays):
+    check_manifest(manifest)
+    check_contents(manifest, arrays)
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase | EFPosterior:

@@ -10,17 +10,19 @@ fingerprint). Both file kinds — Gaussian (:mod:`numpyro_pc.io`) and exponentia
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from dataclasses import replace
 
 import numpy as np
 
+from .archive import manifest_limit, npy_bytes, write_atomic
 from .errors import PersistenceError, SavedModelMismatchError
 from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
 from .rowops import to_device
 
-__all__ = ["argument_layout", "bind_saved_model", "digest"]
+__all__ = ["argument_layout", "bind_saved_model", "digest", "with_data_arrays", "binding_manifest", "write_checked"]
 
 
 def digest(array):
@@ -123,3 +125,59 @@ def _rebuild_args(layout, per_example, shared):
     args = tuple(value(m) for m in layout["args"])
     kwargs = {k: value(m) for k, m in sorted(layout["kwargs"].items())}
     return args, kwargs
+
+
+def with_data_arrays(arrays: dict, data: ModelData, allowed_dtypes) -> dict[str, np.ndarray]:
+    """``arrays`` and the retained data rows (``data.example.k``, ``data.shared.k``) as NumPy arrays,
+    the members of a saved posterior of either kind.
+
+    :raises PersistenceError: an array whose dtype is not in ``allowed_dtypes`` (what a file may hold).
+    """
+    arrays = dict(arrays)
+    for k, leaf in enumerate(data.per_example):
+        arrays[f"data.example.{k}"] = leaf
+    for k, leaf in enumerate(data.shared):
+        arrays[f"data.shared.{k}"] = leaf
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    for name, value in arrays.items():
+        if str(value.dtype) not in allowed_dtypes:
+            raise PersistenceError(f"array {name!r} has dtype {value.dtype}; only {allowed_dtypes} can be saved")
+    return arrays
+
+
+def binding_manifest(spec, data: ModelData, arrays: dict, residual: float, fingerprint, signed: bool) -> dict:
+    """The manifest fields of every saved posterior, whatever its family: the model binding (latent
+    signature, data plate, observed sites, argument layout, per-example shapes and dtypes, model
+    fingerprint), a SHA-256, dtype and shape per array, the dual-form residual and whether the file
+    is signed."""
+    return {
+        "latent": spec.latent.signature(), "plate": spec.plate, "observed": list(spec.observed),
+        "arguments": argument_layout(spec),
+        "example_shapes": [[list(np.shape(x)[1:]), str(np.asarray(x).dtype)] for x in data.per_example],
+        "arrays": {k: {"sha256": digest(v), "dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()},
+        "residual": float(residual), "fingerprint": fingerprint, "signed": bool(signed),
+    }
+
+
+def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_member: str | None = None):
+    """Write ``manifest`` and ``arrays`` atomically after checking them as a load would.
+
+    :param check: ``check(manifest, arrays)``, the load's checks of the file alone, run on the
+        manifest exactly as it will be read back (through JSON).
+    :param sized_member: the array whose size raises the manifest limit a load accepts (the
+        Gaussian files' ``tombstones``), if any.
+    :raises PersistenceError: a posterior that cannot be saved in a form that loads back.
+    """
+    manifest = json.loads(json.dumps(manifest))  # exactly what load will see
+    try:
+        check(manifest, arrays)
+    except PersistenceError as err:
+        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
+    members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
+    text = json.dumps(manifest, indent=1).encode()
+    limit = manifest_limit(len(dict(members)[f"{sized_member}.npy"]) if sized_member else 0)
+    if len(text) > limit:
+        raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
+                               f"{len(text)} bytes, more than the {limit} a load accepts (a model with very many "
+                               "sample sites)")
+    return write_atomic(path, text, members, key=key)

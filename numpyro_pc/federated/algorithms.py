@@ -68,7 +68,7 @@ from ..merging import gaussian_prior, prior_natural
 from ..dual import build_posterior
 from ..posterior import DualPosterior
 from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
-                   natural_nbytes, release_site)
+                   natural_nbytes, record_round, release_site)
 from .robust import aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
@@ -300,10 +300,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
             # an isotropic reference may carry another fixed τ: compare the means at ours
             ref = Gaussian(ref_state.mean, q.precision) if family.fixed_precision else ref_state
             record["kl_to_reference"] = float(family.kl(q, ref))
-        history.append(record)
-        if callback is not None:
-            callback(record)
-        if record["kl_to_previous"] <= tol and record["residual"] <= residual_tol:
+        if record_round(record, history, callback, tol, residual_tol):
             status = "converged"
             break
     posterior = None

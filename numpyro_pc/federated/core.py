@@ -41,9 +41,18 @@ from ..fixed_point import backtrack
 from ..likelihood import ModelData, bind_model, example_loss, example_params
 from .privacy import add_noise, clip_factors
 
-__all__ = ["ClientStack", "FederatedResult", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
+__all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
 
+
+
+def record_round(record: dict, history: list, callback, tol: float, residual_tol: float) -> bool:
+    """Append a round's ``record`` to ``history``, hand it to ``callback``, and say whether the run has
+    converged: the KL to the previous round and the residual both within their tolerances (a NaN never is)."""
+    history.append(record)
+    if callback is not None:
+        callback(record)
+    return bool(record["kl_to_previous"] <= tol and record["residual"] <= residual_tol)
 
 class ClientStack(NamedTuple):
     """Client shards stacked on a leading axis ``K`` and padded to ``N_max`` rows.

@@ -65,7 +65,7 @@ from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
-from .core import ClientStack, FederatedResult, bind_clients, concat_datas
+from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
 
 __all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
            "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef", "round_ef",
@@ -407,10 +407,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
             lam = global_natural(state)
             record.update(kl_to_reference=float(fam.kl(lam, ref)),
                           error_to_reference=float(jnp.linalg.norm(lam - ref) / jnp.linalg.norm(ref)))
-        history.append(record)
-        if callback is not None:
-            callback(record)
-        if record["kl_to_previous"] <= tol and record["residual"] <= residual_tol:
+        if record_round(record, history, callback, tol, residual_tol):
             status = "converged"
             break
     summary = dict(algorithm=algorithm, rho=rho, rounds=len(history), status=status)
