@@ -254,3 +254,4 @@ class SiteSums(NamedTuple):
 
     hessian: jax.Array  # Σ_{i≥1} dense curvature, (d, d)
     loss: jax.Array     # Σ_{i≥1} E_q[ℓ_i]
+    subspace_violations: jax.Array | int = 0  # examples whose likelihood leaves their rule's subspace (loss NaN)

@@ -38,6 +38,7 @@ from .rowops import to_device
 from .rows import pad_to_bucket, positions, take_data
 from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
+from .sites import mc_along_subspace
 from .solvers import default_tol, solve
 
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
@@ -483,6 +484,8 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     data are padded to a bucket internally and the result holds one site per real example.
     """
     rule = prepare_rule(rule, spec, data, q.mean)
+    if rule.kind == "mc" and rule.subspace_dim and not mc_along_subspace(rule, curvature):
+        rule = replace(rule, subspace_dim=0)  # Gauss–Newton or the reparameterisation estimator: dense, say so
     num = spec.num_examples
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,

@@ -38,7 +38,7 @@ for its refinement, so the dual-form identities hold for that rule exactly:
     at most :data:`MAX_SUBSPACE_DIM`, else ``mc`` — whose error is then estimated at the
     fixed point and reported (:func:`numpyro_pc.posterior.fit` records it). When the
     subspace is constant but larger (``r`` up to :data:`MAX_MC_SUBSPACE_DIM` and at most
-    ``d/2``: a varying-intercept-and-slope example, ``r = 7``), ``mc`` takes its draws in the
+    ``d/2``: a non-centred varying-intercept-and-slope example, ``r = 6``), ``mc`` takes its draws in the
     full space but its derivatives along ``P_i`` only: the identities above hold at every
     draw, so ``E_q[∇²ℓ_i] = P_iᵀ E[∇²_u φ_i] P_i`` costs ``r`` Hessian-vector products per draw
     instead of ``d`` and is stored factorised, ``O(N·r·d)`` numbers instead of ``N·d²``, with
@@ -59,7 +59,7 @@ from .likelihood import ModelData, example_params, prior_loss
 from .rowops import take_rows
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",
-           "dependence_subspace_dim", "subspace_basis", "MAX_SUBSPACE_DIM", "MAX_MC_SUBSPACE_DIM",
+           "dependence_subspace_dim", "subspace_basis", "subspace_excess", "subspace_tolerance", "MAX_SUBSPACE_DIM", "MAX_MC_SUBSPACE_DIM",
            "prior_is_separable", "prior_structure"]
 
 _KINDS = ("delta", "mc", "gh", "auto")
@@ -76,6 +76,9 @@ class ExpectationRule:
     :param int num_samples: Monte Carlo draws for ``"mc"``.
     :param int seed: seed of the fixed Monte Carlo noise.
     :param int num_nodes: Gauss–Hermite nodes for ``"gh"``.
+    :param int subspace_dim: ``r``, the dimension of each example's dependence subspace the rule
+        integrates over (``"gh"``) or differentiates along (``"mc"``); ``0``: none (a scalar GLM for
+        ``"gh"``, dense Hessians for ``"mc"``). Set by :func:`prepare_rule` for ``"auto"``.
     :param str prior_mode: how ``"gh"`` treats ``ℓ_0`` (``"separable"`` or
         ``"quadratic"``); set by :func:`prepare_rule`.
     :param str mc_precision: how ``"mc"`` estimates a site's precision for the full family
@@ -198,26 +201,47 @@ def subspace_basis(spec, mean, example, shared, dim, num_probes=None):
     return vt[:dim]
 
 
-def dependence_subspace_dim(spec, data, z, num_rows=4, max_dim=MAX_SUBSPACE_DIM):
+def subspace_excess(spec, mean, example, shared, basis, num_probes=2):
+    """How far the example's parameter Jacobians leave the span of ``basis`` ``(r, d)`` at
+    ``num_probes`` points around ``mean`` other than those :func:`subspace_basis` used: the
+    largest norm of a normalised Jacobian row off the span. ``0`` (to rounding) when ``ℓ_i``
+    depends on ``z`` only through ``basis``; of order one when the example depends on more
+    directions than the rule's subspace, whose Hessians would then miss some.
+    """
+    theta = lambda z: example_params(spec, z, example, shared)[0]  # noqa: E731
+    offsets = _probe_offsets(mean.shape[0], num_probes + 1, mean.dtype, seed=13)[1:]
+    jac_fn = jax.jacrev if spec.num_params < mean.shape[0] else jax.jacfwd
+    rows = _unit_rows(jnp.reshape(jax.vmap(lambda o: jac_fn(theta)(mean + o))(offsets), (-1, mean.shape[0])))
+    return jnp.max(jnp.linalg.norm(rows - (rows @ basis.T) @ basis, axis=1))
+
+
+def subspace_tolerance(dtype) -> float:
+    """Largest :func:`subspace_excess` taken as rounding (also the span check of :func:`dependence_subspace_dim`)."""
+    return 1e-6 if dtype == jnp.float64 else 1e-3
+
+
+def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM):
     """Dimension ``r`` of the constant subspace each example's loss depends on, or ``None``.
 
-    Measured on the first ``num_rows`` examples: the rank of the stacked parameter
+    Measured on ``num_rows`` examples spread over the data: the rank of the stacked parameter
     Jacobians at ``max(3, max_dim + 1)`` points around ``z``, verified at two further points
     (their rows must lie in the span to 1e-6). ``None`` when the span changes with ``z``
-    (e.g. a neural network), is larger than ``max_dim`` can show, or the model has no
-    ``z``-dependent distribution parameter.
+    (e.g. a neural network) or has more dimensions than those points can span, or when the
+    model has no ``z``-dependent distribution parameter. Examples outside the probe rows are
+    checked where their sites are computed (:func:`subspace_excess`).
     """
     if spec.num_params == 0:
         return None
-    rows = np.arange(min(num_rows, spec.num_examples))
+    num = int(data.per_example[0].shape[0])
+    rows = np.unique(np.linspace(0, num - 1, min(num_rows, num)).round().astype(np.int64))  # spread over the data
     examples = tuple(take_rows(x, rows) for x in data.per_example)
     spanning = max(3, max_dim + 1)
     offsets = _probe_offsets(z.shape[0], spanning + 2, z.dtype, seed=11)
-    jacs = np.asarray(_probe_jacobians(replace(spec, num_examples=int(rows.size)), z, examples, data.shared, offsets))  # (rows, 5, k, d)
+    jacs = np.asarray(_probe_jacobians(replace(spec, num_examples=int(rows.size)), z, examples, data.shared, offsets))  # (rows, points, k, d)
     if not np.all(np.isfinite(jacs)):
         return None
     tol = 1e-7 if z.dtype == jnp.float64 else 1e-4
-    off_span = 1e-6 if z.dtype == jnp.float64 else 1e-3
+    off_span = subspace_tolerance(z.dtype)
     best = 0
     for per_row in jacs:
         span = np.asarray(_unit_rows(per_row[:spanning].reshape(-1, z.shape[0])))
@@ -257,9 +281,14 @@ def prepare_rule(rule, spec, data, z):
         ``"mc"`` with a ``subspace_dim`` smaller than the model's dependence subspace.
     """
     if rule.kind == "mc" and rule.subspace_dim:
+        largest = min(MAX_MC_SUBSPACE_DIM, z.shape[0])
+        if not 0 < rule.subspace_dim <= largest:
+            raise InvalidOptionError(f"subspace_dim={rule.subspace_dim} for expectation='mc' must lie in 1..{largest} "
+                                     f"(at most {MAX_MC_SUBSPACE_DIM} and the latent dimension {z.shape[0]})")
         dim = dependence_subspace_dim(spec, data, z, max_dim=rule.subspace_dim)
         if dim is None or dim > rule.subspace_dim:
-            found = "a subspace that changes with z" if dim is None else f"a {dim}-dimensional subspace"
+            found = ("no fixed subspace of that many dimensions (or no z-dependent distribution parameter)"
+                     if dim is None else f"a {dim}-dimensional subspace")
             raise ExpectationRuleError(
                 f"expectation='mc' with subspace_dim={rule.subspace_dim} differentiates each example's likelihood "
                 f"along a fixed subspace of that dimension; this model's examples depend on {found}, so the "

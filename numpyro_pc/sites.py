@@ -30,8 +30,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from .curvature import FULL, Dense, Factor, get_store
 from .curvature_sparse import SparseFactor
-from .errors import DataShapeError, InvalidOptionError, SiteStorageError
-from .expectations import hermite_nodes, mc_noise, prior_is_separable, subspace_basis, tensor_hermite_nodes
+from .errors import DataShapeError, ExpectationRuleError, InvalidOptionError, SiteStorageError
+from .expectations import (hermite_nodes, mc_noise, prior_is_separable, subspace_basis, subspace_excess,
+                           subspace_tolerance, tensor_hermite_nodes)
 from .cached_sites import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .likelihood import example_loss, example_params
 from .memory import dense_auto_budget, format_bytes, machine_memory
@@ -105,7 +106,8 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
     if store.keeps_jacobian and not factorisable:
         remedies = _factorised(spec, rule) + [({"storage": "dense"}, "")]
         raise SiteStorageError(f"storage={store.name!r} holds J_iᵀ Λ_i J_i, which needs distribution parameters "
-                               f"affine in z, the 'gh' rule, or curvature='ggn' with the 'delta' rule "
+                               f"affine in z, the 'gh' rule, the 'mc' rule along a fixed subspace (expectation="
+                               f"'auto' finds it), or curvature='ggn' with the 'delta' rule "
                                f"({_why(spec, rule)}); {_say(remedies)}.", [r for r, _ in remedies])
     if store.detail < family.curvature_detail:
         try:
@@ -150,10 +152,15 @@ def _say(remedies):
     return "pass " + ", or ".join(parts)
 
 
-def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True):
+def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True, rule=None):
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
+    if rule is not None and mc_along_subspace(rule, curvature):  # r + 3 probe Jacobians and r Hessian tangents
+        r = rule.subspace_dim
+        largest = max(1, _CHUNK_BUDGET // (((r + 3) * k + 2 * r) * d))
+        chunks = int(math.ceil(num_examples / largest))
+        return int(math.ceil(num_examples / chunks))
     # a d × d curvature per example is formed by the dense store, by models without distribution
     # parameters, and by the diag/none stores only when the dense sum Σ Ĥ_i is asked for (their
     # own stored terms come from J_i, Λ_i directly: Diagonal.from_point never forms J_iᵀ Λ_i J_i)
@@ -216,7 +223,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if rule.kind == "gh" and rule.subspace_dim:
         (loss, grad, jac, stored), dense = jax.vmap(
             lambda ex: _subspace_terms(spec, cfg, family, q, shared, extra, ex))(ex_chunk)
-        return (loss, grad, jac, stored), dense_sum(dense)
+        return _flag_excess(spec, q, shared, ex_chunk, mask, (loss, grad, jac, stored), dense_sum(dense))
 
     if rule.kind == "gh":
         nodes, node_w, cov = extra
@@ -270,7 +277,8 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         return (loss, grad, None, cross), dense_sum(None)  # cross → Ĥ in _compute
 
     if mc_along_subspace(rule, cfg.curvature):
-        return _subspace_draw_terms(spec, cfg, q, shared, extra, ex_chunk, dense_sum)
+        per, dsum = _subspace_draw_terms(spec, cfg, q, shared, extra, ex_chunk, dense_sum)
+        return _flag_excess(spec, q, shared, ex_chunk, mask, per, dsum)
 
     samples = extra  # (S, d) fixed draws
     jac_at_mean = None
@@ -294,6 +302,16 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     total, _ = jax.lax.scan(body, init, samples)
     loss, grad, stored, dsum = jax.tree.map(lambda x: x / samples.shape[0], total)
     return (loss, grad, jac_at_mean, stored), dsum
+
+
+def _flag_excess(spec, q, shared, ex_chunk, mask, per, dsum):
+    """Mark the examples of a chunk whose likelihood leaves their rule's subspace (its Hessians would
+    miss directions): their loss becomes NaN and their count joins the chunk's sums
+    (:attr:`SiteSums.subspace_violations`), which :func:`compute_sites` refuses with the reason."""
+    loss, grad, jac, stored = per
+    excess = jax.vmap(lambda ex, basis: subspace_excess(spec, q.mean, ex, shared, basis))(ex_chunk, jac)
+    bad = excess > subspace_tolerance(q.mean.dtype)
+    return (jnp.where(bad, jnp.nan, loss), grad, jac, stored), (dsum, jnp.sum(bad & mask))
 
 
 def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum):
@@ -427,6 +445,9 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     fn = lambda leaves, mask: _chunk_fn(spec, cfg, family, q, data.shared, extra, leaves, mask)  # noqa: E731
     leaves = data.per_example + (weights,)
     (loss, grad, jac, stored), hess_sum = _map_chunks(fn, leaves, num, cfg.chunk_size, cfg.num_devices)
+    violations = jnp.zeros((), jnp.int32)
+    if _checks_subspace(cfg):
+        hess_sum, violations = hess_sum
     if _reparam(cfg, family):
         chol = jnp.linalg.cholesky(q.precision)
         stored = jax.lax.map(partial(reparam_curvature, chol), stored, batch_size=cfg.chunk_size)
@@ -439,7 +460,12 @@ def _compute(spec, cfg, family, q, data, ids, weights):
                   prior_ref=q.mean)
     if cfg.need_hessian_sum and cfg.storage.detail == FULL:
         hess_sum = curv.weighted_dense(weights)
-    return sites, SiteSums(hessian=hess_sum, loss=weights @ loss)
+    return sites, SiteSums(hessian=hess_sum, loss=weights @ loss, subspace_violations=violations)
+
+
+def _checks_subspace(cfg):
+    """Whether the site computation differentiates along per-example subspaces (and checks them)."""
+    return bool((cfg.rule.kind == "gh" and cfg.rule.subspace_dim) or mc_along_subspace(cfg.rule, cfg.curvature))
 
 
 def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="auto", chunk_size=None,
@@ -473,7 +499,8 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         num_devices = jax.local_device_count()
     num_devices = max(1, min(int(num_devices), num))
     if chunk_size is None:
-        chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)), need_hessian_sum)
+        chunk_size = default_chunk_size(spec, storage, curvature, int(math.ceil(num / num_devices)), need_hessian_sum,
+                                        rule)
     if ids is None:
         ids = jnp.arange(num)
     traced = isinstance(q.mean, jax.core.Tracer)
@@ -482,7 +509,8 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
                      prior_diagonal=_prior_diagonal(spec, data, family, storage, rule, q, traced))
     weights = jnp.ones(num, q.mean.dtype) if weights is None else jnp.asarray(weights, q.mean.dtype)
     if not storage.sparse_rows:
-        return _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)
+        out = _compute(spec, cfg, family, q, data, jnp.asarray(ids), weights)
+        return out if traced else _checked_subspaces(out, rule)
     dim = spec.latent.dim
     key = replace(spec, num_examples=0)
     width = dim if traced else _WIDTHS.get(key, min(dim, _FIRST_WIDTH))  # inside a trace nnz cannot be checked
@@ -493,11 +521,28 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         need = int(jnp.max(out[0].curv.nnz))
         if need <= width:
             _WIDTHS[key] = width
-            return out
+            return _checked_subspaces(out, rule)
         width = min(dim, 1 << (need - 1).bit_length())  # a power of two: few compilations as data arrive
 
 
 _FIRST_WIDTH = 16  # columns per example a sparse store tries first
+
+
+def _checked_subspaces(out, rule):
+    """``out`` unless some example's likelihood left its rule's subspace (:func:`_flag_excess`).
+
+    :raises ExpectationRuleError: naming those examples.
+    """
+    sites, sums = out
+    count = int(sums.subspace_violations)
+    if count:
+        bad = np.asarray(sites.ids)[np.isnan(np.asarray(sites.loss))][:10].tolist()
+        raise ExpectationRuleError(
+            f"{count} example(s) (ids {bad}{' …' if count > 10 else ''}) depend on the latents through more than the "
+            f"{rule.subspace_dim} directions the {rule.kind!r} rule differentiates along (the subspace was measured "
+            "on other examples), so their Hessians would miss directions. Fit again with expectation='auto' on data "
+            "that includes such examples (the subspace is measured there), or use expectation='mc' (dense Hessians).")
+    return out
 _WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
 
 

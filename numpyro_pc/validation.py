@@ -24,7 +24,7 @@ import re
 import numpy as np
 
 from .curvature import STORES
-from .expectations import MAX_MC_SUBSPACE_DIM
+from .expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
 
@@ -104,6 +104,9 @@ def _check_rule(rule):
         if not ok:
             _fail(f"rule.{key}", f"{allowed[0]} ≤ integer < {allowed[1]}" if isinstance(allowed[0], int)
                   else f"one of {list(allowed)}", value)
+    limit = {"gh": MAX_SUBSPACE_DIM, "mc": MAX_MC_SUBSPACE_DIM}.get(rule["kind"], 0)  # tensor rules grow as n^r
+    if rule.get("subspace_dim", 0) > limit:
+        _fail("rule.subspace_dim", f"an integer ≤ {limit} for the {rule['kind']!r} rule", rule["subspace_dim"])
 
 
 def _check_layout(layout):
