@@ -68,7 +68,7 @@ def ef_correction_factor(post, memory="all", correct_prior=True, removed=()):
 
 
 
-def bind_like(spec, model, first, allow_discrete=False):
+def bind_like(spec, model, first, allow_discrete=False) -> tuple:
     """``model`` bound to the arguments of the posterior's first example ``first`` as ``spec`` was.
 
     :raises ModelMismatchError: the model cannot be called that way.
@@ -82,7 +82,7 @@ def bind_like(spec, model, first, allow_discrete=False):
         raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
 
 
-def check_terms_agree(spec, other, first, data, points, rtol, where):
+def check_terms_agree(spec, other, first, data, points, rtol, where) -> None:
     """Refuse unless the prior term and the first example's likelihood of the two bindings agree to
     ``rtol`` (relative) at every ``(z, discrete)`` of ``points`` (probe points named by ``where``).
 

@@ -92,7 +92,7 @@ def save_ef(post, path, key=None):
     return write_checked(path, manifest, arrays, _check_file, key=key)
 
 
-def _check_file(manifest, arrays):
+def _check_file(manifest, arrays) -> None:
     check_ef_manifest(manifest)
     check_ef_contents(manifest, arrays)
 

@@ -368,7 +368,7 @@ class EFPosterior(Posterior):
         post = _solve(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
         return post.evolve(record=dict(post.record, operation="delete", method=method))
 
-    def merge(self, *others, alphas=None, method="bayesian", refine=False, tol=None, max_iters=200):
+    def merge(self, *others, alphas=None, method="bayesian", refine=False, tol=None, max_iters=200) -> EFPosterior:
         r"""Bayesian arithmetic with posteriors of the same model, family and prior fitted on other
         examples: :math:`\lambda = \lambda_0 + \sum_k \alpha_k (\lambda_k - \lambda_0)`, sites
         concatenated (exact for conjugate models; :func:`numpyro_pc.merging.merge`). Ids that collide

@@ -181,7 +181,7 @@ def _unit_rows(jac):
     return jac / jnp.where(norms > 0, norms, 1.0)
 
 
-def subspace_basis(spec, mean, example, shared, dim, num_probes=None):
+def subspace_basis(spec, mean, example, shared, dim, num_probes=None) -> jax.Array:
     """Orthonormal ``(dim, d)`` basis of the span of the example's parameter Jacobians near ``mean``.
 
     The rows of ``∂θ_i/∂z`` at ``num_probes`` fixed points around ``mean`` (default: 3 for the
@@ -201,7 +201,7 @@ def subspace_basis(spec, mean, example, shared, dim, num_probes=None):
     return vt[:dim]
 
 
-def subspace_excess(spec, mean, example, shared, basis, num_probes=2):
+def subspace_excess(spec, mean, example, shared, basis, num_probes=2) -> jax.Array:
     """How far the example's parameter Jacobians leave the span of ``basis`` ``(r, d)`` at
     ``num_probes`` points around ``mean`` other than those :func:`subspace_basis` used: the
     largest norm of a normalised Jacobian row off the span. ``0`` (to rounding) when ``ℓ_i``
@@ -220,7 +220,7 @@ def subspace_tolerance(dtype) -> float:
     return 1e-6 if dtype == jnp.float64 else 1e-3
 
 
-def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM):
+def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM) -> int | None:
     """Dimension ``r`` of the constant subspace each example's loss depends on, or ``None``.
 
     Measured on ``num_rows`` examples spread over the data: the rank of the stacked parameter

@@ -112,7 +112,7 @@ def _save_gaussian(post: DualPosteriorBase, path, key):
     return write_checked(path, manifest, arrays, _check_file, key=key, sized_member="tombstones")
 
 
-def _check_file(manifest, arrays):
+def _check_file(manifest, arrays) -> None:
     check_manifest(manifest)
     check_contents(manifest, arrays)
 

@@ -112,7 +112,7 @@ class Posterior(ABC):
         """The entropy of the posterior."""
 
     @abstractmethod
-    def kl(self, other):
+    def kl(self, other: Posterior):
         """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
 
     @abstractmethod
@@ -124,7 +124,7 @@ class Posterior(ABC):
         """The guide's params that describe this posterior."""
 
     @abstractmethod
-    def evolve(self, **changes):
+    def evolve(self, **changes) -> Posterior:
         """A copy with the given fields changed, of this posterior's class (nothing recomputed)."""
 
     # ------------------------------------------------------------------ what changes it

@@ -59,7 +59,7 @@ MAX_EXCESS_KURTOSIS = 1.0
 NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 
-def __getattr__(name):
+def __getattr__(name: str):
     if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
         warnings.warn("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
                       "fitted dual-form posterior); the old name will be removed in the next release",

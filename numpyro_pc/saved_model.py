@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -159,7 +160,7 @@ def binding_manifest(spec, data: ModelData, arrays: dict, residual: float, finge
     }
 
 
-def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_member: str | None = None):
+def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_member: str | None = None) -> Path:
     """Write ``manifest`` and ``arrays`` atomically after checking them as a load would.
 
     :param check: ``check(manifest, arrays)``, the load's checks of the file alone, run on the

@@ -152,7 +152,7 @@ def _say(remedies):
     return "pass " + ", or ".join(parts)
 
 
-def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True, rule=None):
+def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True, rule=None) -> int:
     """Examples per chunk: as many as the transient-memory budget allows, balanced so that
     padding is at most one example per chunk."""
     d, k = spec.latent.dim, max(spec.num_params, 1)
@@ -304,7 +304,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     return (loss, grad, jac_at_mean, stored), dsum
 
 
-def _flag_excess(spec, q, shared, ex_chunk, mask, per, dsum):
+def _flag_excess(spec, q, shared, ex_chunk, mask, per, dsum) -> tuple:
     """Mark the examples of a chunk whose likelihood leaves their rule's subspace (its Hessians would
     miss directions): their loss becomes NaN and their count joins the chunk's sums
     (:attr:`SiteSums.subspace_violations`), which :func:`compute_sites` refuses with the reason."""
@@ -314,7 +314,7 @@ def _flag_excess(spec, q, shared, ex_chunk, mask, per, dsum):
     return (jnp.where(bad, jnp.nan, loss), grad, jac, stored), (dsum, jnp.sum(bad & mask))
 
 
-def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum):
+def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> tuple:
     """Monte Carlo sites of a chunk differentiated along each example's dependence subspace.
 
     ``ℓ_i`` depends on ``z`` only through ``P_i z`` (``P_i`` ``(r, d)``, orthonormal rows), so at
@@ -463,7 +463,7 @@ def _compute(spec, cfg, family, q, data, ids, weights):
     return sites, SiteSums(hessian=hess_sum, loss=weights @ loss, subspace_violations=violations)
 
 
-def _checks_subspace(cfg):
+def _checks_subspace(cfg) -> bool:
     """Whether the site computation differentiates along per-example subspaces (and checks them)."""
     return bool((cfg.rule.kind == "gh" and cfg.rule.subspace_dim) or mc_along_subspace(cfg.rule, cfg.curvature))
 
@@ -528,7 +528,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
 _FIRST_WIDTH = 16  # columns per example a sparse store tries first
 
 
-def _checked_subspaces(out, rule):
+def _checked_subspaces(out, rule) -> tuple:
     """``out`` unless some example's likelihood left its rule's subspace (:func:`_flag_excess`).
 
     :raises ExpectationRuleError: naming those examples.

@@ -8,7 +8,9 @@ import pytest
 from test_storage_budget import grouped_data, noncentred
 
 import numpyro_pc as pc
+from numpyro_pc import validation
 from numpyro_pc.curvature import Dense, Factor
+from numpyro_pc.expectations import ExpectationRule
 from numpyro_pc.sites import compute_sites
 
 # both posteriors carry the same Monte Carlo error, and it is not what these tests compare
@@ -100,10 +102,7 @@ def test_examples_that_leave_the_measured_subspace_are_refused_not_integrated_wr
     assert post.rule.subspace_dim == 6 and float(post.kl(dense)) < 1e-8
 
 
-def test_explicit_subspaces_are_checked_and_saved_ones_bounded(x64, tmp_path):
-    from numpyro_pc import validation
-    from numpyro_pc.expectations import ExpectationRule
-
+def test_explicit_subspaces_are_checked_and_saved_ones_bounded(x64):
     g, x, y = grouped_data(40, 6, seed=6)
     with pytest.raises(pc.ExpectationRuleError, match="subspace_dim=5"):  # smaller than the model's 6: would miss one
         pc.fit(noncentred, g, x, y, expectation=ExpectationRule("mc", subspace_dim=5))
