@@ -153,7 +153,7 @@ def register_factor(factor_class: type) -> type:
             f"{factor_class.__name__}: a registered factor needs a lower-case identifier family_name (found {name!r}), "
             f"a support and a dist_class (missing {missing}), the dist_args of its distribution (found "
             f"{factor_class.dist_args!r}) and space 'constrained' (found {factor_class.space!r})")
-    def same(other):
+    def same(other) -> bool:
         return (other.__module__, other.__qualname__) == (factor_class.__module__, factor_class.__qualname__)
 
     if name in _BUILT_IN or (name in EF_FAMILIES and not same(EF_FAMILIES[name])):
@@ -336,7 +336,7 @@ class ProductFamily:
                 size *= f.rule_size(num_nodes)
         return size
 
-    def drawn_size(self, use_rules=True):
+    def drawn_size(self, use_rules=True) -> int:
         """Natural parameters of the factors that are integrated by draws (the others have a rule)."""
         return sum(f.size for f in self.factors if not (use_rules and f.has_rule))
 

@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
+
 from .errors import PosteriorCorrectionError
 
 __all__ = ["Posterior", "provides"]
@@ -63,17 +65,17 @@ class Posterior(ABC):
     # ------------------------------------------------------------------ what it is
     @property
     @abstractmethod
-    def spec(self):
+    def spec(self) -> object:  # a ModelSpec: the model binding sits above this layer
         """The model binding (:class:`~numpyro_pc.likelihood.ModelSpec`)."""
 
     @property
     @abstractmethod
-    def family(self):
+    def family(self) -> object:
         """The variational family (a Gaussian family or a product of exponential families)."""
 
     @property
     @abstractmethod
-    def ids(self):
+    def ids(self) -> jax.Array:
         """Stable integer ids of the examples with a site, aligned with the sites."""
 
     @property
