@@ -13,6 +13,8 @@ from . import diagnostics, errors, families, guides, handlers, lowrank
 from .errors import (
     ConvergenceError,
     DataShapeError,
+    DataSupportError,
+    DataTypeError,
     ExpectationRuleError,
     GuideParamsError,
     ModelMismatchError,
@@ -49,7 +51,7 @@ __all__ = [
     "information_gain",
     "correction_magnitude", "load", "save",
     "PosteriorCorrectionError", "UnsupportedGuideError", "GuideParamsError", "UnsupportedModelError",
-    "DataShapeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
+    "DataShapeError", "DataSupportError", "DataTypeError", "NonFiniteDataError", "NonFiniteResultError", "NotPositiveDefiniteError",
     "ConvergenceError", "ExpectationRuleError", "SiteStorageError", "UnknownExampleError", "ModelMismatchError",
     "PersistenceError",
 ]

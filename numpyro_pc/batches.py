@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .data_support import as_data_array, check_support
 from .errors import DataShapeError, ModelMismatchError
 from .likelihood import ModelData, bind_model, check_finite_argument, is_array
 from .rowops import to_device
@@ -44,7 +45,7 @@ def _bind_like_fitted(post, args, kwargs):
             continue
         if not is_array(leaf) and not np.isscalar(leaf):
             return None
-        array = to_device(leaf)
+        array = to_device(as_data_array(name, leaf))
         old = next(old_shared) if kind == "shared" else next(old_examples)
         if array.dtype != old.dtype or (kind == "example" and (array.ndim != old.ndim or array.ndim == 0
                                                                  or array.shape[1:] != old.shape[1:])):
@@ -91,6 +92,22 @@ def _same_static(a, b):
         return False
 
 
+_KIND_WORDS = {"example": "a per-example array", "shared": "a shared array", "static": "a fixed value"}
+
+
+def _argument_difference(fitted, new) -> str:
+    """Which arguments a batch omits, adds or passes as another kind than the fitted data."""
+    old = dict(zip(fitted.arg_names, fitted.kinds))
+    now = dict(zip(new.arg_names, new.kinds))
+    parts = [f"{what} " + ", ".join(f"{n!r} ({_KIND_WORDS.get(table[n], table[n])})" for n in names)
+             for what, names, table in (
+                 ("missing", [n for n in old if n not in now], old),
+                 ("added", [n for n in now if n not in old], now),
+                 ("fitted as another kind", [n for n in old if n in now and old[n] != now[n]], old))
+             if names]
+    return "; ".join(parts) if parts else (f"fitted as {list(old.items())}, passed as {list(now.items())}")
+
+
 def bind_batch(post, args, kwargs):
     """Bind a new batch to the posterior's model and check it is compatible.
 
@@ -100,6 +117,7 @@ def bind_batch(post, args, kwargs):
     """
     data = _bind_like_fitted(post, args, kwargs)
     if data is not None:
+        check_support(post.spec, data, "the new batch")
         return data
     _check_fixed_arguments(post.spec, args, kwargs)
     spec, data = bind_model(post.spec.model, args, kwargs, data_plate=post.spec.plate, shared=_shared_names(post.spec))
@@ -112,7 +130,9 @@ def bind_batch(post, args, kwargs):
             f"{post.spec.observed}; was another model called, or a per-example argument passed with other "
             "trailing dimensions?")
     if spec.kinds != post.spec.kinds or spec.treedef != post.spec.treedef:
-        raise DataShapeError("the new batch passes the model's arguments differently from the fitted data")
+        raise DataShapeError("the new batch passes the model's arguments differently from the fitted data: "
+                             f"{_argument_difference(post.spec, spec)}. Pass the arguments the posterior was fitted "
+                             "with (an omitted one takes the model's default, which is another model).")
     for old, new in zip(post.data.shared, data.shared):
         if old.shape != new.shape or not bool(jnp.all(old == new)):
             raise DataShapeError("a shared (not per-example) argument changed between batches")

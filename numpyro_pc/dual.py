@@ -290,12 +290,13 @@ class DualPosteriorBase(Posterior):
 
     # ------------------------------------------------------------------ refine
     @in_own_precision
-    def refine(self, tol: float | None = None, max_iters: int = 100, step_size: float = 1.0,
+    def refine(self, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
                raise_on_failure: bool = True, progress: bool = False, _start=None) -> DualPosteriorBase:
         """Natural-gradient steps until the dual-form residual is below ``tol``.
 
         :param float tol: default ``1e-8`` in float64, ``1e-5`` in float32.
-        :param int max_iters: maximum number of accepted steps.
+        :param int max_iters: maximum number of accepted steps (default: automatic, see
+            :func:`~numpyro_pc.solvers.solve`).
         :param float step_size: initial damping ``ρ ∈ (0, 1]`` of every step.
         :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
             (carrying the last posterior as ``err.posterior``) when ``tol`` is not reached;

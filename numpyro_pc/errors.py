@@ -33,6 +33,16 @@ class DataShapeError(PosteriorCorrectionError, ValueError):
     """A data argument's leading size disagrees with the data plate."""
 
 
+class DataSupportError(PosteriorCorrectionError, ValueError):
+    """Observed values outside the support of their distribution (a Bernoulli label 2, a
+    negative or fractional Poisson count)."""
+
+
+class DataTypeError(PosteriorCorrectionError, TypeError):
+    """A data argument whose type cannot be converted to a numeric array without loss
+    (text, mixed-type columns)."""
+
+
 class NonFiniteDataError(PosteriorCorrectionError, ValueError):
     """A data argument contains NaN or infinite values."""
 

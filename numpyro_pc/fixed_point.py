@@ -41,11 +41,12 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
            "backtrack", "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
            "natural_observe", "natural_propose_host", "natural_solve", "relative_residual", "default_tol", "stagnation",
-           "PATIENCE", "TINY_STEP", "TINY_RUN", "OBJECTIVE_PROGRESS"]
+           "iteration_budget", "BASE_ITERATIONS", "MAX_ITERATIONS", "PATIENCE", "TINY_STEP", "TINY_RUN", "OBJECTIVE_PROGRESS"]
 
 PATIENCE = 25  # iterations without halving the best residual before a run is declared stagnant
 TINY_STEP = 1e-3  # accepted damped steps this small, TINY_RUN times in a row, also mean stagnation
@@ -272,6 +273,37 @@ def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rh
     state, aux = jax.lax.while_loop(cond, body, start)
     ok = state.inside & in_domain(state.lam) & jnp.isfinite(state.residual)
     return state.lam, aux, state.iteration, state.residual, ok
+
+
+BASE_ITERATIONS = 100  # the automatic budget before it is extended
+MAX_ITERATIONS = 1000  # the automatic budget never grows beyond this
+_RATE_WINDOW = 10  # iterations over which the linear rate is measured
+
+
+def iteration_budget(residuals, tol, used, cap=MAX_ITERATIONS) -> int:
+    """Further iterations a run that reached its budget has earned (host; ``0``: none).
+
+    A run still converging linearly is given the iterations its own rate predicts, plus half
+    again: with ``ρ`` the geometric mean of the residual's ratio over the last
+    :data:`_RATE_WINDOW` iterations, ``n = log(tol / r) / log ρ``. None when ``ρ ≥ 0.999``
+    (no measurable progress), when a residual is not finite, or when ``used + 1.5 n`` passes
+    ``cap``: the budget follows the problem's rate, not a constant, but never without limit.
+
+    :param residuals: the residual at every iterate, the start first.
+    :param float tol: the tolerance the run must reach.
+    :param int used: iterations already taken.
+    :param int cap: the largest total budget.
+    """
+    if len(residuals) <= _RATE_WINDOW:
+        return 0
+    last, earlier = float(residuals[-1]), float(residuals[-1 - _RATE_WINDOW])
+    if not (np.isfinite(last) and np.isfinite(earlier) and 0.0 < last < earlier):
+        return 0
+    rate = (last / earlier) ** (1.0 / _RATE_WINDOW)
+    if rate >= 0.999:
+        return 0
+    needed = int(np.ceil(1.5 * np.log(tol / last) / np.log(rate))) + 5 if last > tol else 0
+    return needed if 0 < needed and used + needed <= cap else 0
 
 
 def stagnation(residuals, steps, objectives=None):

@@ -22,7 +22,8 @@ from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
 import numpyro
 
-from .errors import DataShapeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
+from .data_support import as_data_array, check_support, latent_free_supports
+from .errors import DataShapeError, DataTypeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
 from .model_terms import (  # noqa: F401  (re-exported: the package imports them from here)
     IMPLICIT_PLATE,
@@ -37,6 +38,7 @@ from .model_terms import (  # noqa: F401  (re-exported: the package imports them
     in_plate,
     is_array,
     losses,
+    output_dependence,
     prior_loss,
     trace_at,
 )
@@ -46,17 +48,6 @@ __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_bin
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
 
 # --------------------------------------------------------------------------- binding
-
-
-def output_dependence(closed_jaxpr, inputs=None):
-    """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
-    (conservative through sub-calls)."""
-    jaxpr = closed_jaxpr.jaxpr
-    dependent = set(map(id, jaxpr.invars if inputs is None else [jaxpr.invars[i] for i in inputs]))
-    for eqn in jaxpr.eqns:
-        if any(id(v) in dependent for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
-            dependent.update(id(v) for v in eqn.outvars)
-    return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
 
 
 def _describe_leading_sizes(names, leaves):
@@ -116,6 +107,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
         names_by_position = [f"args[{i}]" for i in range(len(args))] + list(kwargs)
     leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
     leaf_names = _leaf_names(args, kwargs, names_by_position)
+    leaves = [as_data_array(name, leaf) for name, leaf in zip(leaf_names, leaves)]
+    args, kwargs = jax.tree.unflatten(treedef, leaves)
 
     for name, leaf in zip(leaf_names, leaves):
         check_finite_argument(name, leaf)
@@ -140,6 +133,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
 
     latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
     plate, size, observed = _find_data_plate(trace, data_plate, leaf_names, leaves, shared)
+    _check_rows_observed(trace, plate, size, observed)
     for name in latent.names + latent.discrete_names:
         if in_plate(trace[name], plate):
             raise UnsupportedModelError(
@@ -175,8 +169,34 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
         shared=tuple(to_device(leaf) for leaf, k in zip(leaves, kinds) if k == "shared"),
     )
     z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
+    spec = replace(spec, support_sites=latent_free_supports(spec, data, z0))
+    check_support(spec, data)  # first: a label outside the support can also break the binding's identity check
     verify_binding(spec, data, z0)
     return _analyse_params(spec, data, z0), data
+
+
+def _check_rows_observed(trace, plate, size, observed):
+    """Refuse an observed site whose value is broadcast along the data plate.
+
+    ``fit(model, X, np.array(1.0))`` passes one label, which NumPyro broadcasts to every row:
+    the model is then fitted to ``N`` copies of it, which is never what was meant.
+    """
+    for name in observed:
+        site = trace[name]
+        if not is_array(site["value"]):
+            raise DataTypeError(f"the observed site {name!r} was given a {type(site['value']).__name__}; observed "
+                                "values must be numeric arrays (e.g. np.asarray(y)).")
+        full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
+        frame = next((f for f in site["cond_indep_stack"] if f.name == plate), None)
+        position = 0 if frame is None else len(site["fn"].batch_shape) + frame.dim
+        value = tuple(np.shape(site["value"]))
+        value = (1,) * (len(full) - len(value)) + value
+        if size > 1 and 0 <= position < len(value) and value[position] == 1 and full[position] == size:
+            raise DataShapeError(
+                f"the observed site {name!r} has a value of shape {tuple(np.shape(site['value']))} while its "
+                f"distribution has shape {full} with the data plate {plate!r} (size {size}) at axis {position}: "
+                "one observation would be broadcast to every row. Pass one value per row (e.g. y of shape "
+                f"({size},)).")
 
 
 def _prototype_value(site):
@@ -413,7 +433,10 @@ def _binding_diagnosis(spec, data, z0, finding):
                 f"({source}). {hint} Write `numpyro.plate({spec.plate!r}, x.shape[0])` with x a data array. "
                 f"(Found: {finding}.)")
     for name in spec.observed:
-        size = int(np.size(trace[name]["fn"].log_prob(trace[name]["value"])))
+        try:
+            size = int(np.size(trace[name]["fn"].log_prob(trace[name]["value"])))
+        except Exception:  # noqa: BLE001 - the finding already says the model fails
+            return f"{finding}. {hint}"
         if size != 1:
             return (f"the observed site {name!r} gives {size} log-densities for one example, so a latent vector or "
                     f"array of the plate's size enters it without a per-example index. {hint} Pass an index array "

@@ -41,7 +41,7 @@ import numpyro
 from .latent import LatentSpace
 
 __all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
-           "example_site_log_likelihoods", "losses", "constrain", "is_array"]
+           "example_site_log_likelihoods", "losses", "constrain", "is_array", "output_dependence"]
 
 
 LOG_DET_PREFIX = "_pc_log_det_"
@@ -74,6 +74,8 @@ class ModelSpec:
     :ivar num_params: ``k``, the number of such parameters per example.
     :ivar affine: whether ``θ_i(z)`` is affine in ``z`` (GLM-type model), so that the
         Hessian equals the Gauss–Newton matrix and sites factorise exactly.
+    :ivar support_sites: the observed sites whose values are checked against their
+        distribution's support on every batch (:mod:`numpyro_pc.data_support`).
     """
 
     model: object
@@ -87,6 +89,7 @@ class ModelSpec:
     param_leaves: tuple = ()
     num_params: int = 0
     affine: bool = False
+    support_sites: tuple = ()
     arg_names: tuple = field(default=(), compare=False, hash=False)
 
     def build_args(self, per_example, shared):
@@ -94,6 +97,17 @@ class ModelSpec:
         ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
         leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def output_dependence(closed_jaxpr, inputs=None):
+    """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
+    (conservative through sub-calls)."""
+    jaxpr = closed_jaxpr.jaxpr
+    dependent = set(map(id, jaxpr.invars if inputs is None else [jaxpr.invars[i] for i in inputs]))
+    for eqn in jaxpr.eqns:
+        if any(id(v) in dependent for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+            dependent.update(id(v) for v in eqn.outvars)
+    return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
 
 
 def is_array(x):

@@ -61,7 +61,7 @@ class DualPosterior(DualPosteriorBase):
 
     # ------------------------------------------------------------------ adaptation
     def update(self, *args, correction: str = "exact", memory: int | float | None = None, selection: str = "random",
-               keep: str | int = "all", seed: int = 0, tol: float | None = None, max_iters: int = 100,
+               keep: str | int = "all", seed: int = 0, tol: float | None = None, max_iters: int | None = None,
                progress: bool = False, raise_on_failure: bool = True, batch_fraction: float = 0.1,
                epochs: int | None = None, **kwargs) -> DualPosterior:
         """Add a batch of examples: the corrected streaming update (paper §3.1; docs/adapting.md).
@@ -89,7 +89,7 @@ class DualPosterior(DualPosteriorBase):
 
     @in_own_precision
     def delete(self, ids: Iterable[int], method: str = "remove_site", damping: bool = False, tol: float | None = None,
-               max_iters: int = 100, raise_on_failure: bool = True) -> DualPosterior:
+               max_iters: int | None = None, raise_on_failure: bool = True) -> DualPosterior:
         """Remove examples from the posterior (unlearning); see :mod:`numpyro_pc.unlearning`.
 
         :param ids: example ids to delete (any number).
@@ -116,7 +116,7 @@ _as_held.register(DualPosteriorBase, DualPosterior.adopt)
 
 
 def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",
-              storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int = 100,
+              storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int | None = None,
               num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None,
               chunk_size: int | None = None,
               data_plate: str | None = None, shared: tuple = (), progress: bool = False,
@@ -147,7 +147,8 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param bool progress: show a progress bar during refinement.
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
-    :param int max_iters: refinement iterations.
+    :param int max_iters: refinement iterations (default: 100, extended while the run converges linearly; see
+        :func:`~numpyro_pc.solvers.solve`).
     :param int num_samples: Monte Carlo draws (``"mc"``; default 64).
     :param int seed: seed of the fixed Monte Carlo noise.
     :param int num_nodes: Gauss–Hermite nodes (``"gh"``; default 64).
@@ -185,7 +186,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
 
 
 def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
-        curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int = 100,
+        curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int | None = None,
         num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,
         chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,

@@ -18,7 +18,8 @@ from dataclasses import replace
 import numpy as np
 
 from .archive import manifest_limit, npy_bytes, write_atomic
-from .errors import PersistenceError, SavedModelMismatchError
+from .data_support import check_support
+from .errors import DataSupportError, InconsistentFileError, PersistenceError, SavedModelMismatchError
 from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
 from .rowops import to_device
@@ -94,6 +95,11 @@ def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
                                       f"{list(spec.observed)}")
     spec = replace(spec, num_examples=int(per_example[0].shape[0]))
     data = ModelData(tuple(to_device(x) for x in per_example), tuple(to_device(x) for x in shared))
+    try:
+        check_support(spec, data, f"the data saved in {path}")
+    except DataSupportError as err:  # written by fit/update, which check it: the file was altered
+        raise InconsistentFileError(f"{err} The posterior was fitted to checked data, so the file was "
+                                    "altered after it was written.") from err
     saved = manifest.get("fingerprint")
     if saved is None:
         warnings.warn(f"{path} was saved without a model fingerprint (an earlier numpyro_pc): the model could not "

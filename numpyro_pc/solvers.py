@@ -45,7 +45,8 @@ from jax.scipy.linalg import cho_solve
 from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from .curvature import FULL, NONE
 from . import newton_polish
-from .fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol, stagnation
+from .fixed_point import (BASE_ITERATIONS, anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol,
+                          iteration_budget, stagnation)
 from .families import Gaussian
 from .site_problem import check_finite_sites, evaluate, fixed_point_map
 
@@ -246,7 +247,7 @@ def _damped_proposal(problem, point, history, direction, target, options):
     return None, 0.0, False
 
 
-def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
+def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
           progress=False, sites=None, sums=None, memory=3):
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
 
@@ -259,7 +260,9 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     :param SiteProblem problem: model, data and site options.
     :param Gaussian q: starting point.
     :param float tol: residual tolerance (default :func:`default_tol` of the dtype).
-    :param int max_iters: maximum number of accepted steps.
+    :param int max_iters: maximum number of accepted steps; ``None`` (default): 100, extended
+        while the run converges linearly by what its rate predicts
+        (:func:`~numpyro_pc.fixed_point.iteration_budget`, at most 1000).
     :param float step_size: initial ``ρ`` of a damped step (``1`` is a full Newton-like step).
     :param float min_step: smallest ``ρ`` tried before giving up.
     :param bool raise_on_failure: raise :class:`ConvergenceError` if the tolerance is not
@@ -271,8 +274,17 @@ def solve(problem, q, tol=None, max_iters=100, step_size=1.0, min_step=2.0**-30,
     tol = default_tol(q.mean.dtype) if tol is None else float(tol)
     options = SolveOptions(float(step_size), float(min_step), int(memory))
     state = solve_init(problem, q, sites, sums, memory)
+    auto = max_iters is None
+    max_iters = BASE_ITERATIONS if auto else int(max_iters)
     bar = _progress(progress, max_iters)
-    while not solve_converged(state, tol) and state.iteration < max_iters:
+    while not solve_converged(state, tol):
+        if state.iteration >= max_iters:
+            more = iteration_budget([h["residual"] for h in state.history], tol, state.iteration) if auto else 0
+            if more == 0:
+                break
+            max_iters += more
+            if bar is not None:
+                bar.total = max_iters
         state = solve_step(problem, state, options)
         if state.stalled:
             break
@@ -392,7 +404,15 @@ def _stagnation(history, minimises_objective=False):
 
 
 def _advice(point, history):
-    """What to try, from which identity is off and how the run went."""
+    """What to try, from which identity is off, the dtype and how the run went."""
+    dtype = jnp.dtype(point.q.mean.dtype)
+    if dtype != jnp.float64:
+        eps = float(jnp.finfo(dtype).eps)
+        return (f"The most likely cause is the dtype: in {dtype.name} (machine epsilon {eps:.1e}) the sums over "
+                "the sites carry rounding errors that grow with the number of examples and the data's scale, and "
+                "the residual stalls at their level. Rerun in float64 (jax.config.update('jax_enable_x64', True), "
+                "or `with jax.enable_x64():` around the fit and its data) before changing the model; if float64 "
+                "stalls as well, standardise covariates or try family='diagonal'.")
     if point.parts["precision"] > 10 * point.parts["mean"]:
         cause = ("The precision identity is the one off: the expected curvature E_q[∇²ℓ] changes fast with q, "
                  "typical of scale parameters (σ, τ) whose posterior is far from Gaussian in unconstrained "

@@ -135,7 +135,7 @@ def _memory_size(memory, num_retained):
 
 @provides("update")
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-           max_iters=100, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
+           max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     residual = post.residual

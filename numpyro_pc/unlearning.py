@@ -145,7 +145,7 @@ def _remove(post, removal, damping, what):
 
 
 @provides("delete")
-def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=100, raise_on_failure=True):
+def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None, raise_on_failure=True):
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
     if method not in METHODS:
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import numpyro_pc as pc
 from numpyro_pc import ef_posterior, ef_sites, fixed_point, solvers
-from numpyro_pc.errors import OutOfDomainError
+from numpyro_pc.errors import ConvergenceError, OutOfDomainError, StagnationError
+from conftest import logistic_model, make_logistic
 from numpyro_pc.fixed_point import (anderson_init, anderson_mix, anderson_push, anderson_restart, damping_init,
                                     damping_observe, natural_solve)
 
@@ -154,7 +156,6 @@ def test_backtrack_returns_the_longest_accepted_halving():
 
 
 def _logistic_problem(n=60, d=3):
-    from conftest import logistic_model, make_logistic
 
     from numpyro_pc.expectations import ExpectationRule
     from numpyro_pc.families import get_family
@@ -174,7 +175,6 @@ def test_gaussian_host_solve_is_its_init_and_step(x64):
     # mutates the carry it was given. Oracle for the end point: the delta rule's fixed point is
     # the MAP, so the mean equals pc.fit's MAP/Laplace posterior on the same data to 1e-8.
     import numpyro_pc as pc
-    from conftest import logistic_model
 
     from numpyro_pc.families import Gaussian
 
@@ -198,7 +198,6 @@ def test_traced_gaussian_iterate_is_its_init_and_step(x64):
     # from the host give the same iterate (rtol 1e-12: the two are compiled separately, so fusion
     # may reorder sums), and the end point is pc.fit's fixed point on all the data (KL-level 1e-8).
     import numpyro_pc as pc
-    from conftest import logistic_model, make_logistic
 
     from numpyro_pc.likelihood import bind_model
     from numpyro_pc.stream_state import from_posterior, iterate, iterate_init, iterate_step
@@ -218,3 +217,45 @@ def test_traced_gaussian_iterate_is_its_init_and_step(x64):
     np.testing.assert_allclose(carry.q.precision, q.precision, rtol=1e-12)
     batch = pc.fit(logistic_model, X, y, tol=1e-12)
     np.testing.assert_allclose(q.mean, batch.mean, rtol=1e-7, atol=1e-9)
+
+
+def test_a_float32_stall_is_blamed_on_the_dtype_and_float64_reaches_the_tolerance():
+    """Issue 32: a float32 run that stalls at its rounding level must say so, not blame the model.
+
+    Unscaled covariates (×30) make the site sums large, so float32 stalls near 1e-8; the same
+    problem in float64 reaches tol 1e-9 — which is what the message tells the user to try.
+    """
+    X, y = make_logistic(400, 3, seed=3)
+    X32, y32 = np.asarray(X, np.float32) * 30, np.asarray(y, np.float32)
+    with pytest.raises(StagnationError) as info:
+        pc.fit(logistic_model, X32, y32, tol=1e-9)
+    text = str(info.value)
+    assert "the dtype: in float32" in text and "Rerun in float64" in text
+    assert "non-log-concave" not in text
+    with jax.enable_x64(True):
+        post = pc.fit(logistic_model, np.asarray(X32, np.float64), np.asarray(y32, np.float64), tol=1e-9)
+        assert post.residual <= 1e-9
+
+
+def test_the_iteration_budget_follows_the_observed_linear_rate():
+    """Closed form: residuals 0.9^k reach 1e-8 from 0.9^100 in log(1e-8 / 0.9^100) / log 0.9 = 74.8 more
+    iterations; the budget grants 1.5 × that (+5). No budget without measurable progress, for a
+    non-finite residual, or beyond the cap."""
+    residuals = [0.9**k for k in range(101)]
+    n = np.log(1e-8 / 0.9**100) / np.log(0.9)
+    assert fixed_point.iteration_budget(residuals, 1e-8, 100) == int(np.ceil(1.5 * n)) + 5
+    assert fixed_point.iteration_budget([1.0] * 101, 1e-8, 100) == 0
+    assert fixed_point.iteration_budget(residuals[:-1] + [float("nan")], 1e-8, 100) == 0
+    assert fixed_point.iteration_budget(residuals, 1e-8, 100, cap=150) == 0
+    assert fixed_point.iteration_budget(residuals, 1e-2, 100) == 0  # already below tol: nothing to add
+
+
+def test_an_automatic_budget_lets_a_linearly_converging_fit_finish(x64, monkeypatch):
+    """A fit from the prior needs 12 iterations here: with a base budget of 11 the automatic
+    budget finishes it (at the tolerance), an explicit max_iters=11 stops it."""
+    X, y = make_logistic(300, 4, seed=3)
+    monkeypatch.setattr(solvers, "BASE_ITERATIONS", 11)
+    post = pc.fit(logistic_model, X * 3, y, init="prior")
+    assert post.residual <= 1e-8 and len(post.history) - 1 > 11
+    with pytest.raises(ConvergenceError, match="max_iters=11 reached"):
+        pc.fit(logistic_model, X * 3, y, init="prior", max_iters=11)
