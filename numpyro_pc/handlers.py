@@ -37,12 +37,13 @@ from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_handlers import bind_like, check_same_ef_model, check_terms_agree, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
 from .family_protocol import require_site_product
-from .errors import InvalidOptionError, ModelMismatchError, UnsupportedGuideError
+from .errors import ConvergenceError, InvalidOptionError, ModelMismatchError, UnsupportedGuideError
+from .fixed_point import default_tol
 from .likelihood import losses, prior_loss
 from .rowops import as_ids
 from .rows import memory_ids, positions, take_data
 
-__all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model"]
+__all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model", "require_fixed_point"]
 
 
 class posterior_prior(Messenger):
@@ -233,7 +234,29 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
     :param bool correct_prior: replace the prior's site by the true prior term.
     """
     check_same_model(model, posterior)
+    require_fixed_point(posterior, "pc.handlers.update")
     return posterior_prior(model, posterior, correction_factor(posterior, memory, correct_prior))
+
+
+def require_fixed_point(posterior, what: str) -> None:
+    """Refuse a posterior that is not at its fixed point for an operation built on its sites.
+
+    The corrected models of :func:`update` and :func:`forget` are exact only when ``q`` is
+    the product of the prior's site and the examples' sites (``λ = λ₀ + Σᵢ λᵢ``, the
+    residual at its tolerance): from a fit that stopped early (``raise_on_failure=False``)
+    the correction terms describe another distribution, and a sampler run on the corrected
+    model answers another question without saying so.
+
+    :raises ConvergenceError: the residual is above 100× the dtype's default tolerance (the
+        error carries the posterior as ``err.posterior``).
+    """
+    residual = float(posterior.residual)
+    limit = 100 * default_tol(jnp.result_type(*jax.tree.leaves(posterior.natural)))
+    if not residual <= limit:
+        raise ConvergenceError(
+            f"{what} needs a posterior at its fixed point (dual-form residual ≤ {limit:.0e}); this one's residual is "
+            f"{residual:.2e}, so its sites do not represent it and the corrected model would be another model's "
+            "posterior. Refine it first (post.refine(), or a larger max_iters), or refit.", posterior=posterior)
 
 
 def check_same_model(model, posterior, num_probes=3):
@@ -287,6 +310,7 @@ def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterabl
     """
     ids = as_ids(ids)
     check_same_model(model, posterior)
+    require_fixed_point(posterior, "pc.handlers.forget")
     extra = correction_factor(posterior, memory, correct_prior, removed=ids)
     spec, held = posterior.spec, posterior.num_retained
     if not held:

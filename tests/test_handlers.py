@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import potential_energy
@@ -73,3 +74,18 @@ def test_nuts_on_the_corrected_model_matches_nuts_on_all_data(x64):
     sd = batch.std(0)
     assert np.all(np.abs(ours.mean(0) - batch.mean(0)) < 0.1 * sd)
     assert np.all(np.abs(ours.std(0) / sd - 1.0) < 0.15)
+
+
+def test_handlers_refuse_a_posterior_that_stopped_before_its_fixed_point(x64):
+    """Issue 32: a fit stopped early (raise_on_failure=False) has sites that do not represent it;
+    the corrected models built on them are refused, and accepted again after refine()."""
+    X, y = make_logistic(80, 2, seed=2)
+    with pytest.warns(RuntimeWarning, match="refinement stopped"):
+        early = pc.fit(logistic_model, X, y, init="prior", max_iters=1, raise_on_failure=False)
+    assert early.residual > 1e-6
+    with pytest.raises(pc.ConvergenceError, match=r"pc.handlers.update needs a posterior at its fixed point"):
+        pc.handlers.update(logistic_model, early)
+    with pytest.raises(pc.ConvergenceError, match=r"pc.handlers.forget"):
+        pc.handlers.forget(logistic_model, early, [0])
+    refined = early.refine()
+    assert callable(pc.handlers.update(logistic_model, refined))
