@@ -262,3 +262,13 @@ def test_taylor_cavities_are_closer_to_brute_force_refits_than_site_removal(x64)
     assert taylor["taylor_converged"].all()
     with pytest.raises(UnsupportedGuideError, match="full Gaussian"):
         pc.loo(pc.fit(_scale_model, X, y, family="diagonal"), method="taylor")
+
+
+def test_the_loo_summary_does_not_call_quadrature_nodes_posterior_samples(x64):
+    """Issue 32: ArviZ's summary said "Computed from 343 posterior samples" for a dual-form LOO."""
+    X, y = make_linear(30, 2, seed=4)
+    result = pc.loo(pc.fit(linear_model, X, y))
+    text = str(result)
+    assert "not posterior samples" in text and f"({int(result.n_samples)} quadrature nodes" in text
+    assert "not PSIS's estimate" in text and repr(result) == text
+    assert "elpd_loo" in text and f"{result.elpd_loo:.2f}" in text  # ArviZ's table is kept

@@ -83,6 +83,24 @@ def _series_class():
             """Mask of examples whose value comes from an exact refit."""
             return np.asarray(self["refitted"]) if "refitted" in self else np.zeros(len(self.pointwise), bool)
 
+        def __str__(self):
+            """ArviZ's summary, saying what the numbers of a dual-form LOO are: the rule's nodes
+            are not posterior draws, and ``k̂`` is not PSIS's."""
+            text = super().__str__()
+            first, _, rest = text.partition("\n")
+            if "posterior samples" in first:
+                first = (f"Computed by posterior correction from {self.n_data_points} observations: each example scored "
+                         f"under its cavity q_-i with the posterior's own rule ({self.n_samples} quadrature nodes "
+                         "or draws, not posterior samples).")
+            text = first + "\n" + rest
+            if "pareto_k" in self:
+                text += ("\n\nk̂ here is the Pareto shape that a proposal with the same KL(q_-i || q) would have "
+                         "(numpyro_pc.criticism.cavity), not PSIS's estimate from draws: it marks the examples whose "
+                         "cavity may be far from the leave-one-out posterior; method='corrected' refits them.")
+            return text
+
+        __repr__ = __str__
+
     return LooResult
 
 
