@@ -20,7 +20,7 @@ import numpy as np
 from .curvature import CurvatureStore, get_store
 from .families import GaussianNatural
 from .prior_site import prior_dense, prior_matvec
-from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
+from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows, to_device
 
 __all__ = ["Sites", "SiteSums"]
 
@@ -242,7 +242,7 @@ class Sites:
             return self
         refs = take_rows(self.ref_means, used if used.size else np.arange(1))
         return replace(self, ref_means=pad_last_row(refs, size - refs.shape[0]),
-                       ref_index=jnp.asarray(np.ravel(inverse).astype(index.dtype)))
+                       ref_index=to_device(np.ravel(inverse).astype(index.dtype)))
 
     def stored_numbers(self):
         """How many numbers the per-example sites hold (gradients and curvature)."""
