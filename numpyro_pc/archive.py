@@ -109,9 +109,13 @@ def write_atomic(path, manifest, members, key=None):
     """Write the archive ``manifest`` (bytes) + ``members`` (``(name, bytes)``) to ``path`` atomically.
 
     :return: the :class:`~pathlib.Path` written.
+    :raises PersistenceError: ``path`` is a directory, or the operating system refuses the write
+        (a read-only folder, a full disk, a parent that is a file), naming the path and the cause.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise PersistenceError(f"cannot save to {str(path)!r}: it is a directory; expected the path of a file "
+                               "(e.g. a name inside that directory)")
     buffer = _io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         archive.writestr(MANIFEST, manifest)
@@ -119,6 +123,20 @@ def write_atomic(path, manifest, members, key=None):
             archive.writestr(name, data)
         if key is not None:
             archive.writestr(SIGNATURE, signature(key, manifest, members))
+    try:
+        return _replace_atomically(path, buffer)
+    except PersistenceError:
+        raise
+    except OSError as err:
+        cause = f"{type(err).__name__}: {err.strerror or err}"
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        raise PersistenceError(f"cannot save to {str(path)!r}: {cause}{where}; expected a writable file path "
+                               "(check the folder's permissions and free space)") from err
+
+
+def _replace_atomically(path, buffer) -> Path:
+    """Write ``buffer`` to a locked temporary beside ``path``, fsync it and rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     fd, tmp = _locked_temporary(path)
     try:

@@ -20,7 +20,7 @@ import numpy as np
 from .curvature import CurvatureStore, get_store
 from .families import GaussianNatural
 from .prior_site import prior_dense, prior_matvec
-from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows
+from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows, to_device
 
 __all__ = ["Sites", "SiteSums"]
 
@@ -219,11 +219,30 @@ class Sites:
             widen = lambda x: replace(x, grad=jnp.pad(x.grad, ((0, 0), (0, width - x.grad.shape[1]))),  # noqa: E731
                                       curv=x.curv.widened(width))
             self, other = widen(self), widen(other)
-        return Sites(grad=join(self.grad, other.grad), curv=self.curv.join(other.curv),
-                     loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
-                     ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
-                     ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
-                     prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref)
+        joined = Sites(grad=join(self.grad, other.grad), curv=self.curv.join(other.curv),
+                       loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
+                       ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
+                       ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
+                       prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref)
+        return joined if isinstance(joined.ref_index, jax.core.Tracer) else joined.compacted()
+
+    def compacted(self) -> Sites:
+        """The sites with ``ref_means`` cut to the rows some site refers to, when it holds more rows
+        than their :func:`~numpyro_pc.rowops.bucket_size` (host arrays only; the sites are unchanged).
+
+        :meth:`take` keeps every reference row and :meth:`concat` appends the other's, so without
+        this a stream that adds and removes sites (an exact update, then a site removal, repeated)
+        grows ``ref_means`` by a row per cycle and every compiled sum over the sites meets a new
+        shape. The kept rows, in their order, are padded with copies of the last to the bucket.
+        """
+        index = np.asarray(self.ref_index)
+        used, inverse = np.unique(index, return_inverse=True)
+        size = bucket_size(max(used.size, 1), smallest=1)
+        if self.ref_means.shape[0] <= size:
+            return self
+        refs = take_rows(self.ref_means, used if used.size else np.arange(1))
+        return replace(self, ref_means=pad_last_row(refs, size - refs.shape[0]),
+                       ref_index=to_device(np.ravel(inverse).astype(index.dtype)))
 
     def stored_numbers(self):
         """How many numbers the per-example sites hold (gradients and curvature)."""

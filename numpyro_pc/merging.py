@@ -69,7 +69,7 @@ from .errors import (
 )
 from .families import Gaussian
 from .fixed_point import default_tol
-from .likelihood import losses, prior_loss
+from .likelihood import example_loss, losses, prior_loss
 from .rows import concat_data, positions, take_data
 from .posterior_protocol import provides
 
@@ -125,6 +125,7 @@ def _check(base, posts, alphas, method):
     alphas = [1.0] * len(posts) if alphas is None else [float(a) for a in np.ravel(alphas)]
     if len(alphas) != len(posts):
         raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posts)} posteriors; expected one weight per posterior")
+    _check_weights(alphas)
     ref = posts[0]
     for k, p in enumerate(posts + ([base] if base is not None else [])):
         what = "base" if k == len(posts) else f"posterior {k}"
@@ -142,7 +143,51 @@ def _check(base, posts, alphas, method):
             raise IncompatiblePosteriorsError(
                 f"{what} dropped the data of {p.num_examples - p.num_retained} example(s); merging evaluates the "
                 "merged posterior's sites on every example and needs the data (keep='all')")
+    with jax.enable_x64(ref.mean.dtype == jnp.float64):
+        for k, p in enumerate(posts[1:] + ([base] if base is not None else []), 1):
+            _check_same_terms(ref, p, "base" if k == len(posts) else f"posterior {k}")
     return posts, alphas
+
+
+def _check_weights(alphas) -> None:
+    """Refuse weights that are negative or not finite (naming the first such weight).
+
+    A merge adds ``α_k`` times each task's share of the natural parameters to the base; a
+    negative weight subtracts precision, and the result is no longer a distribution for any
+    task that carries information (before this check it surfaced as a "non-finite mean").
+    """
+    for k, a in enumerate(alphas):
+        if not (np.isfinite(a) and a >= 0.0):
+            raise InvalidOptionError(f"merge weight alphas[{k}] = {a!r}; expected a finite weight ≥ 0 (a negative "
+                                     "weight subtracts a task's precision: to remove a task's examples use "
+                                     "post.delete(ids))")
+
+
+def _check_same_terms(ref, post, what) -> None:
+    """Refuse ``post`` unless its prior term and likelihood are ``ref``'s, probed at both means.
+
+    The merge adds natural parameters relative to one prior (the base's, or the model's): a
+    posterior fitted under another prior (``N(0, 10)`` against ``N(0, 1)``) or another
+    likelihood would be combined as if its sites belonged to ``ref``'s model, silently wrong.
+
+    :raises IncompatiblePosteriorsError: naming the term, the probe and both values.
+    """
+    rtol = 1e-8 if ref.mean.dtype == jnp.float64 else 1e-4
+    example = tuple(x[0] for x in post.data.per_example) if post.num_retained else None
+    for where, z in (("posterior 0's mean", ref.mean), (f"{what}'s mean", post.mean)):
+        terms = [("prior", prior_loss(ref.spec, z, ref.data), prior_loss(post.spec, z, post.data))]
+        if example is not None:
+            terms.append((f"likelihood of {what}'s first example", example_loss(ref.spec, z, example, post.data.shared),
+                          example_loss(post.spec, z, example, post.data.shared)))
+        for term, a, b in terms:
+            a, b = float(a), float(b)
+            if not abs(a - b) <= rtol * (1.0 + abs(a)):
+                raise IncompatiblePosteriorsError(
+                    f"{what} was fitted under another {term.split(' of ')[0]} than posterior 0: at {where} the "
+                    f"negative log {term} is {b:.6g} under {what}'s model, expected {a:.6g} (posterior 0's); "
+                    "merging adds natural "
+                    "parameters relative to one shared prior and model (refit one posterior under the other's prior "
+                    "and likelihood)")
 
 
 def _task_rows(post, base):
@@ -186,7 +231,7 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
     if not bool(jnp.all(jnp.isfinite(chol))):
 
         raise NotPositiveDefiniteError(f"the {method} merge's precision H = H_pre + Σ α_i H_i is not positive "
-                                       "definite (negative α or non-convex losses at the task means)")
+                                       "definite (non-convex losses at the task means)")
     mean = base_q.mean + jax.scipy.linalg.cho_solve((chol, True), rhs)
     return Gaussian(mean, family.keep_fixed(base_q.precision, family.project_curvature(h)))
 
@@ -292,6 +337,7 @@ def _merge_ef(base, posteriors, alphas, method, rule):
     if len(alphas) != len(posteriors):
         raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posteriors)} posteriors; expected one weight "
                                  "per posterior")
+    _check_weights(alphas)
     first = posteriors[0]
     for k, post in enumerate(posteriors[1:] + ([base] if base is not None else []), 1):
         what = "base" if k == len(posteriors) else f"posterior {k}"

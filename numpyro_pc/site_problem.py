@@ -141,9 +141,23 @@ def dual_residual(family, q, sites, base=None, include_prior=True, weights=None)
     return residual_from_totals(family, q, problem_totals(problem, q, sites))
 
 
-def residual_from_totals(family, q, totals):
+_NO_CANCELLATION = 1.0 - 1e-6  # a relative mean residual this close to 1: the live gradients do not cancel at all
+
+
+def residual_from_totals(family, q, totals) -> tuple:
+    """``(residual, {"mean": ..., "precision": ...})`` from a problem's totals (see :func:`dual_residual`).
+
+    The relative mean residual ``‖Σ_i ∇ℓ̂_i(m)‖ / Σ_i ‖∇ℓ̂_i(m)‖`` is 1 whenever the live gradients do
+    not cancel at all — always when a single term is live (the prior alone, after every example
+    was deleted), however small its gradient. There the mean residual is the smaller of that
+    ratio and the length of the Newton step in posterior standard deviations,
+    ``(gᵀ S⁻¹ g)^{1/2}``, which measures the same distance to the fixed point without the
+    cancellation.
+    """
     grad, norms, curv = totals[:3]
     r_mean = float(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny))
+    if r_mean > _NO_CANCELLATION:  # min(): a NaN step (precision not positive definite) keeps the ratio
+        r_mean = min(r_mean, float(jnp.sqrt(family.quad_form_cov(q, family.covariance_operand(q), grad))))
     r_prec = float(family.precision_residual(q.precision, curv))
     return max(r_mean, r_prec), {"mean": r_mean, "precision": r_prec}
 

@@ -144,6 +144,18 @@ def _remove(post, removal, damping, what):
     return q, alpha
 
 
+def _live_rows(post, data_keep, live) -> tuple:
+    """``(data, weights, ids)`` of the examples a corrected deletion or retrain recomputes, padded to a bucket.
+
+    With no example left the problem is the prior (and any frozen sites) alone: it is solved on
+    one row of the deleted data at weight 0, since the site machinery traces the model on a row.
+    """
+    dtype = post.state.mean.dtype
+    if live.size:
+        return pad_to_bucket(take_data(post.data, data_keep), None, live, dtype)
+    return pad_to_bucket(take_data(post.data, np.arange(1)), np.zeros(1, dtype), np.array([-1]), dtype)
+
+
 @provides("delete")
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None, raise_on_failure=True):
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
@@ -171,6 +183,12 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
         q, alpha = _remove(post, _removed_natural(post, site_rows), damping, "site removal")
         sites = RowSelection.of(post.raw_sites, keep_rows)
     elif method in ("influence", "tracin"):
+        if not keep_rows.size:
+            raise InvalidOptionError(
+                f"method={method!r} cannot delete every example ({ids.size} of {post.num_examples}): it is a "
+                "first-order step from the current posterior, exact only when the deleted examples change little, "
+                "and a posterior with no data left is the prior, as far from q_t as the data moved it. Use "
+                "method='remove_site', 'corrected' or 'retrain', which return the prior-only posterior.")
         rows = positions(retained, ids, "example with retained data (influence needs the data of the deleted ids)")
         g, h_gone, h_all = _delta_terms(post, rows)
         if method == "tracin":
@@ -205,7 +223,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
         else:
             base = post.sites.take(frozen_rows).natural_sum(family) if frozen_rows.size else None
         # padded to a bucket (weight 0): deletions one by one reuse the compiled solver
-        data, weights, padded_ids = pad_to_bucket(take_data(post.data, data_keep), None, live, post.state.mean.dtype)
+        data, weights, padded_ids = _live_rows(post, data_keep, live)
         spec = replace(post.spec, num_examples=int(padded_ids.size))
         problem = SiteProblem(spec, data, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                               jnp.asarray(padded_ids), base, True, weights)

@@ -169,3 +169,12 @@ def test_bad_input_raises():
         federated.run(linear_model, [(X, y), (X[:, :1], y)])
     with pytest.raises(pc.ExpectationRuleError):
         federated.run(linear_model, [(X, y)], expectation="mc")
+
+
+def test_a_client_with_another_number_of_features_is_told_both_shapes():
+    # before: "expected ('w',) / ('y',)" — the same text on both sides of the comparison
+    X, y = make_linear(20, 2, seed=0)
+    wider = np.concatenate([np.asarray(X), np.ones((20, 1))], 1)
+    with pytest.raises(pc.DataShapeError, match=r"client 1's shard .*w: shape \(3,\).* expected client 0's "
+                                                r"\{w: shape \(2,\)\}"):
+        federated.run(linear_model, [(X, y), (wider, y)])

@@ -1,6 +1,8 @@
 """Persistence: bit-exact round trips, atomic writes, and a typed error for every corruption."""
 
 import json
+import os
+import stat
 import zipfile
 
 import jax
@@ -9,6 +11,7 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import archive, io
+from numpyro_pc.errors import PersistenceError
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear
 
@@ -129,3 +132,29 @@ def test_no_pickle_in_the_archive(streamed, tmp_path):
             if name.endswith(".npy"):
                 with archive.open(name) as handle:
                     np.load(handle, allow_pickle=False)  # would raise on object arrays
+
+
+def test_saving_to_a_directory_is_a_persistence_error(tmp_path):
+    # before: the builtin IsADirectoryError from os.replace
+    X, y = make_logistic(20, 2, seed=0)
+    post = pc.fit(logistic_model, X, y, family="diagonal")
+    with pytest.raises(PersistenceError, match=r"is a directory; expected the path of a file") as err:
+        post.save(tmp_path)
+    assert str(tmp_path) in str(err.value)
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root ignores folder permissions (and they are POSIX ones)")
+def test_saving_into_a_read_only_folder_is_a_persistence_error(tmp_path):
+    # before: the builtin PermissionError from the temporary file's creation
+    X, y = make_logistic(20, 2, seed=0)
+    post = pc.fit(logistic_model, X, y, family="diagonal")
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with pytest.raises(PersistenceError, match=r"cannot save to .*PermissionError") as err:
+            post.save(folder / "post.npc")
+        assert str(folder / "post.npc") in str(err.value)
+    finally:
+        folder.chmod(stat.S_IRWXU)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc.errors import IncompatiblePosteriorsError
+from numpyro_pc.errors import IncompatiblePosteriorsError, InvalidOptionError
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic, scale_model
 from test_ef_adapt import A0, B0, _bern, beta_bernoulli
@@ -134,3 +134,30 @@ def test_ef_merge_of_a_non_conjugate_likelihood_is_the_arithmetic(x64):
     separate = pc.fit(misclassified, y=jnp.asarray(y[20:]), family={"p": "beta"}, tol=1e-12)
     with pytest.raises(pc.IncompatiblePosteriorsError, match="other data than the base"):
         pc.merge(base, [separate])
+
+
+def test_posteriors_fitted_under_different_priors_or_likelihoods_are_refused(x64):
+    # Bayesian arithmetic adds natural parameters relative to one prior: a posterior fitted under
+    # N(0, 10²) merged with one under N(0, 1) was accepted (KL 0.0067 to the joint under N(0, 1) on
+    # this seed) — the same holds for another likelihood (noise 1.0 against 0.5).
+    X, y = make_linear(60, 3, seed=11)
+    narrow = pc.fit(linear_model, X[:30], y[:30], family="full", prior_scale=1.0)
+    wide = pc.fit(linear_model, X[30:], y[30:], family="full", prior_scale=10.0)
+    with pytest.raises(IncompatiblePosteriorsError, match="another prior"):
+        pc.merge(None, [narrow, wide])
+    noisy = pc.fit(linear_model, X[30:], y[30:], family="full", prior_scale=1.0, noise=1.0)
+    with pytest.raises(IncompatiblePosteriorsError, match="another likelihood"):
+        pc.merge(None, [narrow, noisy])
+    # matching priors still merge to the joint posterior (conjugate: exact to round-off, 1e-10)
+    also_narrow = pc.fit(linear_model, X[30:], y[30:], family="full", prior_scale=1.0)
+    joint = pc.fit(linear_model, X, y, family="full", prior_scale=1.0, tol=1e-12)
+    assert float(pc.merge(None, [narrow, also_narrow]).kl(joint)) < 1e-10
+
+
+@pytest.mark.parametrize("alpha", [-1.0, float("nan")])
+def test_negative_or_non_finite_merge_weights_are_refused_up_front(x64, alpha):
+    # before: a negative weight surfaced as "the bayesian merge produced a non-finite mean"
+    X, y = make_linear(40, 3, seed=1)
+    posts = [pc.fit(linear_model, a, b, family="full") for a, b in shards(X, y, 2)]
+    with pytest.raises(InvalidOptionError, match=r"alphas\[1\] = "):
+        pc.merge(None, posts, alphas=[1.0, alpha])

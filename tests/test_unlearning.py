@@ -1,10 +1,14 @@
 """Deletion against retraining and closed forms."""
 
+import warnings
+
+import jax
 import numpy as np
 import pytest
 
 import numpyro_pc as pc
 from numpyro_pc.diagnostics import count_compilations
+from numpyro_pc.errors import InvalidOptionError, NotFittedError
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 from test_posterior import closed_form_linear
@@ -135,3 +139,68 @@ def test_positions_finds_rows_in_unsorted_ids():
         positions(ids, [2, 5])
     with pytest.raises(UnknownExampleError):
         positions(np.array([], np.int64), [1])
+
+
+@pytest.fixture(scope="module")
+def fitted_logistic():
+    """A full-Gaussian logistic regression on 40 examples (prior N(0, I) on the 4 latents), float64."""
+    with jax.enable_x64(True):
+        X, y = make_logistic(40, 3, seed=1)
+        return pc.fit(logistic_model, X, y, family="full", tol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["remove_site", "corrected", "retrain"])
+def test_deleting_every_example_gives_the_prior(x64, fitted_logistic, method):
+    # With no site left the dual form is the prior site alone: for the Gaussian prior N(0, I) the
+    # posterior is the prior itself. corrected/retrain solve the prior-only problem (before: a
+    # DataShapeError about empty data) and agree to rounding (1e-12); remove_site subtracts the 40
+    # sites from λ_t, so its mean carries the rounding of that cancellation (measured 1.4e-12; 1e-10)
+    # and its residual is measured as the mean's distance in posterior sd (before: 1.0, the ratio
+    # ‖g_0‖/‖g_0‖ of a single live term).
+    post = fitted_logistic
+    empty = post.delete(np.asarray(post.ids), method=method)
+    assert empty.num_examples == 0 and empty.num_retained == 0
+    atol = 1e-12 if method != "remove_site" else 1e-10
+    np.testing.assert_allclose(np.asarray(empty.mean), np.zeros(4), atol=atol)
+    np.testing.assert_allclose(np.asarray(empty.precision), np.eye(4), atol=atol)
+    assert empty.residual < 1e-9
+
+
+@pytest.mark.parametrize("method", ["influence", "tracin"])
+def test_first_order_deletion_of_every_example_is_refused(x64, fitted_logistic, method):
+    # before: a mean 0.2–0.4 away from the prior's at residual 1.0, without a word
+    with pytest.raises(InvalidOptionError, match="cannot delete every example"):
+        fitted_logistic.delete(np.asarray(fitted_logistic.ids), method=method)
+
+
+def test_loo_with_no_examples_left_is_refused(x64, fitted_logistic):
+    # before: elpd 0.00, SE NaN and NumPy RuntimeWarnings
+    empty = fitted_logistic.delete(np.asarray(fitted_logistic.ids), method="remove_site")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(NotFittedError, match="no examples to leave out"):
+            pc.loo(empty)
+
+
+def test_add_then_remove_site_cycles_keep_reference_means_bounded(x64):
+    # An exact update recomputes every site at the new mean and a site removal keeps the rows it
+    # drops; Sites.concat appended every earlier reference mean, so ref_means grew by a row per
+    # cycle and every removal recompiled (measured over 20 cycles: 24 rows and 26 compilations,
+    # 0.73 s per cycle before; 1 row, 0 compilations, 0.04 s after). The model is conjugate, so an
+    # exact update and a site removal are both exact and the cycle must return the original
+    # posterior to rounding (1e-10).
+    X, y = (np.asarray(a) for a in make_linear(51, 2, seed=3))
+    post = original = pc.fit(linear_model, X[:50], y[:50], family="full", tol=1e-12)
+
+    def cycle(post):
+        post = post.update(X[50:], y[50:], correction="exact")
+        return post.delete([int(np.asarray(post.ids)[-1])], method="remove_site")
+
+    post = cycle(cycle(post))  # warm-up: the compiled shapes of one cycle
+    with count_compilations() as compiled:
+        for _ in range(20):
+            post = cycle(post)
+    assert post.sites.ref_means.shape[0] <= 2, post.sites.ref_means.shape
+    assert compiled.count == 0, f"{compiled.count} compilations in 20 warm add/remove cycles"
+    np.testing.assert_allclose(np.asarray(post.mean), np.asarray(original.mean), atol=1e-10)
+    np.testing.assert_allclose(np.asarray(post.precision), np.asarray(original.precision), atol=1e-10)

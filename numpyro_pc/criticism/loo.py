@@ -31,12 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
+from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..rows import positions, take_data
 from ..curvature import FULL
 from ..family_protocol import require_site_product
 from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
+from ..posterior_protocol import Posterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
 
@@ -174,6 +175,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     :param int max_iters: iterations per refit.
     :return: a :class:`LooResult` (an ``arviz.ELPDData``); ``record``-like extras are the
         entries ``refitted`` and ``method``.
+    :raises NotFittedError: the posterior has no example with retained data to leave out.
     :raises NotPositiveDefiniteError: an example's cavity is not positive definite
         (``k̂_i ≥ 1``) and it is not among the refitted ones.
     :raises UnsupportedGuideError: a posterior whose sites carry no precision (isotropic
@@ -182,6 +184,11 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     """
     if method not in METHODS:
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
+    if isinstance(post, Posterior) and post.num_retained == 0:
+        found = (f"{post.num_examples} example(s) with a site, none with its data" if post.num_examples
+                 else "no example at all (every example was deleted)")
+        raise NotFittedError(f"no examples to leave out: leave-one-out needs at least one example with retained data; "
+                             f"this posterior has {found}, so its elpd would be an empty sum with no standard error")
     start = time.perf_counter()
     result = _loo(post, method, where, good_k, tol, max_iters)
     result["seconds"] = time.perf_counter() - start

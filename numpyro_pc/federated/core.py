@@ -134,8 +134,9 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), al
     spec = bound[0][0]
     for k, (s, d) in enumerate(bound[1:], start=1):
         if s.latent.signature() != spec.latent.signature() or s.observed != spec.observed:
-            raise DataShapeError(f"client {k} gives the model latent sites {s.latent.names} / observed "
-                                 f"{s.observed}, expected {spec.latent.names} / {spec.observed}")
+            raise DataShapeError(f"client {k}'s shard gives the model latent sites {_described(s)}, expected client "
+                                 f"0's {_described(spec)} (clients must share the model: the same number of "
+                                 "features, the same latent and observed sites)")
         if s.kinds != spec.kinds or s.treedef != spec.treedef:
             raise DataShapeError(f"client {k} passes the model's arguments differently from client 0")
         for a, b in zip(d.shared, bound[0][1].shared):
@@ -143,6 +144,12 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), al
                 raise DataShapeError(f"client {k} has a different shared (not per-example) argument than client 0")
     datas = [d for _, d in bound]
     return spec, stack_clients(datas), datas
+
+
+def _described(spec) -> str:
+    """A bound model's latent sites with their shapes and its observed sites, for messages."""
+    latent = ", ".join(f"{n}: shape {tuple(shape)}" for n, shape in zip(spec.latent.names, spec.latent.shapes))
+    return f"{{{latent}}} observing {list(spec.observed)}"
 
 
 def stack_clients(datas, size=None):
