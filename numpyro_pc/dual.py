@@ -39,9 +39,9 @@ from .rows import pad_to_bucket, positions, take_data
 from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
 from .sites import mc_along_subspace
-from .solvers import default_tol, solve
+from .solvers import default_tol, solve, solve_init
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior", "STALE_STATE",
            "by_posterior_kind"]
 
 
@@ -98,6 +98,10 @@ class PosteriorConfig:
     curvature: str
     storage: str
     chunk_size: int | None
+
+
+STALE_STATE = "_stale_state"  # record key: the state whose retained sites are stale (an approximate deletion's)
+FRESH_RESIDUAL = "_fresh_residual"  # record key: that state's residual with fresh sites, once computed
 
 
 def in_own_precision(method):
@@ -208,14 +212,49 @@ class DualPosteriorBase(Posterior):
     @property
     @in_own_precision
     def residual(self):
-        """Relative dual-form residual (max of the mean and precision identities)."""
-        return dual_residual(self.family, self.state, self.sites, self.offset)[0]
+        """Relative dual-form residual (max of the mean and precision identities).
+
+        After an approximate deletion (``remove_site``, ``influence``, ``tracin``) the retained
+        examples' sites were computed at the previous ``q``, so the stored identity
+        ``λ = λ₀ + Σᵢ λ̂ᵢ`` reports the old fit's residual, not the deletion's error. The
+        residual is then taken with every retained example's site recomputed at the current
+        ``q`` (one site pass, computed on first use): it measures how far the deletion is from
+        the fixed point of the remaining data. :attr:`site_identity_residual` is the stored
+        identity, whatever the sites' age.
+        """
+        return self._residual_and_parts()[0]
 
     @property
     @in_own_precision
     def residual_parts(self):
-        """``{"mean": ..., "precision": ...}`` relative residuals of the two identities."""
-        return dual_residual(self.family, self.state, self.sites, self.offset)[1]
+        """``{"mean": ..., "precision": ...}`` relative residuals of the two identities (with
+        fresh sites after an approximate deletion, as :attr:`residual`)."""
+        return self._residual_and_parts()[1]
+
+    @property
+    @in_own_precision
+    def site_identity_residual(self) -> float:
+        """The residual of ``λ = λ₀ + Σᵢ λ̂ᵢ`` with the sites as stored (what a saved file records
+        and what the corrected models of :mod:`numpyro_pc.handlers` rely on)."""
+        return dual_residual(self.family, self.state, self.sites, self.offset)[0]
+
+    @property
+    def stale_sites(self) -> bool:
+        """Whether the retained examples' sites were computed at an earlier ``q`` (after an
+        approximate deletion, until the next operation that recomputes them)."""
+        record = self.record if isinstance(self.record, dict) else {}
+        return record.get(STALE_STATE) is self.state and self.num_retained > 0
+
+    def _residual_and_parts(self):
+        if not self.stale_sites:
+            return dual_residual(self.family, self.state, self.sites, self.offset)
+        cached = self.record.get(FRESH_RESIDUAL)
+        if cached is None:
+            problem, _ = self._problem()
+            point = solve_init(problem, self.state, memory=0).point
+            cached = (float(point.residual), dict(point.parts))
+            self.record[FRESH_RESIDUAL] = cached  # the record belongs to this state (STALE_STATE), so the value does
+        return cached
 
     def _split_frozen(self):
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
@@ -430,7 +469,13 @@ class DualPosteriorBase(Posterior):
     def __repr__(self):
         return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
                 f"retained={self.num_retained}, rule={self.rule.kind}, storage={self.sites.storage}, "
-                f"residual={self.residual:.2e})")
+                f"residual={self._shown_residual()})")
+
+    def _shown_residual(self) -> str:
+        """The residual for ``repr``: a representation never runs a site pass."""
+        if self.stale_sites and FRESH_RESIDUAL not in self.record:
+            return "stale sites (post.residual computes it)"
+        return f"{self.residual:.2e}"
 
 
 class RowSelection:

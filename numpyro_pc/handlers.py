@@ -250,7 +250,7 @@ def require_fixed_point(posterior, what: str) -> None:
     :raises ConvergenceError: the residual is above 100× the dtype's default tolerance (the
         error carries the posterior as ``err.posterior``).
     """
-    residual = float(posterior.residual)
+    residual = float(posterior.site_identity_residual)
     limit = 100 * default_tol(jnp.result_type(*jax.tree.leaves(posterior.natural)))
     if not residual <= limit:
         raise ConvergenceError(

@@ -107,7 +107,7 @@ def _save_gaussian(post: DualPosteriorBase, path, key):
         "dtype": dtype, "rule": dict(vars(post.rule)),
         "curvature": post.curvature, "storage": post.sites.storage, "chunk_size": post.chunk_size,
         "next_id": post.next_id, "tombstones": list(post.tombstones),
-        **binding_manifest(spec, post.data, arrays, float(post.residual), fingerprint, key is not None),
+        **binding_manifest(spec, post.data, arrays, float(post.site_identity_residual), fingerprint, key is not None),
     }
     return write_checked(path, manifest, arrays, _check_file, key=key, sized_member="tombstones")
 

@@ -104,6 +104,12 @@ class Posterior(ABC):
         """Relative residual of the dual-form identity :math:`\\lambda = \\lambda_0 + \\sum_i \\hat\\lambda_i`
         at the sites' fixed point (0 at the variational optimum)."""
 
+    @property
+    def site_identity_residual(self) -> float:
+        """The residual of the identity with the sites as stored (a family whose sites are never
+        stale has only this one: :attr:`residual`)."""
+        return float(self.residual)
+
     # ------------------------------------------------------------------ what it answers
     @abstractmethod
     def sample(self, key, num_samples: int):

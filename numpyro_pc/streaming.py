@@ -138,7 +138,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
            max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
-    residual = post.residual
+    residual = post.site_identity_residual  # the sites' own identity: an exact update recomputes stale ones
     if not np.isfinite(residual):
         raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
                                    "non-finite values, so no update can be trusted; refit the posterior.")

@@ -42,7 +42,7 @@ import numpy as np
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, remove_site
-from .dual import RowSelection
+from .dual import STALE_STATE, RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
@@ -50,9 +50,10 @@ from .site_problem import SiteProblem
 from .solvers import solve
 from .posterior_protocol import provides
 
-__all__ = ["METHODS", "delete"]
+__all__ = ["METHODS", "APPROXIMATE_METHODS", "delete"]
 
 METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
+APPROXIMATE_METHODS = ("remove_site", "influence", "tracin")  # the retained examples' sites are not recomputed
 
 
 def _check_ids(post, ids):
@@ -238,6 +239,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
         raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
                   seconds=time.perf_counter() - start, kl_to_previous=float(kl_to_previous))
+    if method in APPROXIMATE_METHODS:  # the retained sites are q_t's: post.residual then measures this deletion
+        record[STALE_STATE] = q
     return post.evolve(spec=replace(post.spec, num_examples=int(data_keep.size)),
                          data=RowSelection.of(post.raw_data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),

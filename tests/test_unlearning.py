@@ -204,3 +204,34 @@ def test_add_then_remove_site_cycles_keep_reference_means_bounded(x64):
     assert compiled.count == 0, f"{compiled.count} compilations in 20 warm add/remove cycles"
     np.testing.assert_allclose(np.asarray(post.mean), np.asarray(original.mean), atol=1e-10)
     np.testing.assert_allclose(np.asarray(post.precision), np.asarray(original.precision), atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["remove_site", "influence", "tracin"])
+def test_an_approximate_deletion_reports_its_own_error_not_the_old_fits(x64, method, tmp_path):
+    """Issue 32: after remove_site the stored identity λ = λ₀ + Σ λ̂ᵢ holds by construction
+    (the old fit's residual, ~1e-9), whatever the deletion's error. post.residual recomputes the
+    retained sites at the new q; it must be large when the deletion is far from the refit and
+    fall below tol once refined to the corrected deletion (the oracle)."""
+    X, y = make_logistic(120, 3, seed=11)
+    post = pc.fit(logistic_model, X, y)
+    gone = np.flatnonzero(np.asarray(y) > 0.5)[:30]  # one class, a quarter of the data: a large move
+    approx = post.delete(gone, method=method)
+    assert approx.stale_sites and "stale sites" in repr(approx)  # repr runs no site pass
+    if method == "remove_site":  # the identity is the old fit's: 1.3e-8 here, while KL to the refit is 0.099
+        assert approx.site_identity_residual < 1e-6
+    assert approx.residual > 1e-2  # measured 0.10 / 0.11 / 0.86 (remove_site / influence / tracin)
+    assert "stale" not in repr(approx)  # now known
+    corrected = post.delete(gone, method="corrected")
+    refined = approx.refine()
+    assert not refined.stale_sites and refined.residual <= 1e-8
+    assert float(refined.kl(corrected)) < 1e-9
+    path = approx.save(tmp_path / "approx.npz")  # the file records the sites' own identity
+    assert pc.load(path, logistic_model).site_identity_residual == pytest.approx(approx.site_identity_residual,
+                                                                                  rel=1e-6, abs=1e-12)
+
+
+def test_an_exact_site_removal_reports_a_small_residual(x64):
+    """Conjugate linear regression: removing exact sites is the refit, so the fresh residual is small too."""
+    X, y = make_linear(50, 3, seed=6)
+    removed = pc.fit(linear_model, X, y).delete(np.arange(10, 25), method="remove_site")
+    assert removed.stale_sites and removed.residual < 1e-8
