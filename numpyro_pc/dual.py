@@ -39,6 +39,7 @@ from .rows import pad_to_bucket, positions, take_data
 from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
 from .sites import mc_along_subspace
+from .options import check_count, check_finite, check_key, check_solver_options
 from .solvers import default_tol, solve, solve_init
 
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior", "STALE_STATE",
@@ -343,6 +344,8 @@ class DualPosteriorBase(Posterior):
         :param bool progress: show a progress bar.
         :return: a new :class:`DualPosterior` whose ``history`` records every step.
         """
+        check_solver_options(tol, max_iters)
+        step_size = check_finite(step_size, "step_size", low=2.0**-30, high=1.0)
         _, frozen, _ = self._split_frozen()
         problem, num_live = self._problem()
 
@@ -380,6 +383,9 @@ class DualPosteriorBase(Posterior):
     @in_own_precision
     def kl(self, other: DualPosteriorBase) -> jax.Array:
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
+        if not isinstance(other, DualPosteriorBase):
+            raise IncompatiblePosteriorsError(f"KL needs another Gaussian dual-form posterior of the same model; got "
+                                              f"{type(other).__name__}")
         if other.latent.signature() != self.latent.signature():
             raise IncompatiblePosteriorsError("the posteriors belong to models with different latent sites")
         if other.family.name != self.family.name:
@@ -402,6 +408,8 @@ class DualPosteriorBase(Posterior):
         point ``num_samples`` times, like NumPyro's ``AutoDelta.sample_posterior``, with a
         :class:`~numpyro_pc.errors.PointEstimateWarning`.
         """
+        check_key(key)
+        num_samples = check_count(num_samples, "num_samples", allow_none=False)
         if self.is_point_estimate:
             warnings.warn("this posterior is a point estimate (AutoDelta / isotropic family with the delta rule): "
                           "its samples are the point itself and carry no uncertainty; fit a Gaussian family "

@@ -47,6 +47,7 @@ from .errors import (
 from .expectations import ExpectationRule
 from .families import Gaussian, GaussianNatural, get_family
 from .fingerprint import model_fingerprint
+from .options import check_path
 from .rowops import to_device
 from .sites import Sites
 from .site_problem import dual_residual
@@ -84,6 +85,7 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
         then refuses any file not signed with it.
     :return: the :class:`~pathlib.Path` written.
     """
+    check_path(path)
     return _save(post, path, key)
 
 

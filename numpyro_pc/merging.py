@@ -50,7 +50,7 @@ are refused for them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 import jax
@@ -116,13 +116,21 @@ def prior_natural(family, prior, tau=None):
     return family.prior_natural(prior, tau)
 
 
+def _weights(alphas) -> list:
+    """The merge weights as floats (range checks follow in the callers)."""
+    try:
+        return [float(a) for a in np.ravel(np.asarray(alphas, dtype=float))]
+    except (TypeError, ValueError) as err:
+        raise InvalidOptionError(f"alphas must be numbers, one weight per posterior; got {alphas!r}") from err
+
+
 def _check(base, posts, alphas, method):
     if method not in METHODS:
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     posts = list(posts)
     if not posts:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
-    alphas = [1.0] * len(posts) if alphas is None else [float(a) for a in np.ravel(alphas)]
+    alphas = [1.0] * len(posts) if alphas is None else _weights(alphas)
     if len(alphas) != len(posts):
         raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posts)} posteriors; expected one weight per posterior")
     _check_weights(alphas)
@@ -258,6 +266,9 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
     if _merge.dispatch(type(posteriors)) is not _merge.dispatch(object):
         raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found one "
                                  f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
+    if not isinstance(posteriors, Iterable) or isinstance(posteriors, (str, bytes)):
+        raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found "
+                                 f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
     posteriors = list(posteriors)
     if method not in METHODS:
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
@@ -333,7 +344,7 @@ def _merge_ef(base, posteriors, alphas, method, rule):
                                  "posterior's configuration")
     if not posteriors:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
-    alphas = [1.0] * len(posteriors) if alphas is None else [float(a) for a in np.ravel(alphas)]
+    alphas = [1.0] * len(posteriors) if alphas is None else _weights(alphas)
     if len(alphas) != len(posteriors):
         raise InvalidOptionError(f"got {len(alphas)} alphas for {len(posteriors)} posteriors; expected one weight "
                                  "per posterior")

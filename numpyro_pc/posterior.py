@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable, Iterable
 
 import jax.numpy as jnp
+import numpy as np
 
 from . import ef_guides as _ef_guides
 from . import guides as _guides
@@ -28,6 +29,7 @@ from .expectations import get_rule
 from .families import ExponentialFamily, get_family
 from .io import load as _load
 from .likelihood import bind_model
+from .options import check_count, check_solver_options
 from .posterior_protocol import Posterior
 from .start import default_start
 from .streaming import update as _update
@@ -83,6 +85,8 @@ class DualPosterior(DualPosteriorBase):
         :param int seed: seed of random memory selection and of the reservoir.
         :return: a new :class:`DualPosterior`; ``record`` holds the operation's diagnostics.
         """
+        check_solver_options(tol, max_iters)
+        check_count(seed, "seed", minimum=0, allow_none=False)
         return _update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
                       tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                       batch_fraction=batch_fraction, epochs=epochs, **kwargs)
@@ -98,6 +102,9 @@ class DualPosterior(DualPosteriorBase):
         :param bool damping: when the result would not be positive definite, shrink the
             removal and report the factor in ``record["damping"]`` instead of raising.
         """
+        check_solver_options(tol, max_iters)
+        if not isinstance(damping, (bool, np.bool_)):
+            raise InvalidOptionError(f"damping must be True or False; got {damping!r} ({type(damping).__name__})")
         return _delete(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
                       raise_on_failure=raise_on_failure)
 
@@ -160,10 +167,11 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
+    _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
     if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
                             **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
-                            tol=tol, max_iters=max_iters, refine=refine,
+                            tol=tol, **_given(max_iters=max_iters), refine=refine,
                             raise_on_failure=raise_on_failure, data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=_float_dtype())
@@ -225,12 +233,13 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
 
     See :func:`dual_form` for the other options.
     """
+    _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
     if isinstance(family, dict):
         if rank is not None:
             raise InvalidOptionError(f"rank={rank} is an option of family='lowrank'; a dict of per-site families takes none")
         return fit_ef(model, *args, family=family, expectation=expectation or "auto",
                       **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
-                      tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
+                      tol=tol, **_given(max_iters=max_iters), raise_on_failure=raise_on_failure,
                       data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     fam = get_family(family, rank=rank)
@@ -244,6 +253,14 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
                            max_iters, progress, raise_on_failure, cls=DualPosterior)
     info = {k: v for k, v in start._asdict().items() if k != "start"}
     return post.evolve(record=dict(post.record or {}, start=info))
+
+
+def _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed) -> None:
+    """Range checks of the numeric options of :func:`fit` and :func:`dual_form`."""
+    check_solver_options(tol, max_iters)
+    for name, value in (("num_samples", num_samples), ("num_nodes", num_nodes), ("chunk_size", chunk_size)):
+        check_count(value, name)
+    check_count(seed, "seed", minimum=0, allow_none=False)
 
 
 def _float_dtype():

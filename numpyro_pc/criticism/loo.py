@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
+from ..options import check_finite, check_solver_options
 from ..rows import positions, take_data
 from ..curvature import FULL
 from ..family_protocol import require_site_product
@@ -184,6 +185,8 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     """
     if method not in METHODS:
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
+    good_k = check_finite(good_k, "good_k", low=0.0)
+    check_solver_options(tol, max_iters)
     if isinstance(post, Posterior) and post.num_retained == 0:
         found = (f"{post.num_examples} example(s) with a site, none with its data" if post.num_examples
                  else "no example at all (every example was deleted)")

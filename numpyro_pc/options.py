@@ -1,0 +1,94 @@
+"""Checks of the options users pass to the public entry points.
+
+An option with a value outside its range is refused up front with an
+:class:`~numpyro_pc.errors.InvalidOptionError` that names the option, what it expects and
+what it got — whether or not the chosen method happens to read it, so that a typo'd or
+meaningless value never passes silently (``delete(ids, tol=-1)`` with the default
+``method="remove_site"``, which runs no solver, is refused as well). Python's own
+``ValueError``/``TypeError`` from deep inside a computation, or a compiler's error for a
+negative array size, are never what a user sees.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import jax
+
+from .errors import InvalidOptionError
+
+__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path"]
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_tol(value, name: str = "tol") -> float | None:
+    """``None``, or a finite positive float.
+
+    :raises InvalidOptionError:
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or float(value) <= 0.0:
+        raise InvalidOptionError(f"{name} must be a finite positive number or None; got {_describe(value)}")
+    return float(value)
+
+
+def check_count(value, name: str, minimum: int = 1, allow_none: bool = True) -> int | None:
+    """``None`` (when allowed), or an integer ``≥ minimum`` (a float is refused, never rounded).
+
+    :raises InvalidOptionError:
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+        expected = f"an integer ≥ {minimum}" + (" or None" if allow_none else "")
+        raise InvalidOptionError(f"{name} must be {expected}; got {_describe(value)}")
+    return int(value)
+
+
+def check_solver_options(tol=None, max_iters=None) -> None:
+    """The tolerance and iteration budget every solve takes (see :func:`check_tol`, :func:`check_count`).
+
+    :raises InvalidOptionError:
+    """
+    check_tol(tol)
+    check_count(max_iters, "max_iters")
+
+
+def check_finite(value, name: str, low: float = -math.inf, high: float = math.inf) -> float:
+    """A finite real number in ``[low, high]``.
+
+    :raises InvalidOptionError:
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or not low <= float(value) <= high:
+        raise InvalidOptionError(f"{name} must be a finite number in [{low}, {high}]; got {_describe(value)}")
+    return float(value)
+
+
+def check_key(key, name: str = "key") -> None:
+    """A JAX PRNG key (``jax.random.key(…)`` or the raw ``uint32`` pair of ``PRNGKey``).
+
+    :raises InvalidOptionError:
+    """
+    raw = getattr(key, "dtype", None) is not None and getattr(key, "shape", None) == (2,) \
+        and str(key.dtype) == "uint32"
+    typed = getattr(key, "dtype", None) is not None and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not (raw or typed):
+        raise InvalidOptionError(f"{name} must be a JAX PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)); "
+                                 f"got {_describe(key)}")
+
+
+def check_path(path, name: str = "path") -> None:
+    """A file-system path (``str`` or ``os.PathLike``).
+
+    :raises InvalidOptionError:
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidOptionError(f"{name} must be a str or os.PathLike file path; got {_describe(path)}")

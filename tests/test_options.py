@@ -1,0 +1,83 @@
+"""Options of the public entry points (numpyro_pc.options): anything a user can pass either works
+or raises a package error (issue 32: "every user-reachable exception is a package error").
+
+A property test: hypothesis draws values of every type that users get wrong — strings, floats
+where counts go, NaN, inf, negative numbers, None, lists — for each option of fit, update,
+delete, refine, LOO, merge, sample and save, and any exception must subclass
+``PosteriorCorrectionError``.
+"""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import numpyro_pc as pc
+from numpyro_pc import errors, options
+
+from conftest import logistic_model, make_logistic
+
+_VALUES = st.one_of(st.sampled_from([None, "x", "", np.nan, np.inf, -np.inf, -1, 0, 1, 2.5, -2.5, 1e300, True,
+                                     [1.5], [-1], (), {}, np.array([[1]]), b"x"]),
+                    st.integers(-10, 10), st.floats(allow_nan=True, allow_infinity=True))
+
+_CALLS = {
+    "fit": (("tol", "max_iters", "num_samples", "num_nodes", "chunk_size", "seed", "family", "expectation",
+             "curvature", "storage", "init", "rank"),
+            lambda post, X, y, kw: pc.fit(logistic_model, X, y, **kw)),
+    "update": (("tol", "max_iters", "seed", "correction", "memory", "selection", "keep", "batch_fraction", "epochs"),
+               lambda post, X, y, kw: post.update(X[:4], y[:4], **kw)),
+    "delete": (("ids", "method", "damping", "tol", "max_iters"),
+               lambda post, X, y, kw: post.delete(**{"ids": [0], **kw})),
+    "refine": (("tol", "max_iters", "step_size"), lambda post, X, y, kw: post.refine(**kw)),
+    "loo": (("method", "where", "good_k", "tol", "max_iters"), lambda post, X, y, kw: pc.loo(post, **kw)),
+    "merge": (("alphas", "method", "posteriors"),
+              lambda post, X, y, kw: pc.merge(None, kw.pop("posteriors", [post, post]), **kw)),
+    "sample": (("key", "num_samples"),
+               lambda post, X, y, kw: post.sample(kw.get("key", jax.random.PRNGKey(0)), kw.get("num_samples", 3))),
+}
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    with jax.enable_x64(True):
+        X, y = make_logistic(40, 2, seed=1)
+        yield pc.fit(logistic_model, X, y), X, y
+
+
+@pytest.mark.parametrize("call", sorted(_CALLS))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_bad_options_raise_only_package_errors(fitted, x64, call, data):
+    post, X, y = fitted
+    names, run = _CALLS[call]
+    chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=2, unique=True))
+    kwargs = {name: data.draw(_VALUES, label=name) for name in chosen}
+    try:
+        run(post, X, y, dict(kwargs))
+    except errors.PosteriorCorrectionError:
+        pass
+
+
+def test_save_needs_a_path(fitted):
+    post, _, _ = fitted
+    with pytest.raises(errors.InvalidOptionError, match="must be a str or os.PathLike file path; got 3"):
+        post.save(3)
+
+
+@pytest.mark.parametrize("value, message", [(-1.0, "finite positive"), (np.nan, "finite positive"),
+                                            ("1e-8", "finite positive")])
+def test_a_tolerance_outside_its_range_is_refused_even_where_unused(fitted, value, message):
+    """remove_site runs no solver, but a meaningless tol is still a mistake worth saying."""
+    post, _, _ = fitted
+    with pytest.raises(errors.InvalidOptionError, match=message):
+        post.delete([0], tol=value)
+
+
+def test_counts_are_never_rounded():
+    assert options.check_count(3, "n") == 3
+    with pytest.raises(errors.InvalidOptionError, match=r"integer ≥ 1 or None; got 2.5"):
+        options.check_count(2.5, "n")
+    with pytest.raises(errors.InvalidOptionError):
+        options.check_count(True, "n")
