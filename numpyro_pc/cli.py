@@ -8,6 +8,9 @@ import time
 import warnings
 from pathlib import Path
 
+import numpyro
+import numpyro.distributions as dist
+
 import numpyro_pc as pc
 
 from .errors import InvalidOptionError
@@ -226,6 +229,12 @@ def _plate_from_argument(n, bmi, y=None):
         numpyro.sample("y", dist.Normal(a + bmi, 50.0), obs=y)
 
 
+def _progression_classifier(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=w[0] + w[1] * x), obs=y)
+
+
 def _demo_trust():
     """Right or refused: an unscaled regression from the default start, and a mis-bound model refused."""
     import jax.numpy as jnp
@@ -252,7 +261,15 @@ def _demo_trust():
     except pc.errors.ModelBindingError as err:
         refused = str(err)
         print(f"  plate('data', n) with n an argument: refused with ModelBindingError — {refused.split('. ')[0]}.")
-    return dict(residual=post.residual, iterations=len(post.history) - 1, seconds=seconds, refused=refused)
+    high = (y > 140).astype(y.dtype).at[100].set(2.0)  # one label outside {0, 1}, far past the first rows
+    try:
+        pc.fit(_progression_classifier, (bmi - bmi.mean()) / bmi.std(), high)
+        support_refused = None
+    except pc.DataSupportError as err:
+        support_refused = str(err)
+        print(f"  a Bernoulli label 2 in row 100: refused with DataSupportError — {support_refused.split('; first')[0]}.")
+    return dict(residual=post.residual, iterations=len(post.history) - 1, seconds=seconds, refused=refused,
+                support_refused=support_refused)
 
 
 def _demo_hierarchical():

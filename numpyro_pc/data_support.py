@@ -166,8 +166,8 @@ def check_support(spec: ModelSpec, data: ModelData, where: str = "the data") -> 
     site = trace_at(spec, z, example_args(example), data.shared)[name]
     holder = _holding_argument(spec, data, int(rows[0]), np.asarray(site["value"]))
     raise DataSupportError(
-        f"{where}: the observed site {name!r}{holder} has {len(rows)} of {table.shape[0]} row(s) outside the support "
-        f"of its distribution {type(site['fn']).__name__} ({site['fn'].support}); first: {'; '.join(shown)}. "
+        f"the observed site {name!r}{holder} has {len(rows)} of {table.shape[0]} row(s) of {where} outside the "
+        f"support of its distribution {type(site['fn']).__name__} ({site['fn'].support}); first: {'; '.join(shown)}. "
         "A likelihood evaluated outside its support is meaningless even where it is finite: correct or drop "
         "these rows, or use a distribution whose support holds them.")
 

@@ -27,6 +27,7 @@ def test_demo_fast(part, tmp_path, capsys):
         assert (tmp_path / "dual_form.png").stat().st_size > 10_000
         assert "KL(SVI guide" in printed and "residual" in printed
         assert result["trust"]["residual"] < 1e-8 and "plate 'data' keeps size" in result["trust"]["refused"]
+        assert "row 100: 2.0" in result["trust"]["support_refused"]
         hierarchical = result["hierarchical"]  # a centred hierarchy from the ELBO start, updated exactly
         assert hierarchical["start"] == "elbo" and hierarchical["residual"] < 1e-8 and hierarchical["update_kl"] < 1e-8
         criticism = result["criticism"]  # all-N LOO: finite, the richer model preferred, refits of the flagged ones
