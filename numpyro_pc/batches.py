@@ -113,7 +113,9 @@ def bind_batch(post, args, kwargs):
 
     A batch shaped like the fitted data is bound without re-tracing the model (tracing on
     every batch cost ~0.4 s per update, mostly compiling for the new shapes); any other
-    batch is inspected in full.
+    batch is inspected in full. Either way every observed value is checked against its
+    distribution's support (:func:`~numpyro_pc.data_support.check_support`: one compiled
+    program per power-of-two bucket of rows, shared with the check made at fitting).
     """
     data = _bind_like_fitted(post, args, kwargs)
     if data is not None:

@@ -229,7 +229,7 @@ def _plate_from_argument(n, bmi, y=None):
         numpyro.sample("y", dist.Normal(a + bmi, 50.0), obs=y)
 
 
-def _progression_classifier(x, y=None):
+def _progression_classifier(x, y=None) -> None:
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
     with numpyro.plate("data", x.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=w[0] + w[1] * x), obs=y)

@@ -39,7 +39,7 @@ MAX_REPORTED_ROWS = 5  # offending rows named in a message
 _MIN_BUCKET = 64  # rows of the smallest compiled check; batches are padded to powers of two above it
 
 
-def as_data_array(name: str, leaf):
+def as_data_array(name: str, leaf) -> object:
     """``leaf`` as an array when it is array-like data, unchanged otherwise.
 
     pandas ``Series``/``DataFrame`` and other objects with ``__array__`` are converted with
@@ -67,7 +67,7 @@ def as_data_array(name: str, leaf):
     return array
 
 
-def _support_ok(site):
+def _support_ok(site) -> jax.Array:
     """Whether every value of an observed site lies in its distribution's support; entries
     masked out (``handlers.mask`` or ``Distribution.mask``) pass."""
     fn, masks = site["fn"], [site.get("mask")]
@@ -110,7 +110,7 @@ def latent_free_supports(spec: ModelSpec, data: ModelData, z0) -> tuple:
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _support_rows(spec, names, z, per_example, shared):
+def _support_rows(spec, names, z, per_example, shared) -> jax.Array:
     return jax.vmap(lambda ex: jnp.stack(_example_support(spec, names, z, ex, shared)))(per_example)
 
 
@@ -134,7 +134,9 @@ def support_table(spec: ModelSpec, names: tuple, data: ModelData) -> np.ndarray:
 
 
 def _static_spec(spec: ModelSpec, size: int) -> ModelSpec:
-    return replace(spec, num_examples=size)
+    """The fields the check depends on (the parameter analysis that binding adds later does not
+    change a trace), so that the check at binding and on every later batch share one program."""
+    return replace(spec, num_examples=size, param_leaves=(), num_params=0, affine=False)
 
 
 def check_support(spec: ModelSpec, data: ModelData, where: str = "the data") -> None:

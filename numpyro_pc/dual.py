@@ -246,7 +246,7 @@ class DualPosteriorBase(Posterior):
         record = self.record if isinstance(self.record, dict) else {}
         return record.get(STALE_STATE) is self.state and self.num_retained > 0
 
-    def _residual_and_parts(self):
+    def _residual_and_parts(self) -> tuple:
         if not self.stale_sites:
             return dual_residual(self.family, self.state, self.sites, self.offset)
         cached = self.record.get(FRESH_RESIDUAL)

@@ -175,7 +175,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     return _analyse_params(spec, data, z0), data
 
 
-def _check_rows_observed(trace, plate, size, observed):
+def _check_rows_observed(trace, plate, size, observed) -> None:
     """Refuse an observed site whose value is broadcast along the data plate.
 
     ``fit(model, X, np.array(1.0))`` passes one label, which NumPyro broadcasts to every row:

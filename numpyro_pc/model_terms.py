@@ -99,7 +99,7 @@ class ModelSpec:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def output_dependence(closed_jaxpr, inputs=None):
+def output_dependence(closed_jaxpr, inputs=None) -> list:
     """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
     (conservative through sub-calls)."""
     jaxpr = closed_jaxpr.jaxpr
