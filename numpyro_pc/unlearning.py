@@ -41,7 +41,7 @@ import numpy as np
 
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
 from .expectations import get_rule
-from .families import DiagonalGaussian, Gaussian, remove_site
+from .families import DiagonalGaussian, Gaussian, add_site, remove_site
 from .dual import STALE_STATE, RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
@@ -180,7 +180,13 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
                 f"the {family.name} family's precision is a projection of the site sum, not the sum itself, so "
                 "dividing sites out of it is not defined; use method='corrected' with the data of every remaining "
                 "example kept (every site recomputed), or method='retrain'")
-    if method == "remove_site":
+    if method == "remove_site" and not keep_rows.size:
+        # nothing remains but the prior's site (and the offset): taken as it is, exactly, rather than as
+        # λ_t − Σ_i λ̂_i, a difference of large sums that carries their rounding and the fit's residual
+        natural = post.sites.prior_natural(family)
+        q = family.from_natural(natural if post.offset is None else add_site(natural, post.offset))
+        sites = RowSelection.of(post.raw_sites, keep_rows)
+    elif method == "remove_site":
         q, alpha = _remove(post, _removed_natural(post, site_rows), damping, "site removal")
         sites = RowSelection.of(post.raw_sites, keep_rows)
     elif method in ("influence", "tracin"):

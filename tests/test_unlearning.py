@@ -153,16 +153,15 @@ def fitted_logistic():
 def test_deleting_every_example_gives_the_prior(x64, fitted_logistic, method):
     # With no site left the dual form is the prior site alone: for the Gaussian prior N(0, I) the
     # posterior is the prior itself. corrected/retrain solve the prior-only problem (before: a
-    # DataShapeError about empty data) and agree to rounding (1e-12); remove_site subtracts the 40
-    # sites from λ_t, so its mean carries the rounding of that cancellation (measured 1.4e-12; 1e-10)
-    # and its residual is measured as the mean's distance in posterior sd (before: 1.0, the ratio
-    # ‖g_0‖/‖g_0‖ of a single live term).
+    # DataShapeError about empty data) and agree to rounding (1e-12); remove_site takes the prior's
+    # site itself (subtracting the 40 sites from λ_t left 1.4e-12 of cancellation rounding), and the
+    # residual of a single live term is the mean's distance in posterior sd (before: 1.0, the ratio
+    # ‖g_0‖/‖g_0‖).
     post = fitted_logistic
     empty = post.delete(np.asarray(post.ids), method=method)
     assert empty.num_examples == 0 and empty.num_retained == 0
-    atol = 1e-12 if method != "remove_site" else 1e-10
-    np.testing.assert_allclose(np.asarray(empty.mean), np.zeros(4), atol=atol)
-    np.testing.assert_allclose(np.asarray(empty.precision), np.eye(4), atol=atol)
+    np.testing.assert_allclose(np.asarray(empty.mean), np.zeros(4), atol=1e-12)
+    np.testing.assert_allclose(np.asarray(empty.precision), np.eye(4), atol=1e-12)
     assert empty.residual < 1e-9
 
 
