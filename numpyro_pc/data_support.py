@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro.distributions import constraints
-from numpyro.distributions.distribution import MaskedDistribution
+from numpyro.distributions.distribution import ExpandedDistribution, Independent, MaskedDistribution
 
 from .errors import DataSupportError, DataTypeError
 from .model_terms import ModelData, ModelSpec, example_args, is_array, output_dependence, trace_at
@@ -50,7 +50,9 @@ def as_data_array(name: str, leaf) -> object:
     :param str name: the argument's name, for the message.
     :raises DataTypeError: array-like data that has no numeric or boolean dtype.
     """
-    if isinstance(leaf, (jax.Array, np.ndarray)):
+    if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+        array = _from_objects(leaf)
+    elif isinstance(leaf, (jax.Array, np.ndarray)):
         array = leaf
     elif hasattr(leaf, "__array__") and not isinstance(leaf, (str, bytes)):
         array = np.asarray(leaf)
@@ -67,17 +69,42 @@ def as_data_array(name: str, leaf) -> object:
     return array
 
 
+def _from_objects(leaf: np.ndarray) -> np.ndarray:
+    """An ``object`` array of numbers as the numeric array NumPy infers for them (unchanged otherwise,
+    and then refused by type)."""
+    try:
+        converted = np.array(leaf.tolist())
+    except (TypeError, ValueError):
+        return leaf
+    return converted if converted.shape == leaf.shape else leaf
+
+
 def _support_ok(site) -> jax.Array:
     """Whether every value of an observed site lies in its distribution's support; entries
-    masked out (``handlers.mask`` or ``Distribution.mask``) pass."""
-    fn, masks = site["fn"], [site.get("mask")]
-    while isinstance(fn, MaskedDistribution):
-        masks.append(fn._mask)
+    masked out (``handlers.mask`` or ``Distribution.mask``, also under ``to_event`` or
+    ``expand``) pass.
+
+    The wrappers are unwrapped down to the distribution that holds the support, so that the
+    test is elementwise over the masked dimensions. A mask covers the batch dimensions of its
+    level; the dimensions reinterpreted as events by the wrappers below it follow them.
+    """
+    fn = site["fn"]
+    levels = [(site.get("mask"), tuple(fn.batch_shape))]  # (mask, batch shape it covers) per level
+    reinterpreted = [0]  # event dims reinterpreted below each level, filled in as the chain is walked
+    while isinstance(fn, (MaskedDistribution, Independent, ExpandedDistribution)):
+        if isinstance(fn, MaskedDistribution):
+            levels.append((fn._mask, tuple(fn.batch_shape)))
+            reinterpreted.append(0)
+        elif isinstance(fn, Independent):
+            reinterpreted = [r + fn.reinterpreted_batch_ndims for r in reinterpreted]
         fn = fn.base_dist
-    ok = fn.support(site["value"])
-    for mask in masks:
-        if mask is not None:
-            ok = jnp.logical_or(ok, jnp.logical_not(jnp.broadcast_to(jnp.asarray(mask), jnp.shape(ok))))
+    ok = jnp.asarray(fn.support(site["value"]))
+    for (mask, batch), below in zip(levels, reinterpreted):
+        if mask is None or mask is True:
+            continue
+        mask = jnp.broadcast_to(jnp.asarray(mask), batch)
+        mask = jnp.reshape(mask, batch + (1,) * below)
+        ok = jnp.logical_or(ok, jnp.logical_not(jnp.broadcast_to(mask, ok.shape)))
     return jnp.all(ok)
 
 
@@ -86,8 +113,8 @@ def _checkable(site) -> bool:
     return not constraints.is_dependent(support)
 
 
-def _example_support(spec: ModelSpec, names: tuple, z, example, shared) -> tuple:
-    trace = trace_at(spec, z, example_args(example), shared)
+def _example_support(spec: ModelSpec, names: tuple, z, example, shared, discrete=None) -> tuple:
+    trace = trace_at(spec, z, example_args(example), shared, discrete)
     return tuple(_support_ok(trace[name]) for name in names)
 
 
@@ -102,11 +129,21 @@ def latent_free_supports(spec: ModelSpec, data: ModelData, z0) -> tuple:
     first = tuple(take_rows(x, 0) for x in data.per_example)
     try:
         trace = trace_at(spec, z0, example_args(first), data.shared)
-        names = tuple(n for n in spec.observed if _checkable(trace[n]))
-        jaxpr = jax.make_jaxpr(lambda z: _example_support(spec, names, z, first, data.shared))(z0)
     except Exception:  # noqa: BLE001 - a model that fails on one example is diagnosed by verify_binding
         return ()
-    return tuple(n for n, depends in zip(names, output_dependence(jaxpr)) if not depends)
+    discrete = {n: trace[n]["value"] for n in spec.latent.discrete_names}
+    free = []
+    for name in spec.observed:
+        if not _checkable(trace[name]):
+            continue
+        try:  # the latents, continuous and discrete, are the jaxpr's inputs: a support that reads them is left out
+            jaxpr = jax.make_jaxpr(lambda z, d, name=name: _example_support(spec, (name,), z, first, data.shared, d))(
+                z0, discrete)
+        except Exception:  # noqa: BLE001 - a support test that cannot be traced is left to the likelihood
+            continue
+        if not any(output_dependence(jaxpr)):
+            free.append(name)
+    return tuple(free)
 
 
 @partial(jax.jit, static_argnums=(0, 1))

@@ -42,7 +42,7 @@ from .sites import mc_along_subspace
 from .options import check_count, check_finite, check_key, check_solver_options
 from .solvers import default_tol, solve, solve_init
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior", "STALE_STATE",
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
            "by_posterior_kind"]
 
 
@@ -101,10 +101,6 @@ class PosteriorConfig:
     chunk_size: int | None
 
 
-STALE_STATE = "_stale_state"  # record key: the state whose retained sites are stale (an approximate deletion's)
-FRESH_RESIDUAL = "_fresh_residual"  # record key: that state's residual with fresh sites, once computed
-
-
 def in_own_precision(method):
     """Run a method in the floating precision the posterior was built with.
 
@@ -130,12 +126,12 @@ class DualPosteriorBase(Posterior):
     """
 
     _FIELDS = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
-               "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset")
-    __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS)
+               "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset", "stale_sites")
+    __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS) + ("_fresh_residual_cache",)
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
                  chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
-                 offset=None):
+                 offset=None, stale_sites=False):
         if data_ids is None:
             data_ids = _site_ids(sites)
         if next_id is None:
@@ -145,8 +141,9 @@ class DualPosteriorBase(Posterior):
                                 curvature=curvature, storage=storage, chunk_size=chunk_size,
                                 history=tuple(history), guide=guide, data_ids=to_device(data_ids),
                                 tombstones=tuple(int(t) for t in tombstones), next_id=int(next_id),
-                                record=record, offset=offset).items():
+                                record=record, offset=offset, stale_sites=bool(stale_sites)).items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_fresh_residual_cache", [None, None])  # (state, residual with fresh sites)
 
     def __setattr__(self, name, value):
         raise AttributeError("DualPosterior is immutable; methods return new posteriors")
@@ -220,8 +217,11 @@ class DualPosteriorBase(Posterior):
         ``λ = λ₀ + Σᵢ λ̂ᵢ`` reports the old fit's residual, not the deletion's error. The
         residual is then taken with every retained example's site recomputed at the current
         ``q`` (one site pass, computed on first use): it measures how far the deletion is from
-        the fixed point of the remaining data. :attr:`site_identity_residual` is the stored
-        identity, whatever the sites' age.
+        the fixed point of the remaining data. ``post.stale_sites`` says so: set by those
+        deletions, kept by every operation that does not recompute the retained sites (an
+        empty deletion, a VCL or memory update, a merge, saving and loading), cleared by
+        ``refine()``, an exact update and a corrected or retrained deletion.
+        :attr:`site_identity_residual` is the stored identity, whatever the sites' age.
         """
         return self._residual_and_parts()[0]
 
@@ -239,23 +239,15 @@ class DualPosteriorBase(Posterior):
         and what the corrected models of :mod:`numpyro_pc.handlers` rely on)."""
         return dual_residual(self.family, self.state, self.sites, self.offset)[0]
 
-    @property
-    def stale_sites(self) -> bool:
-        """Whether the retained examples' sites were computed at an earlier ``q`` (after an
-        approximate deletion, until the next operation that recomputes them)."""
-        record = self.record if isinstance(self.record, dict) else {}
-        return record.get(STALE_STATE) is self.state and self.num_retained > 0
-
     def _residual_and_parts(self) -> tuple:
-        if not self.stale_sites:
+        if not (self.stale_sites and self.num_retained):
             return dual_residual(self.family, self.state, self.sites, self.offset)
-        cached = self.record.get(FRESH_RESIDUAL)
-        if cached is None:
+        cache = self._fresh_residual_cache
+        if cache[0] is not self.state:
             problem, _ = self._problem()
             point = solve_init(problem, self.state, memory=0).point
-            cached = (float(point.residual), dict(point.parts))
-            self.record[FRESH_RESIDUAL] = cached  # the record belongs to this state (STALE_STATE), so the value does
-        return cached
+            cache[:] = [self.state, (float(point.residual), dict(point.parts))]
+        return cache[1]
 
     def _split_frozen(self):
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
@@ -362,12 +354,12 @@ class DualPosteriorBase(Posterior):
                                       sites=start_sites, sums=start_sums)
         except ConvergenceError as err:
             q, sites = err.posterior
-            partial = self.evolve(state=q, sites=assemble(sites), history=err.history)
+            partial = self.evolve(state=q, sites=assemble(sites), history=err.history, stale_sites=False)
             if raise_on_failure:
                 raise type(err)(str(err), posterior=partial, history=err.history) from None
             warnings.warn(str(err), RuntimeWarning, stacklevel=2)
             return partial
-        return self.evolve(state=q, sites=assemble(sites), history=history)
+        return self.evolve(state=q, sites=assemble(sites), history=history, stale_sites=False)
 
     # ------------------------------------------------------------------ probability
     @in_own_precision
@@ -481,7 +473,7 @@ class DualPosteriorBase(Posterior):
 
     def _shown_residual(self) -> str:
         """The residual for ``repr``: a representation never runs a site pass."""
-        if self.stale_sites and FRESH_RESIDUAL not in self.record:
+        if self.stale_sites and self.num_retained and self._fresh_residual_cache[0] is not self.state:
             return "stale sites (post.residual computes it)"
         return f"{self.residual:.2e}"
 

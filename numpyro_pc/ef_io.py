@@ -51,7 +51,7 @@ __all__ = ["KIND", "save_ef", "load_ef", "check_ef_manifest", "check_ef_contents
 
 KIND = "ef"
 _FIELDS = {"format", "version", "kind", "family", "config", "conjugate_prior", "dtype", "latent", "plate", "observed",
-           "arguments", "example_shapes", "arrays", "residual", "fingerprint", "signed"}
+           "arguments", "example_shapes", "arrays", "residual", "fingerprint", "signed", "stale_sites"}
 _NAME = re.compile(r"(natural|grads|prior|ids|data\.(example|shared)\.\d+)")
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _CONFIG = {"num_nodes": (1, 10**4), "num_samples": (1, 10**7), "seed": (0, 2**32)}
@@ -80,7 +80,7 @@ def save_ef(post, path, key=None):
     dtype = str(arrays["natural"].dtype)
     with jax.enable_x64(dtype == "float64"):
         fingerprint = model_fingerprint(spec, post.data)
-        residual = float(post.residual)
+        residual = float(post.site_identity_residual)
     manifest = {
         "format": FORMAT, "version": VERSION, "kind": KIND,
         "family": {f.site: f.family_name for f in post.family.factors},
@@ -89,6 +89,8 @@ def save_ef(post, path, key=None):
         "conjugate_prior": bool(post.conjugate_prior), "dtype": dtype,
         **binding_manifest(spec, post.data, arrays, residual, fingerprint, key is not None),
     }
+    if post.stale_sites:  # written only when true: files of other posteriors are unchanged
+        manifest["stale_sites"] = True
     return write_checked(path, manifest, arrays, _check_file, key=key)
 
 
@@ -121,6 +123,9 @@ def check_ef_manifest(manifest):
     unknown = sorted(set(manifest) - _FIELDS, key=str)
     if unknown:
         fail_field(unknown[0], f"only the fields {sorted(_FIELDS)}", manifest[unknown[0]])
+    if manifest.get("stale_sites", False) is not False and manifest.get("stale_sites") is not True:
+        fail_field("stale_sites", "true (written only for a posterior whose retained sites are stale)",
+                   manifest.get("stale_sites"))
     if manifest.get("dtype") not in FLOAT_DTYPES:
         fail_field("dtype", f"one of {list(FLOAT_DTYPES)}", manifest.get("dtype"))
     if not isinstance(manifest.get("conjugate_prior"), bool):
@@ -215,7 +220,8 @@ def load_ef(path, model, manifest, arrays):
         check_residual(manifest["residual"], residual, dtype)
         if post.conjugate_prior:
             _check_conjugate_prior(path, post, probe)
-    return post.evolve(record=dict(operation="load", residual=residual))
+    return post.evolve(record=dict(operation="load", residual=residual),
+                       stale_sites=manifest.get("stale_sites", False))
 
 
 def _describe(family, natural):

@@ -121,11 +121,11 @@ class EFPosterior(Posterior):
     :ivar record: the last operation's diagnostics.
     """
 
-    __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record")
+    __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record", "stale_sites")
 
-    def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None):
+    def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None, stale_sites=False):
         for k, v in dict(config=config, data=data, state=state, conjugate_prior=conjugate_prior,
-                         guide_map=guide_map, record=record or {}).items():
+                         guide_map=guide_map, record=record or {}, stale_sites=bool(stale_sites)).items():
             object.__setattr__(self, k, v)
 
     def __setattr__(self, name, value):
@@ -176,7 +176,22 @@ class EFPosterior(Posterior):
     @property
     def residual(self) -> float:
         """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`
-        (a property, as on Gaussian posteriors; calling it is deprecated)."""
+        (a property, as on Gaussian posteriors; calling it is deprecated).
+
+        After ``delete(method="remove_site")`` (``stale_sites``) the retained sites are those of
+        the previous fit, for which the identity holds by construction; the residual is then
+        taken with every site recomputed at the current ``λ`` (one site pass), so that it
+        measures the deletion's error, as on Gaussian posteriors.
+        """
+        if self.stale_sites and self.num_examples:
+            const = -self.state.prior if self.conjugate_prior else jnp.zeros_like(self.natural)
+            tau, _ = _bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
+            return _Residual(relative_residual(self.natural, tau))
+        return self.site_identity_residual
+
+    @property
+    def site_identity_residual(self) -> float:
+        """The identity's residual with the sites as stored."""
         return _Residual(relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0)))
 
     @property
@@ -359,7 +374,7 @@ class EFPosterior(Posterior):
                                        f"({self.family.describe(removed)}); use method='corrected'")
             state = EFState(removed, self.state.grads[keep], self.state.prior, self.ids[keep])
             return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
-                               record=dict(operation="delete", method=method))
+                               record=dict(operation="delete", method=method), stale_sites=True)
         if keep.size == 0:
             raise DataShapeError(f"{method} deletion needs at least one retained example")
         start = removed if inside else self.natural
@@ -405,7 +420,7 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
     record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
     if cfg.rule != "quadrature" and info.converged:
         record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
-    return post.evolve(config=cfg, data=data, state=state, record=record)
+    return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
 
 
 def _draw_error(config, data, prior_active, const, lam, tol):

@@ -424,7 +424,10 @@ def relative_residual(lam, target) -> float:
     return float(fixed_point.relative_residual(lam, target))
 
 
-def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise_on_failure=True,
+EF_MAX_ITERS = 200  # natural-gradient steps of an exponential-family solve when max_iters is None
+
+
+def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, raise_on_failure=True,
               memory=5) -> tuple[jax.Array, object, SolveInfo]:
     r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.fixed_point`).
 
@@ -456,6 +459,7 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=200, rho=1.0, raise
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
                                f"parameter: {np.asarray(lam).tolist()}")
     tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)
+    max_iters = EF_MAX_ITERS if max_iters is None else int(max_iters)
 
     def evaluate(x, it):
         target, aux = target_fn(x)

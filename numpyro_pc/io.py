@@ -111,6 +111,8 @@ def _save_gaussian(post: DualPosteriorBase, path, key):
         "next_id": post.next_id, "tombstones": list(post.tombstones),
         **binding_manifest(spec, post.data, arrays, float(post.site_identity_residual), fingerprint, key is not None),
     }
+    if post.stale_sites:  # written only when true: files of other posteriors are unchanged
+        manifest["stale_sites"] = True
     return write_checked(path, manifest, arrays, _check_file, key=key, sized_member="tombstones")
 
 
@@ -166,7 +168,7 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
     return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
                          manifest["curvature"], manifest["storage"], manifest["chunk_size"], (), None,
                          data_ids=to_device(arrays["data_ids"]), tombstones=manifest["tombstones"],
-                         next_id=manifest["next_id"], offset=offset)
+                         next_id=manifest["next_id"], offset=offset, stale_sites=manifest.get("stale_sites", False))
 
 
 def _check_any_manifest(manifest):

@@ -133,7 +133,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
 
     latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
     plate, size, observed = _find_data_plate(trace, data_plate, leaf_names, leaves, shared)
-    _check_rows_observed(trace, plate, size, observed)
+    _check_rows_observed(trace, plate, size, observed, leaves)
     for name in latent.names + latent.discrete_names:
         if in_plate(trace[name], plate):
             raise UnsupportedModelError(
@@ -175,28 +175,32 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     return _analyse_params(spec, data, z0), data
 
 
-def _check_rows_observed(trace, plate, size, observed) -> None:
-    """Refuse an observed site whose value is broadcast along the data plate.
+def _check_rows_observed(trace, plate, size, observed, leaves) -> None:
+    """Refuse an argument given as an observation that is broadcast along the data plate.
 
     ``fit(model, X, np.array(1.0))`` passes one label, which NumPyro broadcasts to every row:
-    the model is then fitted to ``N`` copies of it, which is never what was meant.
+    the model is then fitted to ``N`` copies of it, which is never what was meant. Only values
+    passed in as arguments are refused; a constant written in the model (the "zeros trick",
+    ``obs=0.0``) is the model's own. An observation given as a Python list is refused by type.
     """
     for name in observed:
         site = trace[name]
-        if not is_array(site["value"]):
-            raise DataTypeError(f"the observed site {name!r} was given a {type(site['value']).__name__}; observed "
-                                "values must be numeric arrays (e.g. np.asarray(y)).")
+        value = site["value"]
+        if isinstance(value, (list, tuple)):
+            raise DataTypeError(f"the observed site {name!r} was given a {type(value).__name__}; observed values "
+                                "must be arrays (e.g. np.asarray(y)).")
+        if size <= 1 or not any(value is leaf for leaf in leaves):
+            continue
         full = tuple(site["fn"].batch_shape) + tuple(site["fn"].event_shape)
         frame = next((f for f in site["cond_indep_stack"] if f.name == plate), None)
         position = 0 if frame is None else len(site["fn"].batch_shape) + frame.dim
-        value = tuple(np.shape(site["value"]))
-        value = (1,) * (len(full) - len(value)) + value
-        if size > 1 and 0 <= position < len(value) and value[position] == 1 and full[position] == size:
+        shape = tuple(np.shape(value))
+        padded = (1,) * (len(full) - len(shape)) + shape
+        if 0 <= position < len(padded) and padded[position] == 1 and full[position] == size:
             raise DataShapeError(
-                f"the observed site {name!r} has a value of shape {tuple(np.shape(site['value']))} while its "
-                f"distribution has shape {full} with the data plate {plate!r} (size {size}) at axis {position}: "
-                "one observation would be broadcast to every row. Pass one value per row (e.g. y of shape "
-                f"({size},)).")
+                f"the observed site {name!r} has a value of shape {shape} while its distribution has shape {full} "
+                f"with the data plate {plate!r} (size {size}) at axis {position}: one observation would be "
+                f"broadcast to every row. Pass one value per row (e.g. y of shape ({size},)).")
 
 
 def _prototype_value(site):

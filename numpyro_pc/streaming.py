@@ -193,7 +193,9 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     record["seconds"] = time.perf_counter() - start
     return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
-                         next_id=post.next_id + num_new, record=record, offset=offset)
+                         next_id=post.next_id + num_new, record=record, offset=offset,
+                         # an exact correction recomputes every retained site; the others keep the stale ones stale
+                         stale_sites=post.stale_sites and correction != "exact")
 
 
 def _retain(post, new_data, new_ids, keep, seed):

@@ -42,12 +42,12 @@ import numpy as np
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, add_site, remove_site
-from .dual import STALE_STATE, RowSelection
+from .dual import RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
 from .site_problem import SiteProblem
-from .solvers import solve
+from .solvers import default_tol, solve
 from .posterior_protocol import provides
 
 __all__ = ["METHODS", "APPROXIMATE_METHODS", "delete"]
@@ -180,9 +180,11 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
                 f"the {family.name} family's precision is a projection of the site sum, not the sum itself, so "
                 "dividing sites out of it is not defined; use method='corrected' with the data of every remaining "
                 "example kept (every site recomputed), or method='retrain'")
-    if method == "remove_site" and not keep_rows.size:
+    if method == "remove_site" and not keep_rows.size and post.site_identity_residual <= default_tol(
+            post.state.mean.dtype):
         # nothing remains but the prior's site (and the offset): taken as it is, exactly, rather than as
-        # λ_t − Σ_i λ̂_i, a difference of large sums that carries their rounding and the fit's residual
+        # λ_t − Σ_i λ̂_i, a difference of large sums that carries their rounding (equal to the tolerance
+        # when q is the product of its sites; otherwise the subtraction below says what q holds)
         natural = post.sites.prior_natural(family)
         q = family.from_natural(natural if post.offset is None else add_site(natural, post.offset))
         sites = RowSelection.of(post.raw_sites, keep_rows)
@@ -245,10 +247,11 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
         raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
     record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
                   seconds=time.perf_counter() - start, kl_to_previous=float(kl_to_previous))
-    if method in APPROXIMATE_METHODS:  # the retained sites are q_t's: post.residual then measures this deletion
-        record[STALE_STATE] = q
     return post.evolve(spec=replace(post.spec, num_examples=int(data_keep.size)),
                          data=RowSelection.of(post.raw_data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),
-                         record=record)
+                         record=record,
+                         # the retained sites stay q_t's after an approximate method: post.residual then measures
+                         # this deletion (a frozen site without data is never recomputed, so it does not count)
+                         stale_sites=method in APPROXIMATE_METHODS)
 

@@ -59,7 +59,7 @@ _MAX_ID = 2**62
 MIN_EXAMPLE_BOUND = 2**24  # bytes one example may hold even when the file's arrays hold fewer
 _FIELDS = {"format", "version", "family", "dtype", "rule", "curvature", "storage", "chunk_size", "latent", "plate",
            "observed", "arguments", "next_id", "tombstones", "example_shapes", "arrays", "residual", "fingerprint",
-           "signed"}
+           "signed", "stale_sites"}
 _NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.precision|data\.(example|shared)\.\d+|"
                    rf"sites\.({'|'.join(SITE_ARRAYS)}))")
 
@@ -153,6 +153,9 @@ def check_manifest(manifest):
     if not _is_int(manifest.get("next_id")):
         _fail("next_id", "an integer ≥ 0", manifest.get("next_id"))
     _ints(manifest.get("tombstones"), "tombstones")
+    if manifest.get("stale_sites", False) is not False and manifest.get("stale_sites") is not True:
+        _fail("stale_sites", "true (written only for a posterior whose retained sites are stale)",
+              manifest.get("stale_sites"))
     storage = manifest["storage"]
     required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
     required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}

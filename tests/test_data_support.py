@@ -108,6 +108,12 @@ def test_pandas_data_gives_the_posterior_of_the_same_numbers(logistic, x64):
     np.testing.assert_array_equal(np.asarray(updated.mean), np.asarray(reference.mean))
 
 
+def test_an_object_array_of_numbers_is_accepted_as_those_numbers(logistic, x64):
+    X, y, post = logistic
+    as_objects = np.asarray(y, dtype=float).astype(object)
+    np.testing.assert_array_equal(np.asarray(pc.fit(logistic_model, X, as_objects).mean), np.asarray(post.mean))
+
+
 def test_text_and_mixed_columns_are_refused_by_type(x64):
     X, y = make_logistic(20, 2, seed=4)
     with pytest.raises(errors.DataTypeError, match=r"argument 'y' .*dtype <U"):
@@ -137,6 +143,47 @@ def test_masked_out_rows_are_not_checked(x64):
     assert np.isfinite(np.asarray(post.mean)).all()
 
 
+def masked_rows_to_event(X, Y, M):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w).mask(M).to_event(1), obs=Y)
+
+
+def zeros_trick(X):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("z", dist.Normal(X @ w, 1.0), obs=0.0)
+
+
+def test_masks_under_to_event_are_respected(x64):
+    """Missing entries of a multi-output row filled with −1 and masked (a mask inside ``to_event``)."""
+    rng = np.random.default_rng(0)
+    X, Y, M = rng.normal(size=(60, 2)), (rng.random((60, 3)) < 0.5).astype(float), rng.random((60, 3)) < 0.7
+    filled = np.where(M, Y, -1.0)
+    spec, _ = likelihood.bind_model(masked_rows_to_event, (X, filled, M))
+    assert spec.support_sites == ("y",)
+    M[5, 0], filled[5, 0] = True, 3.0  # an observed entry outside {0, 1}
+    with pytest.raises(errors.DataSupportError, match=r"row 5: \[3.0"):
+        likelihood.bind_model(masked_rows_to_event, (X, filled, M))
+
+
+def test_a_constant_written_in_the_model_is_not_a_broadcast_argument(x64):
+    """The zeros trick: obs=0.0 in every row is the model's own constant, not a label passed once."""
+    X, _ = make_logistic(30, 2, seed=3)
+    spec, _ = likelihood.bind_model(zeros_trick, (X,))
+    assert spec.observed == ("z",)
+
+
+def test_batches_of_one_bucket_share_one_program(logistic, x64):
+    """65 and 100 rows both pad to 128: the second batch compiles nothing new."""
+    X, y, post = logistic
+    rows = np.arange(100) % 120
+    post.update(X[rows[:65]], y[rows[:65]], correction="none")
+    before = data_support._support_rows._cache_size()
+    post.update(X[rows], y[rows], correction="none")
+    assert data_support._support_rows._cache_size() == before
+
+
 def test_an_exponential_family_posterior_refuses_them_too(x64):
     y = (np.random.default_rng(1).random(30) < 0.3).astype(float)
     post = pc.fit(beta_bernoulli, y, family={"p": "beta"})
@@ -149,7 +196,7 @@ def test_a_federated_client_with_labels_outside_the_support_is_refused(x64):
     y = np.asarray(y).copy()
     y[45] = 3.0
     clients = [(X[:30], y[:30]), (X[30:], y[30:])]
-    with pytest.raises(errors.DataSupportError, match="row 15: 3.0"):
+    with pytest.raises(errors.DataSupportError, match="client 1's shard: .*row 15: 3.0"):
         federated.run(logistic_model, clients, rounds=2)
 
 

@@ -120,7 +120,7 @@ def _gaussian_density(post, block, horizon, num_samples, seed):
 
 
 def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1000, seed=0, tol=None,
-        max_iters=100, fit_options=None, **kwargs):
+        max_iters=None, fit_options=None, **kwargs):
     r"""Leave-future-out ELPD of a time-series model, as an ArviZ ``ELPDData``.
 
     :param model: the NumPyro model; its data plate runs over time.

@@ -154,7 +154,7 @@ def _where_rows(where, ids, khat, good_k):
     return positions(ids, raw.astype(np.int64).ravel(), "example with retained data")
 
 
-def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_iters=100):
+def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_iters=None):
     r"""Leave-one-out cross-validation of every example with retained data, without refitting.
 
     :param post: a fitted :class:`~numpyro_pc.DualPosterior` (full or diagonal family) or
@@ -173,7 +173,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     :param float tol: residual tolerance of the refits (default ``1e-12`` in float64: the
         package default ``1e-8`` is relative to the whole posterior and would accept ``q``
         itself after removing a well-fitted example).
-    :param int max_iters: iterations per refit.
+    :param int max_iters: iterations per refit (default: automatic, see :func:`~numpyro_pc.solvers.solve`).
     :return: a :class:`LooResult` (an ``arviz.ELPDData``); ``record``-like extras are the
         entries ``refitted`` and ``method``.
     :raises NotFittedError: the posterior has no example with retained data to leave out.

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from ..errors import DataShapeError, ExpectationRuleError, InvalidOptionError
+from ..errors import (DataShapeError, DataSupportError, DataTypeError, ExpectationRuleError, InvalidOptionError,
+                      NonFiniteDataError)
 from ..expectations import hermite_nodes
 from ..families import Gaussian, GaussianNatural
 from ..fixed_point import backtrack
@@ -130,7 +131,12 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), al
     client_data = list(client_data)
     if not client_data:
         raise InvalidOptionError("client_data is empty; expected one tuple of model arguments per client")
-    bound = [_bind(model, a, kwargs, data_plate, shared, allow_discrete) for a in client_data]
+    bound = []
+    for k, args in enumerate(client_data):
+        try:
+            bound.append(_bind(model, args, kwargs, data_plate, shared, allow_discrete))
+        except (DataSupportError, DataTypeError, NonFiniteDataError) as err:  # say whose shard it is
+            raise type(err)(f"client {k}'s shard: {err}") from err
     spec = bound[0][0]
     for k, (s, d) in enumerate(bound[1:], start=1):
         if s.latent.signature() != spec.latent.signature() or s.observed != spec.observed:
