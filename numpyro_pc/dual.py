@@ -71,6 +71,8 @@ class PosteriorState(NamedTuple):
     :ivar data_ids: ids of the examples whose data is retained, aligned with the data rows.
     :ivar tombstones: ids of deleted examples (never reused).
     :ivar next_id: the id the next new example gets.
+    :ivar stale_sites: a boolean array: the retained sites belong to an earlier ``q`` (after an
+        approximate deletion; ``None`` counts as ``False``).
     """
 
     q: Any
@@ -79,6 +81,7 @@ class PosteriorState(NamedTuple):
     data_ids: jax.Array
     tombstones: jax.Array
     next_id: jax.Array
+    stale_sites: Any = None
 
 
 @dataclass(frozen=True)
@@ -309,7 +312,8 @@ class DualPosteriorBase(Posterior):
         """
         dtype = np.asarray(self.data_ids).dtype
         state = PosteriorState(self.state, self.sites, self.offset, self.data_ids,
-                               to_device(np.asarray(self.tombstones, dtype)), to_device(np.asarray(self.next_id, dtype)))
+                               to_device(np.asarray(self.tombstones, dtype)), to_device(np.asarray(self.next_id, dtype)),
+                               to_device(np.asarray(self.stale_sites)))
         return self.config, state, self.data
 
     @classmethod
@@ -318,7 +322,8 @@ class DualPosteriorBase(Posterior):
         """The posterior of ``(config, state, data)`` (see :meth:`tree`), of this class."""
         return cls(config.spec, data, config.family, state.q, state.sites, config.rule, config.curvature,
                    config.storage, config.chunk_size, history, guide, state.data_ids,
-                   tuple(int(t) for t in np.asarray(state.tombstones)), int(state.next_id), record, state.offset)
+                   tuple(int(t) for t in np.asarray(state.tombstones)), int(state.next_id), record, state.offset,
+                   state.stale_sites is not None and bool(np.asarray(state.stale_sites)))
 
     # ------------------------------------------------------------------ refine
     @in_own_precision

@@ -304,3 +304,11 @@ def test_the_state_is_a_pytree_apart_from_the_configuration(x64):
     a, b = post.update(X[40:], y[40:]), back.update(X[40:], y[40:])
     np.testing.assert_array_equal(a.ids, b.ids)
     np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
+
+
+def test_a_stale_posterior_stays_stale_through_its_tree(x64):
+    """tree()/from_tree() keep stale_sites: a rebuilt posterior after remove_site still reports the deletion's error."""
+    X, y = make_logistic(60, 3)
+    stale = pc.fit(logistic_model, X, y).delete(np.arange(15), method="remove_site")
+    back = type(stale).from_tree(*stale.tree())
+    assert back.stale_sites and float(back.residual) == float(stale.residual) > 1e-4
