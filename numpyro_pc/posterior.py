@@ -171,7 +171,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
                             **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
-                            tol=tol, **_given(max_iters=max_iters), refine=refine,
+                            tol=tol, max_iters=max_iters, refine=refine,
                             raise_on_failure=raise_on_failure, data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=_float_dtype())
@@ -239,7 +239,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
             raise InvalidOptionError(f"rank={rank} is an option of family='lowrank'; a dict of per-site families takes none")
         return fit_ef(model, *args, family=family, expectation=expectation or "auto",
                       **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
-                      tol=tol, **_given(max_iters=max_iters), raise_on_failure=raise_on_failure,
+                      tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
                       data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
     fam = get_family(family, rank=rank)

@@ -42,7 +42,7 @@ import numpy as np
 from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, add_site, remove_site
-from .dual import RowSelection
+from .dual import DualPosteriorBase, RowSelection
 from .rowops import as_ids, bucket_size, to_device
 from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
@@ -158,7 +158,8 @@ def _live_rows(post, data_keep, live) -> tuple:
 
 
 @provides("delete")
-def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None, raise_on_failure=True):
+def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None,
+           raise_on_failure=True) -> DualPosteriorBase:
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
     if method not in METHODS:
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")

@@ -26,6 +26,7 @@ The result subclasses :class:`arviz.ELPDData`, so ``az.compare``, ``az.plot_khat
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ from ..ef_posterior import EFPosterior
 from ..posterior_protocol import Posterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
+
+if TYPE_CHECKING:  # ArviZ is imported on first use only
+    from arviz.stats.stats_utils import ELPDData
 
 __all__ = ["loo", "LooResult", "elpd_data", "kl_shape", "METHODS", "GOOD_K"]
 
@@ -154,7 +158,7 @@ def _where_rows(where, ids, khat, good_k):
     return positions(ids, raw.astype(np.int64).ravel(), "example with retained data")
 
 
-def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_iters=None):
+def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_iters=None) -> ELPDData:
     r"""Leave-one-out cross-validation of every example with retained data, without refitting.
 
     :param post: a fitted :class:`~numpyro_pc.DualPosterior` (full or diagonal family) or
