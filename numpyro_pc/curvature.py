@@ -406,7 +406,7 @@ def get_store(name):
     """The storage class called ``name`` (``"factor"``, ``"sparse"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
     if isinstance(name, type) and issubclass(name, CurvatureStore):
         return name
-    if name not in STORES:
+    if not isinstance(name, str) or name not in STORES:
         raise InvalidOptionError(f"unknown storage {name!r}; expected 'auto' or one of {sorted(STORES)}")
     return STORES[name]
 

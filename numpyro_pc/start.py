@@ -399,7 +399,11 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
             raise InvalidOptionError(f"init must be 'map', 'prior' or an array of {spec.latent.dim} values; "
                                      f"got {init!r}")
     else:
-        z0 = jnp.asarray(init, dtype)
+        try:
+            z0 = jnp.asarray(init, dtype)
+        except (TypeError, ValueError) as err:
+            raise InvalidOptionError(f"init must be 'map', 'prior' or an array of {spec.latent.dim} values; "
+                                     f"got {init!r}") from err
         if z0.shape != (spec.latent.dim,):
             raise DataShapeError(f"init must be a flat unconstrained vector of shape ({spec.latent.dim},) in the "
                                  f"order {spec.latent.labels()[:6]}...; got shape {z0.shape}")

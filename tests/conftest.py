@@ -10,6 +10,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from hypothesis import HealthCheck, settings
 
 
 def _persistent_compilation_cache():
@@ -32,6 +33,14 @@ def _persistent_compilation_cache():
 
 
 _persistent_compilation_cache()
+
+# Property tests: the default profile is derandomised (the same examples on every run, so a red CI
+# run can be reproduced and a green one is not luck); HYPOTHESIS_PROFILE=thorough searches freshly
+# drawn examples, 20 times as many, to hunt for new failures before a stop.
+_PROPERTY_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("default", derandomize=True, max_examples=30, **_PROPERTY_SETTINGS)
+settings.register_profile("thorough", derandomize=False, max_examples=600, **_PROPERTY_SETTINGS)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(autouse=True, scope="module")

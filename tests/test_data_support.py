@@ -15,7 +15,7 @@ import numpyro
 import numpyro.distributions as dist
 import pandas as pd
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import numpyro_pc as pc
@@ -233,7 +233,6 @@ def test_the_check_reuses_its_program_across_batch_sizes(logistic, x64):
 _BAD_VALUES = st.sampled_from([np.nan, np.inf, -1.0, 0.5, 2.0, 1e300])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(0, 4), value=_BAD_VALUES, where=st.sampled_from(["X", "y"]),
        kind=st.sampled_from(["array", "list", "scalar", "text", "3d"]))
 def test_bad_data_raises_only_package_errors(logistic, x64, rows, value, where, kind):

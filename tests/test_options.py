@@ -10,7 +10,7 @@ delete, refine, LOO, merge, sample and save, and any exception must subclass
 import jax
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import numpyro_pc as pc
@@ -47,7 +47,6 @@ def fitted():
 
 
 @pytest.mark.parametrize("call", sorted(_CALLS))
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_bad_options_raise_only_package_errors(fitted, x64, call, data):
     post, X, y = fitted
