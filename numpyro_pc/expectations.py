@@ -103,7 +103,7 @@ class ExpectationRule:
     mc_precision: str = "hessian"
 
     def __post_init__(self):
-        if self.kind not in _KINDS:
+        if not isinstance(self.kind, str) or self.kind not in _KINDS:
             raise InvalidOptionError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
         if self.mc_precision not in ("reparam", "hessian"):
             raise InvalidOptionError(f"unknown mc_precision {self.mc_precision!r}; expected 'reparam' or 'hessian'")

@@ -125,7 +125,7 @@ def _weights(alphas) -> list:
 
 
 def _check(base, posts, alphas, method):
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     posts = list(posts)
     if not posts:
@@ -270,7 +270,7 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found "
                                  f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
     posteriors = list(posteriors)
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     if not posteriors:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")

@@ -19,8 +19,7 @@ import jax
 
 from .errors import InvalidOptionError
 
-__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path",
-           "check_choice"]
+__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path"]
 
 
 def _describe(value) -> str:
@@ -94,12 +93,3 @@ def check_path(path, name: str = "path") -> None:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidOptionError(f"{name} must be a str or os.PathLike file path; got {_describe(path)}")
 
-
-def check_choice(value, choices, name: str) -> str:
-    """One of the names in ``choices`` (a string; anything else, hashable or not, is refused).
-
-    :raises InvalidOptionError:
-    """
-    if not isinstance(value, str) or value not in choices:
-        raise InvalidOptionError(f"unknown {name} {_describe(value)}; expected one of {sorted(choices)}")
-    return value

@@ -88,7 +88,7 @@ def select_memory(post, size, rule="random", seed=0):
 
 
 def _corrected_ids(post, correction, memory, selection, seed):
-    if correction not in CORRECTIONS:
+    if not isinstance(correction, str) or correction not in CORRECTIONS:
         raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     retained = np.asarray(post.data_ids)
     if correction in ("none", "prior"):
@@ -199,12 +199,12 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
 
 
 def _retain(post, new_data, new_ids, keep, seed):
-    if keep == "all":
+    if isinstance(keep, str) and keep == "all":
         return concat_data(post.data, new_data), np.concatenate([np.asarray(post.data_ids), new_ids])
-    if keep == "none":
+    if isinstance(keep, str) and keep == "none":
         empty = take_data(post.data, np.zeros(0, np.int64))
         return empty, np.zeros(0, np.int64)
-    if isinstance(keep, (int, np.integer)) and keep >= 0:
+    if isinstance(keep, (int, np.integer)) and not isinstance(keep, bool) and keep >= 0:
         seen = int(post.next_id) - len(post.tombstones)
         kept = _reservoir(post.data_ids, new_ids, int(keep), seen, seed)
         both = concat_data(post.data, new_data)

@@ -161,7 +161,7 @@ def _live_rows(post, data_keep, live) -> tuple:
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None,
            raise_on_failure=True) -> DualPosteriorBase:
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
     if as_ids(ids).size == 0:  # nothing to delete: the same posterior, with a record saying so

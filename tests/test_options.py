@@ -19,7 +19,7 @@ from numpyro_pc import errors, options
 from conftest import logistic_model, make_logistic
 
 _VALUES = st.one_of(st.sampled_from([None, "x", "", np.nan, np.inf, -np.inf, -1, 0, 1, 2.5, -2.5, 1e300, True,
-                                     [1.5], [-1], (), {}, np.array([[1]]), b"x"]),
+                                     [1.5], [-1], (), {}, np.array([[1]]), np.array([1, 2]), b"x"]),
                     st.integers(-10, 10), st.floats(allow_nan=True, allow_infinity=True))
 
 _CALLS = {

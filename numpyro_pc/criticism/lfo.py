@@ -141,7 +141,7 @@ def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1
         the estimate sits under the ``elpd_loo`` label and ``az.compare`` ranks models by it.
         ``p_loo`` is ``Σ_i [log p(y_{i+1:i+M} | y) − log p(y_{i+1:i+M} | y_{1:i})]``.
     """
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InvalidOptionError(f"unknown LFO method {method!r}; expected one of {METHODS}")
     num, take = _slicer(args, kwargs)
     for name, value in dict(initial=initial, step=step, horizon=horizon).items():

@@ -187,7 +187,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
         family), ``method="taylor"`` without a dense Gaussian covariance, or an object that
         is not a dual-form posterior.
     """
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
     good_k = check_finite(good_k, "good_k", low=0.0)
     check_solver_options(tol, max_iters)

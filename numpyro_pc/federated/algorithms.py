@@ -76,7 +76,7 @@ __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 ALGORITHMS = ("fedpc", "pvi", "ama", "admm")
 
 def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
         if family not in (None, "isotropic", "iso"):

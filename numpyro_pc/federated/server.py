@@ -60,7 +60,7 @@ class ServerLogic:
     def __init__(self, num_clients, algorithm="fedpc", family="full", rho=None, damping=None, expectation="auto",
                  fraction=1.0, num_nodes=64, local_iters=50, local_tol=None, x64=False, min_clients=None,
                  min_examples=1, max_share=None, max_shift=None, max_abs=1e12, safeguard=None, safeguard_margin=0.3):
-        if algorithm not in ALGORITHMS:
+        if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
             raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         self.num_clients = int(num_clients)
         self.algorithm = algorithm
