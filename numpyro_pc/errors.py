@@ -142,6 +142,12 @@ class MonteCarloErrorWarning(UserWarning):
     tolerance: the answer is only as accurate as the Monte Carlo error."""
 
 
+class BoundaryOptimumWarning(UserWarning):
+    """A converged dual form at a collapsed scale (a constrained latent far beyond its prior's
+    range) that the default start of :func:`numpyro_pc.fit` beats on the variational objective:
+    a local optimum, not the family's best (:mod:`numpyro_pc.boundary`)."""
+
+
 class PointEstimateWarning(UserWarning):
     """Samples of a point-estimate posterior (``AutoDelta``, the isotropic family with the
     delta rule) are the point itself: it carries no posterior uncertainty."""

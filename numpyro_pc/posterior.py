@@ -23,6 +23,7 @@ import numpy as np
 from . import ef_guides as _ef_guides
 from . import guides as _guides
 from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
+from .boundary import check_boundary, warn_if_worse_optimum
 from .dual import DualPosteriorBase, build_posterior, by_posterior_kind, in_own_precision
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
@@ -139,6 +140,12 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     ``num_nodes`` the Gauss nodes per site, default 32, and ``num_samples`` the draws of ``"mc"``,
     default 2048, or of the vector sites of ``"mixed"``, default 64).
 
+    A guide whose optimiser let a scale collapse (a constrained latent's mean far beyond its
+    prior's 1–99 % range) gives a genuine fixed point that is still a local optimum; when the
+    default start of :func:`fit` scores better on the variational objective,
+    :class:`~numpyro_pc.errors.BoundaryOptimumWarning` says so with both scores, and
+    ``record["boundary"]`` keeps what was flagged (:func:`numpyro_pc.boundary.check_boundary`).
+
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
     :param dict params: the guide's parameters, e.g. ``SVI(...).run(...).params``.
@@ -153,6 +160,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         start of :func:`fit` and ``record["start"]`` says why.
     :param bool progress: show a progress bar during refinement.
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
+
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations (default: 100, extended while the run converges linearly; see
         :func:`~numpyro_pc.solvers.solve`).
@@ -179,7 +187,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         expectation = _guides.default_expectation(guide, spec)
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     try:
-        return build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol,
+        post = build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol,
                                max_iters, progress, True, cls=DualPosterior)
     except (ConvergenceError, NonFiniteResultError) as err:
         if not refine:
@@ -191,6 +199,10 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
                                tol, max_iters, progress, raise_on_failure, cls=DualPosterior)
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
         return post.evolve(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
+    # a converged guide can still sit where a scale collapsed: a fixed point, but a local optimum
+    found = check_boundary(spec, data, family, post.state, seed=seed)
+    warn_if_worse_optimum(found)
+    return post.evolve(record=dict(post.record or {}, boundary=found.as_record())) if found.flagged else post
 
 
 def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
