@@ -30,6 +30,7 @@ called a mistake:
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -79,26 +80,30 @@ class BoundaryCheck(NamedTuple):
                     start_kind=self.start_kind, worse_optimum=bool(self.worse_optimum))
 
 
+@partial(jax.jit, static_argnames=("spec", "num"))
+def _draws_on(spec, per_example, shared, key, num):
+    args, kwargs = spec.build_args(per_example, shared)
+
+    def one(draw_key):
+        with handlers.block():
+            trace = handlers.trace(handlers.seed(spec.model, draw_key)).get_trace(*args, **kwargs)
+        return spec.latent.unconstrain({name: trace[name]["value"] for name in spec.latent.names})
+
+    return jax.vmap(one)(jax.random.split(key, num))
+
+
 def _prior_draws(spec, data, num, seed) -> jax.Array:
     """``num`` draws of the flat unconstrained latent vector from the model's prior, shape ``(num, d)``.
 
     The model runs on its first example only (the global latents do not depend on the number
-    of rows); a model whose latent shapes follow the data size runs on every row instead.
+    of rows); a model whose latent shapes follow the data size runs on every row instead. One
+    compiled program per model and number of draws.
     """
-    def draws(per_example):
-        args, kwargs = spec.build_args(per_example, data.shared)
-
-        def one(key):
-            with handlers.block():
-                trace = handlers.trace(handlers.seed(spec.model, key)).get_trace(*args, **kwargs)
-            return spec.latent.unconstrain({name: trace[name]["value"] for name in spec.latent.names})
-
-        return jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(seed), num))
-
+    key = jax.random.PRNGKey(seed)
     try:
-        return draws(tuple(x[:1] for x in data.per_example))
+        return _draws_on(spec, tuple(x[:1] for x in data.per_example), data.shared, key, num)
     except (ValueError, TypeError, KeyError):
-        return draws(tuple(data.per_example))
+        return _draws_on(spec, tuple(data.per_example), data.shared, key, num)
 
 
 def _constrained_coordinates(latent) -> np.ndarray:
