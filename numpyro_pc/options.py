@@ -16,10 +16,12 @@ import numbers
 import os
 
 import jax
+import numpy as np
 
 from .errors import InvalidOptionError
 
-__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path"]
+__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path", "check_flag",
+           "check_names", "MAX_COUNT"]
 
 
 def _describe(value) -> str:
@@ -39,17 +41,45 @@ def check_tol(value, name: str = "tol") -> float | None:
     return float(value)
 
 
-def check_count(value, name: str, minimum: int = 1, allow_none: bool = True) -> int | None:
-    """``None`` (when allowed), or an integer ``≥ minimum`` (a float is refused, never rounded).
+MAX_COUNT = 2**31 - 1  # counts, sizes and seeds beyond this overflow the integer types JAX and XLA use
+
+
+def check_count(value, name: str, minimum: int = 1, allow_none: bool = True, maximum: int = MAX_COUNT) -> int | None:
+    """``None`` (when allowed), or an integer in ``[minimum, maximum]`` (a float is refused, never rounded).
 
     :raises InvalidOptionError:
     """
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        expected = f"an integer ≥ {minimum}" + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not minimum <= int(value) <= maximum:
+        expected = f"an integer in [{minimum}, {maximum}]" + (" or None" if allow_none else "")
         raise InvalidOptionError(f"{name} must be {expected}; got {_describe(value)}")
     return int(value)
+
+
+def check_flag(value, name: str) -> bool:
+    """``True`` or ``False`` (NumPy booleans included; numbers, strings and arrays are refused).
+
+    :raises InvalidOptionError:
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidOptionError(f"{name} must be True or False; got {_describe(value)}")
+    return bool(value)
+
+
+def check_names(value, name: str, allow_none: bool = False):
+    """A name (``str``), or a tuple/list of names when ``name`` takes several; ``None`` when allowed.
+
+    :raises InvalidOptionError:
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and allow_none:  # a single name (data_plate)
+        return value
+    if not allow_none and isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    expected = "a plate name (str) or None" if allow_none else "a tuple of argument names (str)"
+    raise InvalidOptionError(f"{name} must be {expected}; got {_describe(value)}")
 
 
 def check_solver_options(tol=None, max_iters=None) -> None:
@@ -92,4 +122,3 @@ def check_path(path, name: str = "path") -> None:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidOptionError(f"{name} must be a str or os.PathLike file path; got {_describe(path)}")
-

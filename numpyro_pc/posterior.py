@@ -21,16 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import ef_guides as _ef_guides
+from .boundary import check_boundary, warn_if_worse_optimum
 from . import guides as _guides
 from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
-from .boundary import check_boundary, warn_if_worse_optimum
 from .dual import DualPosteriorBase, build_posterior, by_posterior_kind, in_own_precision
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
 from .families import ExponentialFamily, get_family
 from .io import load as _load
 from .likelihood import bind_model
-from .options import check_count, check_solver_options
+from .options import check_count, check_flag, check_solver_options
 from .posterior_protocol import Posterior
 from .start import default_start
 from .streaming import update as _update
@@ -87,7 +87,7 @@ class DualPosterior(DualPosteriorBase):
         :return: a new :class:`DualPosterior`; ``record`` holds the operation's diagnostics.
         """
         check_solver_options(tol, max_iters)
-        check_count(seed, "seed", minimum=0, allow_none=False)
+        check_count(seed, "seed", minimum=0, allow_none=False, maximum=2**32 - 1)
         return _update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
                       tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                       batch_fraction=batch_fraction, epochs=epochs, **kwargs)
@@ -144,7 +144,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     prior's 1–99 % range) gives a genuine fixed point that is still a local optimum; when the
     default start of :func:`fit` scores better on the variational objective,
     :class:`~numpyro_pc.errors.BoundaryOptimumWarning` says so with both scores, and
-    ``record["boundary"]`` keeps what was flagged (:func:`numpyro_pc.boundary.check_boundary`).
+    ``record["boundary"]`` keeps what was flagged (:func:`numpyro_pc.boundary.check_boundary`;
+    like the rest of ``record``, it describes this call and is not saved or carried by ``update``).
+    The check runs after a converged refinement, not with ``refine=False`` or the delta rule.
 
     :param model: the NumPyro model the guide was fitted to.
     :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
@@ -160,7 +162,6 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         start of :func:`fit` and ``record["start"]`` says why.
     :param bool progress: show a progress bar during refinement.
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
-
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations (default: 100, extended while the run converges linearly; see
         :func:`~numpyro_pc.solvers.solve`).
@@ -176,6 +177,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param kwargs: the model's keyword arguments.
     """
     _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
+    check_flag(refine, "refine")
+    check_flag(progress, "progress")
+    check_flag(raise_on_failure, "raise_on_failure")
     if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
                             **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
@@ -199,10 +203,14 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
                                tol, max_iters, progress, raise_on_failure, cls=DualPosterior)
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
         return post.evolve(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
+    if not refine or rule.kind == "delta":  # unrefined: nothing converged; delta: the MAP is its fixed point
+        return post
     # a converged guide can still sit where a scale collapsed: a fixed point, but a local optimum
     found = check_boundary(spec, data, family, post.state, seed=seed)
     warn_if_worse_optimum(found)
-    return post.evolve(record=dict(post.record or {}, boundary=found.as_record())) if found.flagged else post
+    if not (found.flagged or found.skipped):
+        return post
+    return post.evolve(record=dict(post.record or {}, boundary=found.as_record()))
 
 
 def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
@@ -246,6 +254,8 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     See :func:`dual_form` for the other options.
     """
     _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
+    check_flag(progress, "progress")
+    check_flag(raise_on_failure, "raise_on_failure")
     if isinstance(family, dict):
         if rank is not None:
             raise InvalidOptionError(f"rank={rank} is an option of family='lowrank'; a dict of per-site families takes none")
@@ -272,7 +282,7 @@ def _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
     check_solver_options(tol, max_iters)
     for name, value in (("num_samples", num_samples), ("num_nodes", num_nodes), ("chunk_size", chunk_size)):
         check_count(value, name)
-    check_count(seed, "seed", minimum=0, allow_none=False)
+    check_count(seed, "seed", minimum=0, allow_none=False, maximum=2**32 - 1)
 
 
 def _float_dtype():

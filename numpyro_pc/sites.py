@@ -489,7 +489,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         themselves are unweighted).
     :return: ``(Sites, SiteSums)``.
     """
-    if curvature not in ("hessian", "ggn"):
+    if not isinstance(curvature, str) or curvature not in ("hessian", "ggn"):
         raise InvalidOptionError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
     storage = resolve_storage(storage, family, spec, rule, curvature, q.mean.dtype)
     num = int(data.per_example[0].shape[0])

@@ -96,3 +96,64 @@ def test_nothing_is_computed_for_a_posterior_inside_its_prior_range(x64):
     spec, data = bind_model(tiny_noise, (y,), {})
     found = boundary.check_boundary(spec, data, post.family, post.state)
     assert found.flagged == () and np.isnan(found.objective)  # no objective, no start search
+
+
+def weights_far_from_the_prior(X, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("rows", X.shape[0]):
+        numpyro.sample("y", dist.Normal(X @ w, 0.5), obs=y)
+
+
+def flat_scale(y=None):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 10.0))
+    scale = numpyro.sample("scale", dist.ImproperUniform(dist.constraints.positive, (), ()))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(loc, scale), obs=y)
+
+
+def vague_precision(y=None):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 10.0))
+    precision = numpyro.sample("precision", dist.Gamma(0.001, 0.001))
+    with numpyro.plate("rows", y.shape[0]):
+        numpyro.sample("y", dist.Normal(loc, precision ** -0.5), obs=y)
+
+
+def test_real_vector_latents_are_never_flagged(x64):
+    """Normal(...).to_event(1) lives on the real line (an IndependentTransform of the identity):
+    weights that the data move far beyond their prior are not a boundary."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(100, 3))
+    y = jnp.asarray(X @ np.array([5.0, -6.0, 0.5]) + 0.5 * rng.normal(size=100))
+    post = pc.fit(weights_far_from_the_prior, jnp.asarray(X), y)
+    spec, data = bind_model(weights_far_from_the_prior, (jnp.asarray(X), y), {})
+    assert abs(float(post.mean[0])) > 4  # far beyond N(0, 1)'s 1-99 % range
+    found = boundary.check_boundary(spec, data, post.family, post.state)
+    assert found.flagged == () and found.skipped == ""
+
+
+def test_a_prior_without_a_sampler_skips_the_check_and_says_why(x64):
+    y = jnp.asarray(np.random.default_rng(6).normal(1.0, 0.8, size=50))
+    post = pc.fit(flat_scale, y, family="diagonal")
+    spec, data = bind_model(flat_scale, (y,), {})
+    found = boundary.check_boundary(spec, data, post.family, post.state)
+    assert found.flagged == () and "could not be sampled" in found.skipped
+
+
+def test_infinite_prior_draws_keep_the_check_on(x64):
+    """Gamma(0.001, 0.001) puts about half its draws at log x = -inf in float64; the quantiles are
+    taken without interpolating between them, so the 99 % side still flags a mean above it."""
+    y = jnp.asarray(np.random.default_rng(7).normal(1.0, 0.8, size=50))
+    spec, data = bind_model(vague_precision, (y,), {})
+    mean = jnp.array([1.0, 1e3])  # log precision 1000: above any prior draw
+    found = boundary.flag_boundary_coordinates(spec, data, mean)
+    assert found.flagged == ("precision",)
+    low, high = found.prior_ranges[0]
+    assert low == -np.inf and np.isfinite(high)
+
+
+def test_no_check_without_refinement(admissions, x64):
+    guide, params, args, admit = admissions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BoundaryOptimumWarning)
+        post = pc.dual_form(correlated_admissions, guide, params, *args, admit, refine=False)
+    assert "boundary" not in (post.record or {})

@@ -10,6 +10,7 @@ delete, refine, LOO, merge, sample and save, and any exception must subclass
 import jax
 import numpy as np
 import pytest
+from numpyro.infer.autoguide import AutoNormal
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,13 +20,26 @@ from numpyro_pc import errors, options
 from conftest import logistic_model, make_logistic
 
 _VALUES = st.one_of(st.sampled_from([None, "x", "", np.nan, np.inf, -np.inf, -1, 0, 1, 2.5, -2.5, 1e300, True,
-                                     [1.5], [-1], (), {}, np.array([[1]]), np.array([1, 2]), b"x"]),
+                                     [1.5], [-1], (), {}, np.array([[1]]), np.array([1, 2]), b"x", 2**40, 2**70,
+                                     object()]),
                     st.integers(-10, 10), st.floats(allow_nan=True, allow_infinity=True))
+
+_GUIDE = AutoNormal(logistic_model)
+
+
+def _guide_params(post):
+    """AutoNormal parameters at the fitted posterior's mean and marginal standard deviations."""
+    mean, sd = np.asarray(post.mean), np.sqrt(np.diag(np.asarray(post.covariance)))
+    return {"b_auto_loc": mean[0], "b_auto_scale": sd[0], "w_auto_loc": mean[1:], "w_auto_scale": sd[1:]}
+
 
 _CALLS = {
     "fit": (("tol", "max_iters", "num_samples", "num_nodes", "chunk_size", "seed", "family", "expectation",
-             "curvature", "storage", "init", "rank"),
+             "curvature", "storage", "init", "rank", "progress", "raise_on_failure", "data_plate", "shared"),
             lambda post, X, y, kw: pc.fit(logistic_model, X, y, **kw)),
+    "dual_form": (("tol", "max_iters", "num_samples", "num_nodes", "chunk_size", "seed", "expectation", "curvature",
+                   "storage", "refine", "progress", "raise_on_failure", "data_plate", "shared"),
+                  lambda post, X, y, kw: pc.dual_form(logistic_model, _GUIDE, _guide_params(post), X, y, **kw)),
     "update": (("tol", "max_iters", "seed", "correction", "memory", "selection", "keep", "batch_fraction", "epochs"),
                lambda post, X, y, kw: post.update(X[:4], y[:4], **kw)),
     "delete": (("ids", "method", "damping", "tol", "max_iters"),
@@ -76,7 +90,7 @@ def test_a_tolerance_outside_its_range_is_refused_even_where_unused(fitted, valu
 
 def test_counts_are_never_rounded():
     assert options.check_count(3, "n") == 3
-    with pytest.raises(errors.InvalidOptionError, match=r"integer ≥ 1 or None; got 2.5"):
+    with pytest.raises(errors.InvalidOptionError, match=r"integer in \[1, 2147483647\] or None; got 2.5"):
         options.check_count(2.5, "n")
     with pytest.raises(errors.InvalidOptionError):
         options.check_count(True, "n")
