@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpyro_pc as pc  # noqa: E402
 from numpyro_pc import boundary, start  # noqa: E402
 from numpyro_pc.likelihood import bind_model  # noqa: E402
-from numpyro_pc.posteriordb_hierarchical import UCBADMIT  # noqa: E402
+from numpyro_pc.hierarchical import correlated_admissions  # noqa: E402
 
 from _common import machine_info, write_results  # noqa: E402
 
@@ -58,23 +58,12 @@ def regression(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w, sigma), obs=y)
 
 
-def admissions(dept, male, applications, admit=None):
-    mu = numpyro.sample("v_mu", dist.Normal(0.0, jnp.array([4.0, 1.0])))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(jnp.ones(2)))
-    chol = numpyro.sample("L_Rho", dist.LKJCholesky(2, concentration=2.0))
-    raw = numpyro.sample("z", dist.Normal(jnp.zeros((6, 2)), 1.0))
-    effects = raw @ (sigma[:, None] * chol).T
-    logits = mu[0] + effects[dept, 0] + (mu[1] + effects[dept, 1]) * male
-    with numpyro.plate("rows", dept.shape[0]):
-        numpyro.sample("admit", dist.Binomial(applications, logits=logits), obs=admit)
-
-
 def case_data(name, d, rng):
     if name == "regression":
         X = rng.normal(size=(2000, d))
         return regression, (jnp.asarray(X), jnp.asarray(X @ rng.normal(size=d) + 0.5 * rng.normal(size=2000)))
-    dept, male, admit, applications = (jnp.asarray(c) for c in UCBADMIT.T)
-    return admissions, (dept.astype(int), male.astype(float), applications, admit)
+    problem = correlated_admissions()
+    return problem.model, tuple(jnp.asarray(a) for a in problem.args)
 
 
 def timed(fn, repeats):

@@ -27,9 +27,10 @@ import numpyro
 import numpyro.distributions as dist
 
 from .errors import InvalidOptionError
+from .posteriordb_hierarchical import UCBADMIT
 
-__all__ = ["HierarchicalProblem", "varying_regression", "eight_schools", "suite", "EIGHT_SCHOOLS_Y",
-           "EIGHT_SCHOOLS_SIGMA"]
+__all__ = ["HierarchicalProblem", "varying_regression", "eight_schools", "correlated_admissions", "suite",
+           "EIGHT_SCHOOLS_Y", "EIGHT_SCHOOLS_SIGMA"]
 
 EIGHT_SCHOOLS_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
 EIGHT_SCHOOLS_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
@@ -143,6 +144,35 @@ def eight_schools(centred: bool = True) -> HierarchicalProblem:
 
     name = f"eight schools {'centred' if centred else 'non-centred'}"
     return HierarchicalProblem(name, model, (np.arange(8), EIGHT_SCHOOLS_SIGMA.copy(), EIGHT_SCHOOLS_Y.copy()), 8)
+
+
+def correlated_admissions() -> HierarchicalProblem:
+    r"""UC Berkeley admissions with a correlated intercept and gender slope per department.
+
+    The model of NumPyro's ``ucbadmit`` example, non-centred with an LKJ-Cholesky correlation
+    (d = 17)::
+
+        admit_i ~ Binomial(applications_i, logit⁻¹(μ_0 + v_{d_i,0} + (μ_1 + v_{d_i,1}) · male_i))
+        v_j = diag(σ) L ε_j,  ε_j ~ N(0, I_2),  L ~ LKJCholesky(2, 2),  σ_k ~ HalfNormal(1),
+        μ ~ N(0, (4, 1))
+
+    SVI with ``AutoNormal`` (Adam 0.01, 5,000 steps) collapses ``σ_0`` to 0.002 here, a local
+    optimum that :func:`numpyro_pc.dual_form` warns about (:mod:`numpyro_pc.boundary`).
+    """
+    def model(dept, male, applications, admit=None) -> None:
+        mu = numpyro.sample("v_mu", dist.Normal(0.0, jnp.array([4.0, 1.0])))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(jnp.ones(2)))
+        chol = numpyro.sample("L_Rho", dist.LKJCholesky(2, concentration=2.0))
+        raw = numpyro.sample("z", dist.Normal(jnp.zeros((6, 2)), 1.0))
+        effects = raw @ (sigma[:, None] * chol).T
+        logits = mu[0] + effects[dept, 0] + (mu[1] + effects[dept, 1]) * male
+        with numpyro.plate("data", dept.shape[0]):
+            numpyro.sample("admit", dist.Binomial(applications, logits=logits), obs=admit)
+
+    dept, male, admit, applications = UCBADMIT.T
+    return HierarchicalProblem("UC admissions, correlated intercept and slope", model,
+                               (dept.astype(int), male.astype(float), applications.astype(float),
+                                admit.astype(float)), 6)
 
 
 def suite(fast: bool = False) -> list[HierarchicalProblem]:

@@ -18,21 +18,8 @@ from numpyro.infer import SVI, Trace_ELBO, autoguide
 import numpyro_pc as pc
 from numpyro_pc import boundary, start
 from numpyro_pc.errors import BoundaryOptimumWarning
+from numpyro_pc.hierarchical import correlated_admissions
 from numpyro_pc.likelihood import bind_model
-from numpyro_pc.posteriordb_hierarchical import UCBADMIT
-
-
-def correlated_admissions(dept, male, applications, admit=None):
-    """UC Berkeley admissions with a correlated varying intercept and gender slope per department
-    (non-centred, LKJ-Cholesky correlation): the model of NumPyro's ``ucbadmit`` example."""
-    mu = numpyro.sample("v_mu", dist.Normal(0.0, jnp.array([4.0, 1.0])))
-    sigma = numpyro.sample("sigma", dist.HalfNormal(jnp.ones(2)))
-    chol = numpyro.sample("L_Rho", dist.LKJCholesky(2, concentration=2.0))
-    raw = numpyro.sample("z", dist.Normal(jnp.zeros((6, 2)), 1.0))
-    effects = raw @ (sigma[:, None] * chol).T
-    logits = mu[0] + effects[dept, 0] + (mu[1] + effects[dept, 1]) * male
-    with numpyro.plate("rows", dept.shape[0]):
-        numpyro.sample("admit", dist.Binomial(applications, logits=logits), obs=admit)
 
 
 def tiny_noise(y=None):
@@ -46,26 +33,26 @@ def tiny_noise(y=None):
 @pytest.fixture(scope="module")
 def admissions():
     with jax.enable_x64(True):
-        dept, male, admit, applications = (jnp.asarray(c) for c in UCBADMIT.T)
-        args = (dept.astype(int), male.astype(float), applications)
-        guide = autoguide.AutoNormal(correlated_admissions)
-        svi = SVI(correlated_admissions, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
+        problem = correlated_admissions()
+        *args, admit = (jnp.asarray(a) for a in problem.args)
+        guide = autoguide.AutoNormal(problem.model)
+        svi = SVI(problem.model, guide, numpyro.optim.Adam(0.01), Trace_ELBO())
         params = svi.run(jax.random.PRNGKey(0), 5000, *args, admit=admit, progress_bar=False).params
-        yield guide, params, args, admit
+        yield problem.model, guide, params, tuple(args), admit
 
 
 def test_a_collapsed_scale_from_svi_is_flagged_and_beaten_by_the_default_start(admissions, x64):
-    guide, params, args, admit = admissions
+    model, guide, params, args, admit = admissions
     sigma = guide.median(params)["sigma"]
     assert sigma[0] < 0.01, f"precondition: SVI no longer collapses sigma[0] ({sigma}); the test needs a new case"
     with pytest.warns(BoundaryOptimumWarning, match=r"sigma\[0\].*outside the prior's 1–99 % range.*pc\.fit"):
-        post = pc.dual_form(correlated_admissions, guide, params, *args, admit)
+        post = pc.dual_form(model, guide, params, *args, admit)
     found = post.record["boundary"]
     assert "sigma[0]" in found["flagged"] and found["worse_optimum"]
     # the warning's claim, checked independently: pc.fit in the same (diagonal) family finds a
     # fixed point whose objective on the same draws is lower by more than the margin
-    refit = pc.fit(correlated_admissions, *args, admit, family="diagonal")
-    spec, data = bind_model(correlated_admissions, args + (admit,), {})
+    refit = pc.fit(model, *args, admit, family="diagonal")
+    spec, data = bind_model(model, args + (admit,), {})
     ours = start.fixed_draw_objective(spec, data, post.family, post.state)
     theirs = start.fixed_draw_objective(spec, data, refit.family, refit.state)
     assert ours == pytest.approx(found["objective"], rel=1e-12)
@@ -152,8 +139,8 @@ def test_infinite_prior_draws_keep_the_check_on(x64):
 
 
 def test_no_check_without_refinement(admissions, x64):
-    guide, params, args, admit = admissions
+    model, guide, params, args, admit = admissions
     with warnings.catch_warnings():
         warnings.simplefilter("error", BoundaryOptimumWarning)
-        post = pc.dual_form(correlated_admissions, guide, params, *args, admit, refine=False)
+        post = pc.dual_form(model, guide, params, *args, admit, refine=False)
     assert "boundary" not in (post.record or {})
