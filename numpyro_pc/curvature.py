@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from .errors import InvalidOptionError, SiteStorageError
 from .rowops import join_rows, pad_last_row, take_rows
+from .options import is_choice
 
 __all__ = ["CurvatureStore", "Factor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store", "register_store"]
 
@@ -406,7 +407,7 @@ def get_store(name):
     """The storage class called ``name`` (``"factor"``, ``"sparse"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
     if isinstance(name, type) and issubclass(name, CurvatureStore):
         return name
-    if not isinstance(name, str) or name not in STORES:
+    if not is_choice(name, STORES):
         raise InvalidOptionError(f"unknown storage {name!r}; expected 'auto' or one of {sorted(STORES)}")
     return STORES[name]
 

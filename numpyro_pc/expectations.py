@@ -57,6 +57,7 @@ import numpy as np
 from .errors import ExpectationRuleError, InvalidOptionError
 from .likelihood import ModelData, example_params, prior_loss
 from .rowops import take_rows
+from .options import is_choice
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",
            "dependence_subspace_dim", "subspace_basis", "subspace_excess", "subspace_tolerance", "MAX_SUBSPACE_DIM", "MAX_MC_SUBSPACE_DIM",
@@ -103,7 +104,7 @@ class ExpectationRule:
     mc_precision: str = "hessian"
 
     def __post_init__(self):
-        if not isinstance(self.kind, str) or self.kind not in _KINDS:
+        if not is_choice(self.kind, _KINDS):
             raise InvalidOptionError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
         if self.mc_precision not in ("reparam", "hessian"):
             raise InvalidOptionError(f"unknown mc_precision {self.mc_precision!r}; expected 'reparam' or 'hessian'")

@@ -19,6 +19,7 @@ from .errors import InvalidOptionError
 from .family_protocol import (ExponentialFamily, Gaussian, GaussianNatural, add_site, regularised_chol, remove_site,
                               scale_site)
 from .gaussians import DiagonalGaussian, FullGaussian, IsotropicGaussian
+from .options import is_choice
 
 __all__ = [
     "Gaussian",
@@ -100,7 +101,7 @@ def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
             return _FAMILIES.get(made.name) or register_family(made)
         if options:
             raise InvalidOptionError(f"the {key!r} family takes no options (got {sorted(options)})")
-    if not isinstance(key, str) or key not in _FAMILIES:
+    if not is_choice(key, _FAMILIES):
         raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES) + sorted(_FACTORIES)} "
                                  "or an ExponentialFamily")
     return _FAMILIES[key]

@@ -25,7 +25,7 @@ import numpyro
 from .data_support import as_data_array, check_support, latent_free_supports
 from .errors import DataShapeError, DataTypeError, ModelBindingError, NonFiniteDataError, UnsupportedModelError
 from .latent import LatentSpace
-from .options import check_names
+from .options import check_name, check_names
 from .model_terms import (  # noqa: F401  (re-exported: the package imports them from here)
     IMPLICIT_PLATE,
     LOG_DET_PREFIX,
@@ -100,7 +100,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     :raises UnsupportedModelError: local latents, no data plate (and no implicit one),
         ambiguous plates, subsampled plates, discrete latents.
     """
-    data_plate = check_names(data_plate, "data_plate", allow_none=True)
+    data_plate = check_name(data_plate, "data_plate")
     shared = check_names(shared, "shared")
     kwargs = dict(kwargs or {})
     try:

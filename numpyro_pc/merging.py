@@ -72,6 +72,7 @@ from .fixed_point import default_tol
 from .likelihood import example_loss, losses, prior_loss
 from .rows import concat_data, positions, take_data
 from .posterior_protocol import provides
+from .options import is_choice
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 
@@ -125,7 +126,7 @@ def _weights(alphas) -> list:
 
 
 def _check(base, posts, alphas, method):
-    if not isinstance(method, str) or method not in METHODS:
+    if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     posts = list(posts)
     if not posts:
@@ -270,7 +271,7 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found "
                                  f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
     posteriors = list(posteriors)
-    if not isinstance(method, str) or method not in METHODS:
+    if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     if not posteriors:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")

@@ -21,7 +21,7 @@ import numpy as np
 from .errors import InvalidOptionError
 
 __all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path", "check_flag",
-           "check_names", "MAX_COUNT"]
+           "check_name", "check_names", "is_choice", "MAX_COUNT", "MAX_SEED"]
 
 
 def _describe(value) -> str:
@@ -41,7 +41,14 @@ def check_tol(value, name: str = "tol") -> float | None:
     return float(value)
 
 
-MAX_COUNT = 2**31 - 1  # counts, sizes and seeds beyond this overflow the integer types JAX and XLA use
+MAX_COUNT = 2**31 - 1  # counts and sizes beyond this overflow the integer types JAX and XLA use
+MAX_SEED = 2**32 - 1  # the largest seed a PRNG key holds (and a saved file may carry)
+
+
+def is_choice(value, choices) -> bool:
+    """Whether ``value`` is one of the names ``choices`` — a string compared as a string, so that an
+    unhashable value or an array never reaches ``in`` (a ``TypeError`` or NumPy's ambiguous truth value)."""
+    return isinstance(value, str) and value in choices
 
 
 def check_count(value, name: str, minimum: int = 1, allow_none: bool = True, maximum: int = MAX_COUNT) -> int | None:
@@ -67,19 +74,24 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-def check_names(value, name: str, allow_none: bool = False):
-    """A name (``str``), or a tuple/list of names when ``name`` takes several; ``None`` when allowed.
+def check_name(value, name: str) -> str | None:
+    """A single name (``str``) or ``None``, e.g. ``data_plate``.
 
     :raises InvalidOptionError:
     """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, str) and allow_none:  # a single name (data_plate)
+    if value is None or isinstance(value, str):
         return value
-    if not allow_none and isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+    raise InvalidOptionError(f"{name} must be a name (str) or None; got {_describe(value)}")
+
+
+def check_names(value, name: str) -> tuple[str, ...]:
+    """A tuple (or list) of names, e.g. ``shared``.
+
+    :raises InvalidOptionError:
+    """
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    expected = "a plate name (str) or None" if allow_none else "a tuple of argument names (str)"
-    raise InvalidOptionError(f"{name} must be {expected}; got {_describe(value)}")
+    raise InvalidOptionError(f"{name} must be a tuple of names (str); got {_describe(value)}")
 
 
 def check_solver_options(tol=None, max_iters=None) -> None:

@@ -30,7 +30,7 @@ from .expectations import get_rule
 from .families import ExponentialFamily, get_family
 from .io import load as _load
 from .likelihood import bind_model
-from .options import check_count, check_flag, check_solver_options
+from .options import MAX_SEED, check_count, check_flag, check_solver_options
 from .posterior_protocol import Posterior
 from .start import default_start
 from .streaming import update as _update
@@ -87,7 +87,7 @@ class DualPosterior(DualPosteriorBase):
         :return: a new :class:`DualPosterior`; ``record`` holds the operation's diagnostics.
         """
         check_solver_options(tol, max_iters)
-        check_count(seed, "seed", minimum=0, allow_none=False, maximum=2**32 - 1)
+        check_count(seed, "seed", minimum=0, allow_none=False, maximum=MAX_SEED)
         return _update(self, *args, correction=correction, memory=memory, selection=selection, keep=keep, seed=seed,
                       tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                       batch_fraction=batch_fraction, epochs=epochs, **kwargs)
@@ -282,7 +282,7 @@ def _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
     check_solver_options(tol, max_iters)
     for name, value in (("num_samples", num_samples), ("num_nodes", num_nodes), ("chunk_size", chunk_size)):
         check_count(value, name)
-    check_count(seed, "seed", minimum=0, allow_none=False, maximum=2**32 - 1)
+    check_count(seed, "seed", minimum=0, allow_none=False, maximum=MAX_SEED)
 
 
 def _float_dtype():

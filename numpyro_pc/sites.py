@@ -37,6 +37,7 @@ from .cached_sites import Sites, SiteSums  # noqa: F401  (re-exported: the packa
 from .likelihood import example_loss, example_params
 from .memory import dense_auto_budget, format_bytes, machine_memory
 from .prior_site import prior_terms, prior_terms_reparam, reparam_curvature
+from .options import is_choice
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
            "trace_count"]  # Sites, SiteSums: re-exported
@@ -517,7 +518,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         themselves are unweighted).
     :return: ``(Sites, SiteSums)``.
     """
-    if not isinstance(curvature, str) or curvature not in ("hessian", "ggn"):
+    if not is_choice(curvature, ("hessian", "ggn")):
         raise InvalidOptionError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
     storage = resolve_storage(storage, family, spec, rule, curvature, q.mean.dtype)
     num = int(data.per_example[0].shape[0])

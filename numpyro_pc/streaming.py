@@ -52,6 +52,7 @@ from .rows import concat_data, positions, take_data
 from .solvers import default_tol
 from .stochastic import stochastic_update
 from .posterior_protocol import provides
+from .options import is_choice
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
@@ -88,7 +89,7 @@ def select_memory(post, size, rule="random", seed=0):
 
 
 def _corrected_ids(post, correction, memory, selection, seed):
-    if not isinstance(correction, str) or correction not in CORRECTIONS:
+    if not is_choice(correction, CORRECTIONS):
         raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     retained = np.asarray(post.data_ids)
     if correction in ("none", "prior"):

@@ -49,6 +49,7 @@ from .sites import compute_sites
 from .site_problem import SiteProblem
 from .solvers import default_tol, solve
 from .posterior_protocol import provides
+from .options import is_choice
 
 __all__ = ["METHODS", "APPROXIMATE_METHODS", "delete"]
 
@@ -161,7 +162,7 @@ def _live_rows(post, data_keep, live) -> tuple:
 def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=None,
            raise_on_failure=True) -> DualPosteriorBase:
     """Delete examples (see :meth:`numpyro_pc.DualPosterior.delete`)."""
-    if not isinstance(method, str) or method not in METHODS:
+    if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
     if as_ids(ids).size == 0:  # nothing to delete: the same posterior, with a record saying so

@@ -27,6 +27,7 @@ from .curvature import STORES
 from .expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
+from .options import is_choice
 
 __all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
            "check_manifest", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",
@@ -86,7 +87,7 @@ def _ints(value, where, low=0):
 
 def _choice(manifest, key, options):
     value = manifest.get(key)
-    if not isinstance(value, str) or value not in options:
+    if not is_choice(value, options):
         _fail(key, f"one of {list(options)}", value)
     return value
 

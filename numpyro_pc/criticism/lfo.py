@@ -44,6 +44,7 @@ from ..posterior import fit
 from .cavity import refit_predictive, rule_nodes
 from .ef_cavity import ef_block_density, ef_num_points
 from .loo import elpd_data
+from ..options import is_choice
 
 __all__ = ["lfo", "METHODS"]
 
@@ -141,7 +142,7 @@ def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1
         the estimate sits under the ``elpd_loo`` label and ``az.compare`` ranks models by it.
         ``p_loo`` is ``Σ_i [log p(y_{i+1:i+M} | y) − log p(y_{i+1:i+M} | y_{1:i})]``.
     """
-    if not isinstance(method, str) or method not in METHODS:
+    if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown LFO method {method!r}; expected one of {METHODS}")
     num, take = _slicer(args, kwargs)
     for name, value in dict(initial=initial, step=step, horizon=horizon).items():

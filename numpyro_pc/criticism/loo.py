@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
-from ..options import check_finite, check_solver_options
+from ..options import check_finite, check_solver_options, is_choice
 from ..rows import positions, take_data
 from ..curvature import FULL
 from ..family_protocol import require_site_product
@@ -187,7 +187,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
         family), ``method="taylor"`` without a dense Gaussian covariance, or an object that
         is not a dual-form posterior.
     """
-    if not isinstance(method, str) or method not in METHODS:
+    if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown LOO method {method!r}; expected one of {METHODS}")
     good_k = check_finite(good_k, "good_k", low=0.0)
     check_solver_options(tol, max_iters)

@@ -70,13 +70,14 @@ from ..posterior import DualPosterior
 from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, record_round, release_site)
 from .robust import aggregate_sites, robust_bounds
+from ..options import is_choice
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
 ALGORITHMS = ("fedpc", "pvi", "ama", "admm")
 
 def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+    if not is_choice(algorithm, ALGORITHMS):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
         if family not in (None, "isotropic", "iso"):

@@ -32,6 +32,7 @@ from ..merging import prior_natural
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
 from .robust import aggregate_sites, robust_bounds, validate_site
+from ..options import is_choice
 
 __all__ = ["ServerLogic"]
 
@@ -60,7 +61,7 @@ class ServerLogic:
     def __init__(self, num_clients, algorithm="fedpc", family="full", rho=None, damping=None, expectation="auto",
                  fraction=1.0, num_nodes=64, local_iters=50, local_tol=None, x64=False, min_clients=None,
                  min_examples=1, max_share=None, max_shift=None, max_abs=1e12, safeguard=None, safeguard_margin=0.3):
-        if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        if not is_choice(algorithm, ALGORITHMS):
             raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         self.num_clients = int(num_clients)
         self.algorithm = algorithm

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InvalidOptionError
+from ..options import is_choice
 
 __all__ = ["POLICIES", "initial_inducing", "next_inducing"]
 
@@ -44,7 +45,7 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
     :param float keep_fraction: share of old points kept by ``"keep"``/``"kmeans"``.
     :return: ``(M, D)`` array.
     """
-    if not isinstance(policy, str) or policy not in POLICIES:
+    if not is_choice(policy, POLICIES):
         raise InvalidOptionError(f"inducing policy must be one of {POLICIES}, got {policy!r}")
     if not 0.0 <= keep_fraction <= 1.0:
         raise InvalidOptionError(f"keep_fraction must be in [0, 1], got {keep_fraction}")
