@@ -12,8 +12,9 @@ from dataclasses import replace
 import jax.numpy as jnp
 import numpy as np
 
+from .capabilities import SiteSum, gaussian_solver, require
 from .curvature import FULL
-from .errors import ConvergenceError, UnsupportedModelError
+from .errors import ConvergenceError
 from .families import add_site, remove_site, scale_site
 from .rowops import filled
 from .rows import concat_data, pad_to_bucket, positions, take_data
@@ -40,13 +41,11 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):
         zero = remove_site(natural, natural)
         return zero if post.offset is None else add_site(zero, post.offset)
     cavity = natural
-    if not family.linear_precision and (corrected_sum is not None or correct_prior):
+    if corrected_sum is not None or correct_prior:
         # correction="none" (VCL) divides nothing out: the old posterior itself is the prior of the new
         # batch, well defined in any family
-        raise UnsupportedModelError(
-            f"the {family.name} family's precision is a projection of the site sum, not the sum itself: a "
-            "posterior with stale sites is not their product, and dividing some sites out is not defined; use "
-            "correction='exact' (every site recomputed) or 'none' (the old posterior as the prior)")
+        require(family, SiteSum, "a partial correction (dividing stale sites out of q)",
+                "Use correction='exact' (every site recomputed) or 'none' (the old posterior as the prior).")
     if corrected_sum is not None:
         cavity = remove_site(cavity, corrected_sum, weight)
     if correct_prior:
@@ -132,7 +131,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     curvature sum the stored sites cannot give (diagonal storage).
     """
     mean = post.state.mean
-    if cached.num_examples == 0 or (problem.family.needs_dense_sum and cached.curv.detail < FULL):
+    if cached.num_examples == 0 or (gaussian_solver(problem.family).dense_sum and cached.curv.detail < FULL):
         return None, None
     used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
     if not np.all(used_refs == np.asarray(mean)[None, :]):
@@ -149,6 +148,6 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
     # see the same shapes as for the sites it computes itself (no recompilation per update)
     start = replace(start, ids=problem.ids, ref_means=mean[None, :],
                     ref_index=filled([(start.num_examples, 0)], start.ref_index.dtype))
-    hessian = (start.curv.weighted_dense(weights) if problem.family.needs_dense_sum
+    hessian = (start.curv.weighted_dense(weights) if gaussian_solver(problem.family).dense_sum
                else jnp.zeros((), mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)

@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .capabilities import SiteDivision, require
 from .batches import bind_batch
 from . import ef_sites
 from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_posterior import EFPosterior
-from .family_protocol import require_site_product
-from .errors import IncompatiblePosteriorsError, InvalidOptionError
+from .errors import IncompatiblePosteriorsError
 from .rows import positions
 from .sites import compute_sites
 
@@ -138,10 +138,8 @@ def _ef_information_gain(new: EFPosterior, old):
 
 @_information_gain.register
 def _gaussian_information_gain(new: DualPosteriorBase, old):
-    if new.family.fixed_precision:
-        raise InvalidOptionError("information_gain needs sites with curvature (full or diagonal family)")
-    require_site_product(new.family, "pc.information_gain")
-    require_site_product(old.family, "pc.information_gain")
+    require(new.family, SiteDivision, "pc.information_gain")
+    require(old.family, SiteDivision, "pc.information_gain")
     with jax.enable_x64(new.state.mean.dtype == jnp.float64):
         mean, cov = new.state.mean, new.covariance
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from .capabilities import FixedPrecision, capability, gaussian_solver
 from . import guides as _guides
 from .errors import (
     ConvergenceError,
@@ -395,7 +396,7 @@ class DualPosteriorBase(Posterior):
         delta rule, e.g. from ``AutoDelta``. Its fixed precision is the base measure of the
         isotropic family (paper appendix "non-constant base measures"), not a posterior
         uncertainty, so its samples are the point itself."""
-        return self.family.fixed_precision and self.rule.kind == "delta"
+        return capability(self.family, FixedPrecision) is not None and self.rule.kind == "delta"
 
     @in_own_precision
     def sample_unconstrained(self, key: jax.Array, num_samples: int) -> jax.Array:
@@ -541,7 +542,7 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
                           chunk_size, to_device(ids), None, True, weights)
-    sites, sums = problem.sites(q, need_hessian_sum=family.needs_dense_sum)
+    sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(family).dense_sum)
     cls = DualPosteriorBase if cls is None else cls
     post = cls(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (), guide)
     if refine:  # the solver starts from the sites just computed

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import ExpTransform, IdentityTransform, IndependentTransform, biject_to
 
+from .capabilities import FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum
 from .ef_discrete import BernoulliFactor, CategoricalFactor
 from .ef_families import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .ef_gaussian import FullGaussianFactor, NormalFactor
@@ -226,9 +228,28 @@ class ProductFamily:
     Values passed to and returned by its methods are in each factor's own coordinates
     (constrained values, unconstrained values for Gaussian factors, integers for discrete
     ones); :meth:`to_constrained` maps them to the model's site values.
+
+    Its capabilities (:mod:`numpyro_pc.capabilities`): the natural parameters are the prior
+    site plus the example sites (:class:`~numpyro_pc.capabilities.SiteSum`), so dividing sites
+    out gives cavities (:class:`~numpyro_pc.capabilities.SiteDivision`; a cavity outside the
+    factors' domain is refused where it is formed); the sites are natural-parameter sites
+    solved by the natural-gradient fixed point, not Gaussian sites with a stored curvature.
     """
 
     factors: tuple
+
+    capabilities = (SiteSum(), SiteDivision())
+    lacks = MappingProxyType({
+        FixedPrecision: "every factor's natural parameters are learned",
+        SiteCurvature: "the sites are natural-parameter sites of the factors, not Gaussian sites with a stored "
+                       "curvature",
+        GaussianSolver: "the fixed point is solved by natural-gradient (Bayesian learning rule) steps in λ",
+    })
+
+    @property
+    def name(self) -> str:
+        """``"product(beta, gamma, ...)"``: the factors' families in trace order."""
+        return "product(" + ", ".join(type(f).family_name or type(f).__name__ for f in self.factors) + ")"
 
     @cached_property
     def offsets(self):

@@ -29,6 +29,13 @@ class UnsupportedModelError(PosteriorCorrectionError, ValueError):
     """
 
 
+class MissingCapabilityError(UnsupportedGuideError, UnsupportedModelError):
+    """The operation needs something of the variational family that the family does not have
+    (:mod:`numpyro_pc.capabilities`): e.g. dividing sites out of a low-rank posterior, whose
+    precision is a projection of the site sum. The message names the operation, what it needs
+    and, in mathematical terms, why the family lacks it. Caught as either of its bases."""
+
+
 class DataShapeError(PosteriorCorrectionError, ValueError):
     """A data argument's leading size disagrees with the data plate."""
 

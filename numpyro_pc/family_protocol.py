@@ -13,15 +13,20 @@ implements; the concrete families are in :mod:`numpyro_pc.gaussians` and
 :mod:`numpyro_pc.lowrank`, the registry in :mod:`numpyro_pc.families`.
 """
 
+import warnings
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
+from .capabilities import (SiteDivision, FixedPrecision, GaussianSolver, SiteCurvature, SiteSum, capabilities_from_flags,
+                           declares_flags, flag_values, require)
+from .errors import NonFiniteResultError, NotPositiveDefiniteError
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
            "scale_site", "require_site_product"]
@@ -42,21 +47,13 @@ class GaussianNatural(NamedTuple):
 
 
 def require_site_product(family, operation: str) -> None:
-    """Refuse ``operation`` unless ``q`` is the product of its sites in ``family`` (``λ = Σ_i λ̂_i``):
-    cavities, the information-gain decomposition and corrected models divide sites out of ``q``.
+    """Deprecated: ``require(family, SiteDivision, operation)`` (:mod:`numpyro_pc.capabilities`).
 
-    :raises UnsupportedGuideError: for a family whose precision is a fixed base measure
-        (isotropic) or a non-linear projection of the site sum (low-rank).
+    :raises UnsupportedGuideError: the family's ``q`` is not the product of its sites.
     """
-    if family.fixed_precision:
-        why = "a fixed base measure, and its sites carry no curvature"
-    elif not family.linear_precision:
-        why = "a projection of the site sum, not the sum itself"
-    else:
-        return
-    raise UnsupportedGuideError(
-        f"{operation} divides sites out of q, which needs q to be the product of its sites; the {family.name} "
-        f"family's precision is {why}. Fit with family='full' or 'diagonal' for it.")
+    warnings.warn("require_site_product is deprecated: use numpyro_pc.capabilities.require(family, SiteDivision, "
+                  "operation)", DeprecationWarning, stacklevel=2)
+    require(family, SiteDivision, operation)
 
 
 def add_site(natural, site, alpha=1.0):
@@ -74,26 +71,45 @@ def scale_site(site, alpha):
     return jax.tree.map(lambda a: alpha * a, site)
 
 
+def _deprecated_flag(name: str, meaning: str) -> property:
+    """A read-only property answering the old family flag ``name`` from the capabilities, with a warning."""
+    def read(self):
+        warnings.warn(f"ExponentialFamily.{name} is deprecated: use {meaning} (numpyro_pc.capabilities)",
+                      DeprecationWarning, stacklevel=2)
+        return flag_values(self.capabilities)[name]
+    return property(read, doc=f"Deprecated: {meaning}.")
+
+
 class ExponentialFamily(ABC):
     """Interface every variational family implements.
 
     All methods are pure functions of pytrees and may be used under ``jit``/``vmap``.
 
-    :cvar fixed_precision: the family's precision is a fixed base measure, not learned
-        (the isotropic family): its sites carry no curvature.
+    What a family can do beyond this core is declared, not flagged: ``capabilities`` holds
+    instances of the classes of :mod:`numpyro_pc.capabilities` (the defaults: a Gaussian whose
+    precision is the sum of its sites' curvatures, as the full family), and ``lacks`` says, for
+    a capability the family does not have, why — operations look them up with
+    :func:`~numpyro_pc.capabilities.capability` and :func:`~numpyro_pc.capabilities.require`.
     """
 
     name: str
-    fixed_precision = False
-    #: what the family needs of the stored site curvature (0 nothing, 1 diagonals, 2 matrices)
-    curvature_detail = 2
-    #: storage chosen for ``storage="auto"`` (``None``: the model decides, factorised or dense)
-    default_storage = None
-    #: the solver needs the dense curvature sum ``Σ Ĥ_i`` beside the family's own (to precondition the mean)
-    needs_dense_sum = True
-    #: the family asks of its sites only sums and matrix-free products: ``storage="auto"`` keeps the
-    #: Jacobians by their nonzero columns (``"sparse"``) and a separable prior's curvature as its diagonal
-    sparse_sites = False
+    capabilities: ClassVar[tuple] = (SiteSum(), SiteDivision(), SiteCurvature(), GaussianSolver())
+    lacks: ClassVar[Mapping] = MappingProxyType({FixedPrecision: "the precision is learned, not fixed by the prior"})
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if declares_flags(cls) and "capabilities" not in vars(cls):
+            cls.capabilities = capabilities_from_flags(cls, cls.capabilities)
+
+    fixed_precision = _deprecated_flag("fixed_precision", "capability(family, FixedPrecision) is not None")
+    linear_precision = _deprecated_flag("linear_precision", "capability(family, SiteSum) is not None")
+    curvature_detail = _deprecated_flag("curvature_detail", "capability(family, SiteCurvature).detail")
+    default_storage = _deprecated_flag("default_storage", "capability(family, SiteCurvature).default_storage")
+    sparse_sites = _deprecated_flag("sparse_sites", "capability(family, SiteCurvature).matrix_free")
+    needs_dense_sum = _deprecated_flag("needs_dense_sum", "capability(family, GaussianSolver).dense_sum")
+    minimises_objective = _deprecated_flag("minimises_objective",
+                                           "capability(family, GaussianSolver).minimises_objective")
+    dense_checks = _deprecated_flag("dense_checks", "capability(family, GaussianSolver).dense_checks")
 
     @abstractmethod
     def natural(self, q):
@@ -181,22 +197,12 @@ class ExponentialFamily(ABC):
 
     def newton_operator(self, store, weights, prior_curvature=None, base=None):
         """The mean preconditioner handed to :meth:`fixed_point` as ``dense`` where the family needs no
-        dense sum (``needs_dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
+        dense sum (:class:`~numpyro_pc.capabilities.GaussianSolver` ``dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
         return None
 
     def accepts_target(self, target):
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True
-
-    #: the precision is linear in the site precisions (``S = Σ Ĥ_i`` in the family's format), so
-    #: dividing some sites out of a posterior (a cavity) is defined; ``False`` for a family whose
-    #: precision is a non-linear projection of the site sum (the low-rank family)
-    linear_precision = True
-    #: the fixed point is a stationary point of the variational objective, so the solver may judge a
-    #: step by the objective; ``False`` (a projected fixed point): by the dual-form residual alone
-    minimises_objective = True
-    #: host-side checks may materialise the dense ``(d, d)`` precision (the float32 representability check)
-    dense_checks = True
 
     def check_dimension(self, dim):
         """Raise :class:`~numpyro_pc.errors.InvalidOptionError` if the family cannot describe ``dim`` latents."""

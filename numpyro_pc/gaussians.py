@@ -14,12 +14,15 @@ registered by name in :mod:`numpyro_pc.families`.
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from .capabilities import (DIAGONAL_CURVATURE, FULL_CURVATURE, NO_CURVATURE, FixedPrecision, GaussianSolver,
+                           SiteCurvature, SiteDivision, SiteSum)
 from .errors import UnsupportedModelError
 from .family_protocol import ExponentialFamily, Gaussian, GaussianNatural
 
@@ -95,8 +98,7 @@ class FullGaussian(ExponentialFamily):
         chol = jnp.linalg.cholesky(precision)
         return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
 
-    curvature_detail = 2
-    needs_dense_sum = False
+    capabilities = (SiteSum(), SiteDivision(), SiteCurvature(FULL_CURVATURE), GaussianSolver(dense_sum=False))
 
     def curvature_sum(self, store, weights):
         return store.weighted_dense(weights)
@@ -200,8 +202,7 @@ class DiagonalGaussian(ExponentialFamily):
     def is_positive_definite(self, precision):
         return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
 
-    curvature_detail = 1
-    default_storage = "diag"
+    capabilities = (SiteSum(), SiteDivision(), SiteCurvature(DIAGONAL_CURVATURE, "diag"), GaussianSolver())
 
     def relative_eigenvalues(self, q, curvature):
         return curvature / q.precision
@@ -236,7 +237,9 @@ class IsotropicGaussian(ExponentialFamily):
     """
 
     name: str = "isotropic"
-    fixed_precision = True
+    capabilities = (SiteSum(), FixedPrecision(), SiteCurvature(NO_CURVATURE, "none"), GaussianSolver())
+    lacks = MappingProxyType({SiteDivision: "the precision is a fixed base measure: its sites carry no curvature, "
+                                            "so there is no precision to remove"})
 
     def natural(self, q):
         return GaussianNatural(q.precision * q.mean, q.precision)
@@ -283,9 +286,6 @@ class IsotropicGaussian(ExponentialFamily):
 
     def is_positive_definite(self, precision):
         return jnp.isfinite(precision) & (precision > 0)
-
-    curvature_detail = 0
-    default_storage = "none"
 
     def relative_eigenvalues(self, q, curvature):
         return jnp.zeros((1,), q.mean.dtype)

@@ -33,10 +33,10 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
+from .capabilities import SiteDivision, require
 from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_handlers import bind_like, check_same_ef_model, check_terms_agree, ef_correction_factor, factor_point
 from .ef_posterior import EFPosterior
-from .family_protocol import require_site_product
 from .errors import ConvergenceError, InvalidOptionError, ModelMismatchError, UnsupportedGuideError
 from .fixed_point import default_tol
 from .likelihood import losses, prior_loss
@@ -199,7 +199,7 @@ correction_factor.register(EFPosterior, ef_correction_factor)
 
 @correction_factor.register
 def _gaussian_correction_factor(posterior: DualPosteriorBase, memory="all", correct_prior=True, removed=()):
-    require_site_product(posterior.family, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
+    require(posterior.family, SiteDivision, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
     post = posterior
     retained = np.asarray(post.data_ids)
     ids = memory_ids(memory, retained, removed)

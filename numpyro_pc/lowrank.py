@@ -51,7 +51,7 @@ sevenfold, moves ``T`` away from ``S``, and crawls along others.
 Because ``Π_r`` is not linear, the precision of a member is not a sum of site precisions:
 an operation that divides *some* sites out of a posterior (a partial correction, site
 removal) has no meaning in this family, and the family says so
-(:attr:`~numpyro_pc.families.ExponentialFamily.linear_precision` is ``False``; those
+(it lacks the :class:`~numpyro_pc.capabilities.SiteSum` capability; those
 operations raise :class:`~numpyro_pc.errors.UnsupportedModelError`). Operations that
 recompute every site — the exact update, corrected deletion with the data kept,
 retraining, merging followed by refinement — are exact; the uncorrected update
@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from types import MappingProxyType
 from typing import NamedTuple
 
 import jax
@@ -70,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from .capabilities import FULL_CURVATURE, FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum
 from .errors import InvalidOptionError, UnsupportedModelError
 from .families import ExponentialFamily, Gaussian, GaussianNatural, register_family_factory
 
@@ -315,12 +317,11 @@ class LowRankGaussian(ExponentialFamily):
     def __repr__(self):
         return f"LowRankGaussian(rank={self.rank})"
 
-    curvature_detail = 2
-    needs_dense_sum = False
-    sparse_sites = True
-    linear_precision = False
-    minimises_objective = False
-    dense_checks = False
+    capabilities = (SiteCurvature(FULL_CURVATURE, None, matrix_free=True),
+                    GaussianSolver(dense_sum=False, minimises_objective=False, dense_checks=False))
+    lacks = MappingProxyType(dict.fromkeys(
+        (SiteSum, SiteDivision), "the precision is a projection of the site sum onto rank-r plus diagonal, not the sum itself")
+        | {FixedPrecision: "the precision is learned, not fixed by the prior"})
 
     # --- parameters and densities ---------------------------------------------------------
     def natural(self, q):

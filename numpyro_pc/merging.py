@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .capabilities import FixedPrecision, capability
 from .dual import DualPosteriorBase, build_posterior, by_posterior_kind
 from .ef_posterior import EFPosterior, EFState
 from .errors import (
@@ -302,7 +303,7 @@ def _merge_gaussian(first: DualPosteriorBase, base, posteriors, alphas, method, 
         task_data = [_take(p.data, rows) for p, rows in zip(posts, task_rows)]
         if base is None:
             prior = gaussian_prior(first.spec, first.data)
-            tau = first.state.precision if family.fixed_precision else None
+            tau = first.state.precision if capability(family, FixedPrecision) else None
             base_nat = prior_natural(family, prior, tau)
             base_q = family.from_natural(base_nat)
             base_hessian = prior.precision

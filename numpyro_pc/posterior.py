@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import jax.numpy as jnp
 import numpy as np
 
+from .capabilities import FixedPrecision, capability
 from . import ef_guides as _ef_guides
 from .boundary import check_boundary, warn_if_worse_optimum
 from . import guides as _guides
@@ -269,7 +270,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     dtype = _float_dtype()
     start = default_start(spec, data, fam, init, dtype)
     if expectation is None:
-        expectation = "delta" if fam.fixed_precision else "auto"
+        expectation = "delta" if capability(fam, FixedPrecision) else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     post = build_posterior(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                            max_iters, progress, raise_on_failure, cls=DualPosterior)

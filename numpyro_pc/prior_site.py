@@ -4,7 +4,7 @@ The prior's curvature ``Ĥ_0 = E_q[∇²ℓ_0]`` is held in one of two forms (``
 
 * a dense ``(d, d)`` matrix — the general case;
 * its diagonal ``(d,)`` — when the family keeps its sites matrix-free
-  (:attr:`~numpyro_pc.families.ExponentialFamily.sparse_sites`, the low-rank family) and the
+  (:class:`~numpyro_pc.capabilities.SiteCurvature` ``matrix_free``, the low-rank family) and the
   prior is separable (:func:`~numpyro_pc.expectations.prior_is_separable`, a matrix-free
   probe). Then ``diag Ĥ_0`` is one Hessian-vector product with ``1`` per point
   (``H 1 = diag H`` for a diagonal ``H``), and no ``d × d`` array is formed: at

@@ -47,7 +47,7 @@ Inside a trace nothing can raise: a step that does not reach ``tol`` in ``max_it
 steps, leaves the cone, or does not fit the table (``info.overflow``) reports it, and a step
 that cannot be taken leaves the state unchanged. :func:`to_posterior` refuses a state
 whose last step did not converge. Families whose precision is a projection of the site
-sum (``linear_precision = False``, e.g. the low-rank family) are refused: their stale
+sum (no :class:`~numpyro_pc.capabilities.SiteSum`, e.g. the low-rank family) are refused: their stale
 sites are not factors of ``q``.
 """
 
@@ -60,8 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .capabilities import SiteSum, require
 from .dual import PosteriorState
-from .errors import ConvergenceError, InvalidOptionError, UnsupportedModelError
+from .errors import ConvergenceError, InvalidOptionError
 from .families import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from .likelihood import ModelData
 from .sites import Sites
@@ -155,11 +156,8 @@ def from_posterior(post, capacity: int, work_size: int | None = None, tol: float
     :raises InvalidOptionError: a capacity below the posterior's number of sites.
     """
     family = post.family
-    if not family.linear_precision:
-        raise UnsupportedModelError(
-            f"the {family.name} family's precision is a projection of the site sum: its stale sites are not "
-            "factors of q, so a table of them cannot be corrected piecewise; use numpyro_pc.stream_state "
-            "(exact operations) or the posterior's own methods")
+    require(family, SiteSum, "a site table (stale sites that are factors of q, corrected piecewise)",
+            "Use numpyro_pc.stream_state (exact operations) or the posterior's own methods.")
     num = post.num_examples
     capacity = int(capacity)
     if capacity < num:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
+from .capabilities import gaussian_solver
 from .errors import InvalidOptionError
 from .families import Gaussian, add_site, remove_site
 from .likelihood import ModelData
@@ -45,7 +46,7 @@ def stochastic_step(config: TableConfig, state: TableState, batch: ModelData, ma
     :return: ``(state, StepInfo)`` with ``iterations`` the SAG steps taken.
     """
     family = config.family
-    if family.needs_dense_sum:
+    if gaussian_solver(family).dense_sum:
         raise InvalidOptionError(f"stochastic_step needs the full family (found {family.name}): the table's "
                                  "curvature sum preconditions each step")
     mask = jnp.asarray(mask, bool)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from .capabilities import gaussian_solver, site_curvature
 from .curvature import FULL, Dense, Factor, get_store
 from .curvature_sparse import SparseFactor
 from .errors import DataShapeError, ExpectationRuleError, InvalidOptionError, SiteStorageError
@@ -89,10 +90,11 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
     factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
                     or mc_along_subspace(rule, curvature)) and spec.num_params > 0
     if isinstance(storage, str) and storage == "auto":
-        if family.default_storage is not None:
-            return get_store(family.default_storage)
+        needs = site_curvature(family)
+        if needs.default_storage is not None:
+            return get_store(needs.default_storage)
         if factorisable:
-            return SparseFactor if family.sparse_sites else Factor
+            return SparseFactor if needs.matrix_free else Factor
         size = n * d * d * np.dtype(jnp.result_type(float) if dtype is None else dtype).itemsize
         if size <= _DENSE_AUTO_LIMIT:
             return Dense
@@ -110,7 +112,7 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
                                f"affine in z, the 'gh' rule, the 'mc' rule along a fixed subspace (expectation="
                                f"'auto' finds it), or curvature='ggn' with the 'delta' rule "
                                f"({_why(spec, rule)}); {_say(remedies)}.", [r for r, _ in remedies])
-    if store.detail < family.curvature_detail:
+    if store.detail < site_curvature(family).detail:
         try:
             auto = resolve_storage("auto", family, spec, rule, curvature, dtype)
         except SiteStorageError:
@@ -449,7 +451,7 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
 
 def _reparam(cfg, family):
     """Whether the Monte Carlo sites take the reparameterisation precision estimator."""
-    return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and not family.needs_dense_sum
+    return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and not gaussian_solver(family).dense_sum
             and cfg.storage is Dense and cfg.curvature == "hessian")
 
 
@@ -578,7 +580,7 @@ _WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
 def _prior_diagonal(spec, data, family, storage, rule, q, traced):
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
     sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    if not (family.sparse_sites and storage.sparse_rows):
+    if not (site_curvature(family).matrix_free and storage.sparse_rows):
         return False
     if rule.prior_mode is not None:
         return rule.prior_mode == "separable"

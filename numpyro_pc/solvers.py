@@ -20,8 +20,8 @@ positive definite and the step makes progress: the variational objective decreas
 — once the residual is below 1e-2 — the dual-form residual falls below the largest of
 the last three residuals (a non-monotone rule: full steps alternate between reducing the
 mean and the precision identity, which a monotone test would reject). A family judged by the
-residual alone (``minimises_objective`` false) then tries a watchdog: up to three undamped
-steps, accepted if one ends below the current residual. Site computations at a rejected trial are
+residual alone (:class:`~numpyro_pc.capabilities.GaussianSolver` ``minimises_objective``
+false) then tries a watchdog: up to three undamped steps, accepted if one ends below the current residual. Site computations at a rejected trial are
 discarded; accepted trials are reused as the next iteration's sites.
 
 Under the delta rule the sites depend on the mean alone: every evaluated point takes the
@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve
 
+from .capabilities import gaussian_solver
 from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from .curvature import FULL, NONE
 from . import newton_polish
@@ -103,7 +104,7 @@ def solve_init(problem, q, sites=None, sums=None, memory=3) -> SolveState:
     """
     started = time.perf_counter()
     if sites is None or sums is None:
-        sites, sums = problem.sites(q, need_hessian_sum=problem.family.needs_dense_sum)
+        sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(problem.family).dense_sum)
     check_finite_sites(sites)
     point = evaluate(problem, q, sites, sums)
     if not np.isfinite(point.residual) or not np.isfinite(point.objective):
@@ -146,7 +147,8 @@ def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions(
     if outcome is None:
         anderson = anderson_restart(anderson, keep=1)  # restart the acceleration from the current point
         outcome, rho, accelerated = _damped_proposal(problem, point, history, direction, target, options)
-    if outcome is None and not family.minimises_objective:
+    judged_by_objective = gaussian_solver(family).minimises_objective
+    if outcome is None and not judged_by_objective:
         path = _watchdog(problem, point)
         if path is not None:  # the intermediate full steps are iterations too
             passed = tuple(_history_entry(iteration + k, p, 1.0, False, state.started) for k, p in enumerate(path[:-1]))
@@ -156,7 +158,7 @@ def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions(
     if outcome is None:
         return state._replace(iteration=iteration, stalled=True)
     history = history + (_history_entry(iteration, outcome, rho, accelerated, state.started),)
-    return SolveState(outcome, anderson, history, iteration, _stagnation(history, family.minimises_objective),
+    return SolveState(outcome, anderson, history, iteration, _stagnation(history, judged_by_objective),
                       False, state.started)
 
 
@@ -171,7 +173,7 @@ def _evaluate_trial(problem, trial):
     family = problem.family
     if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
         return None
-    t_sites, t_sums = problem.sites(trial, need_hessian_sum=family.needs_dense_sum)
+    t_sites, t_sums = problem.sites(trial, need_hessian_sum=gaussian_solver(family).dense_sum)
     if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
         return None
     return evaluate(problem, trial, t_sites, t_sums)
@@ -188,14 +190,14 @@ def _accept(problem, point, history, trial, permissive=False):
     (non-log-concave models). A trial that is not a proper Gaussian, or whose sites or loss are
     not finite, is refused before or after its sites are computed.
     """
-    family = problem.family
     candidate = _evaluate_trial(problem, trial)
     if candidate is None:
         return None
     reference = max(h["residual"] for h in history[-_WATCH:])
     slack = 1e-12 * (1.0 + abs(point.objective))
-    local = candidate.residual < _LOCAL or permissive or not family.minimises_objective
-    descent = family.minimises_objective and candidate.objective <= point.objective + slack
+    judged_by_objective = gaussian_solver(problem.family).minimises_objective
+    local = candidate.residual < _LOCAL or permissive or not judged_by_objective
+    descent = judged_by_objective and candidate.objective <= point.objective + slack
     if np.isfinite(candidate.residual) and ((local and candidate.residual < reference) or descent):
         return candidate
     return None
@@ -367,7 +369,7 @@ def _check_representable(problem, point):
     result is refused — however small its residual.
     """
     family, q, sites = problem.family, point.q, point.sites
-    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE or not family.dense_checks:
+    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE or not gaussian_solver(family).dense_checks:
         return
     w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731

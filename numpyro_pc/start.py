@@ -32,6 +32,7 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse.linalg
 
+from .capabilities import FixedPrecision, capability, site_curvature
 from .errors import DataShapeError, InvalidOptionError
 from .expectations import prior_is_separable, prior_structure
 from .families import Gaussian
@@ -172,7 +173,7 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
         converged = finite and grad_norm <= 10 * gtol * (1.0 + abs(value))
         if not finite:
             return MapResult(Gaussian(z0, None), total, grad_norm, value, False, escapes)
-        if family.fixed_precision:
+        if capability(family, FixedPrecision):
             # no Laplace precision is needed, but a saddle is no MAP: the delta-rule fixed point of a
             # fixed-precision family is wherever the gradient vanishes, so a start at a saddle stays there
             # with a residual of 1e-9 (a tanh network from 0: uniform predictions, reported converged)
@@ -408,6 +409,7 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
             raise DataShapeError(f"init must be a flat unconstrained vector of shape ({spec.latent.dim},) in the "
                                  f"order {spec.latent.labels()[:6]}...; got shape {z0.shape}")
         kind = "map"
+    fixed = capability(family, FixedPrecision) is not None
     if kind == "map":
         padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
         bucket = replace(spec, num_examples=int(ids.size))
@@ -416,17 +418,17 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
         # a converged MAP of a hierarchy can still be a collapsed mode: seeds' gamma(0.001, 0.001) group
         # precision has a mode with every group effect at 0 and log τ = 9.3 whatever the data, which the
         # mean-field ELBO start beats (53.7 against 69.3) and the solver cannot leave from the MAP start
-        hierarchical = not family.fixed_precision and prior_structure(bucket, padded, z0) == "qmc"
-        if usable and (family.fixed_precision or (found.converged and not hierarchical)):
+        hierarchical = not fixed and prior_structure(bucket, padded, z0) == "qmc"
+        if usable and (fixed or (found.converged and not hierarchical)):
             return StartChoice(found.start, "map", found.iterations, found.grad_norm, found.value, found.converged,
                           found.saddle_escapes)
-        if not family.fixed_precision:
+        if not fixed:
             chosen = _compare_with_elbo_start(bucket, padded, family, z0, weights, found if usable else None)
             if chosen is not None:
                 return chosen
-    if family.fixed_precision:
+    if fixed:
         return StartChoice(Gaussian(z0, jnp.asarray(1.0, dtype)), "prior")
-    if family.sparse_sites and prior_is_separable(spec, data, z0):  # matrix-free: no (d, d) prior Hessian
+    if site_curvature(family).matrix_free and prior_is_separable(spec, data, z0):  # matrix-free: no (d, d) prior Hessian
         precision = family.project_diagonal(prior_diagonal_at(spec, data, z0))
         if not bool(family.is_positive_definite(precision)):
             precision = family.project_diagonal(jnp.ones(spec.latent.dim, dtype))

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedModelError
+from .capabilities import SiteSum, gaussian_solver, require
+from .errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
 from .families import Gaussian, GaussianNatural, add_site, remove_site
 from .rowops import bucket_size, join_rows, to_device
 from .correction import solve_update
@@ -153,12 +154,9 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     """
 
     family, dtype = post.family, post.state.mean.dtype
-    if not family.linear_precision:
-        raise UnsupportedModelError(
-            f"the {family.name} family's precision is a projection of the site sum, not the sum itself: the "
-            "stochastic correction steps with a table of stale sites, whose product is not the posterior; use "
-            "correction='exact' (every site recomputed) or 'none'")
-    if family.needs_dense_sum:
+    require(family, SiteSum, "correction='stochastic' (a table of stale sites whose product is the posterior)",
+            "Use correction='exact' (every site recomputed) or 'none'.")
+    if gaussian_solver(family).dense_sum:
         raise InvalidOptionError(
             f"correction='stochastic' needs the full family (found {family.name}): its table of sites gives the "
             "full curvature that preconditions each step, which diagonal sites cannot; use correction='exact' "

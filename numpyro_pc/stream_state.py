@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .capabilities import gaussian_solver
 from .dual import build_posterior
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError
 from .families import Gaussian
@@ -161,7 +162,7 @@ def newton_terms(config, q, data, ids, weights, base, prior_live):
     spec = replace(config.spec, num_examples=int(ids.shape[0]))
     sites, sums = compute_sites(spec, data, family, q, config.rule, curvature=config.curvature,
                                 storage=config.storage, chunk_size=config.chunk_size, ids=ids,
-                                need_hessian_sum=family.needs_dense_sum, weights=weights)
+                                need_hessian_sum=gaussian_solver(family).dense_sum, weights=weights)
     grad, norms, target, dense, _ = _live_totals(config, q, sites, sums, weights, base, prior_live)
     precision, pre = family.fixed_point(q, target, dense)
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),

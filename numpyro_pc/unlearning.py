@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError, UnsupportedModelError
+from .capabilities import SiteSum, capability, require
+from .errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
 from .expectations import get_rule
 from .families import DiagonalGaussian, Gaussian, add_site, remove_site
 from .dual import DualPosteriorBase, RowSelection
@@ -175,13 +176,12 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
     data_keep = np.flatnonzero(~np.isin(retained, ids))
     alpha, history = 1.0, ()
 
-    if method in ("remove_site", "corrected") and not family.linear_precision:
+    if method in ("remove_site", "corrected") and capability(family, SiteSum) is None:
         lacking = np.setdiff1d(np.asarray(post.sites.ids)[keep_rows], retained)
         if method == "remove_site" or lacking.size:
-            raise UnsupportedModelError(
-                f"the {family.name} family's precision is a projection of the site sum, not the sum itself, so "
-                "dividing sites out of it is not defined; use method='corrected' with the data of every remaining "
-                "example kept (every site recomputed), or method='retrain'")
+            require(family, SiteSum, f"delete(method={method!r}) (dividing sites out of q)",
+                    "Use method='corrected' with the data of every remaining example kept (every site "
+                    "recomputed), or method='retrain'.")
     if method == "remove_site" and not keep_rows.size and post.site_identity_residual <= default_tol(
             post.state.mean.dtype):
         # nothing remains but the prior's site (and the offset): taken as it is, exactly, rather than as

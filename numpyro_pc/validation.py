@@ -23,6 +23,7 @@ import re
 
 import numpy as np
 
+from .capabilities import SiteCurvature, capability
 from .curvature import STORES
 from .expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
 from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
@@ -52,7 +53,7 @@ def _family_storage(name=None):
             get_family(name)
         except InvalidOptionError:
             pass  # reported as an unknown family below
-    return {name: tuple(s for s, store in STORES.items() if store.detail >= family.curvature_detail)
+    return {name: tuple(s for s, store in STORES.items() if store.detail >= capability(family, SiteCurvature).detail)
             for name, family in registered_families().items()}
 
 

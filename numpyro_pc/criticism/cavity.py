@@ -64,6 +64,7 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import logsumexp
 
+from ..capabilities import site_curvature
 from ..curvature import FULL
 from ..errors import InvalidOptionError
 from ..expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
@@ -243,7 +244,7 @@ def downdates(spec, rule, family, state, sites, data, predict=True):
     grads = sites.grad_at(state.mean)
     spec = replace(spec, num_examples=int(grads.shape[0]))
     factors = sites.curv.low_rank_factors()
-    if family.curvature_detail == FULL and factors is not None:  # a dense precision and J_iᵀ Λ_i J_i sites
+    if site_curvature(family).detail == FULL and factors is not None:  # a dense precision and J_iᵀ Λ_i J_i sites
         return _woodbury_cavities(spec, rule, family, predict, state, data, grads, *factors)
     return _general_cavities(spec, rule, family, predict, state, data, grads, sites.curv)
 

@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..capabilities import SiteSum, require
 from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
 from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from ..expectations import get_rule
 from ..families import FullGaussian, Gaussian
-from ..family_protocol import require_site_product
 from ..likelihood import constrain
 from ..rows import positions
 from ..sites import compute_sites
@@ -118,8 +118,7 @@ def _ef_influence(post: EFPosterior, fn, estimators):
 
 @_influence.register
 def _gaussian_influence(post: DualPosteriorBase, fn, estimators):
-    if not post.family.linear_precision:
-        require_site_product(post.family, "pc.influence")
+    require(post.family, SiteSum, "pc.influence")
     estimators = ESTIMATORS if estimators is None else estimators
     dtype = post.state.mean.dtype
     with jax.enable_x64(dtype == jnp.float64):

@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..capabilities import SiteDivision, require, site_curvature
 from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..options import check_finite, check_solver_options, is_choice
 from ..rows import positions, take_data
 from ..curvature import FULL
-from ..family_protocol import require_site_product
 from ..dual import DualPosteriorBase, by_posterior_kind
 from ..ef_posterior import EFPosterior
 from ..posterior_protocol import Posterior
@@ -216,12 +216,8 @@ def _ef_loo(post: EFPosterior, method, where, good_k, tol, max_iters):
 
 @_loo.register
 def _gaussian_loo(post: DualPosteriorBase, method, where, good_k, tol, max_iters):
-    if post.family.fixed_precision:
-        raise UnsupportedGuideError(
-            "leave-one-out needs a posterior with curvature (family 'full' or 'diagonal'); this one is isotropic "
-            "(a point estimate / ERM), whose sites carry no precision to remove. Fit with family='full' or "
-            "'diagonal'; pc.influence(post) still gives its parameter changes.")
-    require_site_product(post.family, "pc.loo")
+    require(post.family, SiteDivision, "pc.loo",
+            "Fit with family='full' or 'diagonal'; pc.influence(post) still gives its parameter changes.")
     dtype = post.state.mean.dtype
     with jax.enable_x64(dtype == jnp.float64):
         ids = np.asarray(post.data_ids)
@@ -232,7 +228,7 @@ def _gaussian_loo(post: DualPosteriorBase, method, where, good_k, tol, max_iters
         pointwise = np.array(cav.elpd, dtype=np.float64)
         lppd = np.asarray(cav.lppd, np.float64)
         if method == "taylor":
-            if post.family.curvature_detail != FULL:
+            if site_curvature(post.family).detail != FULL:
                 raise UnsupportedGuideError("method='taylor' needs the full Gaussian family (a dense covariance); "
                                             "use method='remove_site' or 'corrected'.")
             means, precisions, converged = taylor_cavities(post, post.sites.take(rows), post.data, cav.shift)

@@ -61,6 +61,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from ..capabilities import FixedPrecision, capability
 from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, get_family
@@ -98,7 +99,7 @@ def check_settings(algorithm, family, rho, damping, expectation, spec, num_clien
         raise InvalidOptionError(f"damping must lie in (0, 1], got {damping}")
     if expectation is None:
         glm = spec.num_params == 1 and spec.affine
-        expectation = "gh" if glm and not family.fixed_precision else "delta"
+        expectation = "gh" if glm and not capability(family, FixedPrecision) else "delta"
     check_rule(spec, expectation)
     return family, rho, damping, expectation
 
@@ -236,7 +237,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
     num_participants = max(1, int(round(fraction * num_clients)))
     if init == "auto":
-        init = "zero" if family.fixed_precision else "prior"
+        init = "zero" if capability(family, FixedPrecision) else "prior"
     if init not in ("prior", "zero"):
         raise InvalidOptionError(f"unknown init {init!r}; expected 'prior', 'zero' or 'auto'")
     releases = int(rounds) + (init == "prior")
@@ -299,7 +300,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         eta, q = eta_new, q_new
         if ref_state is not None:
             # an isotropic reference may carry another fixed τ: compare the means at ours
-            ref = Gaussian(ref_state.mean, q.precision) if family.fixed_precision else ref_state
+            ref = Gaussian(ref_state.mean, q.precision) if capability(family, FixedPrecision) else ref_state
             record["kl_to_reference"] = float(family.kl(q, ref))
         if record_round(record, history, callback, tol, residual_tol):
             status = "converged"

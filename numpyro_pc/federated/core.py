@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from ..capabilities import FixedPrecision, capability
 from ..errors import (DataShapeError, DataSupportError, DataTypeError, ExpectationRuleError, InvalidOptionError,
                       NonFiniteDataError)
 from ..expectations import hermite_nodes
@@ -409,7 +410,7 @@ def global_state(family, prior, prior_nat, eta_sum):
     For the isotropic family the precision is fixed and the mean solves the MAP condition
     ``P_0 (m − m_0) = Σ_k η_k`` (the sites are ``−Σ ĝ``), the AMA global step.
     """
-    if family.fixed_precision:
+    if capability(family, FixedPrecision):
         mean = prior.mean + jnp.linalg.solve(prior.precision, eta_sum.linear)
         return Gaussian(mean, prior_nat.precision)
     lam = GaussianNatural(prior_nat.linear + eta_sum.linear, prior_nat.precision + eta_sum.precision)

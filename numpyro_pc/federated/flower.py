@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..capabilities import FixedPrecision, capability
 from ..errors import DataShapeError, InvalidOptionError, PrivacyError, TooFewClientsError
 from ..families import Gaussian, GaussianNatural
 from ..merging import gaussian_prior, prior_natural
@@ -134,7 +135,7 @@ class ClientLogic:
         q0 = global_state(cfg.family, prior, prior_natural(cfg.family, prior, tau),
                           jax.tree.map(jnp.zeros_like, prior_natural(cfg.family, prior, tau)))
         ex, mask, shared = self._ex()
-        if cfg.family.fixed_precision:  # init="auto" of the in-process run: sites start at one
+        if capability(cfg.family, FixedPrecision):  # init="auto" of the in-process run: sites start at one
             self.site = GaussianNatural(jnp.zeros_like(q0.mean), jnp.zeros((), q0.mean.dtype))
         else:
             self.site = jax.jit(release_site, static_argnums=0)(cfg, q0, ex, mask, shared, self._key())

@@ -1,0 +1,113 @@
+"""Family capabilities (issue 26, item 1): what each family can do beyond the core is declared and
+looked up, operations refuse by capability (never by class), and families written against the old
+flags keep working through a deprecation bridge.
+
+Oracles: the expected table of every shipped family's capabilities written out by hand from the
+mathematics (a family whose precision is a projection of the site sum has no site sum; a fixed
+precision has no cavities); operations on a user family that differs from a shipped one only in
+its declared capabilities, which must change what the operation does.
+"""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpyro_pc as pc
+from numpyro_pc import errors
+from numpyro_pc.capabilities import (FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum, capability,
+                                     require)
+from numpyro_pc.families import FullGaussian, IsotropicGaussian, get_family
+from numpyro_pc.lowrank import LowRankGaussian
+
+from conftest import linear_model, make_linear
+from test_ef_adapt import beta_bernoulli
+
+# (SiteSum, SiteDivision, FixedPrecision, (detail, default storage, matrix-free), (dense sum, by objective,
+# dense checks)); None: the family lacks it
+EXPECTED = {
+    "full": (True, True, False, (2, None, False), (False, True, True)),
+    "diagonal": (True, True, False, (1, "diag", False), (True, True, True)),
+    "isotropic": (True, False, True, (0, "none", False), (True, True, True)),
+    "lowrank-3": (False, False, False, (2, None, True), (False, False, False)),
+}
+
+
+def _table(family):
+    curvature, solver = capability(family, SiteCurvature), capability(family, GaussianSolver)
+    return (capability(family, SiteSum) is not None, capability(family, SiteDivision) is not None,
+            capability(family, FixedPrecision) is not None,
+            None if curvature is None else (curvature.detail, curvature.default_storage, curvature.matrix_free),
+            None if solver is None else (solver.dense_sum, solver.minimises_objective, solver.dense_checks))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_gaussian_family_declares_what_its_mathematics_gives(name):
+    assert _table(get_family(name)) == EXPECTED[name]
+
+
+def test_an_exponential_family_product_has_site_sums_and_cavities_but_no_gaussian_sites():
+    post = pc.fit(beta_bernoulli, y=jnp.asarray([1, 0, 1, 1, 0, 1.0]), family={"p": "beta"})
+    assert _table(post.family) == (True, True, False, None, None)
+    with pytest.raises(errors.MissingCapabilityError, match=r"the Gaussian site solver needs .* in the product\(beta\) "
+                       r"family the fixed point is solved by natural-gradient"):
+        require(post.family, GaussianSolver, "the Gaussian site solver")
+
+
+def test_a_refusal_names_the_operation_the_need_and_the_reason_and_is_caught_as_either_old_type():
+    lowrank = get_family("lowrank-2")
+    with pytest.raises(errors.UnsupportedGuideError) as guide_err:
+        require(lowrank, SiteDivision, "pc.loo")
+    with pytest.raises(errors.UnsupportedModelError):
+        require(lowrank, SiteSum, "pc.delete")
+    message = str(guide_err.value)
+    assert message.startswith("pc.loo needs dividing sites out of q")
+    assert "lowrank-2 family the precision is a projection of the site sum" in message
+    assert "family='full' or 'diagonal'" in message
+    assert require(get_family("full"), SiteDivision, "pc.loo") == SiteDivision()
+
+
+class _NoCavityFull(FullGaussian):
+    """The full Gaussian, declared without cavities: operations must follow the declaration."""
+
+    name = "full-without-cavities"
+    capabilities = tuple(c for c in FullGaussian.capabilities if not isinstance(c, SiteDivision))
+    lacks = {SiteDivision: "this test family does not offer cavities"}
+
+
+def test_operations_follow_the_declared_capabilities_not_the_class(x64):
+    X, y = make_linear(30, 3, seed=4)
+    family = _NoCavityFull()
+    post = pc.fit(linear_model, X, y, family=family)
+    reference = pc.fit(linear_model, X, y, family="full")
+    np.testing.assert_allclose(post.mean, reference.mean, rtol=0, atol=1e-10)  # the core is the full family's
+    with pytest.raises(errors.MissingCapabilityError, match="this test family does not offer cavities"):
+        pc.loo(post)
+    with pytest.raises(errors.MissingCapabilityError, match="this test family does not offer cavities"):
+        pc.information_gain(post, post)
+    assert np.all(np.isfinite(pc.loo(reference).pointwise))
+
+
+def test_old_flags_are_bridged_to_capabilities_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"declares \['linear_precision'\]"):
+        class Projected(FullGaussian):
+            name = "full-projected"
+            linear_precision = False
+
+    held = Projected()
+    assert capability(held, SiteSum) is None and capability(held, SiteDivision) is None
+    # what the class does not declare is inherited from the full family's capabilities
+    assert capability(held, SiteCurvature) == SiteCurvature(2, None, False)
+    assert capability(held, GaussianSolver) == GaussianSolver(dense_sum=False)
+
+    with pytest.warns(DeprecationWarning, match="capability\\(family, FixedPrecision\\)"):
+        assert IsotropicGaussian().fixed_precision is True
+    with pytest.warns(DeprecationWarning):
+        assert LowRankGaussian(rank=2).minimises_objective is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        class Declared(FullGaussian):  # a family written against capabilities warns about nothing
+            name = "full-declared"
+            capabilities = FullGaussian.capabilities
+        assert capability(Declared(), SiteDivision) == SiteDivision()
