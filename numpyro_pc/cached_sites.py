@@ -4,14 +4,15 @@ r"""The cached sites of a Gaussian posterior: :class:`Sites` (a pytree) and :cla
 (paper Table 1; docs/notation.md, "Sites") — its gradient ``ĝ_i``, its curvature ``Ĥ_i`` in
 one of the stores of :mod:`numpyro_pc.curvature`, its expected loss, its id and the mean
 ``m_i`` it was computed at — and the prior site; it answers sums, natural parameters and
-row operations. :func:`numpyro_pc.sites.compute_sites` computes them.
+row operations, and implements :class:`~numpyro_pc.site_protocol.SiteTable`.
+:func:`numpyro_pc.sites.compute_sites` computes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,7 @@ class Sites:
     prior_curvature: jax.Array
     prior_loss: jax.Array
     prior_ref: jax.Array
+    kind: ClassVar[str] = "gaussian"
 
     @property
     def storage(self):
@@ -73,7 +75,8 @@ class Sites:
         return self.curv.name
 
     @property
-    def num_examples(self):
+    def num_examples(self) -> int:
+        """``N``, the number of example sites."""
         return self.grad.shape[0]
 
     def grad_sum(self):
@@ -183,6 +186,11 @@ class Sites:
         return replace(self, grad=pick(self.grad), curv=self.curv.take(index), loss=pick(self.loss),
                        ids=pick(self.ids), ref_index=pick(self.ref_index))
 
+    def scale(self, alpha) -> Sites:
+        """Every example site raised to the power ``alpha`` (tempering): ``α ĝ_i``, ``α Ĥ_i`` and ``α E_q[ℓ_i]``
+        at the same reference means, so its natural parameters are ``α λ̂_i``; the prior site is unchanged."""
+        return replace(self, grad=alpha * self.grad, curv=self.curv.scaled(alpha), loss=alpha * self.loss)
+
     def bucketed(self, weights=None):
         """``(sites, weights)`` padded to :func:`~numpyro_pc.rowops.bucket_size` rows (and reference
         rows), the copies weighted 0 (``weights=None``: 1 for every real site).
@@ -255,7 +263,7 @@ class Sites:
         return out
 
     @classmethod
-    def from_arrays(cls, storage, arrays):
+    def from_arrays(cls, arrays, *, storage) -> Sites:
         """Sites from :meth:`arrays`' output and the storage's name (a saved posterior's)."""
         store = get_store(storage)
         num = arrays["grad"].shape[0]

@@ -25,7 +25,7 @@ Adding a storage kind is one class with these methods, registered with :func:`re
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import jax
@@ -113,6 +113,10 @@ class CurvatureStore(ABC):
 
     def stored_numbers(self):
         return sum(int(x.size) for x in jax.tree.leaves(self))
+
+    def scaled(self, alpha):
+        """The curvatures ``α Ĥ_i`` (every site raised to the power ``α``: tempering)."""
+        raise SiteStorageError(f"sites stored as {self.name!r} cannot be scaled")
 
     # --- algebra -------------------------------------------------------------------------
     def weighted_dense(self, weights):
@@ -205,6 +209,9 @@ class Factor(CurvatureStore):
     def low_rank_factors(self):
         return self.jac, self.lam
 
+    def scaled(self, alpha):
+        return replace(self, lam=alpha * self.lam)
+
     def weighted_dense(self, weights):
         return jnp.einsum("n,nkd,nkl,nle->de", weights, self.jac, self.lam, self.jac)
 
@@ -273,6 +280,9 @@ class Dense(CurvatureStore):
     def file_shapes(cls, num, k, dim):
         return {"curvature": (num, dim, dim)}
 
+    def scaled(self, alpha):
+        return replace(self, curvature=alpha * self.curvature)
+
     def weighted_dense(self, weights):
         return jnp.einsum("n,nde->de", weights, self.curvature)
 
@@ -319,6 +329,9 @@ class Diagonal(CurvatureStore):
     @classmethod
     def file_shapes(cls, num, k, dim):
         return {"curvature": (num, dim)}
+
+    def scaled(self, alpha):
+        return replace(self, curvature=alpha * self.curvature)
 
     def weighted_diagonal(self, weights):
         return weights @ self.curvature
@@ -375,6 +388,9 @@ class NoCurvature(CurvatureStore):
 
     def arrays(self):
         return {}
+
+    def scaled(self, alpha):
+        return self  # no curvature to scale
 
     def dense(self):
         raise SiteStorageError("isotropic sites carry no curvature")

@@ -89,6 +89,9 @@ class SparseFactor(CurvatureStore):
     def arrays(self):
         return {"index": self.index, "jac": self.jac, "lam": self.lam, "nnz": self.nnz}
 
+    def scaled(self, alpha):
+        return replace(self, lam=alpha * self.lam)
+
     @property
     def width(self):
         return self.index.shape[1]

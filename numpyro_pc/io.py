@@ -153,7 +153,7 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
     family = get_family(manifest["family"])
     with jax.enable_x64(dtype == "float64"):
         site_fields = {name: to_device(arrays[f"sites.{name}"]) for name in SITE_ARRAYS if f"sites.{name}" in arrays}
-        sites = Sites.from_arrays(manifest["storage"], site_fields)
+        sites = Sites.from_arrays(site_fields, storage=manifest["storage"])
         state = Gaussian(to_device(arrays["mean"]), to_device(arrays["precision"]))
         offset = None
         if "offset.linear" in arrays:
