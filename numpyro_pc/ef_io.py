@@ -38,6 +38,7 @@ import numpy as np
 
 from .ef_eval import factor_prior_loss
 from .ef_posterior import EFConfig, EFPosterior, EFState, family_for_model
+from .ef_site_table import EFSiteTable
 from .errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
                      PosteriorCorrectionError, SavedModelMismatchError)
 from .fingerprint import model_fingerprint
@@ -60,8 +61,7 @@ _PRIOR_PROBES = 8  # draws at which a conjugate-form prior is compared with the 
 
 
 def _arrays(post):
-    state = post.state
-    arrays = {"natural": state.natural, "grads": state.grads, "prior": state.prior, "ids": state.ids}
+    arrays = {"natural": post.natural, **post.sites.arrays()}  # natural, grads, prior, ids: the file's order
     return with_data_arrays(arrays, post.data, DATA_DTYPES)
 
 
@@ -209,12 +209,13 @@ def load_ef(path, model, manifest, arrays):
         if family.size != size:
             _inconsistent("natural", f"{family.size} natural parameters (the family {manifest['family']} of "
                           f"the model's latent shapes {list(spec.latent.shapes)})", f"{size}")
-        natural, grads, prior = (to_device(arrays[k]) for k in ("natural", "grads", "prior"))
+        natural = to_device(arrays["natural"])
+        sites = EFSiteTable.from_arrays({k: to_device(arrays[k]) for k in ("grads", "prior", "ids")})
         if not bool(family.in_domain(natural)):
             _inconsistent("natural", "a natural parameter inside the family's domain (positive shape parameters)",
                           _describe(family, natural))
         config = _config(path, spec, family, manifest["config"])
-        post = EFPosterior(config=config, data=data, state=EFState(natural, grads, prior, to_device(arrays["ids"])),
+        post = EFPosterior(config=config, data=data, state=EFState(natural, sites),
                            conjugate_prior=manifest["conjugate_prior"], guide_map=None)
         residual = float(post.residual)
         check_residual(manifest["residual"], residual, dtype)
@@ -253,7 +254,7 @@ def _check_conjugate_prior(path, post, probe):
     spec, family = post.config.spec, post.family
     draws = family.sample(jax.random.PRNGKey(0), post.natural, _PRIOR_PROBES)
     model = jax.vmap(lambda point: -factor_prior_loss(spec, family, point, probe))(draws)
-    diff = model - family.log_prob(-post.state.prior, draws)
+    diff = model - family.log_prob(post.sites.prior_natural(), draws)
     model, diff = np.asarray(model), np.asarray(diff)
     rtol = 1e-8 if diff.dtype == np.float64 else 1e-3
     spread = float(np.max(diff) - np.min(diff)) if diff.size else 0.0

@@ -10,7 +10,8 @@ Categorical on a discrete latent; :mod:`numpyro_pc.ef_product`), a family member
 
     \lambda = -g_0 - \sum_{i=1}^N g_i, \qquad g_i = \nabla_\mu E_q[\ell_i],
 
-held in :class:`EFState` (a pytree). :class:`EFPosterior` is a thin immutable wrapper:
+held in :class:`EFState` (a pytree; the sites in an
+:class:`~numpyro_pc.ef_site_table.EFSiteTable`). :class:`EFPosterior` is a thin immutable wrapper:
 :func:`fit_ef` reaches the fixed point from the prior, :func:`dual_form_ef` from a fitted
 hand-written guide; :meth:`EFPosterior.update`, :meth:`~EFPosterior.delete` and
 :meth:`~EFPosterior.merge` are the paper's operations in these families (§3.1 streaming with the
@@ -24,7 +25,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
 from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual, relative_residual
+from .ef_site_table import EFSiteTable, EFState
 from .errors import (DataShapeError, InvalidOptionError, MonteCarloErrorWarning,
                      OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
 from .likelihood import ModelData, bind_model, trace_at
@@ -43,16 +44,6 @@ from .rowops import as_ids, join_rows, take_rows
 from .rows import concat_data, pad_to_bucket
 
 __all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "site_names", "default_tol"]
-
-
-class EFState(NamedTuple):
-    """``natural (P,)``; ``grads (N, P)`` the sites :math:`g_i`; ``prior (P,)`` the prior term
-    :math:`g_0` (``-λ_0`` for a conjugate-form prior); ``ids (N,)``."""
-
-    natural: jax.Array
-    grads: jax.Array
-    prior: jax.Array
-    ids: jax.Array
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -146,17 +137,22 @@ class EFPosterior(Posterior):
         return self.state.natural
 
     @property
+    def sites(self) -> EFSiteTable:
+        """The cached sites (a :class:`~numpyro_pc.site_protocol.SiteTable`)."""
+        return self.state.sites
+
+    @property
     def prior_natural(self):
         """:math:`\\lambda_0 = -g_0` (constant for a conjugate-form prior, else at the current ``q``)."""
-        return -self.state.prior
+        return self.sites.prior_natural()
 
     @property
     def ids(self):
-        return self.state.ids
+        return self.sites.ids
 
     @property
     def num_examples(self):
-        return int(self.state.ids.shape[0])
+        return self.sites.num_examples
 
     @property
     def spec(self):
@@ -166,7 +162,7 @@ class EFPosterior(Posterior):
     @property
     def data_ids(self):
         """Ids of the examples whose data is retained: every example's (the sites need their data)."""
-        return self.state.ids
+        return self.sites.ids
 
     @property
     def num_retained(self) -> int:
@@ -184,7 +180,7 @@ class EFPosterior(Posterior):
         measures the deletion's error, as on Gaussian posteriors.
         """
         if self.stale_sites and self.num_examples:
-            const = -self.state.prior if self.conjugate_prior else jnp.zeros_like(self.natural)
+            const = self.sites.prior_natural() if self.conjugate_prior else jnp.zeros_like(self.natural)
             tau, _ = _bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
             return _Residual(relative_residual(self.natural, tau))
         return self.site_identity_residual
@@ -192,7 +188,7 @@ class EFPosterior(Posterior):
     @property
     def site_identity_residual(self) -> float:
         """The identity's residual with the sites as stored."""
-        return _Residual(relative_residual(self.natural, -self.state.prior - jnp.sum(self.state.grads, 0)))
+        return _Residual(relative_residual(self.natural, self.sites.prior_natural() + self.sites.natural_sum()))
 
     @property
     def mean(self) -> dict:
@@ -289,18 +285,17 @@ class EFPosterior(Posterior):
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
         rows = self._memory_rows(memory, seed) if correction == "memory" else np.zeros(0, int)
         prior_active = correction != "none" and not self.conjugate_prior
-        const = self.natural + jnp.sum(self.state.grads[rows], 0)  # the corrected sites leave the constant
+        const = self.natural - self.sites.take(rows).natural_sum()  # the corrected sites leave the constant
         if prior_active:
-            const = const + self.state.prior
+            const = const + self.sites.prior
         active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(self.data.per_example,
                                                                                   new.per_example)), new.shared)
         tol = default_tol(const.dtype) if tol is None else tol
         lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
                                      self.family.in_domain, self.natural, tol, max_iters,
                                      raise_on_failure=raise_on_failure)
-        grads = self.state.grads.at[rows].set(sites.grads[:rows.size])
-        state = EFState(lam, jnp.concatenate([grads, sites.grads[rows.size:]]),
-                        sites.prior if prior_active else self.state.prior, jnp.concatenate([self.ids, ids]))
+        added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else self.sites.prior, ids)
+        state = EFState(lam, self.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
         return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
                            data=concat_data(self.data, new), state=state,
                            record=dict(operation="update", correction=correction, corrected=int(rows.size),
@@ -310,16 +305,16 @@ class EFPosterior(Posterior):
         """The sites at ``rows`` (and the prior term unless conjugate-form) recomputed at the fixed
         point with every other site held."""
         prior_active = not self.conjugate_prior
-        const = self.natural + jnp.sum(self.state.grads[rows], 0)
+        const = self.natural - self.sites.take(rows).natural_sum()
         if prior_active:
-            const = const + self.state.prior
+            const = const + self.sites.prior
         active = ModelData(tuple(take_rows(x, rows) for x in self.data.per_example), self.data.shared)
         tol = default_tol(const.dtype) if tol is None else tol
         lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
                                      self.family.in_domain, self.natural, tol, max_iters,
                                      raise_on_failure=raise_on_failure)
-        state = EFState(lam, self.state.grads.at[rows].set(sites.grads),
-                        sites.prior if prior_active else self.state.prior, self.state.ids)
+        table = self.sites.with_rows(rows, sites.grads)
+        state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)
         return self.evolve(state=state, record=info._asdict())
 
     def _memory_rows(self, memory, seed):
@@ -365,21 +360,21 @@ class EFPosterior(Posterior):
             raise UnknownExampleError(f"example ids {missing[:10]} are not in this posterior")
         drop = np.isin(held, wanted)
         keep = np.flatnonzero(~drop)
-        removed = self.natural + jnp.sum(self.state.grads[np.flatnonzero(drop)], 0)
+        removed = self.natural - self.sites.take(np.flatnonzero(drop)).natural_sum()
         inside = bool(self.family.in_domain(removed))
         data = ModelData(tuple(take_rows(x, keep) for x in self.data.per_example), self.data.shared)
         if method == "remove_site":
             if not inside:
                 raise OutOfDomainError("removing the sites leaves a non-positive shape parameter "
                                        f"({self.family.describe(removed)}); use method='corrected'")
-            state = EFState(removed, self.state.grads[keep], self.state.prior, self.ids[keep])
+            state = EFState(removed, self.sites.take(keep))
             return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
                                record=dict(operation="delete", method=method), stale_sites=True)
         if keep.size == 0:
             raise DataShapeError(f"{method} deletion needs at least one retained example")
         start = removed if inside else self.natural
         if method == "retrain":
-            start = -self.state.prior if self.conjugate_prior else self.family.default_natural(self.natural.dtype)
+            start = self.sites.prior_natural() if self.conjugate_prior else self.family.default_natural(self.natural.dtype)
         post = _solve(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
         return post.evolve(record=dict(post.record, operation="delete", method=method))
 
@@ -412,11 +407,11 @@ def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
     num = int(ids.shape[0])
     cfg = _rows(post.config, num)
     tol = default_tol(start.dtype) if tol is None else tol
-    const = -post.state.prior if post.conjugate_prior else jnp.zeros_like(start)
+    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
     lam, sites, info = blr_solve(_bucketed_target(cfg, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
-    prior = post.state.prior if post.conjugate_prior else sites.prior
-    state = EFState(lam, sites.grads, prior, ids)
+    prior = post.sites.prior if post.conjugate_prior else sites.prior
+    state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
     record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
     if cfg.rule != "quadrature" and info.converged:
         record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
@@ -501,7 +496,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     _, sites = _bucketed_target(cfg, data, True, jnp.zeros_like(lam))(lam)
     conjugate = bool(prior_form_residual(cfg, lam, data, sites) < conjugate_rtol(lam.dtype))
     ids = jnp.arange(spec.num_examples)
-    post = EFPosterior(cfg, data, EFState(lam, sites.grads, sites.prior, ids), conjugate, guide_map)
+    post = EFPosterior(cfg, data, EFState(lam, EFSiteTable(sites.grads, sites.prior, ids)), conjugate, guide_map)
     if not refine:
         return post.evolve(record=dict(operation="read", residual=post.residual))
     if guide_map is None and conjugate:

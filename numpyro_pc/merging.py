@@ -60,6 +60,7 @@ import numpy as np
 from .capabilities import FixedPrecision, capability
 from .dual import DualPosteriorBase, build_posterior, by_posterior_kind
 from .ef_posterior import EFPosterior, EFState
+from .ef_site_table import EFSiteTable
 from .errors import (
     IncompatiblePosteriorsError,
     InvalidOptionError,
@@ -417,7 +418,7 @@ def _merge_ef(base, posteriors, alphas, method, rule):
                                               "converged posteriors?")
         ids = jnp.concatenate(ids)
         config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
-        state = EFState(lam, all_grads, prior, ids)
+        state = EFState(lam, EFSiteTable(all_grads, prior, ids))
     return first.evolve(config=config, data=data, state=state,
                         record=dict(operation="merge", method="bayesian", alphas=tuple(alphas),
                                     num_tasks=len(posteriors), renumbered=renumbered))

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..ef_posterior import EFPosterior, EFState, family_for_model
+from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
@@ -325,7 +326,8 @@ def posterior_ef(clients, state, record=None):
     lam = global_natural(state)
     sites = compute_sites(cfg, lam, data)
     prior = -clients.prior if clients.conjugate else sites.prior
-    return EFPosterior(cfg, data, EFState(lam, sites.grads, prior, jnp.arange(num)), clients.conjugate, None,
+    table = EFSiteTable(sites.grads, prior, jnp.arange(num))
+    return EFPosterior(cfg, data, EFState(lam, table), clients.conjugate, None,
                        dict(operation="federated", **(record or {})))
 
 
