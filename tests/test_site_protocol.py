@@ -6,7 +6,7 @@ the identities of the dual form in float64.
   (to rounding: the same numbers added in another order);
 * tempering: ``scale(α).natural_sum == α · natural_sum``;
 * the dual form: ``λ_0 + Σ_i λ̂_i == λ`` at the fixed point, for the families whose ``q``
-  is the product of its sites (full and diagonal Gaussians, every product family);
+  is the product of its sites (``SiteDivision``: full and diagonal Gaussians, every product family);
 * files: ``from_arrays(arrays())`` is the same table.
 """
 
@@ -17,6 +17,7 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc.cached_sites import Sites
+from numpyro_pc.capabilities import SiteDivision, SiteSum, capability
 from numpyro_pc.ef_site_table import EFSiteTable
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.site_protocol import SiteTable
@@ -36,7 +37,6 @@ CASES = {
     "beta": ("ef", {"p": "beta"}, None),
     "gamma": ("ef", {"rate": "gamma"}, None),  # a prior that is not conjugate-form
 }
-PRODUCT_OF_SITES = ("full-factor", "full-dense", "diagonal", "beta", "gamma")
 
 
 def _fit(name):
@@ -54,10 +54,15 @@ def post(request, x64):
     return _fit(request.param), request.param
 
 
+def _additive(family):
+    """Whether sums of sites add in the family's own format (``SiteSum``); a low-rank sum is a projection."""
+    return capability(family, SiteSum) is not None
+
+
 def _linear(family, natural):
     """Natural parameters in linear coordinates: a low-rank family's ``[D | U]`` as ``diag(D) + UUᵀ``
     (its format is not linear: ``α [D | U]`` is not the projection of ``α`` times the sum)."""
-    if getattr(family, "linear_precision", True):
+    if family is None or _additive(family):
         return natural
     return natural._replace(precision=family.dense_precision(natural))
 
@@ -96,7 +101,7 @@ def test_take_and_concat_keep_the_sum(post):
     np.testing.assert_array_equal(np.asarray(joined.ids), np.concatenate([np.asarray(table.ids)[a],
                                                                           np.asarray(table.ids)[b]]))
     assert _gap(family, joined.natural_sum(family), whole) < 1e-12
-    if getattr(family, "linear_precision", True):  # a low-rank sum is a projection: not additive over parts
+    if _additive(family):  # a low-rank sum is a projection: not additive over parts
         assert _gap(family, _sum(table.take(a).natural_sum(family), table.take(b).natural_sum(family)), whole) < 1e-12
     assert _gap(family, joined.prior_natural(family), table.prior_natural(family)) == 0.0
     # weights pick rows: the weighted sum over the whole is the sum over the rows taken
@@ -129,10 +134,10 @@ def test_scale_is_tempering(post, alpha):
 
 
 def test_prior_plus_sites_is_the_posterior(post):
-    p, name = post
-    if name not in PRODUCT_OF_SITES:
-        pytest.skip("q is not the product of its sites in this family (a projection, or a fixed precision)")
+    p, _ = post
     table, family = p.sites, p.family
+    if capability(family, SiteDivision) is None:
+        pytest.skip("q is not the product of its sites in this family (a projection, or a fixed precision)")
     assert _gap(family, _sum(table.prior_natural(family), table.natural_sum(family)), p.natural) < 1e-8
 
 
