@@ -181,7 +181,7 @@ def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_mem
     except PersistenceError as err:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
     members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
-    text = json.dumps(manifest, indent=1).encode()
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode()  # the same bytes whatever the hash seed
     limit = manifest_limit(len(dict(members)[f"{sized_member}.npy"]) if sized_member else 0)
     if len(text) > limit:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
