@@ -214,27 +214,19 @@ class DualPosteriorBase(Posterior):
     @property
     @in_own_precision
     def residual(self):
-        """Relative dual-form residual (max of the mean and precision identities).
-
-        After an approximate deletion (``remove_site``, ``influence``, ``tracin``) the retained
-        examples' sites were computed at the previous ``q``, so the stored identity
-        ``λ = λ₀ + Σᵢ λ̂ᵢ`` reports the old fit's residual, not the deletion's error. The
-        residual is then taken with every retained example's site recomputed at the current
-        ``q`` (one site pass, computed on first use): it measures how far the deletion is from
-        the fixed point of the remaining data. ``post.stale_sites`` says so: set by those
-        deletions, kept by every operation that does not recompute the retained sites (an
-        empty deletion, a VCL or memory update, a merge, saving and loading), cleared by
-        ``refine()``, an exact update and a corrected or retrained deletion.
-        :attr:`site_identity_residual` is the stored identity, whatever the sites' age.
-        """
-        return self._residual_and_parts()[0]
+        """Relative dual-form residual (max of the mean and precision identities), with every
+        retained site recomputed after an approximate deletion (``remove_site``, ``influence``,
+        ``tracin``): :attr:`Posterior.residual <numpyro_pc.posterior_protocol.Posterior.residual>`."""
+        return super().residual
 
     @property
     @in_own_precision
     def residual_parts(self):
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities (with
         fresh sites after an approximate deletion, as :attr:`residual`)."""
-        return self._residual_and_parts()[1]
+        if self.stale_sites and self.num_retained:
+            return self._fresh_residual_and_parts()[1]
+        return dual_residual(self.family, self.state, self.sites, self.offset)[1]
 
     @property
     @in_own_precision
@@ -243,9 +235,13 @@ class DualPosteriorBase(Posterior):
         and what the corrected models of :mod:`numpyro_pc.handlers` rely on)."""
         return dual_residual(self.family, self.state, self.sites, self.offset)[0]
 
-    def _residual_and_parts(self) -> tuple:
-        if not (self.stale_sites and self.num_retained):
-            return dual_residual(self.family, self.state, self.sites, self.offset)
+    @in_own_precision
+    def fresh_site_residual(self) -> float:
+        """The residual with every retained example's site recomputed at the current ``q`` (one site
+        pass, kept for this ``q``)."""
+        return self._fresh_residual_and_parts()[0]
+
+    def _fresh_residual_and_parts(self) -> tuple:
         cache = self._fresh_residual_cache
         if cache[0] is not self.state:
             problem, _ = self._problem()

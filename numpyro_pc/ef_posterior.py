@@ -172,18 +172,15 @@ class EFPosterior(Posterior):
     @property
     def residual(self) -> float:
         """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`
-        (a property, as on Gaussian posteriors; calling it is deprecated).
+        (a property, as on Gaussian posteriors; calling it is deprecated), with fresh sites after
+        ``delete(method="remove_site")`` (:attr:`Posterior.residual <numpyro_pc.posterior_protocol.Posterior.residual>`)."""
+        return _Residual(super().residual)
 
-        After ``delete(method="remove_site")`` (``stale_sites``) the retained sites are those of
-        the previous fit, for which the identity holds by construction; the residual is then
-        taken with every site recomputed at the current ``λ`` (one site pass), so that it
-        measures the deletion's error, as on Gaussian posteriors.
-        """
-        if self.stale_sites and self.num_examples:
-            const = self.sites.prior_natural() if self.conjugate_prior else jnp.zeros_like(self.natural)
-            tau, _ = _bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
-            return _Residual(relative_residual(self.natural, tau))
-        return self.site_identity_residual
+    def fresh_site_residual(self) -> float:
+        """The residual with every site recomputed at the current ``λ`` (one site pass)."""
+        const = self.sites.prior_natural() if self.conjugate_prior else jnp.zeros_like(self.natural)
+        tau, _ = _bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
+        return _Residual(relative_residual(self.natural, tau))
 
     @property
     def site_identity_residual(self) -> float:

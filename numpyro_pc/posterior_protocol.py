@@ -100,15 +100,36 @@ class Posterior(ABC):
 
     @property
     @abstractmethod
-    def residual(self) -> float:
-        """Relative residual of the dual-form identity :math:`\\lambda = \\lambda_0 + \\sum_i \\hat\\lambda_i`
-        at the sites' fixed point (0 at the variational optimum)."""
+    def stale_sites(self) -> bool:
+        """Whether the retained examples' sites belong to an earlier ``q``: set by the approximate
+        deletions (``remove_site``, ``influence``, ``tracin``), kept by every operation that does
+        not recompute the retained sites, cleared by ``refine()``, an exact update and a corrected
+        or retrained deletion."""
 
     @property
+    def residual(self) -> float:
+        """Relative residual of the dual-form identity :math:`\\lambda = \\lambda_0 + \\sum_i \\hat\\lambda_i`
+        at the sites' fixed point (0 at the variational optimum).
+
+        With stale sites (:attr:`stale_sites`) the stored identity still holds by construction
+        and says nothing about the deletion's error; the residual is then taken with every
+        retained example's site recomputed at the current ``q`` (one site pass,
+        :meth:`fresh_site_residual`): how far the posterior is from the fixed point of the
+        remaining data. :attr:`site_identity_residual` is the stored identity, whatever the
+        sites' age.
+        """
+        if self.stale_sites and self.num_retained:
+            return self.fresh_site_residual()
+        return self.site_identity_residual
+
+    @property
+    @abstractmethod
     def site_identity_residual(self) -> float:
-        """The residual of the identity with the sites as stored (a family whose sites are never
-        stale has only this one: :attr:`residual`)."""
-        return float(self.residual)
+        """The residual of the identity with the sites as stored (what a saved file records)."""
+
+    @abstractmethod
+    def fresh_site_residual(self) -> float:
+        """The residual with every retained example's site recomputed at the current ``q``."""
 
     # ------------------------------------------------------------------ what it answers
     @abstractmethod

@@ -180,8 +180,10 @@ def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_mem
         check(manifest, arrays)
     except PersistenceError as err:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: {err}") from err
-    members = [(f"{k}.npy", npy_bytes(v)) for k, v in arrays.items()]
-    text = json.dumps(manifest, indent=1, sort_keys=True).encode()  # the same bytes whatever the hash seed
+    # sorted keys: the same bytes whatever the hash seed; the members in the manifest's order of "arrays",
+    # which is the order a load reads them in and checks a signature over
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    members = [(f"{k}.npy", npy_bytes(arrays[k])) for k in sorted(arrays)]
     limit = manifest_limit(len(dict(members)[f"{sized_member}.npy"]) if sized_member else 0)
     if len(text) > limit:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
