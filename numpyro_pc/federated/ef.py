@@ -332,7 +332,8 @@ def admm_server_ef(family, state, local, alpha) -> EFServerState:
                                  f"{tuple(local.shape)}")
     bad = np.flatnonzero(~np.all(np.isfinite(np.asarray(local)), axis=1))
     if bad.size:
-        raise ClientMessageError(f"ADMM needs finite local posteriors; rows {bad.tolist()} are not", client=int(bad[0]))
+        raise ClientMessageError(f"ADMM needs finite local posteriors; rows {bad.tolist()} of the participants' "
+                                 "local posteriors are not")
     fed, mean = site_natural(state), jnp.mean(local, 0)
     joint = alpha * fed + (1.0 - alpha) * mean
     if not bool(family.in_domain(joint)):
