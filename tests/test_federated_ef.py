@@ -9,7 +9,9 @@ Oracles:
   (LogNormal prior, Gamma factor): with every site corrected the federated fixed point is the
   batch BLR fixed point (1e-8) and the ELBO optimum found by scipy (1e-6); one round is not;
 * mixed family (Gamma precision × full Gaussian weights): the batch fit and closed-form CAVI;
-* malformed messages: typed refusals, the server's state unchanged.
+* ADMM (Beta–Bernoulli, Gamma–Poisson, misclassified Bernoulli): the batch posterior (KL < 1e-8),
+  and in the conjugate models the error of eq. ``admm`` round by round in closed form;
+* malformed messages and AMA: typed refusals, the server's state unchanged.
 """
 
 import jax.numpy as jnp
@@ -19,7 +21,7 @@ from scipy import special, stats
 
 import numpyro_pc as pc
 from numpyro_pc import federated
-from numpyro_pc.errors import ClientMessageError, InvalidOptionError, OutOfDomainError
+from numpyro_pc.errors import ClientMessageError, InvalidOptionError, MissingCapabilityError, OutOfDomainError
 from numpyro_pc.federated import ef
 
 from test_expfam import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, closed_form,
@@ -87,6 +89,12 @@ def test_non_conjugate_likelihood_reaches_the_batch_fixed_point(x64):
     pvi = federated.run(misclassified, shards, family={"p": "beta"}, algorithm="pvi", damping=0.7, rounds=80)
     assert pvi.converged
     np.testing.assert_allclose(pvi.posterior.natural, batch.natural, rtol=1e-8)
+    # so does ADMM (its fixed point has λ_k = λ_jnt, hence λ_jnt = λ_0 + Σ η_k)
+    admm = federated.run(misclassified, shards, family={"p": "beta"}, algorithm="admm", rounds=80, reference=batch)
+    kl = admm.column("kl_to_reference")
+    print("misclassified, ADMM KL per round:", " ".join(f"{e:.1e}" for e in kl))
+    assert admm.converged and kl[0] > 1e-3 and kl[-1] < 1e-8
+    np.testing.assert_allclose(admm.posterior.natural, batch.natural, rtol=1e-8)
 
 
 def test_non_conjugate_prior_travels_with_the_first_client(x64):
@@ -119,6 +127,55 @@ def test_mixed_gamma_and_full_gaussian_regression(x64):
     np.testing.assert_allclose(q["w"].loc, m, rtol=1e-7)
     np.testing.assert_allclose(q["w"].covariance_matrix, cov, rtol=1e-7, atol=1e-9)
     np.testing.assert_allclose([q["tau"].concentration, q["tau"].rate], [a, b], rtol=1e-7)
+
+
+@pytest.mark.parametrize("kind, model, site, family", [
+    ("bern", beta_bernoulli, "p", "beta"), ("pois", gamma_poisson, "rate", "gamma")])
+def test_admm_reaches_the_central_posterior(x64, kind, model, site, family):
+    """ADMM's server step, eq. ``admm`` in natural parameters. In a conjugate model round one makes the sites
+    exact (``η_k = η̂_k``); from then on every local posterior equals ``λ_jnt``, so with ``S = λ_⋆ − λ_0`` the error
+    is ``(1 − ρK)/(1 + ρK) S`` after round one and shrinks by ``1 − α = ρK/(1 + ρK)`` per round: a FedPC step (which
+    lands on ``λ_⋆`` in one round) or a wrong ``α`` fails these checks."""
+    d = _data(2)[kind]
+    central = pc.fit(model, y=_y(kind, d), family={site: family})
+    num, rho = len(SIZES), 0.1
+    res = federated.run(model, _shards(kind, d), family={site: family}, algorithm="admm", rho=rho, rounds=60,
+                        reference=central)
+    kl, err = res.column("kl_to_reference"), _errors(res)
+    print(f"{kind}, ADMM ρ={rho}: {res.rounds} rounds; KL per round:", " ".join(f"{e:.1e}" for e in kl))
+    assert res.converged and kl[0] > 1e-3  # the first round is not the answer
+    # KL to 1e-8: float64 round-off in the KL of two equal posteriors is ~1e-13 (measured), far below
+    assert kl[-1] < 1e-8 and float(res.posterior.family.kl(res.posterior.natural, central.natural)) < 1e-8
+    np.testing.assert_allclose(_args(res.posterior.natural, central), closed_form(kind, d), rtol=1e-8)
+    step = np.linalg.norm(central.natural - central.prior_natural) / np.linalg.norm(central.natural)
+    np.testing.assert_allclose(err[0], abs(1 - rho * num) / (1 + rho * num) * step, rtol=1e-10)
+    # rounds 2-6: errors ≥ 1e-5, so the ratios hold to round-off (1e-16 / 1e-5 relative)
+    np.testing.assert_allclose(err[1:6] / err[:5], rho * num / (1 + rho * num), rtol=1e-8)
+    # the default ρ = 1/K gives α = 1/2 and a first round that is exact; the stop needs the next round's KL
+    # ≤ 1e-16, below its float64 round-off (±2e-13 measured for equal posteriors), so one or two more rounds
+    default = ef.run_ef(model, _shards(kind, d), {site: family}, algorithm="admm", rounds=5, reference=central)
+    assert default.converged and default.rounds <= 3 and default.history[0]["error_to_reference"] < 1e-12
+
+
+def test_admm_combination_outside_the_domain_is_refused(x64):
+    y = jnp.asarray(_data(4, n=12)["bern"])
+    clients = ef.bind_ef_clients(beta_bernoulli, [(y[:6],), (y[6:],)], {"p": "beta"})
+    fam, state = clients.config.family, ef.init_ef(clients)
+    local = jnp.stack([clients.prior + 10.0] * 2)  # two local posteriors well inside the domain
+    inside = ef.admm_server_ef(fam, state, local, 0.5)  # α ∈ (0, 1]: a convex combination
+    np.testing.assert_allclose(inside.joint, clients.prior + 5.0, rtol=1e-14)
+    assert bool(fam.in_domain(inside.joint)) and state.joint is None
+    with pytest.raises(OutOfDomainError, match="convex"):  # α = 3 extrapolates to λ_0 − 20
+        ef.admm_server_ef(fam, state, local, 3.0)
+    with pytest.raises(ClientMessageError, match="finite"):
+        ef.admm_server_ef(fam, state, local.at[0, 0].set(jnp.nan), 0.5)
+
+
+def test_ama_is_refused_with_the_reason(x64):
+    y = jnp.asarray(_data(4, n=12)["bern"])
+    with pytest.raises(MissingCapabilityError, match="precision fixed by the prior") as err:
+        federated.run(beta_bernoulli, [(y[:6],), (y[6:],)], family={"p": "beta"}, algorithm="ama")
+    assert "natural parameters are learned" in str(err.value) and "'admm'" in str(err.value)
 
 
 def test_malformed_messages_are_refused_and_leave_the_state(x64):
@@ -157,7 +214,9 @@ def test_option_refusals(x64):
     y = jnp.asarray(_data(4, n=12)["bern"])
     shards = [(y[:6],), (y[6:],)]
     with pytest.raises(InvalidOptionError, match="fedpc"):
-        ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, algorithm="admm")
+        ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, algorithm="sgd")
+    with pytest.raises(InvalidOptionError, match="admm_alpha"):
+        ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, admm_alpha=0.5)
     with pytest.raises(InvalidOptionError, match="PVI"):
         ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, algorithm="pvi", rho=0.5)
     with pytest.raises(InvalidOptionError, match="Gaussian"):

@@ -4,8 +4,9 @@
 ``vmap``-ed); :mod:`numpyro_pc.federated.flower` runs the same algorithm across processes
 or machines with Flower (optional extra ``numpyro-pc[federated]``, imported lazily);
 :class:`GaussianMechanism` makes the clients' sites differentially private;
-:mod:`numpyro_pc.federated.ef` runs exponential-family product posteriors (:func:`run_ef`, or
-:func:`run` with a dict ``family``).
+:mod:`numpyro_pc.federated.ef` runs exponential-family product posteriors with FedPC, PVI or ADMM
+(:func:`run_ef`, or :func:`run` with a dict ``family``; AMA needs a precision fixed by the prior and
+refuses them).
 """
 
 from .algorithms import ALGORITHMS, FederatedResult, run

@@ -156,8 +156,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param client_data: one tuple of model arguments per client, e.g. ``[(X1, y1), ...]``.
     :param family: ``"full"`` (default), ``"diagonal"`` or ``"isotropic"``; or a dict
         ``{latent site: family name}`` for an exponential-family product posterior, run by
-        :func:`numpyro_pc.federated.ef.run_ef` (``"fedpc"``/``"pvi"``; the options that exist
-        only for Gaussian posteriors are refused).
+        :func:`numpyro_pc.federated.ef.run_ef` (``"fedpc"``, ``"pvi"`` or ``"admm"``; ``"ama"``
+        and the options that exist only for Gaussian posteriors are refused).
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
     :param float rho: local weight ``ρ``: with the safeguard, the smallest weight a client
         uses (default ``1/K``, the middle of the quadratic case's safe range ``(0, 2/K)``;
@@ -210,7 +210,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
     """
     if isinstance(family, dict):
-        gaussian_only = dict(admm_alpha=admm_alpha, privacy=privacy, max_share=max_share, max_shift=max_shift)
+        gaussian_only = dict(privacy=privacy, max_share=max_share, max_shift=max_shift)
         if any(v is not None for v in gaussian_only.values()) or expectation in ("gh", "delta"):
             raise InvalidOptionError(f"options {sorted(k for k, v in gaussian_only.items() if v is not None)} and "
                                      "expectation 'gh'/'delta' apply to Gaussian posteriors, not to an "
@@ -222,7 +222,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       raise_on_failure=raise_on_failure, kwargs=kwargs, data_plate=data_plate, shared=shared,
                       callback=callback, init="zero" if init == "auto" else init, max_retries=max_retries,
                       safeguard=safeguard, safeguard_margin=safeguard_margin, expectation=expectation or "auto",
-                      num_nodes=32 if num_nodes is None else num_nodes)
+                      num_nodes=32 if num_nodes is None else num_nodes, admm_alpha=admm_alpha)
     num_nodes = 64 if num_nodes is None else num_nodes
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
     family, rho, damping, rule = check_settings(algorithm, family, rho, damping, expectation, spec, len(datas))

@@ -40,9 +40,34 @@ fit without data), and the prior's correction :math:`-(g_0(\lambda) - g_0(\lambd
 more term of client 0's loss: every client holds the model, and the server holds no data to
 evaluate the model on. The fixed point is again the batch one.
 
+**ADMM** (paper eq. ``admm``). The local step is FedPC's; the server keeps the global
+:math:`\lambda_{jnt}` apart from the sites and moves it by a BLR step of size
+:math:`\alpha = 1/(1 + \rho M)` (``M`` clients taking part) from the clients' local posteriors,
+their product taken as a geometric mean (:func:`admm_server_ef`):
+
+.. math::
+    \lambda_{jnt} \leftarrow \alpha\big(\lambda_0 + \textstyle\sum_k \eta_k\big)
+    + (1 - \alpha)\,\tfrac1M \textstyle\sum_k \lambda_k .
+
+The natural domain of every factor (Beta and Dirichlet concentrations, Gamma shape and rate,
+a Gaussian block's positive definite precision) is convex, so for :math:`\alpha \in (0, 1]`
+with both ends inside the combination is inside; an ``admm_alpha`` above 1 extrapolates and
+can leave it, which the server refuses (:class:`~numpyro_pc.errors.OutOfDomainError`). At a
+fixed point :math:`\lambda_k = \lambda_{jnt}`, so :math:`\lambda_{jnt} = \lambda_0 + \sum_k
+\eta_k`: FedPC's (the batch) fixed point. In a conjugate model the sites are exact after one
+round and the error :math:`\lambda_{jnt} - \lambda_\star` is then multiplied by
+:math:`1 - \alpha = \rho M/(1 + \rho M)` per round (round one leaves
+:math:`(1 - \rho K)/(1 + \rho K)` of it: none for the default ``ρ = 1/K`` with equal weights).
+
+**AMA** is MAP estimation with a precision fixed by the prior (the isotropic Gaussian family,
+paper theorem "AMA as posterior correction"); an exponential-family product learns all its
+natural parameters, so ``algorithm="ama"`` is refused with
+:class:`~numpyro_pc.errors.MissingCapabilityError` (the family lacks
+:class:`~numpyro_pc.capabilities.FixedPrecision`).
+
 **Server checks** (:func:`aggregate_ef`, host side, before anything is stored): a message
 must be a finite floating vector of size ``P`` in the run's dtype, below ``max_abs``, and the
-global :math:`\lambda` with it must lie in the family's domain (``family.in_domain``); a bad
+:math:`\lambda_0 + \sum_k \eta_k` with it must lie in the family's domain (``family.in_domain``); a bad
 message raises :class:`~numpyro_pc.errors.ClientMessageError` naming the client and what was
 expected, and the returned state is built only from accepted messages (states are
 immutable, so a refused round leaves the caller's state as it was).
@@ -60,6 +85,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..capabilities import FixedPrecision, require
 from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
@@ -69,8 +95,8 @@ from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
 
 __all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
-           "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef", "round_ef",
-           "posterior_ef", "run_ef"]
+           "site_natural", "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef",
+           "admm_server_ef", "round_ef", "posterior_ef", "run_ef"]
 
 
 class EFClients(NamedTuple):
@@ -93,10 +119,13 @@ class EFClients(NamedTuple):
 
 
 class EFServerState(NamedTuple):
-    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)`` and the client sites ``sites`` ``(K, P)``."""
+    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)``, the client sites ``sites`` ``(K, P)`` and,
+    after an ADMM round, the global ``joint`` :math:`\\lambda_{jnt}` ``(P,)`` (``None``: the global posterior is
+    :math:`\\lambda_0 + \\sum_k \\eta_k`, as in FedPC and PVI)."""
 
     prior: jax.Array
     sites: jax.Array
+    joint: jax.Array | None = None
 
 
 class EFLocalResult(NamedTuple):
@@ -110,9 +139,15 @@ class EFLocalResult(NamedTuple):
     ok: jax.Array
 
 
-def global_natural(state):
-    """:math:`\\lambda = \\lambda_0 + \\sum_k \\eta_k` (eq. ``global_update``)."""
+def site_natural(state) -> jax.Array:
+    """:math:`\\lambda_0 + \\sum_k \\eta_k` (eq. ``global_update``)."""
     return state.prior + jnp.sum(state.sites, 0)
+
+
+def global_natural(state) -> jax.Array:
+    """The global posterior's :math:`\\lambda`: ADMM's ``joint`` where the state has one, else
+    :func:`site_natural`."""
+    return site_natural(state) if state.joint is None else state.joint
 
 
 def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, shared=(), expectation="auto",
@@ -240,7 +275,7 @@ def validate_ef_message(family, state, client, message, max_abs=1e12):
         raise bad(f"expected finite values, found NaN or infinite ones at {np.flatnonzero(~np.isfinite(arr)).tolist()}")
     if arr.size and np.max(np.abs(arr)) > max_abs:
         raise bad(f"expected values below {max_abs:g} in absolute value, found {np.max(np.abs(arr)):.3g}")
-    lam = global_natural(state) - state.sites[int(client)] + arr
+    lam = site_natural(state) - state.sites[int(client)] + arr
     if not bool(family.in_domain(lam)):
         raise bad(f"expected the global posterior to stay inside the family's domain, found {family.describe(lam)}")
     return arr
@@ -268,12 +303,46 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
     if good:
         idx = np.asarray(sorted(good), dtype=np.int64)
         sites = sites.at[idx].set(jnp.asarray(np.stack([good[int(k)] for k in idx])))
-    new = EFServerState(state.prior, sites)
-    lam = global_natural(new)
+    new = EFServerState(state.prior, sites)  # FedPC's global posterior: the sites' sum
+    lam = site_natural(new)
     if not bool(family.in_domain(lam)):
         raise OutOfDomainError(f"the clients' sites together leave the family's domain ({family.describe(lam)}); "
                                "the state is unchanged (increase rho or damp the sites)")
     return new, rejected
+
+
+def admm_server_ef(family, state, local, alpha) -> EFServerState:
+    """ADMM's server step (paper eq. ``admm``) in natural parameters, after :func:`aggregate_ef` stored the sites:
+
+    .. math::
+        \\lambda_{jnt} \\leftarrow \\alpha\\big(\\lambda_0 + \\textstyle\\sum_k \\eta_k\\big)
+        + (1 - \\alpha)\\,\\tfrac1M \\textstyle\\sum_k \\lambda_k .
+
+    :param state: the :class:`EFServerState` with the round's sites.
+    :param local: the participants' local posteriors :math:`\\lambda_k` ``(M, P)``.
+    :param float alpha: the step :math:`\\alpha > 0` (``1/(1 + ρM)`` in :func:`run_ef`).
+    :return: ``state`` with ``joint`` the new :math:`\\lambda_{jnt}`.
+    :raises ClientMessageError: local posteriors of the wrong shape or not finite.
+    :raises OutOfDomainError: the combination leaves the family's domain (only an ``alpha`` above 1, an
+        extrapolation, can take two points of the convex domain outside it); the state is unchanged.
+    """
+    local = jnp.asarray(local)
+    size = state.prior.shape[0]
+    if local.ndim != 2 or local.shape[1] != size:
+        raise ClientMessageError(f"ADMM needs the local posteriors as an array of shape (M, {size}); found shape "
+                                 f"{tuple(local.shape)}")
+    bad = np.flatnonzero(~np.all(np.isfinite(np.asarray(local)), axis=1))
+    if bad.size:
+        raise ClientMessageError(f"ADMM needs finite local posteriors; rows {bad.tolist()} of the participants' "
+                                 "local posteriors are not")
+    fed, mean = site_natural(state), jnp.mean(local, 0)
+    joint = alpha * fed + (1.0 - alpha) * mean
+    if not bool(family.in_domain(joint)):
+        raise OutOfDomainError(f"the ADMM combination α(λ_0 + Σ_k η_k) + (1 − α) mean_k λ_k with "
+                               f"α={float(alpha):g} leaves the family's natural domain ({family.describe(joint)}): "
+                               "the domain is convex, so this happens only when α > 1 extrapolates past the sites' "
+                               "sum or a local posterior lies outside it; the state is unchanged (use α ≤ 1)")
+    return state._replace(joint=joint)
 
 
 def init_ef(clients, init="zero", local_iters=200):
@@ -294,9 +363,16 @@ def init_ef(clients, init="zero", local_iters=200):
 
 
 def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
-             safeguard_margin=0.3):
-    """One round: :func:`client_round_ef`, then :func:`aggregate_ef` (strict). Returns ``(new state, diagnostics)``.
+             safeguard_margin=0.3, admm_alpha=None):
+    """One round: :func:`client_round_ef`, then :func:`aggregate_ef` (strict) and, with ``admm_alpha``,
+    :func:`admm_server_ef`. Returns ``(new state, diagnostics)``.
 
+    :param float admm_alpha: ``None``: a FedPC/PVI round, the new global :math:`\\lambda` is the sites' sum;
+        else ADMM's server step with this :math:`\\alpha`.
+    :return: ``info`` holds ``kl_to_previous``, ``residual`` (the largest :math:`\\|\\lambda_k - \\lambda\\| /
+        (1 + \\|\\lambda\\|)`; with ADMM also :math:`\\|\\lambda_{jnt} - \\lambda_0 - \\sum_k \\eta_k\\|` on the same
+        scale, which the local posteriors do not see once they equal :math:`\\lambda_{jnt}`), ``participants``,
+        ``local_iterations``, ``local_residual``, ``rho_min``, ``rho_max``.
     :raises OutOfDomainError: a local fixed point outside the domain or not finite, or a new global
         :math:`\\lambda` outside it (``state`` is not changed).
     """
@@ -307,10 +383,15 @@ def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, loca
     if bad.size:
         raise OutOfDomainError(f"the local updates of clients {np.asarray(idx)[bad].tolist()} left the family's "
                                f"domain or lost finiteness (rho={float(rho):g}); increase rho")
-    new, _ = aggregate_ef(clients.config.family, state, dict(zip(np.asarray(idx).tolist(), np.asarray(messages))))
     fam = clients.config.family
-    info = dict(kl_to_previous=float(fam.kl(global_natural(new), lam)),
-                residual=float(jnp.max(jnp.linalg.norm(local.local - lam, axis=1)) / (1.0 + jnp.linalg.norm(lam))),
+    new, _ = aggregate_ef(fam, state, dict(zip(np.asarray(idx).tolist(), np.asarray(messages))))
+    if admm_alpha is not None:
+        new = admm_server_ef(fam, new, local.local, admm_alpha)
+    scale = 1.0 + jnp.linalg.norm(lam)
+    residual = jnp.max(jnp.linalg.norm(local.local - lam, axis=1)) / scale
+    if admm_alpha is not None:  # ADMM's λ_jnt also has to reach the sites' sum (it can lag with λ_k = λ_jnt)
+        residual = jnp.maximum(residual, jnp.linalg.norm(new.joint - site_natural(new)) / scale)
+    info = dict(kl_to_previous=float(fam.kl(global_natural(new), lam)), residual=float(residual),
                 participants=int(idx.shape[0]), local_iterations=int(jnp.max(local.iterations)),
                 local_residual=float(jnp.max(local.residual)), rho_min=float(jnp.min(rhos)),
                 rho_max=float(jnp.max(rhos)))
@@ -335,13 +416,16 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
            tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=200, local_tol=None,
            raise_on_failure=False, kwargs=None, data_plate=None, shared=(), callback=None, init="zero",
            max_retries=6, safeguard=None, safeguard_margin=0.3, expectation="auto", num_nodes=32, num_samples=None,
-           draw_seed=0):
+           draw_seed=0, admm_alpha=None):
     """Federated posterior correction of an exponential-family product posterior over client shards in one
     process (clients ``vmap``-ed); :func:`numpyro_pc.federated.run` with a dict ``family`` calls this.
 
     :param dict family: ``{latent site: family name}`` as for :func:`numpyro_pc.fit`.
-    :param str algorithm: ``"fedpc"`` (``ρ`` default ``1/K``) or ``"pvi"`` (``ρ = 1``, sites damped by ``damping``).
-    :param float rho: local weight ``ρ``, a floor when ``safeguard`` (default on for FedPC) raises each client's
+    :param str algorithm: ``"fedpc"`` (``ρ`` default ``1/K``), ``"pvi"`` (``ρ = 1``, sites damped by ``damping``)
+        or ``"admm"`` (FedPC's local step, the server step of :func:`admm_server_ef`; ``ρ`` default ``1/K``).
+        ``"ama"`` is refused: it is MAP with a precision fixed by the prior, and these families learn theirs.
+    :param float rho: local weight ``ρ``, a floor when ``safeguard`` (default on for FedPC and ADMM) raises each
+        client's
         to :func:`safe_rho_ef`; a round that fails (a local fixed point or the global :math:`\\lambda` outside the
         domain) is repeated with the floor doubled, at most ``max_retries`` times. The fixed point does not depend
         on ``ρ``.
@@ -355,23 +439,35 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     :param str init: ``"zero"`` or ``"prior"`` (:func:`init_ef`).
     :param expectation, num_nodes, num_samples, draw_seed: the site rule, as ``fit``'s ``expectation``,
         ``num_nodes``, ``num_samples``, ``seed``.
+    :param float admm_alpha: ADMM's step :math:`\\alpha > 0` (default ``1/(1 + ρM)``, ``M`` clients per round,
+        with the ``ρ`` given; a retry's doubled floor does not change it).
     :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
         :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
-        ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``), ``local_iterations``, ``local_residual``,
+        ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``; ADMM: also ``‖λ_jnt − λ_0 − Σ_k η_k‖``),
+        ``local_iterations``, ``local_residual``,
         ``rho_min``/``rho_max``/``rho_floor``, ``retries``, ``bytes``, ``seconds``; with a reference also
         ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``).
     :raises ConvergenceError: with ``raise_on_failure``, a run that diverged or ended before the tolerances.
+    :raises MissingCapabilityError: ``algorithm="ama"``.
     """
-    if algorithm not in ("fedpc", "pvi"):
-        raise InvalidOptionError(f"federated exponential-family posteriors support algorithm 'fedpc' or 'pvi'; got "
-                                 f"{algorithm!r} (AMA is the isotropic Gaussian family, ADMM is not implemented here)")
+    if algorithm not in ("fedpc", "pvi", "ama", "admm"):
+        raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected 'fedpc', 'pvi' or 'admm' ('ama' needs "
+                                 "a precision fixed by the prior)")
     if algorithm == "pvi" and rho not in (None, 1, 1.0):
         raise InvalidOptionError(f"PVI uses ρ = 1 (damping acts on the sites); got rho={rho}")
+    if admm_alpha is not None and (algorithm != "admm" or not float(admm_alpha) > 0):
+        raise InvalidOptionError(f"admm_alpha is ADMM's server step, a positive number; got {admm_alpha!r} with "
+                                 f"algorithm={algorithm!r}")
     clients = bind_ef_clients(model, client_data, family, kwargs, data_plate, shared, expectation, num_nodes,
                               num_samples, draw_seed)
+    if algorithm == "ama":
+        require(clients.config.family, FixedPrecision, "algorithm='ama'",
+                advice="AMA is MAP estimation of the mean under a precision τI fixed by the prior (paper theorem "
+                       "'AMA as posterior correction'); for an exponential-family posterior use algorithm='fedpc', "
+                       "'pvi' or 'admm', or fit a Gaussian with family='isotropic' for AMA.")
     num = int(clients.stack.mask.shape[0])
-    rho = (1.0 / num if algorithm == "fedpc" else 1.0) if rho is None else float(rho)
-    safeguard = algorithm == "fedpc" if safeguard is None else bool(safeguard)
+    rho = (1.0 / num if algorithm in ("fedpc", "admm") else 1.0) if rho is None else float(rho)
+    safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
     damping = 1.0 if damping is None else float(damping)
     if not (rho > 0 and 0 < damping <= 1 and 0 < fraction <= 1):
         raise InvalidOptionError(f"need rho > 0, damping in (0, 1] and fraction in (0, 1]; got {rho}, {damping}, "
@@ -380,19 +476,23 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     tol = (1e-16 if x64 else 1e-8) if tol is None else float(tol)
     residual_tol = (1e-10 if x64 else 1e-5) if residual_tol is None else float(residual_tol)
     participants = max(1, int(round(fraction * num)))
+    alpha = None  # FedPC and PVI: the global λ is the sites' sum
+    if algorithm == "admm":
+        alpha = 1.0 / (1.0 + rho * participants) if admm_alpha is None else float(admm_alpha)
     fam = clients.config.family
     ref = None if reference is None else jnp.asarray(getattr(reference, "natural", reference))
     state = init_ef(clients, init, local_iters)
     key, floor, history, status = jax.random.PRNGKey(seed), rho, [], "max_rounds"
     message = clients.prior.shape[0] * clients.prior.dtype.itemsize
+    per_round = (3 if algorithm == "admm" else 2) * participants * message  # ADMM also sends λ_k up
     start, total = time.perf_counter(), 0
     for t in range(1, int(rounds) + 1):
         key, sub = jax.random.split(key)
         for attempt in range(int(max_retries) + 1):
-            total += 2 * participants * message
+            total += per_round
             try:
                 new, info = round_ef(clients, state, floor, damping, participants, sub, local_tol, local_iters,
-                                     safeguard_margin if safeguard else None)
+                                     safeguard_margin if safeguard else None, alpha)
                 failure = None
                 break
             except (OutOfDomainError, ClientMessageError) as err:
@@ -413,6 +513,8 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
             status = "converged"
             break
     summary = dict(algorithm=algorithm, rho=rho, rounds=len(history), status=status)
+    if alpha is not None:
+        summary["admm_alpha"] = alpha
     posterior = posterior_ef(clients, state, summary) if keep_data else None
     result = FederatedResult(posterior, state, state.sites, history, status == "converged", status, algorithm, rho)
     if status != "converged":
