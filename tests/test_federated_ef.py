@@ -146,15 +146,37 @@ def test_admm_reaches_the_central_posterior(x64, kind, model, site, family):
     assert res.converged and kl[0] > 1e-3  # the first round is not the answer
     # KL to 1e-8: float64 round-off in the KL of two equal posteriors is ~1e-13 (measured), far below
     assert kl[-1] < 1e-8 and float(res.posterior.family.kl(res.posterior.natural, central.natural)) < 1e-8
+    # the stop came from the residual (λ_jnt reaching the sites' sum shrinks by 1 − α per round), not from a KL
+    # waiting for its rounding to come out below 1e-16
+    residual_met = np.flatnonzero(res.column("residual") <= 1e-10)
+    assert res.rounds == residual_met[0] + 1
     np.testing.assert_allclose(_args(res.posterior.natural, central), closed_form(kind, d), rtol=1e-8)
     step = np.linalg.norm(central.natural - central.prior_natural) / np.linalg.norm(central.natural)
     np.testing.assert_allclose(err[0], abs(1 - rho * num) / (1 + rho * num) * step, rtol=1e-10)
     # rounds 2-6: errors ≥ 1e-5, so the ratios hold to round-off (1e-16 / 1e-5 relative)
     np.testing.assert_allclose(err[1:6] / err[:5], rho * num / (1 + rho * num), rtol=1e-8)
-    # the default ρ = 1/K gives α = 1/2 and a first round that is exact; the stop needs the next round's KL
-    # ≤ 1e-16, below its float64 round-off (±2e-13 measured for equal posteriors), so one or two more rounds
+    # the default ρ = 1/K gives α = 1/2 and a first round that is exact; the stop needs one more round
     default = ef.run_ef(model, _shards(kind, d), {site: family}, algorithm="admm", rounds=5, reference=central)
     assert default.converged and default.rounds <= 3 and default.history[0]["error_to_reference"] < 1e-12
+
+
+@pytest.mark.parametrize("kind, model, site, family", [
+    ("bern", beta_bernoulli, "p", "beta"), ("pois", gamma_poisson, "rate", "gamma")])
+def test_the_kl_stop_rule_knows_the_kl_rounding(x64, kind, model, site, family):
+    """``KL`` of two nearly equal posteriors is a difference of log-normalisers of size ~40–70 here: its float64
+    rounding (~1e-13) is far above the default stop ``1e-16``. Oracle: 200 pairs equal to 1e-15 relative (true KL
+    ~1e-28) all within ``kl_rounding``, and a pair with a true KL of ~1e-9 well above it (the floor is not a
+    loose tolerance)."""
+    d = _data(2)[kind]
+    post = pc.fit(model, y=_y(kind, d), family={site: family})
+    fam, lam = post.family, post.natural
+    rng = np.random.default_rng(0)
+    near = [lam * (1 + 1e-15 * jnp.asarray(rng.normal(size=lam.shape))) for _ in range(200)]
+    worst = max(abs(float(fam.kl(other, lam))) for other in near)
+    floor = float(ef.kl_rounding(fam, lam, lam))
+    assert 1e-15 < worst <= floor < 1e-11
+    apart = lam * (1 + 1e-4 * jnp.asarray(rng.normal(size=lam.shape)))
+    assert float(fam.kl(apart, lam)) > 100 * float(ef.kl_rounding(fam, apart, lam))
 
 
 def test_admm_combination_outside_the_domain_is_refused(x64):
