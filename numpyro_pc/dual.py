@@ -26,7 +26,6 @@ from .capabilities import FixedPrecision, capability, gaussian_solver
 from . import guides as _guides
 from .errors import (
     ConvergenceError,
-    IncompatiblePosteriorsError,
     InvalidOptionError,
     MonteCarloErrorWarning,
     PointEstimateWarning,
@@ -377,13 +376,7 @@ class DualPosteriorBase(Posterior):
     @in_own_precision
     def kl(self, other: DualPosteriorBase) -> jax.Array:
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
-        if not isinstance(other, DualPosteriorBase):
-            raise IncompatiblePosteriorsError(f"KL needs another Gaussian dual-form posterior of the same model; got "
-                                              f"{type(other).__name__}")
-        if other.latent.signature() != self.latent.signature():
-            raise IncompatiblePosteriorsError("the posteriors belong to models with different latent sites")
-        if other.family.name != self.family.name:
-            raise IncompatiblePosteriorsError(f"KL between different families ({self.family.name} vs {other.family.name})")
+        self.check_comparable(other, "KL")
         return self.family.kl(self.state, other.state)
 
     @property

@@ -206,7 +206,11 @@ class EFPosterior(Posterior):
         return self.family.entropy(self.natural)
 
     def kl(self, other):
-        """:math:`KL(q \\| q_{other})`."""
+        """:math:`KL(q \\| q_{other})` to a posterior of the same model and family.
+
+        :raises IncompatiblePosteriorsError: ``other`` is not one.
+        """
+        self.check_comparable(other, "KL")
         return self.family.kl(self.natural, other.natural)
 
     def to_arviz(self, key, num_samples=1000):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jax
 
-from .errors import PosteriorCorrectionError
+from .errors import IncompatiblePosteriorsError, PosteriorCorrectionError
 
 __all__ = ["Posterior", "provides"]
 
@@ -143,6 +143,23 @@ class Posterior(ABC):
     @abstractmethod
     def kl(self, other: Posterior):
         """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
+
+    def check_comparable(self, other: object, operation: str) -> None:
+        """Refuse ``other`` unless it is a posterior of the same model's latent sites in the same family
+        (what a KL or a comparison between two posteriors needs).
+
+        :raises IncompatiblePosteriorsError: saying which of the three differs.
+        """
+        if not isinstance(other, Posterior):
+            raise IncompatiblePosteriorsError(f"{operation} needs another dual-form posterior of the same model; got "
+                                              f"{type(other).__name__}")
+        if other.spec.latent.signature() != self.spec.latent.signature():
+            raise IncompatiblePosteriorsError(f"{operation}: the posteriors belong to models with different latent "
+                                              f"sites ({self.spec.latent.signature()} vs "
+                                              f"{other.spec.latent.signature()})")
+        if other.family != self.family:
+            raise IncompatiblePosteriorsError(f"{operation} between different families ({self.family.name} vs "
+                                              f"{getattr(other.family, 'name', type(other.family).__name__)})")
 
     @abstractmethod
     def to_arviz(self, key, num_samples: int = 1000):

@@ -9,6 +9,7 @@ its declared capabilities, which must change what the operation does.
 """
 
 import warnings
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,10 +69,11 @@ def test_a_refusal_names_the_operation_the_need_and_the_reason_and_is_caught_as_
     assert require(get_family("full"), SiteDivision, "pc.loo") == SiteDivision()
 
 
+@dataclass(frozen=True, repr=False)
 class _NoCavityFull(FullGaussian):
     """The full Gaussian, declared without cavities: operations must follow the declaration."""
 
-    name = "full-without-cavities"
+    name: str = "full-without-cavities"
     capabilities = tuple(c for c in FullGaussian.capabilities if not isinstance(c, SiteDivision))
     lacks = {SiteDivision: "this test family does not offer cavities"}
 
@@ -82,7 +84,8 @@ def test_operations_follow_the_declared_capabilities_not_the_class(x64):
     post = pc.fit(linear_model, X, y, family=family)
     reference = pc.fit(linear_model, X, y, family="full")
     np.testing.assert_allclose(post.mean, reference.mean, rtol=0, atol=1e-10)  # the core is the full family's
-    with pytest.raises(errors.MissingCapabilityError, match="this test family does not offer cavities"):
+    with pytest.raises(errors.MissingCapabilityError,
+                       match="in the full-without-cavities family this test family does not offer cavities"):
         pc.loo(post)
     with pytest.raises(errors.MissingCapabilityError, match="this test family does not offer cavities"):
         pc.information_gain(post, post)

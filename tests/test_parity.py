@@ -347,3 +347,14 @@ def test_every_family_every_operation(x64, tmp_path, name, operation):
     else:
         with pytest.raises(refused[0], match=refused[1]):
             call()
+
+
+def test_a_kl_between_posteriors_that_cannot_be_compared_is_refused(x64):
+    # the KL of two posteriors needs the same model's latent sites and the same family, for every kind
+    beta, gamma, full, diagonal = (_first(name) for name in ("beta", "gamma", "full", "diagonal"))
+    assert _kl(beta, _first("beta")) == pytest.approx(0.0, abs=1e-12)
+    for this, other, phrase in [(beta, full, "different latent sites"), (full, beta, "different latent sites"),
+                                (beta, gamma, "different latent sites"), (full, diagonal, "different families"),
+                                (beta, np.zeros(3), "got ndarray")]:
+        with pytest.raises(errors.IncompatiblePosteriorsError, match=phrase):
+            this.kl(other)
