@@ -15,7 +15,7 @@ capability                  meaning (paper sec. 2, Table 1)
 :class:`SiteSum`            the natural parameters are the prior site plus the sum of the example
                             sites in the family's own parameters, :math:`\lambda = \lambda_0 +
                             \sum_i \hat\lambda_i`: sites are added and removed by arithmetic
-:class:`SiteDivision`           each site carries its share of the precision, so dividing sites out of
+:class:`SiteDivision`      each site carries its share of the precision, so dividing sites out of
                             :math:`q` leaves a member of the family (a cavity)
 :class:`FixedPrecision`     the precision is a fixed base measure (the isotropic family): only the
                             mean is learned and a site carries a gradient only
@@ -37,7 +37,8 @@ from typing import TypeVar
 from .errors import MissingCapabilityError
 
 __all__ = ["SiteSum", "SiteDivision", "FixedPrecision", "SiteCurvature", "GaussianSolver", "capability", "require", "gaussian_solver", "site_curvature",
-           "capabilities_from_flags", "declares_flags", "flag_values", "FLAG_NAMES"]
+           "capabilities_from_flags", "declares_flags", "flag_values", "flag_lacks", "refuse_unbridgeable_flags",
+           "FLAG_NAMES"]
 
 #: ``SiteCurvature.detail`` values (the same numbers as :data:`numpyro_pc.curvature.FULL` …)
 NO_CURVATURE, DIAGONAL_CURVATURE, FULL_CURVATURE = 0, 1, 2
@@ -135,9 +136,9 @@ def require(family, kind: type[Kind], operation: str, advice: str | None = None)
     held = capability(family, kind)
     if held is not None:
         return held
-    why = getattr(family, "lacks", {}).get(kind, f"does not have the {kind.__name__} capability")
+    why = getattr(family, "lacks", {}).get(kind, f"it declares no {kind.__name__} capability")
     name = getattr(family, "name", type(family).__name__)
-    raise MissingCapabilityError(f"{operation} needs {kind.needs}; in the {name} family {why}. "
+    raise MissingCapabilityError(f"{operation} needs {kind.needs}; the {name} family lacks it: {why}. "
                                  f"{advice or kind.remedy}")
 
 
@@ -154,7 +155,7 @@ def site_curvature(family) -> SiteCurvature:
 
     :raises MissingCapabilityError: the family's sites store no Gaussian curvature.
     """
-    return require(family, SiteCurvature, "Gaussian sites")
+    return require(family, SiteCurvature, "computing Gaussian sites")
 
 
 #: the class attributes families declared before capabilities
@@ -178,6 +179,32 @@ def declares_flags(cls) -> bool:
     return any(name in vars(cls) and not isinstance(vars(cls)[name], property) for name in FLAG_NAMES)
 
 
+def flag_lacks(flags: dict) -> dict:
+    """The reasons a family bridged from old flags lacks a capability, in the flags' own terms."""
+    lacks = {FixedPrecision: "its precision is learned (fixed_precision = False)"}
+    if not flags["linear_precision"]:
+        lacks[SiteSum] = lacks[SiteDivision] = ("its precision is not the sum of its sites' precisions "
+                                                "(linear_precision = False)")
+    elif flags["fixed_precision"]:
+        lacks[SiteDivision] = "its precision is fixed and its sites carry no curvature (fixed_precision = True)"
+        del lacks[FixedPrecision]
+    return lacks
+
+
+def refuse_unbridgeable_flags(cls) -> None:
+    """Refuse a family class that makes an old flag per-instance (a dataclass field or a property): the
+    capabilities of a class cannot follow it.
+
+    :raises TypeError: naming the flag and what to declare instead.
+    """
+    annotated = set(vars(cls).get("__annotations__", {}))
+    for name in FLAG_NAMES:
+        if name in annotated or isinstance(vars(cls).get(name), property):
+            raise TypeError(f"{cls.__name__} makes the old family flag {name!r} a field or a property, which the "
+                            "deprecation bridge cannot follow per instance; declare `capabilities = (...)` (and "
+                            "`lacks`) with the classes of numpyro_pc.capabilities instead")
+
+
 def capabilities_from_flags(cls, inherited: tuple) -> tuple:
     """The capabilities meant by a family class that still declares old flags (``fixed_precision``,
     ``linear_precision``, ``curvature_detail`` …) on top of the ``inherited`` ones, with a
@@ -190,7 +217,7 @@ def capabilities_from_flags(cls, inherited: tuple) -> tuple:
     warnings.warn(f"{cls.__name__} declares {sorted(n for n in FLAG_NAMES if n in vars(cls))}: family flags are "
                   "deprecated; declare `capabilities = (...)` with the classes of numpyro_pc.capabilities "
                   "(SiteSum, SiteDivision, FixedPrecision, SiteCurvature, GaussianSolver) instead",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=4)  # the user's class statement, through ABCMeta
     held = [SiteCurvature(flags["curvature_detail"], flags["default_storage"], flags["sparse_sites"]),
             GaussianSolver(flags["needs_dense_sum"], flags["minimises_objective"], flags["dense_checks"])]
     if flags["linear_precision"]:
@@ -199,4 +226,6 @@ def capabilities_from_flags(cls, inherited: tuple) -> tuple:
         held.append(FixedPrecision())
     elif flags["linear_precision"]:
         held.append(SiteDivision())
+    if "lacks" not in vars(cls):
+        cls.lacks = flag_lacks(flags)
     return tuple(held)

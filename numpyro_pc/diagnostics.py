@@ -100,7 +100,9 @@ def information_gain(old, new) -> dict[str, float]:
     :return: dict with ``kl`` (closed form), ``new_data``, ``correction``, ``removed``,
         ``log_normaliser_ratio`` and ``identity_error`` (sum of the parts minus ``kl``: the
         dual-form residuals of both posteriors, so ``~tol``).
-    :raises InvalidOptionError: for the isotropic family, whose sites carry no curvature.
+    :raises MissingCapabilityError: for a family without cavities (isotropic: its sites carry no curvature;
+        low-rank: its precision is a projection of the site sum); before this release the isotropic
+        refusal was an ``InvalidOptionError``.
     :raises IncompatiblePosteriorsError: posteriors of different kinds or families.
     """
     if _information_gain.dispatch(type(old)) is not _information_gain.dispatch(type(new)):

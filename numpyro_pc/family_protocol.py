@@ -25,7 +25,7 @@ import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
 from .capabilities import (SiteDivision, FixedPrecision, GaussianSolver, SiteCurvature, SiteSum, capabilities_from_flags,
-                           declares_flags, flag_values, require)
+                           declares_flags, flag_values, refuse_unbridgeable_flags, require)
 from .errors import NonFiniteResultError, NotPositiveDefiniteError
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
@@ -86,8 +86,9 @@ class ExponentialFamily(ABC):
     All methods are pure functions of pytrees and may be used under ``jit``/``vmap``.
 
     What a family can do beyond this core is declared, not flagged: ``capabilities`` holds
-    instances of the classes of :mod:`numpyro_pc.capabilities` (the defaults: a Gaussian whose
-    precision is the sum of its sites' curvatures, as the full family), and ``lacks`` says, for
+    instances of the classes of :mod:`numpyro_pc.capabilities` (the defaults: ``SiteSum``,
+    ``SiteDivision``, full ``SiteCurvature`` and a ``GaussianSolver`` that preconditions the mean
+    with the dense sum ``Σ Ĥ_i``), and ``lacks`` says, for
     a capability the family does not have, why — operations look them up with
     :func:`~numpyro_pc.capabilities.capability` and :func:`~numpyro_pc.capabilities.require`.
     """
@@ -98,6 +99,7 @@ class ExponentialFamily(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        refuse_unbridgeable_flags(cls)
         if declares_flags(cls) and "capabilities" not in vars(cls):
             cls.capabilities = capabilities_from_flags(cls, cls.capabilities)
 

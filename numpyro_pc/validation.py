@@ -53,8 +53,9 @@ def _family_storage(name=None):
             get_family(name)
         except InvalidOptionError:
             pass  # reported as an unknown family below
-    return {name: tuple(s for s, store in STORES.items() if store.detail >= capability(family, SiteCurvature).detail)
-            for name, family in registered_families().items()}
+    needs = {name: capability(family, SiteCurvature) for name, family in registered_families().items()}
+    return {name: tuple(s for s, store in STORES.items() if store.detail >= need.detail)
+            for name, need in needs.items() if need is not None}  # a family without Gaussian sites has no file
 
 
 _MAX_ID = 2**62

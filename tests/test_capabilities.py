@@ -51,8 +51,8 @@ def test_every_gaussian_family_declares_what_its_mathematics_gives(name):
 def test_an_exponential_family_product_has_site_sums_and_cavities_but_no_gaussian_sites():
     post = pc.fit(beta_bernoulli, y=jnp.asarray([1, 0, 1, 1, 0, 1.0]), family={"p": "beta"})
     assert _table(post.family) == (True, True, False, None, None)
-    with pytest.raises(errors.MissingCapabilityError, match=r"the Gaussian site solver needs .* in the product\(beta\) "
-                       r"family the fixed point is solved by natural-gradient"):
+    with pytest.raises(errors.MissingCapabilityError, match=r"the Gaussian site solver needs .* the product\(beta\) "
+                       r"family lacks it: the fixed point is solved by natural-gradient"):
         require(post.family, GaussianSolver, "the Gaussian site solver")
 
 
@@ -64,7 +64,7 @@ def test_a_refusal_names_the_operation_the_need_and_the_reason_and_is_caught_as_
         require(lowrank, SiteSum, "pc.delete")
     message = str(guide_err.value)
     assert message.startswith("pc.loo needs dividing sites out of q")
-    assert "lowrank-2 family the precision is a projection of the site sum" in message
+    assert "the lowrank-2 family lacks it: the precision is a projection of the site sum" in message
     assert "family='full' or 'diagonal'" in message
     assert require(get_family("full"), SiteDivision, "pc.loo") == SiteDivision()
 
@@ -85,7 +85,7 @@ def test_operations_follow_the_declared_capabilities_not_the_class(x64):
     reference = pc.fit(linear_model, X, y, family="full")
     np.testing.assert_allclose(post.mean, reference.mean, rtol=0, atol=1e-10)  # the core is the full family's
     with pytest.raises(errors.MissingCapabilityError,
-                       match="in the full-without-cavities family this test family does not offer cavities"):
+                       match="the full-without-cavities family lacks it: this test family does not offer cavities"):
         pc.loo(post)
     with pytest.raises(errors.MissingCapabilityError, match="this test family does not offer cavities"):
         pc.information_gain(post, post)
@@ -93,13 +93,17 @@ def test_operations_follow_the_declared_capabilities_not_the_class(x64):
 
 
 def test_old_flags_are_bridged_to_capabilities_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match=r"declares \['linear_precision'\]"):
+    with pytest.warns(DeprecationWarning, match=r"declares \['linear_precision'\]") as caught:
         class Projected(FullGaussian):
             name = "full-projected"
             linear_precision = False
+    assert caught[0].filename == __file__  # attributed to the class statement, so default filters show it
 
     held = Projected()
     assert capability(held, SiteSum) is None and capability(held, SiteDivision) is None
+    with pytest.raises(errors.MissingCapabilityError, match=r"lacks it: its precision is not the sum of its sites' "
+                       r"precisions \(linear_precision = False\)"):
+        require(held, SiteDivision, "pc.loo")
     # what the class does not declare is inherited from the full family's capabilities
     assert capability(held, SiteCurvature) == SiteCurvature(2, None, False)
     assert capability(held, GaussianSolver) == GaussianSolver(dense_sum=False)
@@ -114,3 +118,31 @@ def test_old_flags_are_bridged_to_capabilities_with_a_deprecation_warning():
             name = "full-declared"
             capabilities = FullGaussian.capabilities
         assert capability(Declared(), SiteDivision) == SiteDivision()
+    # a flag made per-instance cannot be bridged by a class: refused where the class is defined
+    with pytest.raises(TypeError, match="'fixed_precision' a field or a property"):
+        @dataclass(frozen=True)
+        class PerInstance(FullGaussian):
+            fixed_precision: bool = False
+    with pytest.raises(TypeError, match="'linear_precision' a field or a property"):
+        class AsProperty(FullGaussian):
+            @property
+            def linear_precision(self):
+                return False
+
+
+def test_a_registered_family_without_gaussian_sites_does_not_break_loading_gaussian_files(x64, tmp_path):
+    # the storage a Gaussian file may hold is looked up for every registered family when a file is read
+    from numpyro_pc.families import _FAMILIES, register_family
+
+    @dataclass(frozen=True, repr=False)
+    class NoSites(FullGaussian):
+        name: str = "full-without-gaussian-sites"
+        capabilities = (SiteSum(),)
+
+    X, y = make_linear(12, 2, seed=1)
+    path = pc.fit(linear_model, X, y).save(tmp_path / "full.npz")
+    register_family(NoSites())
+    try:
+        assert pc.load(path, linear_model).family.name == "full"
+    finally:
+        _FAMILIES.pop("full-without-gaussian-sites")

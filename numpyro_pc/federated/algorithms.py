@@ -131,6 +131,8 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
     ref = jnp.linalg.norm(flat(lam_old))
     residual = jnp.max(jax.vmap(lambda lin, prec: jnp.linalg.norm(flat(GaussianNatural(lin, prec)) - flat(lam_old)))(
         local.local.linear, local.local.precision)) / ref
+    if algorithm == "admm":  # λ_jnt must also reach the sites' sum: with λ_k = λ_jnt it can still lag behind it
+        residual = jnp.maximum(residual, jnp.linalg.norm(flat(family.natural(q_new)) - flat(lam_fed)) / ref)
     ok = jnp.all(local.ok) & jnp.all(jnp.isfinite(q_new.mean)) & family.is_positive_definite(q_new.precision)
     kl = family.kl(q_new, q_jnt)
     return eta, q_new, dict(kl_to_previous=kl, residual=residual, local_iterations=jnp.max(local.iterations), ok=ok,

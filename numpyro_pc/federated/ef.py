@@ -287,7 +287,8 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
     :param dict messages: ``{client index: site (P,)}``.
     :param bool strict: raise on the first bad message; otherwise leave that client's site as it was and
         report it.
-    :return: ``(new EFServerState, {client: reason} of the refused messages)``.
+    :return: ``(new EFServerState, {client: reason} of the refused messages)``; an ADMM state keeps its
+        ``joint`` until :func:`admm_server_ef` replaces it.
     :raises ClientMessageError: a bad message (``strict``).
     :raises OutOfDomainError: the accepted messages together leave the domain (nothing is stored).
     """
@@ -303,7 +304,7 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
     if good:
         idx = np.asarray(sorted(good), dtype=np.int64)
         sites = sites.at[idx].set(jnp.asarray(np.stack([good[int(k)] for k in idx])))
-    new = EFServerState(state.prior, sites)  # FedPC's global posterior: the sites' sum
+    new = state._replace(sites=sites)  # FedPC's global posterior: the sites' sum; ADMM's λ_jnt is carried
     lam = site_natural(new)
     if not bool(family.in_domain(lam)):
         raise OutOfDomainError(f"the clients' sites together leave the family's domain ({family.describe(lam)}); "
