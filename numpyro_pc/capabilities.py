@@ -15,7 +15,7 @@ capability                  meaning (paper sec. 2, Table 1)
 :class:`SiteSum`            the natural parameters are the prior site plus the sum of the example
                             sites in the family's own parameters, :math:`\lambda = \lambda_0 +
                             \sum_i \hat\lambda_i`: sites are added and removed by arithmetic
-:class:`SiteDivision`      each site carries its share of the precision, so dividing sites out of
+:class:`SiteDivision`       each site carries its share of the precision, so dividing sites out of
                             :math:`q` leaves a member of the family (a cavity)
 :class:`FixedPrecision`     the precision is a fixed base measure (the isotropic family): only the
                             mean is learned and a site carries a gradient only
