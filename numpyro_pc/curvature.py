@@ -114,7 +114,7 @@ class CurvatureStore(ABC):
     def stored_numbers(self):
         return sum(int(x.size) for x in jax.tree.leaves(self))
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         """The curvatures ``α Ĥ_i`` (every site raised to the power ``α``: tempering)."""
         raise SiteStorageError(f"sites stored as {self.name!r} cannot be scaled")
 
@@ -209,7 +209,7 @@ class Factor(CurvatureStore):
     def low_rank_factors(self):
         return self.jac, self.lam
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         return replace(self, lam=alpha * self.lam)
 
     def weighted_dense(self, weights):
@@ -280,7 +280,7 @@ class Dense(CurvatureStore):
     def file_shapes(cls, num, k, dim):
         return {"curvature": (num, dim, dim)}
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         return replace(self, curvature=alpha * self.curvature)
 
     def weighted_dense(self, weights):
@@ -330,7 +330,7 @@ class Diagonal(CurvatureStore):
     def file_shapes(cls, num, k, dim):
         return {"curvature": (num, dim)}
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         return replace(self, curvature=alpha * self.curvature)
 
     def weighted_diagonal(self, weights):
@@ -389,7 +389,7 @@ class NoCurvature(CurvatureStore):
     def arrays(self):
         return {}
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         return self  # no curvature to scale
 
     def dense(self):

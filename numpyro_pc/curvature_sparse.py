@@ -89,7 +89,7 @@ class SparseFactor(CurvatureStore):
     def arrays(self):
         return {"index": self.index, "jac": self.jac, "lam": self.lam, "nnz": self.nnz}
 
-    def scaled(self, alpha):
+    def scaled(self, alpha) -> CurvatureStore:
         return replace(self, lam=alpha * self.lam)
 
     @property
