@@ -23,7 +23,7 @@ from .families import GaussianNatural
 from .prior_site import prior_dense, prior_matvec
 from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows, to_device
 
-__all__ = ["Sites", "SiteSums"]
+__all__ = ["Sites", "SiteSums", "site_mismatch"]
 
 
 @partial(jax.jit, static_argnums=0)
@@ -252,6 +252,64 @@ class Sites:
         return replace(self, ref_means=pad_last_row(refs, size - refs.shape[0]),
                        ref_index=to_device(np.ravel(inverse).astype(index.dtype)))
 
+    def values(self, family, point) -> tuple[jax.Array, jax.Array]:
+        r"""Every example site and the prior site at ``z = point`` in natural-parameter form,
+        :math:`\hat\ell_i(z) = -\langle\hat\lambda_i, T(z)\rangle = z^\top(\hat g_i - \hat H_i m_i)
+        + \tfrac12 z^\top \hat H_i z` (no constant: a log-density up to normalisation).
+
+        :param family: the posterior's family (unused: the sites carry their curvature).
+        :param point: ``(d,)`` a point of the flat unconstrained latent space.
+        :return: ``(N,)`` the example sites' values and the prior site's value.
+        """
+        at = jnp.broadcast_to(point, (self.num_examples, point.shape[0]))
+        linear = self.dense_grad() - self.curvature_matvec(self.refs())
+        values = linear @ point + 0.5 * jnp.sum(at * self.curvature_matvec(at), 1)
+        prior_curvature = self.prior_curvature_dense()
+        prior = (self.prior_grad - prior_curvature @ self.prior_ref) @ point + 0.5 * point @ prior_curvature @ point
+        return values, prior
+
+    def expected_values(self, family, q) -> tuple[jax.Array, jax.Array]:
+        r""":math:`E_q[\hat\ell_i]` for every example site and the prior site in natural-parameter form
+        (:meth:`values`) under the Gaussian ``q`` of ``family``: with :math:`\Sigma` its covariance,
+        :math:`m^\top(\hat g_i - \hat H_i m_i) + \tfrac12(m^\top \hat H_i m + \mathrm{tr}\,\hat H_i\Sigma)`.
+
+        :return: ``(N,)`` and a scalar.
+        """
+        return self.expected_values_at(q.mean, family.dense_covariance(q))
+
+    def expected_values_at(self, mean, cov) -> tuple[jax.Array, jax.Array]:
+        """:meth:`expected_values` under ``N(mean, cov)`` given as a mean and a dense covariance."""
+        refs = self.refs()
+        diff = mean[None, :] - refs
+        trace, quad = self.curv.trace_quad(cov, diff)
+        offsets = 0.5 * jnp.sum(refs * self.curvature_matvec(refs), 1)
+        values = self.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
+        p_diff = mean - self.prior_ref
+        prior_curvature = self.prior_curvature_dense()
+        prior = self.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov)
+                                               - self.prior_ref @ prior_curvature @ self.prior_ref)
+        return values, prior
+
+    def log_normaliser(self, family) -> jax.Array:
+        r""":math:`\log \int \prod_{i=0}^N \exp(-\hat\ell_i(z))\, dz`, the Gaussian log-partition
+        :math:`A(\lambda)` of :math:`\lambda = \lambda_0 + \sum_i \hat\lambda_i` (families whose site sum
+        is a precision they hold: :class:`~numpyro_pc.capabilities.SiteDivision`)."""
+        nat, prior = self.natural_sum(family), self.prior_natural(family)
+        precision = nat.precision + prior.precision
+        precision = precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
+        linear = nat.linear + prior.linear
+        chol = jnp.linalg.cholesky(precision)
+        white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
+        dim = linear.shape[0]
+        return 0.5 * white @ white + 0.5 * dim * jnp.log(2 * jnp.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
+
+    def mismatch(self, fresh: Sites, family, q, shared_jacobian: bool = False) -> dict:
+        """How far each of these (stale) sites is from ``fresh``, the same examples' sites at ``q``:
+        the Fisher-metric norm :func:`site_mismatch`, as ``{"magnitude", "gradient", "curvature"}``
+        (host arrays, one value per row)."""
+        total, grad, curv = site_mismatch(self, fresh, q, family, shared_jacobian)
+        return dict(magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv))
+
     def stored_numbers(self):
         """How many numbers the per-example sites hold (gradients and curvature)."""
         return int(np.prod(self.grad.shape)) + self.curv.stored_numbers()
@@ -282,3 +340,27 @@ class SiteSums(NamedTuple):
     hessian: jax.Array  # Σ_{i≥1} dense curvature, (d, d)
     loss: jax.Array     # Σ_{i≥1} E_q[ℓ_i]
     subspace_violations: jax.Array | int = 0  # examples whose likelihood leaves their rule's subspace (loss NaN)
+
+
+@partial(jax.jit, static_argnames=("family", "shared_jacobian"))
+def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
+    """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows).
+
+    Never forms per-example ``d × d`` matrices for factorised or diagonal sites:
+    ``tr((δH Σ)²)`` is ``tr((C G)²)`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and
+    ``G = U Σ Uᵀ`` (factorised), or ``δhᵀ (Σ∘Σ) δh`` (diagonal).
+
+    :param bool shared_jacobian: the factorised sites share their Jacobians (models whose
+        distribution parameters are affine in ``z``), so ``U = J`` and ``C = Λ_f − Λ_s``:
+        half the work.
+    """
+    operand = family.covariance_operand(q)
+    cov_rows = lambda mat: family.cov_times(q, operand, mat.T).T  # noqa: E731  (M Σ, Σ symmetric)
+    if fresh.curv.sparse_rows and shared_jacobian and stale.grad.shape == fresh.grad.shape:
+        # one Jacobian, so one index: the difference lives on it; Σ is applied to rows densified in batches
+        grad_part = fresh.curv.row_quad(fresh.grad - stale.grad_values_at(q.mean), cov_rows)
+    else:
+        dg = fresh.dense_grad() - stale.grad_at(q.mean)
+        grad_part = jnp.sum(cov_rows(dg) * dg, 1)
+    curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
+    return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)

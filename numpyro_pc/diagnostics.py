@@ -29,21 +29,17 @@ deviation under ``q`` of the log-ratio of the two site factors:
 
 from __future__ import annotations
 
-import math
-from functools import partial
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .capabilities import SiteDivision, require
-from .batches import bind_batch
-from . import ef_sites
-from .dual import DualPosteriorBase, by_posterior_kind
-from .ef_posterior import EFPosterior
-from .errors import IncompatiblePosteriorsError
+from .cached_sites import site_mismatch
+from .errors import UnsupportedGuideError
+from .posterior_protocol import Posterior
 from .rows import positions
-from .sites import compute_sites
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]
@@ -55,45 +51,30 @@ def kl(q, p) -> jax.Array:
 
 
 def expected_site_values(sites, mean, cov):
-    """``E_q[ℓ̂_i]`` for every example site and the prior site under ``N(mean, cov)``, each site in its
-    natural-parameter form ``ℓ̂_i(z) = −⟨λ̂_i, T(z)⟩ = zᵀ(ĝ_i − Ĥ_i m_i) + ½ zᵀĤ_i z`` (no constant:
-    a site recomputed at another point but unchanged as a factor keeps its value)."""
-    refs = sites.refs()
-    diff = mean[None, :] - refs
-    trace, quad = sites.curv.trace_quad(cov, diff)
-    offsets = 0.5 * jnp.sum(refs * sites.curvature_matvec(refs), 1)
-    values = sites.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
-    p_diff = mean - sites.prior_ref
-    prior_curvature = sites.prior_curvature_dense()
-    prior = sites.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov)
-                                             - sites.prior_ref @ prior_curvature @ sites.prior_ref)
-    return values, prior
+    """Deprecated: ``sites.expected_values(family, q)`` (:meth:`~numpyro_pc.site_protocol.SiteTable.expected_values`),
+    which every family's site table answers; this name is removed in the next release."""
+    warnings.warn("pc.diagnostics.expected_site_values is deprecated: use post.sites.expected_values(post.family, "
+                  "post.q), defined for every family", FutureWarning, stacklevel=2)
+    return sites.expected_values_at(mean, cov)
 
 
 def log_normaliser(sites, family):
-    """``log ∫ Π_i exp(−ℓ̂_i(z)) dz`` over the prior and example sites in natural-parameter form:
-    the Gaussian log-partition ``A(λ)`` of ``λ = Σ_i λ̂_i``."""
-    nat = sites.natural_sum(family)
-    prior = sites.prior_natural(family)
-    precision = _dense(family, nat.precision + prior.precision)
-    linear = nat.linear + prior.linear
-    chol = jnp.linalg.cholesky(precision)
-    white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
-    d = linear.shape[0]
-    return 0.5 * white @ white + 0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
-
-
-def _dense(family, precision):
-    return precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
+    """``log ∫ Π_i exp(−ℓ̂_i)``, the log-partition of the prior and example sites' product
+    (:meth:`~numpyro_pc.site_protocol.SiteTable.log_normaliser`)."""
+    return sites.log_normaliser(family)
 
 
 def information_gain(old, new) -> dict[str, float]:
     r"""Decompose ``KL(new ‖ old)`` into new-data, correction, removed and normaliser terms.
 
-    For an :class:`~numpyro_pc.EFPosterior` the sites are linear in the statistics,
-    :math:`\hat\ell_i = \langle g_i, T\rangle`, so :math:`E_{q_{new}}[\hat\ell_i] = \langle g_i,
-    \mu_{new}\rangle` and :math:`\log Z = A(\lambda)`; the prior term's change (zero for a
-    conjugate-form prior) counts as correction.
+    One formula for every family with :class:`~numpyro_pc.capabilities.SiteDivision`: each site in
+    natural-parameter form, :math:`\hat\ell_i = -\langle\hat\lambda_i, T\rangle`, has
+    :math:`E_{q_{new}}[\hat\ell_i] = -\langle\hat\lambda_i, \mu_{new}\rangle`
+    (:meth:`~numpyro_pc.site_protocol.SiteTable.expected_values`; for a product's sites
+    :math:`\langle g_i, \mu_{new}\rangle`), and :math:`\log Z` is the log-partition of the sites'
+    product (:meth:`~numpyro_pc.site_protocol.SiteTable.log_normaliser`). New examples' sites count
+    as new data, deleted ones' as removed, and the change of the common examples' and the prior's
+    sites (zero for a conjugate-form prior and exact sites) as correction.
 
     :param old: the posterior before the adaptation (same model and family as ``new``).
     :param new: the posterior after it.
@@ -103,85 +84,28 @@ def information_gain(old, new) -> dict[str, float]:
     :raises MissingCapabilityError: for a family without cavities (isotropic: its sites carry no curvature;
         low-rank: its precision is a projection of the site sum); before this release the isotropic
         refusal was an ``InvalidOptionError``.
-    :raises IncompatiblePosteriorsError: posteriors of different kinds or families.
+    :raises IncompatiblePosteriorsError: posteriors of different models or families.
     """
-    if _information_gain.dispatch(type(old)) is not _information_gain.dispatch(type(new)):
-        raise IncompatiblePosteriorsError(f"pc.information_gain compares two posteriors of one kind; found "
-                                          f"{type(old).__name__} and {type(new).__name__}")
-    return _information_gain(new, old)
-
-
-_information_gain = by_posterior_kind("pc.information_gain")
-
-
-@_information_gain.register
-def _ef_information_gain(new: EFPosterior, old):
-    if new.family != old.family or new.spec.model is not old.spec.model:
-        raise IncompatiblePosteriorsError("pc.information_gain needs posteriors of one model in one family; found "
-                                          f"{new.family.names} and {old.family.names}")
-    with jax.enable_x64(new.natural.dtype == jnp.float64):
-        family = new.family
-        mu = family.expectation(new.natural)
-        v_new, v_old = np.asarray(new.state.grads @ mu), np.asarray(old.state.grads @ mu)
-        old_ids, new_ids = np.asarray(old.ids), np.asarray(new.ids)
-        in_old, in_new = np.isin(new_ids, old_ids), np.isin(old_ids, new_ids)
-        common = np.intersect1d(old_ids, new_ids)
-        rows_new, rows_old = positions(new_ids, common), positions(old_ids, common)
-        new_data = -float(np.sum(v_new[~in_old]))
-        prior_change = float(jnp.dot(new.state.prior - old.state.prior, mu))
-        correction = -float(np.sum(v_new[rows_new]) - np.sum(v_old[rows_old])) - prior_change
-        removed = float(np.sum(v_old[~in_new]))
-        ratio = float(family.log_normalizer(old.natural) - family.log_normalizer(new.natural))
-        total = float(family.kl(new.natural, old.natural))
-    parts = new_data + correction + removed + ratio
-    return dict(kl=total, new_data=new_data, correction=correction, removed=removed, log_normaliser_ratio=ratio,
-                identity_error=parts - total)
-
-
-@_information_gain.register
-def _gaussian_information_gain(new: DualPosteriorBase, old):
+    if not isinstance(old, Posterior):
+        raise UnsupportedGuideError(f"pc.information_gain needs dual-form posteriors (from pc.fit or pc.dual_form); "
+                                    f"found {type(old).__name__}")
+    old.check_comparable(new, "pc.information_gain")
     require(new.family, SiteDivision, "pc.information_gain")
-    require(old.family, SiteDivision, "pc.information_gain")
-    with jax.enable_x64(new.state.mean.dtype == jnp.float64):
-        mean, cov = new.state.mean, new.covariance
+    family = new.family
+    with jax.enable_x64(jnp.result_type(*jax.tree.leaves(new.q)) == jnp.float64):
+        v_new, p_new = new.sites.expected_values(family, new.q)
+        v_old, p_old = old.sites.expected_values(family, new.q)  # the old sites, under the new q
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)
         common = np.intersect1d(old_ids, new_ids)
-        v_new, p_new = expected_site_values(new.sites, mean, cov)
-        v_old, p_old = expected_site_values(old.sites, mean, cov)
-        in_old = np.isin(new_ids, old_ids)
-        new_data = -float(jnp.sum(v_new[~in_old]))
         rows_new, rows_old = positions(new_ids, common), positions(old_ids, common)
+        new_data = -float(jnp.sum(v_new[~np.isin(new_ids, old_ids)]))
         correction = -float(jnp.sum(v_new[rows_new]) - jnp.sum(v_old[rows_old]) + p_new - p_old)
         removed = float(jnp.sum(v_old[~np.isin(old_ids, new_ids)]))
-        ratio = float(log_normaliser(old.sites, old.family) - log_normaliser(new.sites, new.family))
+        ratio = float(old.sites.log_normaliser(family) - new.sites.log_normaliser(family))
         total = float(new.kl(old))
     parts = new_data + correction + removed + ratio
     return dict(kl=total, new_data=new_data, correction=correction, removed=removed, log_normaliser_ratio=ratio,
                 identity_error=parts - total)
-
-
-@partial(jax.jit, static_argnames=("family", "shared_jacobian"))
-def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
-    """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows).
-
-    Never forms per-example ``d × d`` matrices for factorised or diagonal sites:
-    ``tr((δH Σ)²)`` is ``tr((C G)²)`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and
-    ``G = U Σ Uᵀ`` (factorised), or ``δhᵀ (Σ∘Σ) δh`` (diagonal).
-
-    :param bool shared_jacobian: the factorised sites share their Jacobians (models whose
-        distribution parameters are affine in ``z``), so ``U = J`` and ``C = Λ_f − Λ_s``:
-        half the work.
-    """
-    operand = family.covariance_operand(q)
-    cov_rows = lambda mat: family.cov_times(q, operand, mat.T).T  # noqa: E731  (M Σ, Σ symmetric)
-    if fresh.curv.sparse_rows and shared_jacobian and stale.grad.shape == fresh.grad.shape:
-        # one Jacobian, so one index: the difference lives on it; Σ is applied to rows densified in batches
-        grad_part = fresh.curv.row_quad(fresh.grad - stale.grad_values_at(q.mean), cov_rows)
-    else:
-        dg = fresh.dense_grad() - stale.grad_at(q.mean)
-        grad_part = jnp.sum(cov_rows(dg) * dg, 1)
-    curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
-    return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
 
 
 def correction_magnitude(post, *args, **kwargs) -> dict:
@@ -189,50 +113,28 @@ def correction_magnitude(post, *args, **kwargs) -> dict:
 
     The new batch (``args``/``kwargs`` as for the model) is added without correction (VCL);
     at that posterior the fresh site of every retained past example is compared with its
-    stored site (:func:`site_mismatch`). For an :class:`~numpyro_pc.EFPosterior` the log-ratio
-    of a fresh to a stale site is :math:`\langle \delta g_i, T(x)\rangle`, whose standard
-    deviation under the VCL posterior is :math:`\sqrt{\delta g_i^\top F(\lambda)\, \delta g_i}`
-    (Fisher–vector products, never ``F`` itself); ``F`` is block diagonal, so the squares add
-    over the latent sites (``by_site``).
+    stored site (:meth:`~numpyro_pc.site_protocol.SiteTable.mismatch`): the standard deviation
+    under the VCL posterior of the log-ratio of the fresh to the stale site. For the Gaussian
+    families it is the Fisher-metric norm of :func:`site_mismatch` (``gradient`` and ``curvature``
+    parts); for a product, whose log-ratio is :math:`\langle \delta g_i, T(x)\rangle`, it is
+    :math:`\sqrt{\delta g_i^\top F(\lambda)\, \delta g_i}` (Fisher–vector products, never ``F``
+    itself); ``F`` is block diagonal, so the squares add over the latent sites (``by_site``).
 
     :param post: a dual-form posterior with retained data.
     :return: dict with ``ids``, ``magnitude`` (per example), ``total`` (sum of magnitudes),
         and ``gradient`` and ``curvature`` parts (Gaussian) or ``by_site`` parts
         (exponential-family product).
     """
-    return _correction_magnitude(post, args, kwargs)
-
-
-_correction_magnitude = by_posterior_kind("pc.correction_magnitude")
-
-
-@_correction_magnitude.register
-def _ef_correction_magnitude(post: EFPosterior, args, kwargs):
+    if not isinstance(post, Posterior):
+        raise UnsupportedGuideError(f"pc.correction_magnitude needs a dual-form posterior (from pc.fit or "
+                                    f"pc.dual_form); found {type(post).__name__}")
     vcl = post.update(*args, correction="none", **kwargs)
-    family = vcl.family
-    with jax.enable_x64(post.natural.dtype == jnp.float64):
-        fresh = ef_sites.compute_sites(post.config, vcl.natural, post.data).grads  # the config is sized to the data
-        delta = fresh - post.state.grads
-        fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (vcl.natural,), (v,))[1])
-        weighted = delta * fisher_times(delta)  # δg ∘ F δg: F is block diagonal over the factors
-        by_site = {f.site: np.sqrt(np.maximum(np.asarray(jnp.sum(part, 1)), 0.0))
-                   for f, part in zip(family.factors, family.split(weighted))}
-        total = np.sqrt(np.maximum(np.asarray(jnp.sum(weighted, 1)), 0.0))
-    return dict(ids=np.asarray(post.ids), magnitude=total, by_site=by_site, total=float(np.sum(total)))
-
-
-@_correction_magnitude.register
-def _gaussian_correction_magnitude(post: DualPosteriorBase, args, kwargs):
-    bind_batch(post, args, kwargs)
-    vcl = post.update(*args, correction="none", **kwargs)
-    with jax.enable_x64(post.state.mean.dtype == jnp.float64):
+    with jax.enable_x64(jnp.result_type(*jax.tree.leaves(post.q)) == jnp.float64):
         ids = np.asarray(post.data_ids)
         stale = post.sites.take(positions(post.sites.ids, ids))
-        fresh, _ = compute_sites(post.spec, post.data, post.family, vcl.state, post.rule, curvature=post.curvature,
-                                 storage=post.sites.storage, chunk_size=post.chunk_size, ids=jnp.asarray(ids))
-        total, grad, curv = site_mismatch(stale, fresh, vcl.state, post.family, post.spec.affine)
-    return dict(ids=ids, magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv),
-                total=float(jnp.sum(total)))
+        parts = stale.mismatch(post.recompute_sites(vcl.q), post.family, vcl.q, post.spec.affine)
+        total = parts.pop("magnitude")
+    return dict(ids=ids, magnitude=total, total=float(np.sum(total)), **parts)
 
 
 class count_compilations:

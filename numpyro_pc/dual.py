@@ -22,28 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from .capabilities import FixedPrecision, capability, gaussian_solver
+from .capabilities import FixedPrecision, capability
 from . import guides as _guides
 from .errors import (
     ConvergenceError,
     InvalidOptionError,
-    MonteCarloErrorWarning,
     PointEstimateWarning,
     UnsupportedGuideError,
 )
-from .expectations import prepare_rule
 from .families import add_site
 from .likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
-from .rows import pad_to_bucket, positions, take_data
+from .rows import RowSelection, pad_to_bucket, positions
 from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
-from .sites import mc_along_subspace
+from .sites import compute_sites
 from .options import check_count, check_finite, check_key, check_solver_options
-from .solvers import default_tol, solve, solve_init
+from .solvers import solve, solve_init
 
-__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "build_posterior",
-           "by_posterior_kind"]
+__all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 
 
 def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Callable:
@@ -248,6 +245,14 @@ class DualPosteriorBase(Posterior):
             cache[:] = [self.state, (float(point.residual), dict(point.parts))]
         return cache[1]
 
+    def recompute_sites(self, q):
+        """The retained examples' sites (rows in :attr:`data_ids` order) and the prior site recomputed
+        at the Gaussian ``q`` of this posterior's family, with its rule, curvature and storage."""
+        sites, _ = compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
+                                 storage=self.sites.storage, chunk_size=self.chunk_size,
+                                 ids=jnp.asarray(self.data_ids))
+        return sites
+
     def _split_frozen(self):
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
         live = positions(self.sites.ids, self.data_ids)
@@ -380,6 +385,28 @@ class DualPosteriorBase(Posterior):
         return self.family.kl(self.state, other.state)
 
     @property
+    def q(self):
+        """The family member: the Gaussian state ``(mean, precision)``."""
+        return self.state
+
+    def point_of(self, values: dict) -> jax.Array:
+        """The flat unconstrained ``z`` of the latent sites' constrained ``values``."""
+        return self.latent.unconstrain(values)
+
+    def model_point(self, point) -> tuple:
+        """``(z, None, 0)``: a Gaussian family's coordinates are the model's flat latents."""
+        return point, None, 0.0
+
+    def probe_points(self, num: int) -> list:
+        """``num`` points ``mean + ½ ε`` with ``ε`` standard normal (key 7)."""
+        offsets = jax.random.normal(jax.random.PRNGKey(7), (num, self.dim), self.mean.dtype)
+        return [(z, None) for z in self.mean[None, :] + 0.5 * offsets]
+
+    def latent_factors(self) -> None:
+        """``None``: one joint density over the flat latents."""
+        return None
+
+    @property
     def is_point_estimate(self):
         """Whether this posterior is a point estimate (MAP / ERM): the isotropic family with the
         delta rule, e.g. from ``AutoDelta``. Its fixed precision is the base measure of the
@@ -473,37 +500,6 @@ class DualPosteriorBase(Posterior):
         return f"{self.residual:.2e}"
 
 
-class RowSelection:
-    """Rows ``rows`` of ``source`` (:class:`~numpyro_pc.sites.Sites` or
-    :class:`~numpyro_pc.likelihood.ModelData`), gathered on first use.
-
-    Deleting examples by site removal touches only the removed sites; copying the
-    remaining ``N`` sites and data rows is deferred until something reads them, and
-    consecutive deletions compose their row lists instead of copying every time.
-    """
-
-    __slots__ = ("source", "rows", "_value")
-
-    def __init__(self, source, rows):
-        self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
-
-    @classmethod
-    def of(cls, current, rows):
-        """``rows`` of ``current`` (a value or a selection; selections compose)."""
-        if isinstance(current, RowSelection):
-            return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])
-        return cls(current, rows)
-
-    def value(self):
-        if self._value is None:
-            if hasattr(self.source, "take"):
-                self._value = self.source.take(self.rows)
-            else:
-
-                self._value = take_data(self.source, self.rows)
-        return self._value
-
-
 def _observed_trace(spec, z, data):
     """The model's trace on all retained data at ``z`` (observed values for ``to_arviz``)."""
     return trace_at(spec, z, data.per_example, data.shared)
@@ -514,52 +510,3 @@ def _site_ids(sites):
     if isinstance(sites, RowSelection):
         return np.asarray(sites.source.ids)[sites.rows]
     return np.asarray(sites.ids)
-
-
-def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
-                    progress, raise_on_failure, cls=None):
-    """A posterior of ``q`` (an instance of ``cls``, default :class:`DualPosteriorBase`): sites computed
-    for ``data`` and, with ``refine``, solved to the fixed point.
-
-    The constructor shared by :func:`fit`, :func:`dual_form`, merging and the federated run; the
-    data are padded to a bucket internally and the result holds one site per real example.
-    """
-    rule = prepare_rule(rule, spec, data, q.mean)
-    if rule.kind == "mc" and rule.subspace_dim and not mc_along_subspace(rule, curvature):
-        rule = replace(rule, subspace_dim=0)  # Gauss–Newton or the reparameterisation estimator: dense, say so
-    num = spec.num_examples
-    padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
-    problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
-                          chunk_size, to_device(ids), None, True, weights)
-    sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(family).dense_sum)
-    cls = DualPosteriorBase if cls is None else cls
-    post = cls(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (), guide)
-    if refine:  # the solver starts from the sites just computed
-        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
-                           _start=(sites, sums))
-        if rule.kind == "mc":
-            post = post.evolve(record=dict(expectation_error=_monte_carlo_error(post, problem, num)))
-    return post
-
-
-def _monte_carlo_error(post, problem, num):
-    """The dual-form residual of the posterior under an independent set of Monte Carlo draws.
-
-    The solver reaches the fixed point of the expectations under *its* fixed draws; the
-    residual a second, independent set of draws sees at that point estimates how far the
-    answer is from the true variational optimum. Reported in ``record["expectation_error"]``
-    and warned about when it is well above the tolerance.
-    """
-    other = replace(post.rule, seed=post.rule.seed + 1)
-    fresh, _ = problem._replace(rule=other).sites(post.state)
-    residual = dual_residual(post.family, post.state, fresh.take(np.arange(num)), post.offset)[0]
-    tol = default_tol(post.state.mean.dtype)
-    if residual > 100 * tol:
-        warnings.warn(f"Monte Carlo expectations ({post.rule.num_samples} fixed draws): the fixed point's residual is "
-                      f"{post.residual:.1e} for its own draws but {residual:.1e} for independent draws, so the answer is "
-                      "only as accurate as the Monte Carlo error; raise num_samples, or use a model whose examples "
-                      "have a low-dimensional dependence subspace (expectation='gh').", MonteCarloErrorWarning,
-                      stacklevel=4)
-    return dict(independent_draws_residual=float(residual), num_samples=int(post.rule.num_samples))
-
-

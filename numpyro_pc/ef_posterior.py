@@ -24,26 +24,27 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .ef_product import ProductFamily, make_factor
+from .ef_product import ProductFamily, family_for_model, site_names  # noqa: F401  (importable from here, as before)
 from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
-from .ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual, relative_residual
+from .ef_sites import EFConfig, blr_solve, compute_sites, model_point, relative_residual  # noqa: F401  (EFConfig: as before)
 from .ef_site_table import EFSiteTable, EFState
 from .errors import (DataShapeError, InvalidOptionError, MonteCarloErrorWarning,
-                     OutOfDomainError, UnknownExampleError, UnsupportedGuideError, UnsupportedModelError)
-from .likelihood import ModelData, bind_model, trace_at
+                     OutOfDomainError, UnknownExampleError)
+from .likelihood import ModelData, bind_model
 from .posterior_protocol import Posterior
 from .rowops import as_ids, join_rows, take_rows
 from .rows import concat_data, pad_to_bucket
 
-__all__ = ["EFState", "EFPosterior", "fit_ef", "dual_form_ef", "merge_ef", "family_for_model", "site_names", "default_tol"]
+__all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol", "bucketed_target", "solve_every_site"]
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -57,7 +58,7 @@ def _target(config, lam, data, prior_active, const, weights, seed):
     return tau, sites
 
 
-def _bucketed_target(config, data, prior_active, const, seed=None):
+def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
     """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.rows.bucket_size` rows
     (repeats of the last row with weight 0), so that batches of other sizes reuse the same
     compiled site computation; the sites returned are those of the real rows."""
@@ -110,13 +111,21 @@ class EFPosterior(Posterior):
     :ivar conjugate_prior: whether the prior term is conjugate-form (constant :math:`\\lambda_0`).
     :ivar guide_map: the hand-written guide's :class:`~numpyro_pc.ef_guides.GuideMap`, if any.
     :ivar record: the last operation's diagnostics.
+    :ivar tombstones: ids of deleted examples, sorted (never given to a new example).
+    :ivar next_id: the id the next new example gets: past every id held or deleted.
     """
 
-    __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record", "stale_sites")
+    __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record", "stale_sites", "tombstones",
+                 "next_id")
 
-    def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None, stale_sites=False):
+    def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None, stale_sites=False,
+                 tombstones=(), next_id=0):
+        tombstones = tuple(sorted({int(i) for i in tombstones}))
+        held = np.asarray(state.sites.ids)
+        floor = max(int(held.max()) + 1 if held.size else 0, tombstones[-1] + 1 if tombstones else 0)
         for k, v in dict(config=config, data=data, state=state, conjugate_prior=conjugate_prior,
-                         guide_map=guide_map, record=record or {}, stale_sites=bool(stale_sites)).items():
+                         guide_map=guide_map, record=record or {}, stale_sites=bool(stale_sites),
+                         tombstones=tombstones, next_id=max(int(next_id), floor)).items():
             object.__setattr__(self, k, v)
 
     def __setattr__(self, name, value):
@@ -179,7 +188,7 @@ class EFPosterior(Posterior):
     def fresh_site_residual(self) -> float:
         """The residual with every site recomputed at the current ``λ`` (one site pass)."""
         const = self.sites.prior_natural() if self.conjugate_prior else jnp.zeros_like(self.natural)
-        tau, _ = _bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
+        tau, _ = bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
         return _Residual(relative_residual(self.natural, tau))
 
     @property
@@ -196,6 +205,33 @@ class EFPosterior(Posterior):
     def sample(self, key, num_samples):
         """``num_samples`` draws per latent site (constrained values, as the model's sites hold them)."""
         return self.family.to_constrained(self.family.sample(key, self.natural, num_samples))
+
+    @property
+    def q(self) -> jax.Array:
+        """The family member: the natural parameters ``λ``."""
+        return self.natural
+
+    def point_of(self, values: dict) -> dict:
+        """Each factor's coordinate of the latent sites' constrained ``values``."""
+        return {f.site: f.from_constrained(jnp.asarray(values[f.site])) for f in self.family.factors}
+
+    def model_point(self, point) -> tuple:
+        """``(z, discrete, log_det)`` at factor coordinates ``point`` (:func:`numpyro_pc.ef_sites.model_point`)."""
+        return model_point(self.spec, self.family, point)
+
+    def probe_points(self, num: int) -> list:
+        """``num`` draws of the posterior (key 7) in the model's coordinates."""
+        draws = self.family.sample(jax.random.PRNGKey(7), self.natural, num)
+        return [self.model_point({name: v[k] for name, v in draws.items()})[:2] for k in range(num)]
+
+    def latent_factors(self) -> dict:
+        """:meth:`distributions`: the product's factors."""
+        return self.distributions()
+
+    def recompute_sites(self, q) -> EFSiteTable:
+        """Every example's site (and the prior term) recomputed at natural parameters ``q``."""
+        fresh = compute_sites(self.config, q, self.data)  # the config is sized to the data
+        return EFSiteTable(fresh.grads, fresh.prior, self.ids)
 
     def distributions(self):
         """Each latent site's factor as a NumPyro distribution of the site's constrained value
@@ -277,11 +313,11 @@ class EFPosterior(Posterior):
                                allow_discrete=True)
         if spec.latent != self.config.spec.latent or spec.observed != self.config.spec.observed:
             raise DataShapeError("the new batch binds the model to other latent or observed sites")
-        start = int(np.max(np.asarray(self.ids))) + 1 if self.num_examples else 0
+        start = self.next_id  # never an id held or deleted before
         ids = jnp.arange(start, start + spec.num_examples)
         if correction == "exact":
             data = concat_data(self.data, new)
-            post = _solve(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
+            post = solve_every_site(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
                           raise_on_failure)
             return post.evolve(record=dict(post.record, operation="update", correction="exact"))
         rows = self._memory_rows(memory, seed) if correction == "memory" else np.zeros(0, int)
@@ -292,7 +328,7 @@ class EFPosterior(Posterior):
         active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(self.data.per_example,
                                                                                   new.per_example)), new.shared)
         tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
+        lam, sites, info = blr_solve(bucketed_target(self.config, active, prior_active, const),
                                      self.family.in_domain, self.natural, tol, max_iters,
                                      raise_on_failure=raise_on_failure)
         added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else self.sites.prior, ids)
@@ -311,7 +347,7 @@ class EFPosterior(Posterior):
             const = const + self.sites.prior
         active = ModelData(tuple(take_rows(x, rows) for x in self.data.per_example), self.data.shared)
         tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(_bucketed_target(self.config, active, prior_active, const),
+        lam, sites, info = blr_solve(bucketed_target(self.config, active, prior_active, const),
                                      self.family.in_domain, self.natural, tol, max_iters,
                                      raise_on_failure=raise_on_failure)
         table = self.sites.with_rows(rows, sites.grads)
@@ -361,6 +397,7 @@ class EFPosterior(Posterior):
             raise UnknownExampleError(f"example ids {missing[:10]} are not in this posterior")
         drop = np.isin(held, wanted)
         keep = np.flatnonzero(~drop)
+        tombstones = self.tombstones + tuple(held[drop].tolist())
         removed = self.natural - self.sites.take(np.flatnonzero(drop)).natural_sum()
         inside = bool(self.family.in_domain(removed))
         data = ModelData(tuple(take_rows(x, keep) for x in self.data.per_example), self.data.shared)
@@ -370,14 +407,14 @@ class EFPosterior(Posterior):
                                        f"({self.family.describe(removed)}); use method='corrected'")
             state = EFState(removed, self.sites.take(keep))
             return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
-                               record=dict(operation="delete", method=method), stale_sites=True)
+                               record=dict(operation="delete", method=method), stale_sites=True, tombstones=tombstones)
         if keep.size == 0:
             raise DataShapeError(f"{method} deletion needs at least one retained example")
         start = removed if inside else self.natural
         if method == "retrain":
             start = self.sites.prior_natural() if self.conjugate_prior else self.family.default_natural(self.natural.dtype)
-        post = _solve(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
-        return post.evolve(record=dict(post.record, operation="delete", method=method))
+        post = solve_every_site(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
+        return post.evolve(record=dict(post.record, operation="delete", method=method), tombstones=tombstones)
 
     def merge(self, *others, alphas=None, method="bayesian", refine=False, tol=None, max_iters=200) -> EFPosterior:
         r"""Bayesian arithmetic with posteriors of the same model, family and prior fitted on other
@@ -390,7 +427,7 @@ class EFPosterior(Posterior):
         """
         merged = super().merge(*others, alphas=alphas, method=method)
         if refine:
-            merged = _solve(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
+            merged = solve_every_site(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
         return merged
 
     def __repr__(self):
@@ -403,13 +440,14 @@ def _rows(config, num):
     return replace(config, spec=replace(config.spec, num_examples=num))
 
 
-def _solve(post, data, ids, start, tol, max_iters, raise_on_failure):
-    """Fixed point over all ``data`` (every site active); the prior is active unless conjugate-form."""
+def solve_every_site(post, data, ids, start, tol, max_iters, raise_on_failure) -> EFPosterior:
+    """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
+    natural parameters ``start``; the prior term is active unless conjugate-form."""
     num = int(ids.shape[0])
     cfg = _rows(post.config, num)
     tol = default_tol(start.dtype) if tol is None else tol
     const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
-    lam, sites, info = blr_solve(_bucketed_target(cfg, data, not post.conjugate_prior, const),
+    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
     prior = post.sites.prior if post.conjugate_prior else sites.prior
     state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
@@ -431,7 +469,7 @@ def _draw_error(config, data, prior_active, const, lam, tol):
     alone shows too).
     Warned about when well above the tolerance.
     """
-    other, _ = _bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
+    other, _ = bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
     residual = relative_residual(lam, other)
     cubature = config.rule == "cubature"
     if not residual <= 100 * tol:  # a NaN residual warns too
@@ -447,98 +485,6 @@ def _draw_error(config, data, prior_active, const, lam, tol):
     if cubature:
         return dict(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
     return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
-
-
-def site_names(spec):
-    """The posterior's latent sites: the continuous ones in trace order, then the discrete ones."""
-    return tuple(spec.latent.names) + tuple(spec.latent.discrete_names)
-
-
-def _supports(spec, data):
-    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
-    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
-    return {n: trace[n]["fn"].support for n in site_names(spec)}
-
-
-def _shape(spec, name):
-    latent = spec.latent
-    if name in latent.names:
-        return latent.shapes[latent.names.index(name)]
-    return latent.discrete_shapes[latent.discrete_names.index(name)]
-
-
-def family_for_model(spec, data, family):
-    """The :class:`~numpyro_pc.ef_product.ProductFamily` of a ``{site: family name}`` dict
-    (names in :data:`~numpyro_pc.ef_product.EF_FAMILIES`), in the posterior's site order.
-
-    :raises UnsupportedModelError: a latent site without a family, or unknown sites.
-    """
-    names = site_names(spec)
-    unknown = sorted(set(family) - set(names))
-    missing = [n for n in names if n not in family]
-    if unknown or missing:
-        raise UnsupportedModelError(f"family= must name every latent site {list(names)} (missing {missing}, "
-                                    f"unknown {unknown})")
-    supports = _supports(spec, data)
-    return ProductFamily(tuple(make_factor(family[n], n, _shape(spec, n), supports[n]) for n in names))
-
-
-def _build(spec, data, fam, lam, guide_map, options):
-    opts = dict(options)
-    cfg = EFConfig.make(spec, fam, opts.pop("expectation", "auto"), opts.pop("num_nodes", 32),
-                        opts.pop("num_samples", None), opts.pop("seed", 0))
-    tol, max_iters = opts.pop("tol", None), opts.pop("max_iters", 200)
-    raise_on_failure, refine = opts.pop("raise_on_failure", True), opts.pop("refine", True)
-    if opts:
-        raise InvalidOptionError(f"unknown options {sorted(opts)}")
-    lam = jnp.asarray(lam, jnp.result_type(float))
-    if not bool(fam.in_domain(lam)):
-        raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
-    _, sites = _bucketed_target(cfg, data, True, jnp.zeros_like(lam))(lam)
-    conjugate = bool(prior_form_residual(cfg, lam, data, sites) < conjugate_rtol(lam.dtype))
-    ids = jnp.arange(spec.num_examples)
-    post = EFPosterior(cfg, data, EFState(lam, EFSiteTable(sites.grads, sites.prior, ids)), conjugate, guide_map)
-    if not refine:
-        return post.evolve(record=dict(operation="read", residual=post.residual))
-    if guide_map is None and conjugate:
-        lam = -sites.prior  # from the prior itself
-        post = post.evolve(state=post.state._replace(natural=lam))
-    return _solve(post, data, ids, lam, tol, max_iters, raise_on_failure)
-
-
-def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
-    """Fit a mean-field exponential-family posterior by the BLR from the prior.
-
-    :param dict family: ``{latent site: name}`` covering every site, names from
-        :data:`~numpyro_pc.ef_product.EF_FAMILIES` (``"beta"``, ``"gamma"``, ``"dirichlet"``,
-        ``"normal"``/``"lognormal"``, ``"full"``, ``"bernoulli"``, ``"categorical"``).
-    :param options: ``expectation`` (``"auto"``, ``"quadrature"``, ``"cubature"``, ``"mixed"``, ``"mc"``), ``num_nodes``,
-        ``num_samples``, ``seed``, ``tol``, ``max_iters``, ``raise_on_failure``; the rest are
-        the model's keyword arguments.
-    """
-    opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
-    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
-    fam = family_for_model(spec, data, family)
-    return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts)
-
-
-def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options):
-    """A fitted exponential-family guide (hand-written, or an ``AutoGuideList`` of such parts
-    and ``AutoNormal``) as an :class:`EFPosterior` (sites computed at the guide, then refined
-    to the fixed point unless ``refine=False``)."""
-    opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
-    spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
-    supports = _supports(spec, data)
-    gmap, lam = read_guide(guide, params, site_names(spec), args, options, supports)
-    for f in gmap.family.factors:  # the guide's factors must fit the model's supports and shapes
-        expected = make_factor(f.family_name, f.site, _shape(spec, f.site), supports[f.site])
-        if expected.size != f.size:
-            raise UnsupportedGuideError(f"guide site {f.site!r} has {f.size} natural parameters but the model's site "
-                                        f"needs {expected.size} (shape {_shape(spec, f.site)})")
-    return _build(spec, data, gmap.family, lam, gmap, opts)
-
-
-_OPTIONS = ("expectation", "num_nodes", "num_samples", "seed", "tol", "max_iters", "raise_on_failure", "refine")
 
 
 def merge_ef(a, b, refine=False, tol=None, max_iters=200):

@@ -36,9 +36,10 @@ from .ef_families import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .ef_gaussian import FullGaussianFactor, NormalFactor
 from .ef_rules import symmetric_cubature
 from .errors import InvalidOptionError, UnsupportedGuideError, UnsupportedModelError
+from .likelihood import trace_at
 
 __all__ = ["ProductFamily", "EF_FAMILIES", "register_factor", "make_factor", "factor_from_distribution",
-           "unwrap_distribution"]
+           "unwrap_distribution", "family_for_model", "site_names", "site_supports", "site_shape"]
 
 EF_FAMILIES = {"beta": BetaFactor, "gamma": GammaFactor, "dirichlet": DirichletFactor, "normal": NormalFactor,
                "lognormal": NormalFactor, "full": FullGaussianFactor, "mvn": FullGaussianFactor,
@@ -412,3 +413,39 @@ class ProductFamily:
         """Per site: the family and its distribution arguments (for messages and records)."""
         return {f.site: (f.family_name, {n: v for n, v in zip(f.dist_args, f.to_args(p))})
                 for f, p in zip(self.factors, self.split(lam))}
+
+
+def site_names(spec):
+    """The posterior's latent sites: the continuous ones in trace order, then the discrete ones."""
+    return tuple(spec.latent.names) + tuple(spec.latent.discrete_names)
+
+
+def site_supports(spec, data) -> dict:
+    """Each latent site's support, read from one trace of the model at ``z = 0``."""
+    z0 = jnp.zeros(spec.latent.dim, jnp.result_type(float))
+    trace = trace_at(spec, z0, tuple(x[:1] for x in data.per_example), data.shared)
+    return {n: trace[n]["fn"].support for n in site_names(spec)}
+
+
+def site_shape(spec, name) -> tuple:
+    """The shape of latent site ``name`` (continuous or discrete)."""
+    latent = spec.latent
+    if name in latent.names:
+        return latent.shapes[latent.names.index(name)]
+    return latent.discrete_shapes[latent.discrete_names.index(name)]
+
+
+def family_for_model(spec, data, family):
+    """The :class:`~numpyro_pc.ef_product.ProductFamily` of a ``{site: family name}`` dict
+    (names in :data:`~numpyro_pc.ef_product.EF_FAMILIES`), in the posterior's site order.
+
+    :raises UnsupportedModelError: a latent site without a family, or unknown sites.
+    """
+    names = site_names(spec)
+    unknown = sorted(set(family) - set(names))
+    missing = [n for n in names if n not in family]
+    if unknown or missing:
+        raise UnsupportedModelError(f"family= must name every latent site {list(names)} (missing {missing}, "
+                                    f"unknown {unknown})")
+    supports = site_supports(spec, data)
+    return ProductFamily(tuple(make_factor(family[n], n, site_shape(spec, n), supports[n]) for n in names))

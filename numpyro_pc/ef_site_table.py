@@ -17,6 +17,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .errors import InvalidOptionError
 from .rowops import is_every_row, join_rows, take_rows
@@ -71,6 +72,45 @@ class EFSiteTable:
         r""":math:`\lambda_0 = -g_0` ``(P,)`` (constant for a conjugate-form prior, else at the ``q``
         the prior term was computed at)."""
         return -self.prior
+
+    def values(self, family, point) -> tuple[jax.Array, jax.Array]:
+        r"""Every example site and the prior site at ``point``, :math:`\hat\ell_i(x) = \langle T(x), g_i\rangle`.
+
+        :param family: the posterior's :class:`~numpyro_pc.ef_product.ProductFamily` (its statistics ``T``).
+        :param dict point: one value per factor, in the factors' coordinates.
+        :return: ``(N,)`` the example sites' values and the prior site's value.
+        """
+        stats = family.stats({name: jnp.asarray(v)[None] for name, v in point.items()})[0]
+        return self.grads @ stats, self.prior @ stats
+
+    def expected_values(self, family, q) -> tuple[jax.Array, jax.Array]:
+        r""":math:`E_q[\hat\ell_i] = \langle g_i, \mu\rangle` for every example site and the prior site,
+        :math:`\mu = E_q[T]` the mean parameters of the natural parameters ``q``.
+
+        :return: ``(N,)`` and a scalar.
+        """
+        mu = family.expectation(q)
+        return self.grads @ mu, self.prior @ mu
+
+    def log_normaliser(self, family) -> jax.Array:
+        r""":math:`A(\lambda_0 + \sum_i \hat\lambda_i)`, the log-partition of the sites' product."""
+        return family.log_normalizer(self.prior_natural() + self.natural_sum())
+
+    def mismatch(self, fresh: EFSiteTable, family, q, shared_jacobian: bool = False) -> dict:
+        r"""How far each of these (stale) sites is from ``fresh``, the same examples' sites at ``q``: the
+        log-ratio of a fresh to a stale site is :math:`\langle \delta g_i, T(x)\rangle`, whose standard
+        deviation under ``q`` is :math:`\sqrt{\delta g_i^\top F(q)\, \delta g_i}` (Fisher–vector
+        products, never ``F``). ``F`` is block diagonal over the factors, so the squares add over the
+        latent sites.
+
+        :return: ``{"magnitude": (N,), "by_site": {site: (N,)}}`` (host arrays).
+        """
+        delta = fresh.grads - self.grads
+        fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (q,), (v,))[1])
+        weighted = delta * fisher_times(delta)
+        by_site = {f.site: np.sqrt(np.maximum(np.asarray(jnp.sum(part, 1)), 0.0))
+                   for f, part in zip(family.factors, family.split(weighted))}
+        return dict(magnitude=np.sqrt(np.maximum(np.asarray(jnp.sum(weighted, 1)), 0.0)), by_site=by_site)
 
     def scale(self, alpha) -> EFSiteTable:
         r"""Every example site raised to the power ``alpha`` (tempering): :math:`\alpha g_i`; the prior

@@ -22,7 +22,6 @@ factor. Inner evaluations run under ``block`` and never leak sites to outer hand
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 
 import jax
@@ -34,12 +33,11 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .capabilities import SiteDivision, require
-from .dual import DualPosteriorBase, by_posterior_kind
-from .ef_handlers import bind_like, check_same_ef_model, check_terms_agree, ef_correction_factor, factor_point
-from .ef_posterior import EFPosterior
-from .errors import ConvergenceError, InvalidOptionError, ModelMismatchError, UnsupportedGuideError
+from .errors import (ConvergenceError, InvalidOptionError, ModelMismatchError, PosteriorCorrectionError,
+                     UnsupportedGuideError)
 from .fixed_point import default_tol
-from .likelihood import losses, prior_loss
+from .likelihood import bind_model, example_loss, prior_loss
+from .posterior_protocol import Posterior
 from .rowops import as_ids
 from .rows import memory_ids, positions, take_data
 
@@ -61,8 +59,7 @@ class posterior_prior(Messenger):
     :param fn: a NumPyro model.
     :param posterior: the posterior acting as prior.
     :param extra_log_density: optional ``z -> scalar`` added to the same factor (used for
-        correction terms); for an ``EFPosterior`` a function of the factors' coordinates
-        (:func:`numpyro_pc.ef_handlers.ef_correction_factor`).
+        correction terms), a function of the family's coordinates (:func:`correction_factor`).
     :raises ModelMismatchError: (when the model runs) a latent site the posterior does not
         have, of another shape, or a posterior site the model does not sample.
     """
@@ -70,7 +67,9 @@ class posterior_prior(Messenger):
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
-        self._factors, self._shapes = _prior_factors(posterior)
+        latent = posterior.spec.latent
+        self._factors = posterior.latent_factors()
+        self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
         self._latent = posterior.spec.latent
         self.posterior = posterior
         self.extra = extra_log_density
@@ -121,7 +120,7 @@ class posterior_prior(Messenger):
                 raise ModelMismatchError(f"the model did not sample the posterior's latent sites {missing}")
             if self._factors is not None:  # the factors are the posterior; correction terms in their coordinates
                 if self.extra is not None:
-                    point = factor_point(self.posterior, {n: v for n, (v, _) in self._values.items()})
+                    point = self.posterior.point_of({n: v for n, (v, _) in self._values.items()})
                     numpyro.factor("_pc_posterior_prior", self.extra(point))
                 return out
             latent = self._latent
@@ -148,74 +147,44 @@ class _drop_observations(Messenger):
             msg["fn"] = msg["fn"].mask(False)
 
 
-def _site_values(sites, z):
-    """Each quadratic site's value at ``z``: ``zᵀĝ_i + ½ (z − m_i)ᵀ Ĥ_i (z − m_i)``."""
-    diff = z[None, :] - sites.refs()
-    return sites.dense_grad() @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
-
-
-def _prior_site_value(sites, z):
-    diff = z - sites.prior_ref
-    return sites.prior_grad @ z + 0.5 * diff @ sites.prior_curvature_dense() @ diff
-
-
-_prior_factors = by_posterior_kind("pc.handlers.posterior_prior")
-
-
-@_prior_factors.register
-def _ef_prior_factors(posterior: EFPosterior):
-    """Each latent site's factor (discrete ones included) and shape."""
-    latent = posterior.spec.latent
-    return posterior.distributions(), dict(zip(latent.names + latent.discrete_names,
-                                               latent.shapes + latent.discrete_shapes))
-
-
-@_prior_factors.register
-def _gaussian_prior_factors(posterior: DualPosteriorBase):
-    """No factors (one joint density over ``z``) and the latent shapes."""
-    return None, dict(zip(posterior.latent.names, posterior.latent.shapes))
-
-
-@functools.singledispatch
 def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_prior: bool = True,
                       removed: Iterable[int] = ()) -> Callable:
-    """``z ↦`` the log-density of the correction terms (paper §3.1).
+    r"""``point ↦`` the log-density of the correction terms (paper §3.1).
 
-    ``−Σ_{i∈C}(ℓ_i(z) − ℓ̂_i(z))`` over the memory ``C`` (and the prior when
-    ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j(z)`` for deleted examples. For an
-    :class:`~numpyro_pc.EFPosterior` the sites are ``ℓ̂_i = ⟨T, g_i⟩`` and the function takes
-    a point in the factors' coordinates
-    (:func:`~numpyro_pc.ef_handlers.ef_correction_factor`).
+    ``−Σ_{i∈C}(ℓ_i − ℓ̂_i) − (ℓ_0 − ℓ̂_0)`` over the memory ``C`` (the prior term when
+    ``correct_prior``), plus ``+Σ_{j∈removed} ℓ̂_j`` for deleted examples, each site in
+    natural-parameter form :math:`\hat\ell_i = -\langle\hat\lambda_i, T\rangle`
+    (:meth:`~numpyro_pc.site_protocol.SiteTable.values`), at a point of the family's coordinates:
+    the flat unconstrained ``z`` of a Gaussian family, ``{site: coordinate}`` of a product
+    (:meth:`~numpyro_pc.posterior_protocol.Posterior.point_of`). A ratio of two densities in the
+    same coordinates is a function of the latent values, whatever the coordinates.
 
     :param memory: ``"all"`` (every retained example), ``"none"`` or a list of ids.
     :raises UnknownExampleError: ids that the posterior does not hold.
+    :raises MissingCapabilityError: a family whose sites cannot be divided out of ``q`` (isotropic,
+        low-rank).
     """
-    raise UnsupportedGuideError(f"correction_factor needs a dual-form posterior (from pc.fit or pc.dual_form); "
-                                f"found {type(posterior).__name__}")
-
-
-correction_factor.register(EFPosterior, ef_correction_factor)
-
-
-@correction_factor.register
-def _gaussian_correction_factor(posterior: DualPosteriorBase, memory="all", correct_prior=True, removed=()):
+    if not isinstance(posterior, Posterior):
+        raise UnsupportedGuideError(f"correction_factor needs a dual-form posterior (from pc.fit or pc.dual_form); "
+                                    f"found {type(posterior).__name__}")
     require(posterior.family, SiteDivision, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
-    post = posterior
-    retained = np.asarray(post.data_ids)
+    post, family, spec = posterior, posterior.family, posterior.spec
+    retained, held = np.asarray(post.data_ids), np.asarray(post.sites.ids)
+    removed = as_ids(removed) if len(removed) else np.zeros(0, np.int64)
     ids = memory_ids(memory, retained, removed)
     data = take_data(post.data, positions(retained, ids, "retained example"))
-    sites = post.sites.take(positions(post.sites.ids, ids))
-    gone = post.sites.take(positions(post.sites.ids, np.asarray(removed, dtype=np.int64)))
-    spec = post.spec
+    sites = post.sites.take(positions(held, ids))
+    gone = post.sites.take(positions(held, removed, "example with a site"))
 
-    def log_density(z):
-        total = 0.0
+    def log_density(point):
+        z, discrete, log_det = post.model_point(point)
+        total = jnp.sum(gone.values(family, point)[0])
+        values, prior_value = sites.values(family, point)
         if ids.size:
-            total = total - (jnp.sum(losses(spec, z, data)) - jnp.sum(_site_values(sites, z)))
+            per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared, discrete))(data.per_example)
+            total = total - (jnp.sum(per) - jnp.sum(values))
         if correct_prior:
-            total = total - (prior_loss(spec, z, post.data) - _prior_site_value(post.sites, z))
-        if gone.num_examples:
-            total = total + jnp.sum(_site_values(gone, z))
+            total = total - (prior_loss(spec, z, post.data, discrete) + log_det - prior_value)
         return total
 
     return log_density
@@ -227,7 +196,7 @@ def update(model: Callable, posterior, memory: str | Iterable[int] = "all", corr
     Call it with the new batch like the original model; e.g.
     ``MCMC(NUTS(pc.handlers.update(model, post)), ...).run(key, X_new, y_new)``. For an
     :class:`~numpyro_pc.ef_posterior.EFPosterior` the sites are linear in the factors'
-    statistics (:mod:`numpyro_pc.ef_handlers`).
+    statistics (:func:`correction_factor`).
 
     :param memory: past examples to correct: ``"all"`` retained (exact), ``"none"`` (VCL
         when ``correct_prior=False``) or a list of ids.
@@ -270,34 +239,56 @@ def check_same_model(model, posterior, num_probes=3):
     :raises ModelMismatchError: naming what differs.
     :raises UnsupportedGuideError: an object that is not a dual-form posterior.
     """
-    return _check_same_model(posterior, model, num_probes)
-
-
-_check_same_model = by_posterior_kind("pc.handlers.check_same_model")
-
-
-@_check_same_model.register
-def _ef_check_same_model(posterior: EFPosterior, model, num_probes):
-    check_same_ef_model(model, posterior, num_probes)
-
-
-@_check_same_model.register
-def _gaussian_check_same_model(posterior: DualPosteriorBase, model, num_probes):
+    if not isinstance(posterior, Posterior):
+        raise UnsupportedGuideError(f"pc.handlers.check_same_model needs a dual-form posterior (from pc.fit or "
+                                    f"pc.dual_form); found {type(posterior).__name__}")
     spec = posterior.spec
     if model is spec.model or posterior.num_retained == 0:
         return
     first = take_data(posterior.data, np.zeros(1, np.int64))
-    other, data = bind_like(spec, model, first)
-    ours = {n: s for n, s in zip(spec.latent.names, spec.latent.unconstrained_shapes)}
-    theirs = {n: s for n, s in zip(other.latent.names, other.latent.unconstrained_shapes)}
+    other, data = bind_like(spec, model, first, allow_discrete=bool(spec.latent.discrete_names))
+    ours, theirs = (dict(zip(s.latent.names + s.latent.discrete_names,
+                             zip(s.latent.shapes + s.latent.discrete_shapes,
+                                 s.latent.unconstrained_shapes + s.latent.discrete_shapes))) for s in (spec, other))
     if ours != theirs:
         raise ModelMismatchError(f"the model's latent sites {theirs} differ from the posterior's {ours} "
-                                 "(names and unconstrained shapes)")
-    dtype = posterior.mean.dtype
+                                 "(names and shapes, constrained and unconstrained)")
+    dtype = jnp.result_type(*jax.tree.leaves(posterior.q))
     rtol = 1e-8 if dtype == jnp.float64 else 1e-4
-    offsets = jax.random.normal(jax.random.PRNGKey(7), (num_probes, spec.latent.dim), dtype)
-    points = [(z, None) for z in posterior.mean[None, :] + 0.5 * offsets]
-    check_terms_agree(spec, other, first, data, points, rtol, "a probe point")
+    check_terms_agree(spec, other, first, data, posterior.probe_points(num_probes), rtol, "a probe point")
+
+
+def bind_like(spec, model, first, allow_discrete=False) -> tuple:
+    """``model`` bound to the arguments of the posterior's first example ``first`` as ``spec`` was.
+
+    :raises ModelMismatchError: the model cannot be called that way.
+    """
+    args, kwargs = spec.build_args(first.per_example, first.shared)
+    shared_names = tuple(n for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
+    try:
+        return bind_model(model, args, kwargs, data_plate=spec.plate, shared=shared_names,
+                          allow_discrete=allow_discrete)
+    except PosteriorCorrectionError as err:
+        raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
+
+
+def check_terms_agree(spec, other, first, data, points, rtol, where) -> None:
+    """Refuse unless the prior term and the first example's likelihood of the two bindings agree to
+    ``rtol`` (relative) at every ``(z, discrete)`` of ``points`` (probe points named by ``where``).
+
+    :raises ModelMismatchError: naming the term and both values.
+    """
+    example = tuple(x[0] for x in first.per_example)
+    for z, discrete in points:
+        for what, a, b in (("prior", prior_loss(spec, z, first, discrete), prior_loss(other, z, data, discrete)),
+                           ("likelihood", example_loss(spec, z, example, first.shared, discrete),
+                            example_loss(other, z, example, data.shared, discrete))):
+            a, b = float(a), float(b)
+            if np.isfinite(a) and not abs(a - b) <= rtol * (1.0 + abs(a)):
+                raise ModelMismatchError(
+                    f"the model's {what} differs from the posterior's model: at {where} its negative log {what} is "
+                    f"{b:.6g} where the fitted model gives {a:.6g}; a posterior can only be updated with the model "
+                    "it was fitted to (refit for a new prior or likelihood).")
 
 
 def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterable[int] = "all",

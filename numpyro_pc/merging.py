@@ -58,8 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .capabilities import FixedPrecision, capability
-from .dual import DualPosteriorBase, build_posterior, by_posterior_kind
-from .ef_posterior import EFPosterior, EFState
+from .dual_build import build_posterior
+from .posterior_protocol import by_site_table
+from .cached_sites import Sites
+from .ef_posterior import EFState
 from .ef_site_table import EFSiteTable
 from .errors import (
     IncompatiblePosteriorsError,
@@ -73,7 +75,7 @@ from .families import Gaussian
 from .fixed_point import default_tol
 from .likelihood import example_loss, losses, prior_loss
 from .rows import concat_data, positions, take_data
-from .posterior_protocol import provides
+from .posterior_protocol import Posterior, provides
 from .options import is_choice
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
@@ -248,8 +250,8 @@ def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, ba
 
 
 @provides("merge")
-def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase], alphas: Sequence[float] | None = None,
-          method: str = "bayesian", rule=None) -> DualPosteriorBase:
+def merge(base: Posterior | None, posteriors: Sequence[Posterior], alphas: Sequence[float] | None = None,
+          method: str = "bayesian", rule=None) -> Posterior:
     """Merge task posteriors fitted from a shared base (see the module docstring).
 
     :param base: the shared :class:`~numpyro_pc.posterior.DualPosterior` the tasks started
@@ -266,7 +268,7 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         ``record`` holds the method and weights (an :class:`~numpyro_pc.ef_posterior.EFPosterior`
         for Beta/Gamma/Dirichlet posteriors, see the module docstring).
     """
-    if _merge.dispatch(type(posteriors)) is not _merge.dispatch(object):
+    if isinstance(posteriors, Posterior):
         raise InvalidOptionError(f"merge takes a base (or None) and a list of posteriors; found one "
                                  f"{type(posteriors).__name__} as posteriors (write pc.merge(None, [a, b]))")
     if not isinstance(posteriors, Iterable) or isinstance(posteriors, (str, bytes)):
@@ -277,25 +279,30 @@ def merge(base: DualPosteriorBase | None, posteriors: Sequence[DualPosteriorBase
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     if not posteriors:
         raise InvalidOptionError("merge needs at least one task posterior, got an empty list")
-    kinds = {_merge.dispatch(type(p)) for p in ([base] if base is not None else []) + posteriors}
+    held = ([base] if base is not None else []) + posteriors
+    strangers = [type(p).__name__ for p in held if not isinstance(p, Posterior)]
+    if strangers:
+        raise IncompatiblePosteriorsError(f"pc.merge needs dual-form posteriors (from pc.fit or pc.dual_form); found "
+                                          f"{strangers}")
+    kinds = {_merge.dispatch(type(p.sites)) for p in held}
     if len(kinds) > 1:
-        names = [type(p).__name__ for p in ([base] if base is not None else []) + posteriors]
+        names = [type(p).__name__ for p in held]
         raise IncompatiblePosteriorsError(f"merging needs posteriors of one kind: all Gaussian dual-form posteriors "
                                           f"or all exponential-family products; found {names}"
                                           + (" (base first)" if base is not None else ""))
     return _merge(posteriors[0], base, posteriors, alphas, method, rule)
 
 
-_merge = by_posterior_kind("pc.merge", IncompatiblePosteriorsError)
+_merge = by_site_table("pc.merge", IncompatiblePosteriorsError)
 
 
-@_merge.register
-def _merge_ef_posteriors(first: EFPosterior, base, posteriors, alphas, method, rule):
+@_merge.register(EFSiteTable)
+def _merge_ef_posteriors(first, base, posteriors, alphas, method, rule):
     return _merge_ef(base, posteriors, alphas, method, rule)
 
 
-@_merge.register
-def _merge_gaussian(first: DualPosteriorBase, base, posteriors, alphas, method, rule):
+@_merge.register(Sites)
+def _merge_gaussian(first, base, posteriors, alphas, method, rule):
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
     family = first.family
@@ -359,7 +366,7 @@ def _merge_ef(base, posteriors, alphas, method, rule):
             raise IncompatiblePosteriorsError(f"{what} has another model or family than posterior 0; merging needs "
                                               "posteriors of one model and family")
         if post.conjugate_prior != first.conjugate_prior or (post.conjugate_prior and not bool(
-                jnp.allclose(post.state.prior, first.state.prior, rtol=1e-12, atol=1e-12))):
+                jnp.allclose(post.sites.prior, first.sites.prior, rtol=1e-12, atol=1e-12))):
             raise IncompatiblePosteriorsError(f"{what} has another prior than posterior 0")
         if post.config.design_key() != first.config.design_key():
             raise IncompatiblePosteriorsError(
@@ -368,11 +375,12 @@ def _merge_ef(base, posteriors, alphas, method, rule):
                 "num_samples= and seed=")
     with jax.enable_x64(first.natural.dtype == jnp.float64):
         if base is None:
-            pre_lam, pre_prior = -first.state.prior, first.state.prior
-            pre_ids, pre_grads = jnp.zeros((0,), first.ids.dtype), first.state.grads[:0]
+            pre_lam, pre_prior = -first.sites.prior, first.sites.prior
+            pre_ids, pre_grads = jnp.zeros((0,), first.ids.dtype), first.sites.grads[:0]
         else:
-            pre_lam, pre_prior, pre_ids, pre_grads = base.natural, base.state.prior, base.ids, base.state.grads
+            pre_lam, pre_prior, pre_ids, pre_grads = base.natural, base.sites.prior, base.ids, base.sites.grads
         held = np.asarray(pre_ids)
+        gone = sorted({t for p in posteriors + ([base] if base is not None else []) for t in p.tombstones})
         lam, prior, grads = pre_lam, pre_prior, pre_grads
         ids, data, renumbered = [pre_ids], base.data if base is not None else None, False
         task_grads = []
@@ -390,17 +398,17 @@ def _merge_ef(base, posteriors, alphas, method, rule):
                     raise IncompatiblePosteriorsError(
                         "a task posterior holds other data than the base under the base's example ids; tasks must "
                         "be obtained from the base (base.update(...)), not fitted separately")
-            grads = grads + alpha * (post.state.grads[mine] - pre_grads)
-            prior = prior + alpha * (post.state.prior - pre_prior)
+            grads = grads + alpha * (post.sites.grads[mine] - pre_grads)
+            prior = prior + alpha * (post.sites.prior - pre_prior)
             lam = lam + alpha * (post.natural - pre_lam)
             new = np.flatnonzero(~np.isin(own, held))
             new_ids = post.ids[new]
-            taken = np.concatenate([np.asarray(i) for i in ids])
+            taken = np.concatenate([np.asarray(i) for i in ids] + [np.asarray(gone, np.int64)])
             if np.intersect1d(taken, np.asarray(new_ids)).size:  # tasks from one base count on from it alike
-                new_ids = new_ids - jnp.min(new_ids) + int(taken.max()) + 1
+                new_ids = new_ids - jnp.min(new_ids) + int(taken.max()) + 1  # past every id held or deleted
                 renumbered = True
             ids.append(new_ids)
-            task_grads.append(alpha * post.state.grads[new])
+            task_grads.append(alpha * post.sites.grads[new])
             rows = take_data(post.data, new)
             data = rows if data is None else concat_data(data, rows)
         family = first.family
@@ -419,6 +427,6 @@ def _merge_ef(base, posteriors, alphas, method, rule):
         ids = jnp.concatenate(ids)
         config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
         state = EFState(lam, EFSiteTable(all_grads, prior, ids))
-    return first.evolve(config=config, data=data, state=state,
+    return first.evolve(config=config, data=data, state=state, tombstones=gone,
                         record=dict(operation="merge", method="bayesian", alphas=tuple(alphas),
                                     num_tasks=len(posteriors), renumbered=renumbered))

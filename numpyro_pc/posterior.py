@@ -24,8 +24,10 @@ from .capabilities import FixedPrecision, capability
 from . import ef_guides as _ef_guides
 from .boundary import check_boundary, warn_if_worse_optimum
 from . import guides as _guides
-from .ef_posterior import EFPosterior, dual_form_ef, fit_ef
-from .dual import DualPosteriorBase, build_posterior, by_posterior_kind, in_own_precision
+from .ef_fit import dual_form_ef, fit_ef
+from .ef_posterior import EFPosterior
+from .dual import DualPosteriorBase, by_posterior_kind, in_own_precision
+from .dual_build import build_posterior
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
 from .expectations import get_rule
 from .families import ExponentialFamily, get_family
@@ -136,7 +138,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     every sample site is a Beta, Gamma, Dirichlet, Normal/LogNormal, MultivariateNormal,
     Bernoulli or Categorical distribution with ``numpyro.param`` arguments (or an AutoNormal
     part) gives an :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
-    (:func:`numpyro_pc.ef_posterior.dual_form_ef`; ``expectation`` is then ``"auto"``,
+    (:func:`numpyro_pc.ef_fit.dual_form_ef`; ``expectation`` is then ``"auto"``,
     ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"`` — :meth:`numpyro_pc.ef_sites.EFConfig.make` —,
     ``num_nodes`` the Gauss nodes per site, default 32, and ``num_samples`` the draws of ``"mc"``,
     default 2048, or of the vector sites of ``"mixed"``, default 64).
@@ -239,7 +241,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
         ``diag(D) + UUᵀ``, :class:`~numpyro_pc.lowrank.LowRankGaussian`); or a dict
         ``{latent site: "beta" | "gamma" | "dirichlet"}`` naming every latent site: a
         mean-field product of those families over the constrained values, fitted by the BLR
-        in natural parameters (:func:`numpyro_pc.ef_posterior.fit_ef`, docs/expfam.md),
+        in natural parameters (:func:`numpyro_pc.ef_fit.fit_ef`, docs/expfam.md),
         returning an :class:`~numpyro_pc.ef_posterior.EFPosterior`.
     :param int rank: the number of columns of ``U`` for ``family="lowrank"`` (``1 ≤ rank ≤ d``);
         a family that takes no rank refuses one.

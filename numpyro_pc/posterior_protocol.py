@@ -17,6 +17,7 @@ one registers it with :func:`provides`, so a posterior can offer ``post.save(pat
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -24,9 +25,9 @@ from pathlib import Path
 
 import jax
 
-from .errors import IncompatiblePosteriorsError, PosteriorCorrectionError
+from .errors import IncompatiblePosteriorsError, MissingCapabilityError, PosteriorCorrectionError, UnsupportedGuideError
 
-__all__ = ["Posterior", "provides"]
+__all__ = ["Posterior", "provides", "by_site_table"]
 
 _OPERATIONS: dict[str, Callable] = {}
 
@@ -48,6 +49,39 @@ def _operation(name: str) -> Callable:
     except KeyError:  # only when a module was imported without the package (numpyro_pc/__init__ imports all)
         raise PosteriorCorrectionError(f"posterior operation {name!r} is not available: import numpyro_pc "
                                        "rather than one of its modules alone") from None
+
+
+def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> Callable:
+    """An operation whose implementation depends on the family's sites: ``impl(post, *args)`` runs
+    the implementation registered for the type of ``post.sites`` (``@impl.register(TableType)``),
+    the one place an operation looks up what to do with a family's site table — a new family
+    registers its table's implementations, whatever the posterior's class.
+
+    :param str operation: the operation's name, for the refusals.
+    :param error: what an object that is not a :class:`Posterior` raises.
+    :raises MissingCapabilityError: (when called) a posterior whose site table has no
+        implementation of ``operation``.
+    """
+
+    def refuse(sites, post, *args, **kwargs):
+        raise MissingCapabilityError(f"{operation} has no implementation for the sites of the "
+                                     f"{getattr(post.family, 'name', type(post.family).__name__)} family "
+                                     f"({type(sites).__name__}); register one with {operation}.register")
+
+    table = functools.singledispatch(refuse)
+
+    def call(post, *args, **kwargs):
+        if not isinstance(post, Posterior):
+            raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found "
+                        f"{type(post).__name__}")
+        impl = table.dispatch(type(post.sites))
+        if impl is refuse:
+            refuse(post.sites, post)
+        return impl(post, *args, **kwargs)
+
+    call.register = table.register
+    call.dispatch = table.dispatch
+    return call
 
 
 class Posterior(ABC):
@@ -100,6 +134,36 @@ class Posterior(ABC):
 
     @property
     @abstractmethod
+    def q(self) -> object:
+        """The posterior as a member of its family, in the form the family's functions take (a
+        Gaussian family's ``(mean, precision)`` state, a product's natural-parameter vector)."""
+
+    # ------------------------------------------------------------------ coordinates
+    @abstractmethod
+    def point_of(self, values: dict):
+        """The family's coordinates of the model's latent values ``values`` (``{site: value}``,
+        constrained, as the model's sample sites hold them): a flat unconstrained ``z`` for a
+        Gaussian family, ``{site: factor coordinate}`` for a product."""
+
+    @abstractmethod
+    def model_point(self, point) -> tuple:
+        """``(z, discrete, log_det)``: the model binding's flat unconstrained latents and discrete
+        values at ``point`` (the family's coordinates), and the log-determinant that makes
+        ``prior_loss(spec, z, data, discrete) + log_det`` the negative log prior as a density of
+        those coordinates (``0`` where they are ``z`` itself)."""
+
+    @abstractmethod
+    def probe_points(self, num: int) -> list:
+        """``num`` points ``(z, discrete)`` in the model's coordinates around the posterior, seeded
+        (where :func:`numpyro_pc.handlers.check_same_model` compares two models' terms)."""
+
+    @abstractmethod
+    def latent_factors(self) -> dict | None:
+        """Each latent site's factor as a NumPyro distribution of its constrained value, or ``None``
+        where the posterior is one joint density over the flat latents (a Gaussian family)."""
+
+    @property
+    @abstractmethod
     def stale_sites(self) -> bool:
         """Whether the retained examples' sites belong to an earlier ``q``: set by the approximate
         deletions (``remove_site``, ``influence``, ``tracin``), kept by every operation that does
@@ -126,6 +190,12 @@ class Posterior(ABC):
     @abstractmethod
     def site_identity_residual(self) -> float:
         """The residual of the identity with the sites as stored (what a saved file records)."""
+
+    @abstractmethod
+    def recompute_sites(self, q):
+        """The retained examples' sites, and the prior site, recomputed at ``q`` (a member of this
+        posterior's family, e.g. another posterior's :attr:`q`): a
+        :class:`~numpyro_pc.site_protocol.SiteTable` with rows in :attr:`data_ids` order."""
 
     @abstractmethod
     def fresh_site_residual(self) -> float:

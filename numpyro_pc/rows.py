@@ -1,6 +1,7 @@
 """Rows of the data plate: take and join examples, find examples by id, pad to buckets.
 
-Generic bookkeeping shared by fitting, updates, deletion, merging and diagnostics. Row
+Generic bookkeeping shared by fitting, updates, deletion, merging and diagnostics, and
+:class:`RowSelection`, rows gathered lazily on first use. Row
 selections given as host (NumPy) arrays are applied on the host where the data live there
 (:mod:`numpyro_pc.rowops`), so a stream of batches of changing sizes does not compile a
 gather per size.
@@ -81,3 +82,34 @@ def memory_ids(memory, held, removed=()):
     else:
         ids = as_ids(memory)
     return np.setdiff1d(ids, np.asarray(removed, dtype=np.int64))
+
+
+class RowSelection:
+    """Rows ``rows`` of ``source`` (:class:`~numpyro_pc.sites.Sites` or
+    :class:`~numpyro_pc.likelihood.ModelData`), gathered on first use.
+
+    Deleting examples by site removal touches only the removed sites; copying the
+    remaining ``N`` sites and data rows is deferred until something reads them, and
+    consecutive deletions compose their row lists instead of copying every time.
+    """
+
+    __slots__ = ("source", "rows", "_value")
+
+    def __init__(self, source, rows):
+        self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
+
+    @classmethod
+    def of(cls, current, rows):
+        """``rows`` of ``current`` (a value or a selection; selections compose)."""
+        if isinstance(current, RowSelection):
+            return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])
+        return cls(current, rows)
+
+    def value(self):
+        if self._value is None:
+            if hasattr(self.source, "take"):
+                self._value = self.source.take(self.rows)
+            else:
+
+                self._value = take_data(self.source, self.rows)
+        return self._value

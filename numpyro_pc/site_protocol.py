@@ -13,7 +13,10 @@ adaptations (streaming, deletion, merging, tempering) and the files ask of eithe
   :meth:`~SiteTable.concat`;
 * algebra: :meth:`~SiteTable.natural_sum` (:math:`\sum_i w_i \hat\lambda_i`),
   :meth:`~SiteTable.prior_natural` (:math:`\lambda_0`), :meth:`~SiteTable.scale`
-  (:math:`\alpha \hat\lambda_i`, tempering);
+  (:math:`\alpha \hat\lambda_i`, tempering), :meth:`~SiteTable.log_normaliser`;
+* evaluation: :meth:`~SiteTable.values` (:math:`\hat\ell_i(x)`) and
+  :meth:`~SiteTable.expected_values` (:math:`E_q[\hat\ell_i]`), :meth:`~SiteTable.mismatch`
+  (how stale a site is against its recomputation);
 * files: :meth:`~SiteTable.arrays` and :meth:`~SiteTable.from_arrays`, and
   :attr:`~SiteTable.kind`, the kind of saved posterior the arrays belong to.
 
@@ -80,6 +83,39 @@ class SiteTable(Protocol):
         the prior site is unchanged.
 
         :param alpha: a scalar.
+        """
+
+    def values(self, family, point) -> tuple[Any, Any]:
+        r"""Every example site and the prior site at ``point``, each in natural-parameter form
+        :math:`\hat\ell_i(x) = -\langle\hat\lambda_i, T(x)\rangle` (no constant: log-densities up to
+        normalisation).
+
+        :param family: the posterior's family.
+        :param point: a point in the family's coordinates (:meth:`Posterior.model_point
+            <numpyro_pc.posterior_protocol.Posterior.model_point>` maps it to the model's).
+        :return: ``(N,)`` values and the prior site's value.
+        """
+
+    def expected_values(self, family, q) -> tuple[Any, Any]:
+        r""":math:`E_q[\hat\ell_i]` for every example site and the prior site (natural-parameter form)
+        under ``q``, a member of ``family`` (:attr:`Posterior.q <numpyro_pc.posterior_protocol.Posterior.q>`).
+
+        :return: ``(N,)`` values and the prior site's value.
+        """
+
+    def log_normaliser(self, family) -> Any:
+        r""":math:`\log\int \prod_{i=0}^N e^{-\hat\ell_i}`, the log-partition :math:`A(\lambda_0 + \sum_i
+        \hat\lambda_i)` of the sites' product (families with
+        :class:`~numpyro_pc.capabilities.SiteDivision`)."""
+
+    def mismatch(self, fresh: SiteTable, family, q, shared_jacobian: bool = False) -> dict:
+        r"""How stale each of these sites is: the standard deviation under ``q`` of the log-ratio of
+        ``fresh`` (the same examples' sites recomputed at ``q``) to the stored site, as
+        ``{"magnitude": (N,), <parts>}`` — the Gaussian tables add ``gradient`` and ``curvature``
+        parts, a product's ``by_site``.
+
+        :param bool shared_jacobian: the model's distribution parameters are affine in the latents
+            (a Gaussian table's shortcut).
         """
 
     def arrays(self) -> dict[str, jax.Array]:

@@ -41,7 +41,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .capabilities import gaussian_solver
-from .dual import build_posterior
+from .dual_build import build_posterior
 from .errors import ConvergenceError, DataShapeError, InvalidOptionError
 from .families import Gaussian
 from .likelihood import ModelData

@@ -167,11 +167,18 @@ def test_information_gain_of_a_non_conjugate_update_has_a_correction(x64):
 def test_information_gain_refuses_posteriors_of_two_kinds(x64):
     y = jnp.asarray(_bern())
     ef = pc.fit(beta_bernoulli, y=y, family={"p": "beta"})
-    with pytest.raises(errors.IncompatiblePosteriorsError, match="EFPosterior and int"):
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="another dual-form posterior.*got int"):
         pc.information_gain(ef, 3)
+    with pytest.raises(errors.UnsupportedGuideError, match="found int"):
+        pc.information_gain(3, ef)
     other = pc.fit(gamma_poisson, y=jnp.asarray(_pois()), family={"rate": "gamma"})
-    with pytest.raises(errors.IncompatiblePosteriorsError, match="one family"):
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="different latent sites"):
         pc.information_gain(ef, other)
+    gaussian = pc.fit(beta_bernoulli, y=y)  # the same latent site, in the full Gaussian family
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="different families"):
+        pc.information_gain(ef, gaussian)
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="different families"):
+        pc.information_gain(gaussian, ef)
 
 
 # ---------------------------------------------------------------- correction magnitude

@@ -466,3 +466,25 @@ def test_residual_and_mean_are_properties_and_the_call_form_warns(x64):
         assert post.residual() == post.residual
     with pytest.warns(FutureWarning, match="post.mean instead"):
         assert post.mean()["p"] == post.mean["p"]
+
+
+def test_ids_of_deleted_examples_are_never_given_again(x64):
+    """As on Gaussian posteriors: a deleted id is a tombstone, and a later example gets an id past
+    every id held or deleted — also after deleting the newest examples, or all of them. Exact Bayes
+    here (conjugate sites), so the posterior after delete + update equals the fit of the data kept."""
+    y = np.array([1, 0, 1, 1, 0, 1], np.float64)
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(y[:4]), family={"p": "beta"})
+    gone = post.delete([2, 3])  # the two newest
+    assert gone.tombstones == (2, 3) and gone.next_id == 4
+    grown = gone.update(y=jnp.asarray(y[4:]))
+    np.testing.assert_array_equal(np.asarray(grown.ids), [0, 1, 4, 5])
+    assert grown.tombstones == (2, 3) and grown.next_id == 6
+    refit = pc.fit(beta_bernoulli, y=jnp.asarray(y[[0, 1, 4, 5]]), family={"p": "beta"})
+    np.testing.assert_allclose(grown.natural, refit.natural, rtol=1e-12)
+    empty = grown.delete([0, 1, 4, 5], method="remove_site")
+    again = empty.update(y=jnp.asarray(y[:1]))
+    np.testing.assert_array_equal(np.asarray(again.ids), [6])
+    with pytest.raises(pc.UnknownExampleError):
+        again.delete([2])
+    merged = grown.merge(pc.fit(beta_bernoulli, y=jnp.asarray(y[:2]), family={"p": "beta"}))
+    assert not set(np.asarray(merged.ids).tolist()) & set(merged.tombstones)  # renumbered past the tombstones

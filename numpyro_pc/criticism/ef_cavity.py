@@ -62,7 +62,7 @@ class EFCavities(NamedTuple):
 
 def ef_cavities(post) -> EFCavities:
     """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.ef_posterior.EFPosterior`."""
-    return _cavities(post.family, post.natural, post.state.grads)
+    return _cavities(post.family, post.natural, post.sites.grads)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -233,7 +233,7 @@ def ef_influence(post, fn, estimators) -> tuple:
                     "the family's domain (k̂ = 1); estimators=('influence',) gives the first-order change")
             delta["remove_site"] = np.asarray(_mean_shifts(family, lam, cav.natural))
         if "influence" in estimators:
-            delta["influence"] = np.asarray(_mean_tangents(family, lam, post.state.grads))
+            delta["influence"] = np.asarray(_mean_tangents(family, lam, post.sites.grads))
         for name, values in delta.items():
             if not np.all(np.isfinite(values)):
                 raise NotPositiveDefiniteError(f"the {name!r} change of some posterior means is not finite")

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..capabilities import SiteSum, require
-from ..dual import DualPosteriorBase, by_posterior_kind
-from ..ef_posterior import EFPosterior
+from ..posterior_protocol import by_site_table
+from ..cached_sites import Sites
+from ..ef_site_table import EFSiteTable
 from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from ..expectations import get_rule
 from ..families import FullGaussian, Gaussian
@@ -108,16 +109,16 @@ def influence(post, fn=None, estimators=None) -> InfluenceResult:
     return _influence(post, fn, estimators)
 
 
-_influence = by_posterior_kind("pc.influence")
+_influence = by_site_table("pc.influence")
 
 
-@_influence.register
-def _ef_influence(post: EFPosterior, fn, estimators):
+@_influence.register(EFSiteTable)
+def _ef_influence(post, fn, estimators):
     return InfluenceResult(*ef_influence(post, fn, EF_ESTIMATORS if estimators is None else estimators))
 
 
-@_influence.register
-def _gaussian_influence(post: DualPosteriorBase, fn, estimators):
+@_influence.register(Sites)
+def _gaussian_influence(post, fn, estimators):
     require(post.family, SiteSum, "pc.influence")
     estimators = ESTIMATORS if estimators is None else estimators
     dtype = post.state.mean.dtype

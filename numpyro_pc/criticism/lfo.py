@@ -35,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-from ..dual import DualPosteriorBase, by_posterior_kind
-from ..ef_posterior import EFPosterior
+from ..posterior_protocol import by_site_table
+from ..cached_sites import Sites
+from ..ef_site_table import EFSiteTable
 from ..errors import DataShapeError, InvalidOptionError
 from ..expectations import get_rule, mc_noise
 from ..likelihood import bind_model, example_loss, is_array
@@ -77,30 +78,30 @@ def _joint_block(spec, mean, draws, block):
     return logsumexp(values) - jnp.log(values.shape[0])
 
 
-_block_density = by_posterior_kind("pc.lfo")
+_block_density = by_site_table("pc.lfo")
 
 
-@_block_density.register
-def _ef_block_density(post: EFPosterior, block, horizon, num_samples, seed):
+@_block_density.register(EFSiteTable)
+def _ef_block_density(post, block, horizon, num_samples, seed):
     return ef_block_density(post, block)
 
 
-@_block_density.register
-def _gaussian_block_density(post: DualPosteriorBase, block, horizon, num_samples, seed):
+@_block_density.register(Sites)
+def _gaussian_block_density(post, block, horizon, num_samples, seed):
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
         return _gaussian_density(post, block, horizon, num_samples, seed)
 
 
-_num_points = by_posterior_kind("pc.lfo")
+_num_points = by_site_table("pc.lfo")
 
 
-@_num_points.register
-def _ef_num_points(post: EFPosterior, horizon, num_samples):
+@_num_points.register(EFSiteTable)
+def _ef_num_points(post, horizon, num_samples):
     return ef_num_points(post)
 
 
-@_num_points.register
-def _gaussian_num_points(post: DualPosteriorBase, horizon, num_samples):
+@_num_points.register(Sites)
+def _gaussian_num_points(post, horizon, num_samples):
     if horizon > 1:
         return num_samples
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):

@@ -37,8 +37,9 @@ from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteErro
 from ..options import check_finite, check_solver_options, is_choice
 from ..rows import positions, take_data
 from ..curvature import FULL
-from ..dual import DualPosteriorBase, by_posterior_kind
-from ..ef_posterior import EFPosterior
+from ..posterior_protocol import by_site_table
+from ..cached_sites import Sites
+from ..ef_site_table import EFSiteTable
 from ..posterior_protocol import Posterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
@@ -202,11 +203,11 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     return result
 
 
-_loo = by_posterior_kind("pc.loo")
+_loo = by_site_table("pc.loo")
 
 
-@_loo.register
-def _ef_loo(post: EFPosterior, method, where, good_k, tol, max_iters):
+@_loo.register(EFSiteTable)
+def _ef_loo(post, method, where, good_k, tol, max_iters):
     ids, pointwise, lppd, khat, kl, refit, points = ef_loo_values(
         post, method, lambda ids, khat: _where_rows(where, ids, khat, good_k), tol, max_iters)
     result = elpd_data(pointwise, lppd, khat, ids, post.config.spec.plate, points, good_k, refit, method)
@@ -214,8 +215,8 @@ def _ef_loo(post: EFPosterior, method, where, good_k, tol, max_iters):
     return result
 
 
-@_loo.register
-def _gaussian_loo(post: DualPosteriorBase, method, where, good_k, tol, max_iters):
+@_loo.register(Sites)
+def _gaussian_loo(post, method, where, good_k, tol, max_iters):
     require(post.family, SiteDivision, "pc.loo",
             "Fit with family='full' or 'diagonal'; pc.influence(post) still gives its parameter changes.")
     dtype = post.state.mean.dtype

@@ -24,8 +24,9 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
-from ..dual import DualPosteriorBase, by_posterior_kind
-from ..ef_posterior import EFPosterior
+from ..posterior_protocol import by_site_table
+from ..cached_sites import Sites
+from ..ef_site_table import EFSiteTable
 from ..ef_sites import model_point
 from ..errors import InvalidOptionError
 from ..likelihood import trace_at, constrain
@@ -118,23 +119,23 @@ def loo_pit(post, key, num_samples=1000, var_name=None) -> np.ndarray:
     return np.asarray(az.loo_pit(y=np.asarray(y).reshape(-1)[:shape[1]], y_hat=y_hat.T, log_weights=weights.T))
 
 
-_pit_inputs = by_posterior_kind("pc.loo_pit")
+_pit_inputs = by_site_table("pc.loo_pit")
 
 
-@_pit_inputs.register
-def _gaussian_pit_inputs(post: DualPosteriorBase, draw_key, predictive_key, num_samples, var_name):
+@_pit_inputs.register(Sites)
+def _gaussian_pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
         draws = post.sample_unconstrained(draw_key, num_samples)
         y_hat, y = predictive_draws(post, draws, predictive_key, var_name)
     return y_hat, y, loo_log_weights(post, draws)
 
 
-@_pit_inputs.register
-def _ef_pit_inputs(post: EFPosterior, draw_key, predictive_key, num_samples, var_name):
+@_pit_inputs.register(EFSiteTable)
+def _ef_pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
     spec, family, data = post.config.spec, post.family, post.data
     with jax.enable_x64(post.natural.dtype == jnp.float64):
         draws = family.sample(draw_key, post.natural, num_samples)
-        raw = family.stats(draws) @ post.state.grads.T  # ⟨g_i, T(x_s)⟩, (S, N)
+        raw = family.stats(draws) @ post.sites.grads.T  # ⟨g_i, T(x_s)⟩, (S, N)
         weights = np.asarray(raw - logsumexp(raw, axis=0, keepdims=True))
         z, discrete, _ = model_point(spec, family, {k: v[0] for k, v in draws.items()})
         observed = trace_at(spec, z, data.per_example, data.shared, discrete)

@@ -66,7 +66,7 @@ from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import gaussian_prior, prior_natural
-from ..dual import build_posterior
+from ..dual_build import build_posterior
 from ..posterior import DualPosterior
 from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, record_round, release_site)

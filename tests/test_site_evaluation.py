@@ -1,0 +1,157 @@
+"""The site tables' evaluation and the posteriors' coordinates (issue 26): what lets one function
+serve every family (``pc.information_gain``, ``pc.correction_magnitude``, the corrected models of
+``pc.handlers``). Oracles, in float64 on fits converged to a relative residual of 1e-12:
+
+* ``values``: the prior and example sites at a point add up to ``−log q`` up to a constant
+  (the dual form), checked as differences between points against ``log q`` itself;
+* ``expected_values``: a Gaussian site is quadratic, so ``E_q[ℓ̂_i] − ℓ̂_i(m) = ½ tr(Ĥ_i Σ)``
+  with the per-example curvature materialised; a Beta site is linear in
+  ``T = (log p, log(1 − p))``, whose mean is ``ψ(a) − ψ(a + b), ψ(b) − ψ(a + b)``;
+* ``log_normaliser``: ``½ mᵀSm + d/2 log 2π − ½ log|S|`` (Gaussian), ``log B(a, b)`` (Beta),
+  ``log Γ(a) − a log r`` (Gamma), from the posterior's own parameters;
+* ``mismatch``: zero against itself; for a product, ``δgᵀ F δg`` with ``F`` the Hessian of the
+  log-partition (``jax.hessian``, independent of the Fisher–vector products the table uses);
+* coordinates: ``model_point(point_of(x))`` constrains back to ``x``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special
+
+import numpyro_pc as pc
+from numpyro_pc.likelihood import constrain
+
+from conftest import logistic_model, make_logistic
+from test_ef_adapt import _bern, _pois, beta_bernoulli, lognormal_poisson
+
+N = 20
+TOL = 1e-12
+# the families whose q is the product of its sites (SiteDivision), each Gaussian curvature store
+CASES = {
+    "full-factor": ("full", "factor"),
+    "full-dense": ("full", "dense"),
+    "diagonal": ("diagonal", "auto"),
+    "beta": ({"p": "beta"}, None),
+    "gamma": ({"rate": "gamma"}, None),  # a prior that is not conjugate-form: λ_0 depends on q
+}
+GAUSSIAN = ("full-factor", "full-dense", "diagonal")
+
+
+def _fit(name):
+    family, storage = CASES[name]
+    if name in GAUSSIAN:
+        X, y = make_logistic(N, 3, seed=4)
+        return pc.fit(logistic_model, X, y, family=family, storage=storage, tol=TOL)
+    if name == "beta":
+        return pc.fit(beta_bernoulli, y=jnp.asarray(_bern(N, seed=1)), family=family, tol=TOL)
+    return pc.fit(lognormal_poisson, y=jnp.asarray(_pois(N, seed=2)), family=family, tol=TOL)
+
+
+@pytest.fixture(params=list(CASES))
+def post(request, x64):
+    return _fit(request.param), request.param
+
+
+def _points(post, name, num=3):
+    """``num`` points in the family's coordinates, from draws of the posterior (seeded)."""
+    draws = post.sample(jax.random.PRNGKey(3), num)
+    return [post.point_of({k: v[j] for k, v in draws.items()}) for j in range(num)]
+
+
+def _log_q(post, name, point):
+    if name in GAUSSIAN:
+        return float(post.log_prob(point))
+    return sum(float(d.log_prob(point[site])) for site, d in post.latent_factors().items())
+
+
+def test_sites_add_up_to_minus_log_q(post):
+    """``ℓ̂_0(x) + Σ_i ℓ̂_i(x) = −log q(x) + c``: differences between points agree to 1e-8
+    (absolute; the residual 1e-12 times the natural parameters' size, times |T(x)| ≲ 10)."""
+    post, name = post
+    points = _points(post, name)
+    total = [float(jnp.sum(v) + p) for v, p in (post.sites.values(post.family, x) for x in points)]
+    log_q = [_log_q(post, name, x) for x in points]
+    np.testing.assert_allclose(np.diff(total), -np.diff(log_q), rtol=0, atol=1e-8)
+
+
+def test_expected_values_of_gaussian_sites_are_exact(x64):
+    """``E_q[ℓ̂_i] − ℓ̂_i(m) = ½ tr(Ĥ_i Σ)`` for quadratic sites, with ``Ĥ_i`` materialised (d = 3);
+    ``Σ = 0`` gives the values at the mean. Same numbers summed in other orders: 1e-10 relative."""
+    post = _fit("full-factor")
+    sites, family, mean = post.sites, post.family, post.mean
+    at_mean, prior_at_mean = sites.values(family, mean)
+    expected, prior_expected = sites.expected_values(family, post.q)
+    cov = post.covariance
+    want = at_mean + 0.5 * jnp.einsum("nij,ji->n", sites.dense_curvature(), cov)
+    np.testing.assert_allclose(expected, want, rtol=1e-10, atol=1e-12)
+    prior_want = prior_at_mean + 0.5 * jnp.sum(sites.prior_curvature_dense() * cov)
+    np.testing.assert_allclose(prior_expected, prior_want, rtol=1e-10, atol=1e-12)
+    zero, prior_zero = sites.expected_values_at(mean, jnp.zeros_like(cov))
+    np.testing.assert_allclose(zero, at_mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(prior_zero, prior_at_mean, rtol=1e-10, atol=1e-12)
+
+
+def test_expected_values_of_beta_sites_use_the_digamma_means(x64):
+    """``E_q[⟨T, g_i⟩] = ⟨g_i, (ψ(a) − ψ(a+b), ψ(b) − ψ(a+b))⟩`` (scipy's digamma; 1e-12 relative)."""
+    post = _fit("beta")
+    (_, args), = post.family.describe(post.natural).values()
+    a, b = (float(v) for v in args.values())
+    mu = np.array([special.digamma(a) - special.digamma(a + b), special.digamma(b) - special.digamma(a + b)])
+    values, prior = post.sites.expected_values(post.family, post.q)
+    np.testing.assert_allclose(values, np.asarray(post.sites.grads) @ mu, rtol=1e-12)
+    np.testing.assert_allclose(prior, np.asarray(post.sites.prior) @ mu, rtol=1e-12)
+
+
+def test_log_normaliser_is_the_posterior_log_partition(post):
+    """The sites' product's log-partition equals ``q``'s, computed from its own parameters (to the
+    fixed point's residual, 1e-12 relative, amplified by the log-partition's gradient: 1e-8)."""
+    post, name = post
+    got = float(post.sites.log_normaliser(post.family))
+    if name in GAUSSIAN:
+        m, S = np.asarray(post.mean), np.asarray(post.precision)
+        want = 0.5 * m @ S @ m + 0.5 * m.size * np.log(2 * np.pi) - 0.5 * np.linalg.slogdet(S)[1]
+    else:
+        (_, args), = post.family.describe(post.natural).values()
+        a, b = (float(v) for v in args.values())
+        want = special.betaln(a, b) if name == "beta" else special.gammaln(a) - a * np.log(b)
+    np.testing.assert_allclose(got, want, rtol=1e-8)
+
+
+def test_mismatch_of_a_table_with_itself_is_zero(post):
+    """Identical stale and fresh sites: every part is exactly 0."""
+    post, _ = post
+    parts = post.sites.mismatch(post.sites, post.family, post.q)
+    assert np.all(parts.pop("magnitude") == 0.0)
+    for part in parts.values():
+        for value in (part.values() if isinstance(part, dict) else [part]):
+            assert np.all(value == 0.0)
+
+
+@pytest.mark.parametrize("name", ["beta", "gamma"])
+def test_product_mismatch_is_the_fisher_norm(x64, name):
+    """``magnitude_i² = δg_iᵀ F δg_i``, ``F = ∇²A(λ)`` by ``jax.hessian`` (1e-10 relative)."""
+    post = _fit(name)
+    fresh = post.sites.scale(1.5)  # δg_i = 0.5 g_i
+    parts = post.sites.mismatch(fresh, post.family, post.q)
+    fisher = np.asarray(jax.hessian(post.family.log_normalizer)(post.q))
+    delta = 0.5 * np.asarray(post.sites.grads)
+    want = np.sqrt(np.einsum("np,pq,nq->n", delta, fisher, delta))
+    np.testing.assert_allclose(parts["magnitude"], want, rtol=1e-10)
+    (site, by_site), = parts["by_site"].items()
+    np.testing.assert_allclose(by_site, want, rtol=1e-10)
+
+
+def test_coordinates_round_trip(post):
+    """``model_point(point_of(x))`` is the model's flat latents at ``x``: constraining them gives ``x``
+    back (1e-12 relative: one transform and its inverse)."""
+    post, name = post
+    draws = post.sample(jax.random.PRNGKey(5), 2)
+    for j in range(2):
+        values = {k: v[j] for k, v in draws.items()}
+        z, discrete, _ = post.model_point(post.point_of(values))
+        assert discrete is None or not discrete
+        back = constrain(post.spec, z, post.data)
+        for site, value in values.items():
+            np.testing.assert_allclose(back[site], value, rtol=1e-12, atol=1e-14)
