@@ -10,6 +10,7 @@ row operations, and implements :class:`~numpyro_pc.site_protocol.SiteTable`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar, NamedTuple
@@ -253,19 +254,22 @@ class Sites:
                        ref_index=to_device(np.ravel(inverse).astype(index.dtype)))
 
     def values(self, family, point) -> tuple[jax.Array, jax.Array]:
-        r"""Every example site and the prior site at ``z = point`` in natural-parameter form,
-        :math:`\hat\ell_i(z) = -\langle\hat\lambda_i, T(z)\rangle = z^\top(\hat g_i - \hat H_i m_i)
-        + \tfrac12 z^\top \hat H_i z` (no constant: a log-density up to normalisation).
+        r"""Every example site and the prior site at ``z = point``, each centred at the mean it was
+        computed at: :math:`\hat\ell_i(z) = z^\top\hat g_i + \tfrac12 (z - m_i)^\top \hat H_i (z - m_i)`.
+
+        This is the natural-parameter form :math:`-\langle\hat\lambda_i, T(z)\rangle` plus the constant
+        :math:`\tfrac12 m_i^\top \hat H_i m_i`, which cancels in every density ratio; the centred form
+        keeps float32 accurate where the natural form subtracts two large numbers.
 
         :param family: the posterior's family (unused: the sites carry their curvature).
         :param point: ``(d,)`` a point of the flat unconstrained latent space.
         :return: ``(N,)`` the example sites' values and the prior site's value.
         """
-        at = jnp.broadcast_to(point, (self.num_examples, point.shape[0]))
-        linear = self.dense_grad() - self.curvature_matvec(self.refs())
-        values = linear @ point + 0.5 * jnp.sum(at * self.curvature_matvec(at), 1)
-        prior_curvature = self.prior_curvature_dense()
-        prior = (self.prior_grad - prior_curvature @ self.prior_ref) @ point + 0.5 * point @ prior_curvature @ point
+        with jax.enable_x64(self.grad.dtype == jnp.float64):
+            diff = point[None, :] - self.refs()
+            values = self.dense_grad() @ point + 0.5 * jnp.sum(diff * self.curvature_matvec(diff), 1)
+            p_diff = point - self.prior_ref
+            prior = self.prior_grad @ point + 0.5 * p_diff @ self.prior_curvature_dense() @ p_diff
         return values, prior
 
     def expected_values(self, family, q) -> tuple[jax.Array, jax.Array]:
@@ -275,10 +279,15 @@ class Sites:
 
         :return: ``(N,)`` and a scalar.
         """
-        return self.expected_values_at(q.mean, family.dense_covariance(q))
+        with jax.enable_x64(self.grad.dtype == jnp.float64):
+            return self.expected_values_at(q.mean, family.dense_covariance(q))
 
     def expected_values_at(self, mean, cov) -> tuple[jax.Array, jax.Array]:
         """:meth:`expected_values` under ``N(mean, cov)`` given as a mean and a dense covariance."""
+        with jax.enable_x64(self.grad.dtype == jnp.float64):
+            return self._expected_values_at(mean, cov)
+
+    def _expected_values_at(self, mean, cov):
         refs = self.refs()
         diff = mean[None, :] - refs
         trace, quad = self.curv.trace_quad(cov, diff)
@@ -294,14 +303,15 @@ class Sites:
         r""":math:`\log \int \prod_{i=0}^N \exp(-\hat\ell_i(z))\, dz`, the Gaussian log-partition
         :math:`A(\lambda)` of :math:`\lambda = \lambda_0 + \sum_i \hat\lambda_i` (families whose site sum
         is a precision they hold: :class:`~numpyro_pc.capabilities.SiteDivision`)."""
-        nat, prior = self.natural_sum(family), self.prior_natural(family)
-        precision = nat.precision + prior.precision
-        precision = precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
-        linear = nat.linear + prior.linear
-        chol = jnp.linalg.cholesky(precision)
-        white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
-        dim = linear.shape[0]
-        return 0.5 * white @ white + 0.5 * dim * jnp.log(2 * jnp.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
+        with jax.enable_x64(self.grad.dtype == jnp.float64):
+            nat, prior = self.natural_sum(family), self.prior_natural(family)
+            precision = nat.precision + prior.precision
+            precision = precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
+            linear = nat.linear + prior.linear
+            chol = jnp.linalg.cholesky(precision)
+            white = jax.scipy.linalg.solve_triangular(chol, linear, lower=True)
+            dim = linear.shape[0]
+            return 0.5 * white @ white + 0.5 * dim * math.log(2 * math.pi) - jnp.sum(jnp.log(jnp.diag(chol)))
 
     def mismatch(self, fresh: Sites, family, q, shared_jacobian: bool = False) -> dict:
         """How far each of these (stale) sites is from ``fresh``, the same examples' sites at ``q``:

@@ -37,7 +37,7 @@ import numpy as np
 
 from .capabilities import SiteDivision, require
 from .cached_sites import site_mismatch
-from .errors import UnsupportedGuideError
+from .errors import IncompatiblePosteriorsError, UnsupportedGuideError
 from .posterior_protocol import Posterior
 from .rows import positions
 
@@ -84,12 +84,18 @@ def information_gain(old, new) -> dict[str, float]:
     :raises MissingCapabilityError: for a family without cavities (isotropic: its sites carry no curvature;
         low-rank: its precision is a projection of the site sum); before this release the isotropic
         refusal was an ``InvalidOptionError``.
-    :raises IncompatiblePosteriorsError: posteriors of different models or families.
+    :raises IncompatiblePosteriorsError: posteriors of different models (model objects) or families, or
+        ``new`` not a posterior.
+    :raises UnsupportedGuideError: ``old`` not a posterior.
     """
     if not isinstance(old, Posterior):
         raise UnsupportedGuideError(f"pc.information_gain needs dual-form posteriors (from pc.fit or pc.dual_form); "
                                     f"found {type(old).__name__}")
     old.check_comparable(new, "pc.information_gain")
+    if new.spec.model is not old.spec.model:
+        raise IncompatiblePosteriorsError("pc.information_gain needs two posteriors of one model (the same model "
+                                          "object): the sites of another model's posterior are other losses, so "
+                                          "their differences are not a correction")
     require(new.family, SiteDivision, "pc.information_gain")
     family = new.family
     with jax.enable_x64(jnp.result_type(*jax.tree.leaves(new.q)) == jnp.float64):

@@ -43,6 +43,17 @@ from .solvers import solve, solve_init
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 
 
+def __getattr__(name: str):
+    """``build_posterior`` moved to :mod:`numpyro_pc.dual_build`; importing it from here still works
+    for one release, with a ``FutureWarning``."""
+    if name == "build_posterior":
+        from . import dual_build  # dual_build builds on this module
+        warnings.warn("numpyro_pc.dual.build_posterior moved to numpyro_pc.dual_build.build_posterior; the old "
+                      "location is removed in the next release", FutureWarning, stacklevel=2)
+        return dual_build.build_posterior
+    raise AttributeError(f"module 'numpyro_pc.dual' has no attribute {name!r}")
+
+
 def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Callable:
     """A :func:`functools.singledispatch` function over the kind of its first argument, a posterior:
     each kind registers its implementation (``@impl.register``), anything else is refused with
@@ -383,6 +394,12 @@ class DualPosteriorBase(Posterior):
         """``KL(self ‖ other)`` for two posteriors of the same family and model."""
         self.check_comparable(other, "KL")
         return self.family.kl(self.state, other.state)
+
+    @property
+    def site_table_type(self) -> type:
+        """The class of the sites, read from a lazy row selection's source without gathering it."""
+        raw = self.raw_sites
+        return type(raw.source if isinstance(raw, RowSelection) else raw)
 
     @property
     def q(self):

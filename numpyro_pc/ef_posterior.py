@@ -12,7 +12,7 @@ Categorical on a discrete latent; :mod:`numpyro_pc.ef_product`), a family member
 
 held in :class:`EFState` (a pytree; the sites in an
 :class:`~numpyro_pc.ef_site_table.EFSiteTable`). :class:`EFPosterior` is a thin immutable wrapper:
-:func:`fit_ef` reaches the fixed point from the prior, :func:`dual_form_ef` from a fitted
+:func:`~numpyro_pc.ef_fit.fit_ef` reaches the fixed point from the prior, :func:`~numpyro_pc.ef_fit.dual_form_ef` from a fitted
 hand-written guide; :meth:`EFPosterior.update`, :meth:`~EFPosterior.delete` and
 :meth:`~EFPosterior.merge` are the paper's operations in these families (§3.1 streaming with the
 exact correction or none, §3.2 deletion by site removal or corrected, Bayesian arithmetic
@@ -44,7 +44,20 @@ from .posterior_protocol import Posterior
 from .rowops import as_ids, join_rows, take_rows
 from .rows import concat_data, pad_to_bucket
 
-__all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol", "bucketed_target", "solve_every_site"]
+__all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
+
+_MOVED_TO_EF_FIT = ("fit_ef", "dual_form_ef")
+
+
+def __getattr__(name: str):
+    """``fit_ef`` and ``dual_form_ef`` moved to :mod:`numpyro_pc.ef_fit`; importing them from here
+    still works for one release, with a ``FutureWarning``."""
+    if name in _MOVED_TO_EF_FIT:
+        from . import ef_fit  # ef_fit builds on this module
+        warnings.warn(f"numpyro_pc.ef_posterior.{name} moved to numpyro_pc.ef_fit.{name} (or call pc.fit / "
+                      "pc.dual_form); the old location is removed in the next release", FutureWarning, stacklevel=2)
+        return getattr(ef_fit, name)
+    raise AttributeError(f"module 'numpyro_pc.ef_posterior' has no attribute {name!r}")
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -263,7 +276,7 @@ class EFPosterior(Posterior):
     def to_guide_params(self, guide=None, args=(), kwargs=None):
         """The hand-written guide's params describing this posterior.
 
-        :param guide: a guide to write for (default: the guide read by :func:`dual_form_ef`);
+        :param guide: a guide to write for (default: the guide read by :func:`~numpyro_pc.ef_fit.dual_form_ef`);
             it is traced with its own initial params to find which param feeds which argument.
         """
         gmap = self.guide_map

@@ -80,8 +80,9 @@ class EFSiteTable:
         :param dict point: one value per factor, in the factors' coordinates.
         :return: ``(N,)`` the example sites' values and the prior site's value.
         """
-        stats = family.stats({name: jnp.asarray(v)[None] for name, v in point.items()})[0]
-        return self.grads @ stats, self.prior @ stats
+        with jax.enable_x64(self.grads.dtype == jnp.float64):
+            stats = family.stats({name: jnp.asarray(v)[None] for name, v in point.items()})[0]
+            return self.grads @ stats, self.prior @ stats
 
     def expected_values(self, family, q) -> tuple[jax.Array, jax.Array]:
         r""":math:`E_q[\hat\ell_i] = \langle g_i, \mu\rangle` for every example site and the prior site,
@@ -89,12 +90,14 @@ class EFSiteTable:
 
         :return: ``(N,)`` and a scalar.
         """
-        mu = family.expectation(q)
-        return self.grads @ mu, self.prior @ mu
+        with jax.enable_x64(self.grads.dtype == jnp.float64):
+            mu = family.expectation(q)
+            return self.grads @ mu, self.prior @ mu
 
     def log_normaliser(self, family) -> jax.Array:
         r""":math:`A(\lambda_0 + \sum_i \hat\lambda_i)`, the log-partition of the sites' product."""
-        return family.log_normalizer(self.prior_natural() + self.natural_sum())
+        with jax.enable_x64(self.grads.dtype == jnp.float64):
+            return family.log_normalizer(self.prior_natural() + self.natural_sum())
 
     def mismatch(self, fresh: EFSiteTable, family, q, shared_jacobian: bool = False) -> dict:
         r"""How far each of these (stale) sites is from ``fresh``, the same examples' sites at ``q``: the
@@ -105,6 +108,10 @@ class EFSiteTable:
 
         :return: ``{"magnitude": (N,), "by_site": {site: (N,)}}`` (host arrays).
         """
+        with jax.enable_x64(self.grads.dtype == jnp.float64):
+            return self._mismatch(fresh, family, q)
+
+    def _mismatch(self, fresh, family, q):
         delta = fresh.grads - self.grads
         fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (q,), (v,))[1])
         weighted = delta * fisher_times(delta)

@@ -67,6 +67,9 @@ class posterior_prior(Messenger):
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
+        if not isinstance(posterior, Posterior):
+            raise UnsupportedGuideError(f"posterior_prior needs a dual-form posterior (from pc.fit or pc.dual_form); "
+                                        f"found {type(posterior).__name__}")
         latent = posterior.spec.latent
         self._factors = posterior.latent_factors()
         self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))

@@ -284,7 +284,7 @@ def merge(base: Posterior | None, posteriors: Sequence[Posterior], alphas: Seque
     if strangers:
         raise IncompatiblePosteriorsError(f"pc.merge needs dual-form posteriors (from pc.fit or pc.dual_form); found "
                                           f"{strangers}")
-    kinds = {_merge.dispatch(type(p.sites)) for p in held}
+    kinds = {_merge.dispatch(p.site_table_type) for p in held}
     if len(kinds) > 1:
         names = [type(p).__name__ for p in held]
         raise IncompatiblePosteriorsError(f"merging needs posteriors of one kind: all Gaussian dual-form posteriors "
@@ -380,7 +380,8 @@ def _merge_ef(base, posteriors, alphas, method, rule):
         else:
             pre_lam, pre_prior, pre_ids, pre_grads = base.natural, base.sites.prior, base.ids, base.sites.grads
         held = np.asarray(pre_ids)
-        gone = sorted({t for p in posteriors + ([base] if base is not None else []) for t in p.tombstones})
+        inherited = set(base.tombstones) if base is not None else set()
+        gone = set(inherited)  # ids deleted in the merged posterior's id space (each task's shifted with it)
         lam, prior, grads = pre_lam, pre_prior, pre_grads
         ids, data, renumbered = [pre_ids], base.data if base is not None else None, False
         task_grads = []
@@ -402,12 +403,16 @@ def _merge_ef(base, posteriors, alphas, method, rule):
             prior = prior + alpha * (post.sites.prior - pre_prior)
             lam = lam + alpha * (post.natural - pre_lam)
             new = np.flatnonzero(~np.isin(own, held))
-            new_ids = post.ids[new]
-            taken = np.concatenate([np.asarray(i) for i in ids] + [np.asarray(gone, np.int64)])
-            if np.intersect1d(taken, np.asarray(new_ids)).size:  # tasks from one base count on from it alike
-                new_ids = new_ids - jnp.min(new_ids) + int(taken.max()) + 1  # past every id held or deleted
+            new_ids = np.asarray(post.ids[new])
+            deleted = np.array(sorted(set(post.tombstones) - inherited), np.int64)  # this task's own deletions
+            taken = np.concatenate([np.asarray(i) for i in ids] + [np.array(sorted(gone), np.int64)])
+            mine_all = np.concatenate([new_ids, deleted])
+            if np.intersect1d(taken, mine_all).size:  # tasks from one base count on from it alike
+                shift = int(taken.max()) + 1 - int(mine_all.min())  # past every id held or deleted so far
+                new_ids, deleted = new_ids + shift, deleted + shift
                 renumbered = True
-            ids.append(new_ids)
+            gone.update(deleted.tolist())
+            ids.append(jnp.asarray(new_ids, post.ids.dtype))
             task_grads.append(alpha * post.sites.grads[new])
             rows = take_data(post.data, new)
             data = rows if data is None else concat_data(data, rows)
@@ -427,6 +432,6 @@ def _merge_ef(base, posteriors, alphas, method, rule):
         ids = jnp.concatenate(ids)
         config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
         state = EFState(lam, EFSiteTable(all_grads, prior, ids))
-    return first.evolve(config=config, data=data, state=state, tombstones=gone,
+    return first.evolve(config=config, data=data, state=state, tombstones=tuple(sorted(gone)),
                         record=dict(operation="merge", method="bayesian", alphas=tuple(alphas),
                                     num_tasks=len(posteriors), renumbered=renumbered))

@@ -74,7 +74,7 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
         if not isinstance(post, Posterior):
             raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found "
                         f"{type(post).__name__}")
-        impl = table.dispatch(type(post.sites))
+        impl = table.dispatch(post.site_table_type)
         if impl is refuse:
             refuse(post.sites, post)
         return impl(post, *args, **kwargs)
@@ -169,6 +169,12 @@ class Posterior(ABC):
         deletions (``remove_site``, ``influence``, ``tracin``), kept by every operation that does
         not recompute the retained sites, cleared by ``refine()``, an exact update and a corrected
         or retrained deletion."""
+
+    @property
+    def site_table_type(self) -> type:
+        """The class of :attr:`sites` (what :func:`by_site_table` dispatches on), without gathering rows
+        that a posterior holds lazily."""
+        return type(self.sites)
 
     @property
     def residual(self) -> float:

@@ -86,9 +86,10 @@ class SiteTable(Protocol):
         """
 
     def values(self, family, point) -> tuple[Any, Any]:
-        r"""Every example site and the prior site at ``point``, each in natural-parameter form
-        :math:`\hat\ell_i(x) = -\langle\hat\lambda_i, T(x)\rangle` (no constant: log-densities up to
-        normalisation).
+        r"""Every example site and the prior site at ``point``: the natural-parameter form
+        :math:`\hat\ell_i(x) = -\langle\hat\lambda_i, T(x)\rangle` up to a constant per site (which
+        cancels in every density ratio; a table chooses the constant that evaluates accurately, e.g.
+        the Gaussian sites centred at the means they were computed at).
 
         :param family: the posterior's family.
         :param point: a point in the family's coordinates (:meth:`Posterior.model_point
@@ -97,8 +98,8 @@ class SiteTable(Protocol):
         """
 
     def expected_values(self, family, q) -> tuple[Any, Any]:
-        r""":math:`E_q[\hat\ell_i]` for every example site and the prior site (natural-parameter form)
-        under ``q``, a member of ``family`` (:attr:`Posterior.q <numpyro_pc.posterior_protocol.Posterior.q>`).
+        r""":math:`E_q[\hat\ell_i]` for every example site and the prior site in natural-parameter form
+        (no constant) under ``q``, a member of ``family`` (:attr:`Posterior.q <numpyro_pc.posterior_protocol.Posterior.q>`).
 
         :return: ``(N,)`` values and the prior site's value.
         """

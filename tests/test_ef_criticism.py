@@ -21,7 +21,7 @@ import numpyro_pc as pc
 from numpyro_pc import errors
 from numpyro_pc.criticism.ef_cavity import ef_predictive
 
-from test_ef_adapt import A0, B0, _bern, _cat, _pois, beta_bernoulli, dirichlet_categorical, lognormal_poisson
+from test_ef_adapt import A0, B0, _bern, _cat, _pois, beta_bernoulli, dirichlet_categorical, flat_beta_bernoulli, lognormal_poisson
 
 RATE0 = 0.5
 ALPHA = np.array([1.0, 2.0, 3.0])  # dirichlet_categorical's prior
@@ -174,6 +174,9 @@ def test_information_gain_refuses_posteriors_of_two_kinds(x64):
     other = pc.fit(gamma_poisson, y=jnp.asarray(_pois()), family={"rate": "gamma"})
     with pytest.raises(errors.IncompatiblePosteriorsError, match="different latent sites"):
         pc.information_gain(ef, other)
+    flat = pc.fit(flat_beta_bernoulli, y=y, family={"p": "beta"})  # the same site and family, another model
+    with pytest.raises(errors.IncompatiblePosteriorsError, match="one model"):
+        pc.information_gain(ef, flat)
     gaussian = pc.fit(beta_bernoulli, y=y)  # the same latent site, in the full Gaussian family
     with pytest.raises(errors.IncompatiblePosteriorsError, match="different families"):
         pc.information_gain(ef, gaussian)

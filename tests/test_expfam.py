@@ -486,5 +486,12 @@ def test_ids_of_deleted_examples_are_never_given_again(x64):
     np.testing.assert_array_equal(np.asarray(again.ids), [6])
     with pytest.raises(pc.UnknownExampleError):
         again.delete([2])
-    merged = grown.merge(pc.fit(beta_bernoulli, y=jnp.asarray(y[:2]), family={"p": "beta"}))
-    assert not set(np.asarray(merged.ids).tolist()) & set(merged.tombstones)  # renumbered past the tombstones
+    newest_gone = pc.fit(beta_bernoulli, y=jnp.asarray(y[:4]), family={"p": "beta"}).delete([2, 3])
+    merged = newest_gone.merge(pc.fit(beta_bernoulli, y=jnp.asarray(y[:2]), family={"p": "beta"}))
+    np.testing.assert_array_equal(np.asarray(merged.ids), [0, 1, 4, 5])  # the second task past the tombstones
+    assert merged.tombstones == (2, 3) and merged.next_id == 6
+    whole = pc.fit(beta_bernoulli, y=jnp.asarray(y), family={"p": "beta"})
+    task = pc.fit(beta_bernoulli, y=jnp.asarray(y[:3]), family={"p": "beta"}).delete([2])
+    merged = pc.merge(None, [whole, task])  # the first task keeps its ids; the second's deletion moves with it
+    np.testing.assert_array_equal(np.asarray(merged.ids), [0, 1, 2, 3, 4, 5, 6, 7])
+    assert merged.tombstones == (8,) and merged.next_id == 9

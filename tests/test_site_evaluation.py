@@ -17,6 +17,8 @@ serve every family (``pc.information_gain``, ``pc.correction_magnitude``, the co
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 from scipy import special
 
@@ -77,16 +79,20 @@ def test_sites_add_up_to_minus_log_q(post):
 
 
 def test_expected_values_of_gaussian_sites_are_exact(x64):
-    """``E_q[ℓ̂_i] − ℓ̂_i(m) = ½ tr(Ĥ_i Σ)`` for quadratic sites, with ``Ĥ_i`` materialised (d = 3);
+    """``E_q[ℓ̂_i] − ℓ̂_i(m) = ½ tr(Ĥ_i Σ)`` for quadratic sites in natural-parameter form, with ``Ĥ_i``
+    materialised (d = 3; ``values`` centres each site at its ``m_i``, which adds ``½ m_iᵀĤ_i m_i``);
     ``Σ = 0`` gives the values at the mean. Same numbers summed in other orders: 1e-10 relative."""
     post = _fit("full-factor")
     sites, family, mean = post.sites, post.family, post.mean
-    at_mean, prior_at_mean = sites.values(family, mean)
+    centred, prior_centred = sites.values(family, mean)  # each site centred at its own m_i:
+    refs, curv, prior_curv = sites.refs(), sites.dense_curvature(), sites.prior_curvature_dense()
+    at_mean = centred - 0.5 * jnp.einsum("ni,nij,nj->n", refs, curv, refs)  # ... the natural form
+    prior_at_mean = prior_centred - 0.5 * sites.prior_ref @ prior_curv @ sites.prior_ref
     expected, prior_expected = sites.expected_values(family, post.q)
     cov = post.covariance
-    want = at_mean + 0.5 * jnp.einsum("nij,ji->n", sites.dense_curvature(), cov)
+    want = at_mean + 0.5 * jnp.einsum("nij,ji->n", curv, cov)
     np.testing.assert_allclose(expected, want, rtol=1e-10, atol=1e-12)
-    prior_want = prior_at_mean + 0.5 * jnp.sum(sites.prior_curvature_dense() * cov)
+    prior_want = prior_at_mean + 0.5 * jnp.sum(prior_curv * cov)
     np.testing.assert_allclose(prior_expected, prior_want, rtol=1e-10, atol=1e-12)
     zero, prior_zero = sites.expected_values_at(mean, jnp.zeros_like(cov))
     np.testing.assert_allclose(zero, at_mean, rtol=1e-10, atol=1e-12)
@@ -155,3 +161,50 @@ def test_coordinates_round_trip(post):
         back = constrain(post.spec, z, post.data)
         for site, value in values.items():
             np.testing.assert_allclose(back[site], value, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", GAUSSIAN)
+def test_gaussian_mismatch_is_the_fisher_norm(x64, name):
+    """Against fresh sites ``1.5 ×`` the stored ones at the same means: with ``δg_i = 1.5 ĝ_i −
+    ∇ℓ̂_i(m)`` and ``δH_i = ½ Ĥ_i``, ``magnitude_i² = δg_iᵀΣδg_i + ½ tr((δH_i Σ)²)``, computed here
+    from dense ``(N, d, d)`` curvatures and the dense covariance (1e-10 relative)."""
+    post = _fit(name)
+    stale, fresh = post.sites, post.sites.scale(1.5)
+    parts = stale.mismatch(fresh, post.family, post.q)
+    cov, curv = np.asarray(post.covariance), np.asarray(stale.dense_curvature())
+    refs, mean = np.asarray(stale.refs()), np.asarray(post.mean)
+    grad_at_mean = np.asarray(stale.dense_grad()) + np.einsum("nij,nj->ni", curv, mean[None, :] - refs)
+    delta_g = 1.5 * np.asarray(stale.dense_grad()) - grad_at_mean
+    grad_part = np.einsum("ni,ij,nj->n", delta_g, cov, delta_g)
+    dh_cov = np.einsum("nij,jk->nik", 0.5 * curv, cov)
+    curv_part = 0.5 * np.einsum("nij,nji->n", dh_cov, dh_cov)
+    np.testing.assert_allclose(parts["gradient"], np.sqrt(grad_part), rtol=1e-10)
+    np.testing.assert_allclose(parts["curvature"], np.sqrt(curv_part), rtol=1e-10)
+    np.testing.assert_allclose(parts["magnitude"], np.sqrt(grad_part + curv_part), rtol=1e-10)
+
+
+def _far_mean(y=None, num=None):
+    mu = numpyro.sample("mu", dist.Normal(100.0, 10.0))
+    with numpyro.plate("data", num if y is None else y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_corrected_model_is_smooth_in_float32():
+    """The corrected model's log density in float32 (the default dtype) far from the origin and with
+    many examples: every site evaluated centred at its own mean, so the value near the posterior
+    mean is a smooth quadratic — a second difference over steps of 0.01 stays within 0.1 of the exact
+    ``−Σ_i ∂²(ℓ_i − ℓ̂_i)·h² = 0`` (the sites are exact for this Gaussian likelihood), where the
+    natural form's cancellation of ``½ m_iᵀĤ_i m_i ≈ 5·10³`` per site gave steps of 2 nats."""
+    y = jnp.asarray(100.0 + np.random.default_rng(0).normal(size=5000), jnp.float32)
+    post = pc.fit(_far_mean, y=y, family="full")
+    assert post.mean.dtype == jnp.float32
+    gap = pc.handlers.correction_factor(post)
+    m = float(post.mean[0])
+    values = np.array([float(gap(jnp.asarray([m + h], jnp.float32))) for h in (-0.01, 0.0, 0.01)])
+    assert np.all(np.isfinite(values))
+    assert abs(values[0] - 2 * values[1] + values[2]) < 0.1
+
+
+def test_posterior_prior_refuses_what_is_not_a_posterior():
+    with pytest.raises(pc.UnsupportedGuideError, match="found int"):
+        pc.handlers.posterior_prior(_far_mean, posterior=3)
