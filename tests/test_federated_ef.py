@@ -276,6 +276,12 @@ def test_private_run_without_noise_is_the_exact_run(x64):
     private = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, privacy=mech)
     np.testing.assert_allclose(private.posterior.natural, exact.posterior.natural, rtol=1e-13)
     assert [h["domain_step"] for h in private.history] == [1.0, 1.0]
+    # init="prior": the initial sites are the first release (3 in all)
+    mech = GaussianMechanism(1e30, 1e-5, releases=3, clip_natural=1.0)
+    first = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, init="prior", privacy=mech)
+    np.testing.assert_allclose(first.posterior.natural, exact.posterior.natural, rtol=1e-13)
+    # a conjugate model's sites are exact from the first release: round 1 changes nothing and the run stops
+    assert first.column("epsilon").tolist() == [mech.epsilon_after(2)]
     # non-conjugate: the private client sends its site at the global λ (the ρ → ∞ step), so the oracle is the
     # exact run with ρ = 1e30 and no safeguard, round by round
     y = _data(4, n=40)["bern"]
@@ -381,6 +387,19 @@ def test_bounded_aggregation_limits_a_client_with_scaled_data(x64):
     # the tempered site is the rogue's own, scaled: a tempered likelihood
     step = np.asarray(res.posterior.natural) - rest
     np.testing.assert_allclose(step, step[0] / sites[3, 0] * sites[3], rtol=1e-12, atol=1e-12)
+
+
+def test_private_and_bounded_together(x64):
+    """The bound acts on the released (noised) sites: the rogue is still held to KL ≤ c²/2 against the honest
+    clients' posterior as the server holds it."""
+    shards, shift = _rogue_shards(), 3.0
+    mech = GaussianMechanism(1e4, 1e-5, releases=2, clip_natural=1.0)
+    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_shift=shift,
+                 privacy=mech)
+    fam, sites = res.posterior.family, np.asarray(res.sites)
+    rest = np.asarray(res.state.prior) + sites[:3].sum(0)
+    assert res.history[-1]["clipped_clients"] == [3] and res.history[-1]["epsilon"] == pytest.approx(1e4)
+    assert float(fam.kl(res.posterior.natural, rest)) <= 0.5 * shift**2 * (1 + 1e-12)
 
 
 def test_bounded_share_and_undefined_shift(x64):

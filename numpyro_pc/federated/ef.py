@@ -635,7 +635,9 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     :param float max_shift: bounded aggregation: :math:`\\mathrm{KL}(q \\| q_{-k}) \\le` ``max_shift² / 2``
         for every client ``k`` (for a Gaussian this implies the Gaussian path's bound of ``max_shift`` standard
         deviations on the mean). ``history["clipped"]`` counts the tempered clients, ``clipped_clients`` names
-        them.
+        them. Where the other clients' posterior lies outside the domain the shift bound is not defined and the
+        round fails (:class:`~numpyro_pc.errors.OutOfDomainError`; retried with a larger ``ρ``, except in a
+        private run, which then stops as ``"diverged"``).
     :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
         :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
         ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``; ADMM: also ``‖λ_jnt − λ_0 − Σ_k η_k‖``),
