@@ -11,9 +11,20 @@ Oracles:
 * mixed family (Gamma precision × full Gaussian weights): the batch fit and closed-form CAVI;
 * ADMM (Beta–Bernoulli, Gamma–Poisson, misclassified Bernoulli): the batch posterior (KL < 1e-8),
   and in the conjugate models the error of eq. ``admm`` round by round in closed form;
-* malformed messages and AMA: typed refusals, the server's state unchanged.
+* malformed messages and AMA: typed refusals, the server's state unchanged;
+* privacy (issue 26): without noise and clipping the private run is the exact run (conjugate) and the
+  ``ρ → ∞`` run (non-conjugate) to float64 rounding; one example moves the clipped site by at most
+  ``clip_natural``; the noise has the calibrated standard deviation (20 000 draws, 2 %); ``epsilon`` is the
+  Gaussian path's accounting; a noised sum outside the domain is pulled back halfway to the boundary
+  (closed form for a Beta);
+* bounded aggregation: a huge bound is the unbounded run bit for bit; a client with scaled, one-label data moves
+  the posterior by at most ``KL ≤ c²/2`` and its share by at most ``γ`` in the Fisher metric, and is named.
 """
 
+import math
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +34,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.errors import ClientMessageError, InvalidOptionError, MissingCapabilityError, OutOfDomainError
 from numpyro_pc.federated import ef
+from numpyro_pc.federated.privacy import GaussianMechanism
 
 from test_expfam import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, closed_form,
                          dirichlet_categorical, gamma_poisson, lognormal_poisson, misclassified)
@@ -241,5 +253,184 @@ def test_option_refusals(x64):
         ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, admm_alpha=0.5)
     with pytest.raises(InvalidOptionError, match="PVI"):
         ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, algorithm="pvi", rho=0.5)
-    with pytest.raises(InvalidOptionError, match="Gaussian"):
-        federated.run(beta_bernoulli, shards, family={"p": "beta"}, max_share=0.5)
+    with pytest.raises(InvalidOptionError, match="Gaussian posteriors"):
+        federated.run(beta_bernoulli, shards, family={"p": "beta"}, expectation="gh")
+
+
+# ---------------------------------------------------------------- privacy and bounded aggregation (issue 26)
+
+
+def _quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # private runs end on their round budget
+        return fn(*args, **kw)
+
+
+def test_private_run_without_noise_is_the_exact_run(x64):
+    """ε = 1e30 leaves noise of sd ~1e-15·C: below float64 rounding of the natural parameters (~10-100)."""
+    d = _data(2)["bern"]
+    shards = _shards("bern", d)
+    exact = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2)
+    # a Bernoulli example's term (y, 1 - y) has norm 1: clip_natural = 1 clips nothing
+    mech = GaussianMechanism(1e30, 1e-5, releases=2, clip_natural=1.0)
+    private = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, privacy=mech)
+    np.testing.assert_allclose(private.posterior.natural, exact.posterior.natural, rtol=1e-13)
+    assert [h["domain_step"] for h in private.history] == [1.0, 1.0]
+    # init="prior": the initial sites are the first release (3 in all)
+    mech = GaussianMechanism(1e30, 1e-5, releases=3, clip_natural=1.0)
+    first = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, init="prior", privacy=mech)
+    np.testing.assert_allclose(first.posterior.natural, exact.posterior.natural, rtol=1e-13)
+    # a conjugate model's sites are exact from the first release: round 1 changes nothing and the run stops
+    assert first.column("epsilon").tolist() == [mech.epsilon_after(2)]
+    # non-conjugate: the private client sends its site at the global λ (the ρ → ∞ step), so the oracle is the
+    # exact run with ρ = 1e30 and no safeguard, round by round
+    y = _data(4, n=40)["bern"]
+    shards = [(jnp.asarray(p),) for p in np.split(y, [4, 12, 22])]
+    steps = _quiet(ef.run_ef, misclassified, shards, {"p": "beta"}, rounds=4, rho=1e30, safeguard=False,
+                   tol=0.0, residual_tol=0.0)
+    mech = GaussianMechanism(1e30, 1e-5, releases=4, clip_natural=1e3)  # noise sd ~1e-12
+    private = _quiet(federated.run, misclassified, shards, family={"p": "beta"}, rounds=4, privacy=mech, tol=0.0,
+                     residual_tol=0.0)
+    assert private.rounds == steps.rounds == 4
+    np.testing.assert_allclose(private.posterior.natural, steps.posterior.natural, rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(private.sites), np.asarray(steps.sites), rtol=1e-10, atol=1e-10)
+
+
+def test_private_release_is_clipped_and_has_the_calibrated_noise(x64):
+    y = _data(4, n=40)["bern"]
+    clients = ef.bind_ef_clients(misclassified, [(jnp.asarray(y),)], {"p": "beta"})
+    cfg, stack = clients.config, clients.stack
+    ex, mask = tuple(x[0] for x in stack.per_example), stack.mask[0]
+    lam = clients.prior + jnp.array([3.0, 5.0])
+    args = (stack.shared, clients.prior_weight[0], clients.prior)
+    terms = np.linalg.norm(np.asarray(ef.compute_sites(cfg, lam, ef.ModelData(ex, stack.shared)).grads), axis=1)
+    clip = 0.5 * float(np.median(terms))  # about half the examples are clipped
+    mech = GaussianMechanism(2.0, 1e-5, releases=4, clip_natural=clip)
+    full = ef.clipped_site_ef(cfg, lam, ex, mask, *args, mech)
+    # with a clip above every term the clipped site is the exact one
+    loose = GaussianMechanism(2.0, 1e-5, releases=4, clip_natural=2 * float(terms.max()))
+    exact = ef.local_update_ef(cfg, lam, jnp.zeros(2), 1e30, ex, mask, *args, 1e-12, 5).site
+    np.testing.assert_allclose(ef.clipped_site_ef(cfg, lam, ex, mask, *args, loose), exact, rtol=1e-12)
+    for j in (0, 17, 39):  # the neighbouring shard: one example removed
+        near = ef.clipped_site_ef(cfg, lam, ex, mask.at[j].set(0.0), *args, mech)
+        assert np.linalg.norm(np.asarray(full - near)) <= clip * (1 + 1e-12)
+    keys = jax.random.split(jax.random.PRNGKey(0), 10000)
+    released = jax.vmap(lambda k: ef.release_ef(cfg, lam, ex, mask, *args, mech, k))(keys)
+    noise = np.asarray(released - full)  # 20 000 coordinates
+    sd = mech.noise * clip / math.sqrt(2.0)
+    # the sample sd to 2 % (its standard error is 0.5 %) and the mean to 4 standard errors
+    assert abs(noise.std() / sd - 1) < 0.02 and abs(noise.mean()) < 4 * sd / math.sqrt(noise.size)
+
+
+def test_private_epsilon_is_the_gaussian_accounting_and_the_posterior_stays_proper(x64):
+    from conftest import linear_model, make_linear
+
+    mech = GaussianMechanism(0.3, 1e-5, releases=4)  # much noise: the sum of the sites leaves the domain
+    d = _data(2)["bern"]
+    res = _quiet(federated.run, beta_bernoulli, _shards("bern", d), family={"p": "beta"}, rounds=4, privacy=mech,
+                 seed=1)
+    X, y = make_linear(30, 2, seed=0)
+    gauss = _quiet(federated.run, linear_model, [(X[:15], y[:15]), (X[15:], y[15:])], rounds=3, privacy=mech,
+                   keep_data=False)  # init="prior": 3 rounds + the initial sites = 4 releases
+    np.testing.assert_array_equal(res.column("epsilon"), [mech.epsilon_after(t) for t in (1, 2, 3, 4)])
+    np.testing.assert_array_equal(res.column("epsilon")[1:], gauss.column("epsilon"))
+    assert res.history[-1]["epsilon"] == pytest.approx(0.3, rel=1e-12)
+    steps = res.column("domain_step")
+    print("private Beta-Bernoulli, domain steps:", steps)
+    assert np.any(steps < 1) and np.all(steps > 0)
+    assert bool(res.posterior.family.in_domain(res.posterior.natural))
+
+
+def test_retreat_is_halfway_to_the_boundary(x64):
+    fam = ef.bind_ef_clients(beta_bernoulli, [(jnp.ones(3),)], {"p": "beta"}).config.family
+    prev, new = jnp.array([2.0, 0.5]), jnp.array([-4.0, 3.0])  # (α − 1, β − 1): α = −3 is outside
+    lam, t = ef.retreat_ef(fam, prev, new)
+    boundary = (-1.0 - 2.0) / (-4.0 - 2.0)  # α − 1 reaches −1 at t = 1/2
+    np.testing.assert_allclose(float(t), boundary / 2, rtol=1e-12)
+    np.testing.assert_allclose(lam, prev + boundary / 2 * (new - prev), rtol=1e-12)
+    inside = jnp.array([1.0, 1.0])
+    same, one = ef.retreat_ef(fam, prev, inside)
+    assert float(one) == 1.0 and np.array_equal(np.asarray(same), np.asarray(inside))
+
+
+def _rogue_shards():
+    d = _data(2)["bern"]
+    shards = _shards("bern", d)
+    return shards + [(jnp.ones(300),)]  # client 3: 300 examples, all y = 1 (ten times a shard, one label)
+
+
+def test_bounded_aggregation_with_a_huge_bound_is_the_unbounded_run(x64):
+    shards = _rogue_shards()
+    plain = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2)
+    huge = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_share=1e300,
+                  max_shift=1e300)
+    np.testing.assert_array_equal(np.asarray(huge.posterior.natural), np.asarray(plain.posterior.natural))
+    np.testing.assert_array_equal(np.asarray(huge.sites), np.asarray(plain.sites))
+    assert all(h["clipped"] == 0 and h["clipped_clients"] == [] for h in huge.history)
+
+
+def test_bounded_aggregation_limits_a_client_with_scaled_data(x64):
+    # KL(q ‖ q_-k) of the unbounded run: 0.60, 2.60, 3.99 for the honest clients, 61 for the rogue; c = 3
+    # bounds it by 4.5
+    shards, shift = _rogue_shards(), 3.0
+    plain = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2)
+    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_shift=shift)
+    fam, sites = res.posterior.family, np.asarray(res.sites)
+    rest = np.asarray(res.state.prior) + sites[:3].sum(0)  # the posterior of the honest clients
+    print("KL to the honest clients' posterior, unbounded / bounded:", float(fam.kl(plain.posterior.natural, rest)),
+          float(fam.kl(res.posterior.natural, rest)))
+    assert float(fam.kl(plain.posterior.natural, rest)) > 10 * 0.5 * shift**2  # the rogue owns the posterior
+    # KL(q ‖ q_-k) ≤ c²/2 (1e-12: the sum recomputed here rounds differently)
+    # and no more tempered than needed: the bisection puts the KL on the bound (to 1e-9)
+    assert 0.5 * shift**2 * (1 - 1e-9) <= float(fam.kl(res.posterior.natural, rest)) <= 0.5 * shift**2 * (1 + 1e-12)
+    assert all(h["clipped_clients"] == [3] and h["clipped"] == 1 for h in res.history)
+    # the tempered site is the rogue's own, scaled: a tempered likelihood
+    step = np.asarray(res.posterior.natural) - rest
+    np.testing.assert_allclose(step, step[0] / sites[3, 0] * sites[3], rtol=1e-12, atol=1e-12)
+
+
+def test_private_and_bounded_together(x64):
+    """The bound acts on the released (noised) sites: the rogue is still held to KL ≤ c²/2 against the honest
+    clients' posterior as the server holds it."""
+    shards, shift = _rogue_shards(), 3.0
+    mech = GaussianMechanism(1e4, 1e-5, releases=2, clip_natural=1.0)
+    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_shift=shift,
+                 privacy=mech)
+    fam, sites = res.posterior.family, np.asarray(res.sites)
+    rest = np.asarray(res.state.prior) + sites[:3].sum(0)
+    assert res.history[-1]["clipped_clients"] == [3] and res.history[-1]["epsilon"] == pytest.approx(1e4)
+    assert float(fam.kl(res.posterior.natural, rest)) <= 0.5 * shift**2 * (1 + 1e-12)
+
+
+def test_bounded_share_and_undefined_shift(x64):
+    fam = ef.bind_ef_clients(beta_bernoulli, [(jnp.ones(3),)], {"p": "beta"}).config.family
+    prior = jnp.array([0.0, 0.0])
+    sites = jnp.array([[3.0, 1.0], [2.0, 4.0], [40.0, 25.0]])
+    ref = prior + jnp.sum(sites[:2], 0)
+    lam, tempered, undefined = ef.bound_sites_ef(fam, prior, sites, ref, (jnp.asarray(0.5), jnp.asarray(jnp.inf)))
+    fisher = np.asarray(fam.fisher(ref))
+    norm = lambda v: math.sqrt(v @ fisher @ v)  # noqa: E731
+    own = np.asarray(lam - prior - sites[0] - sites[1])
+    assert np.asarray(tempered).tolist() == [False, False, True] and not np.any(np.asarray(undefined))
+    np.testing.assert_allclose(norm(own), 0.5 * norm(np.asarray(sites[0] + sites[1])), rtol=1e-12)
+    np.testing.assert_allclose(own / np.asarray(sites[2]), own[0] / float(sites[2, 0]), rtol=1e-12)
+    # the others' posterior outside the domain: the shift bound has no meaning there, and says so
+    bad = sites.at[0].set(jnp.array([-50.0, 0.0]))
+    _, _, undefined = ef.bound_sites_ef(fam, prior, bad, ref, (jnp.asarray(jnp.inf), jnp.asarray(1.0)))
+    assert np.asarray(undefined).tolist() == [False, True, True]
+
+
+def test_privacy_and_bound_refusals(x64):
+    y = jnp.asarray(_data(4, n=12)["bern"])
+    shards = [(y[:6],), (y[6:],)]
+    run = lambda **kw: federated.run(beta_bernoulli, shards, family={"p": "beta"}, **kw)  # noqa: E731
+    with pytest.raises(InvalidOptionError, match="admm"):
+        run(algorithm="admm", rounds=3, privacy=GaussianMechanism(1.0, 1e-5, 4))
+    with pytest.raises(InvalidOptionError, match="ADMM"):
+        run(algorithm="admm", max_share=1.0)
+    with pytest.raises(InvalidOptionError, match="calibrated for 3 release"):
+        run(rounds=3, init="prior", privacy=GaussianMechanism(1.0, 1e-5, 3))
+    with pytest.raises(InvalidOptionError, match="one client"):
+        federated.run(beta_bernoulli, [(y,)], family={"p": "beta"}, max_shift=1.0)
+    with pytest.raises(InvalidOptionError, match="positive"):
+        run(max_share=-1.0)

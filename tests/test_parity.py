@@ -11,12 +11,15 @@ conjugate-form). Oracles, per cell:
 * *closed form*: the exact conjugate posterior / leave-one-out predictive;
 * *identity*: a relation between two code paths that must hold to rounding (the stored sites
   of the old examples untouched by a VCL update; a site removal equal to the stored sites'
-  natural parameters; an influence equal to the deletion it predicts; update and refit LFO);
+  natural parameters; an influence equal to the deletion it predicts; update and refit LFO; a
+  federated private run without noise and the ``ρ → ∞`` run; a bounded run whose bound no client
+  reaches and the unbounded run);
 * *refusal*: the typed error, whose message names the mathematical reason.
 
 docs/operations.md shows the same table.
 """
 
+import warnings
 from functools import lru_cache
 
 import jax
@@ -26,7 +29,9 @@ import pytest
 from scipy import special, stats
 
 import numpyro_pc as pc
-from numpyro_pc import errors
+from numpyro_pc import errors, federated
+from numpyro_pc.federated.ef import global_natural
+from numpyro_pc.federated.privacy import GaussianMechanism
 from numpyro_pc.rows import positions
 
 from conftest import linear_model, make_linear
@@ -299,9 +304,48 @@ def correction_factor(name):
     np.testing.assert_allclose(got - got[0], want - want[0], rtol=0, atol=1e-7)
 
 
+CLIENTS = ((0, 8), (8, 16), (16, N))  # three clients' rows
+
+
+def _federated(name, **kw):
+    data = _data(name)
+    clients = [tuple(v[a:b] for v in data.values()) for a, b in CLIENTS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runs that end on their round budget
+        result = federated.run(_model(name), clients, family=_family(name), keep_data=False, **kw)
+    if name in GAUSSIAN:
+        return result, _flat([result.state.mean, result.state.precision])
+    return result, np.asarray(global_natural(result.state))
+
+
+def federated_private(name):
+    """Without noise (ε = 1e30: sd ~1e-12 at clips of 1e3, above every example's term) a private client's
+    site is the exact site at the global posterior: the ``ρ → ∞`` run, round by round (three rounds)."""
+    mech = GaussianMechanism(1e30, 1e-5, releases=4, clip_linear=1e3, clip_precision=1e3, clip_natural=1e3)
+    # isotropic (AMA's local step): from round 2 on the ρ = 1e30 run takes another path (measured: equal after
+    # round 1, apart after round 2; both diverge here, AMA with ρ ≫ 2/K), so the identity is checked on round 1
+    rounds = 1 if name == "isotropic" else 3
+    private, got = _federated(name, rounds=rounds, privacy=mech, tol=0.0, residual_tol=0.0)
+    _, want = _federated(name, rounds=rounds, rho=1e30, safeguard=False, tol=0.0, residual_tol=0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    assert private.column("epsilon")[-1] == mech.epsilon_after(rounds + (name in ("full", "diagonal")))
+
+
+def federated_bounded(name):
+    """A bound no client reaches leaves the run as it was (Gaussian sites are rebuilt from their parts: to
+    rounding; exponential-family sites untouched: exactly), and no client is named."""
+    bounded, got = _federated(name, rounds=3, max_share=1e300, max_shift=1e300)
+    _, want = _federated(name, rounds=3)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    if name not in GAUSSIAN:
+        np.testing.assert_array_equal(got, want)
+    assert all(h["clipped"] == 0 and h["clipped_clients"] == [] for h in bounded.history)
+
+
 OPERATIONS = [update_exact, update_none, update_memory, update_stochastic, update_weighted, delete_remove_site,
               delete_corrected, delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base,
-              save_load, loo, influence, information_gain, correction_magnitude, lfo, correction_factor]
+              save_load, loo, influence, information_gain, correction_magnitude, lfo, correction_factor,
+              federated_private, federated_bounded]
 
 # the cells that refuse, with the error and a phrase of the reason
 REFUSED = {
@@ -323,6 +367,7 @@ REFUSED = {
     ("lowrank-1", "influence"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "information_gain"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "correction_factor"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "federated_private"): (errors.MissingCapabilityError, "projection of the site sum"),
 }
 
 

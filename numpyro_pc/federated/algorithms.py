@@ -60,8 +60,9 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ..capabilities import FixedPrecision, capability
+from ..capabilities import FixedPrecision, SiteSum, capability, require
 from ..errors import ConvergenceError, InvalidOptionError
 from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, get_family
@@ -76,6 +77,12 @@ from ..options import is_choice
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
 ALGORITHMS = ("fedpc", "pvi", "ama", "admm")
+
+#: why the Gaussian mechanism needs :class:`~numpyro_pc.capabilities.SiteSum` (both families' paths)
+PRIVACY_NEEDS_SUM = ("Its sensitivity bound clips each example's term of a site and sums them, so a client's "
+                     "message must be the sum of its examples' terms in the family's parameters. Use family='full', "
+                     "'diagonal' or 'isotropic', or an exponential-family dict.")
+
 
 def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if not is_choice(algorithm, ALGORITHMS):
@@ -136,7 +143,7 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
     ok = jnp.all(local.ok) & jnp.all(jnp.isfinite(q_new.mean)) & family.is_positive_definite(q_new.precision)
     kl = family.kl(q_new, q_jnt)
     return eta, q_new, dict(kl_to_previous=kl, residual=residual, local_iterations=jnp.max(local.iterations), ok=ok,
-                            rho_min=jnp.min(local.rho), rho_max=jnp.max(local.rho), clipped=jnp.sum(scaled))
+                            rho_min=jnp.min(local.rho), rho_max=jnp.max(local.rho), clipped=scaled)
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -159,7 +166,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param family: ``"full"`` (default), ``"diagonal"`` or ``"isotropic"``; or a dict
         ``{latent site: family name}`` for an exponential-family product posterior, run by
         :func:`numpyro_pc.federated.ef.run_ef` (``"fedpc"``, ``"pvi"`` or ``"admm"``; ``"ama"``
-        and the options that exist only for Gaussian posteriors are refused).
+        and the Gaussian expectation rules are refused; ``privacy``, ``max_share`` and ``max_shift``
+        in the family's natural parameters, see :func:`~numpyro_pc.federated.ef.bound_sites_ef` and
+        :func:`~numpyro_pc.federated.ef.release_ef`).
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
     :param float rho: local weight ``ρ``: with the safeguard, the smallest weight a client
         uses (default ``1/K``, the middle of the quadratic case's safe range ``(0, 2/K)``;
@@ -209,14 +218,13 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         its round budget rather than on the tolerances, and its fixed point is perturbed
         (``history`` records ``epsilon``, the privacy loss spent so far).
     :return: :class:`FederatedResult`; ``history`` also holds ``rho_min``/``rho_max`` (the
-        weights the clients used), ``rho_floor`` and ``clipped`` (clients bounded that round).
+        weights the clients used), ``rho_floor``, ``clipped`` (how many clients were bounded that round)
+        and ``clipped_clients`` (which).
     """
     if isinstance(family, dict):
-        gaussian_only = dict(privacy=privacy, max_share=max_share, max_shift=max_shift)
-        if any(v is not None for v in gaussian_only.values()) or expectation in ("gh", "delta"):
-            raise InvalidOptionError(f"options {sorted(k for k, v in gaussian_only.items() if v is not None)} and "
-                                     "expectation 'gh'/'delta' apply to Gaussian posteriors, not to an "
-                                     "exponential-family family dict")
+        if expectation in ("gh", "delta"):
+            raise InvalidOptionError(f"expectation {expectation!r} is a rule of Gaussian posteriors' sites, not of an "
+                                     "exponential-family family dict (see numpyro_pc.fit's expectation options)")
         from .ef import run_ef  # ef builds on this module
         return run_ef(model, client_data, family, algorithm=algorithm, rho=rho, rounds=rounds, damping=damping,
                       fraction=fraction, tol=tol, residual_tol=residual_tol, seed=seed, reference=reference,
@@ -224,7 +232,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       raise_on_failure=raise_on_failure, kwargs=kwargs, data_plate=data_plate, shared=shared,
                       callback=callback, init="zero" if init == "auto" else init, max_retries=max_retries,
                       safeguard=safeguard, safeguard_margin=safeguard_margin, expectation=expectation or "auto",
-                      num_nodes=32 if num_nodes is None else num_nodes, admm_alpha=admm_alpha)
+                      num_nodes=32 if num_nodes is None else num_nodes, admm_alpha=admm_alpha, privacy=privacy,
+                      max_share=max_share, max_shift=max_shift)
     num_nodes = 64 if num_nodes is None else num_nodes
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
     family, rho, damping, rule = check_settings(algorithm, family, rho, damping, expectation, spec, len(datas))
@@ -244,6 +253,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         raise InvalidOptionError(f"unknown init {init!r}; expected 'prior', 'zero' or 'auto'")
     releases = int(rounds) + (init == "prior")
     if privacy is not None:
+        require(family, SiteSum, "privacy= (the Gaussian mechanism)", advice=PRIVACY_NEEDS_SUM)
         if algorithm == "admm":
             raise InvalidOptionError("privacy is not available with algorithm='admm' (its server step needs each "
                                      "client's exact local posterior); use 'fedpc' or 'pvi'")
@@ -291,7 +301,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       participants=num_participants, local_iterations=int(diag["local_iterations"]),
                       bytes_up=num_participants * up, bytes_down=num_participants * message, bytes=total_bytes,
                       seconds=time.perf_counter() - start, rho_min=float(diag["rho_min"]),
-                      rho_max=float(diag["rho_max"]), rho_floor=floor, retries=attempt, clipped=int(diag["clipped"]))
+                      rho_max=float(diag["rho_max"]), rho_floor=floor, retries=attempt, clipped=int(np.sum(diag["clipped"])),
+                      clipped_clients=np.flatnonzero(np.asarray(diag["clipped"])).tolist())
         if privacy is not None:
             record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if not good:

@@ -85,7 +85,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import FixedPrecision, require
+from ..capabilities import FixedPrecision, SiteSum, require
 from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
@@ -93,10 +93,13 @@ from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
+from .privacy import add_noise_natural, clip_rows
+from .robust import leave_one_out, robust_bounds
 
 __all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
-           "site_natural", "safe_rho_ef", "local_update_ef", "client_round_ef", "validate_ef_message", "aggregate_ef",
-           "admm_server_ef", "round_ef", "posterior_ef", "run_ef"]
+           "site_natural", "safe_rho_ef", "local_update_ef", "clipped_site_ef", "release_ef", "client_round_ef",
+           "validate_ef_message", "aggregate_ef", "bound_sites_ef", "retreat_ef", "admm_server_ef", "round_ef",
+           "posterior_ef", "run_ef"]
 
 
 class EFClients(NamedTuple):
@@ -119,9 +122,11 @@ class EFClients(NamedTuple):
 
 
 class EFServerState(NamedTuple):
-    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)``, the client sites ``sites`` ``(K, P)`` and,
-    after an ADMM round, the global ``joint`` :math:`\\lambda_{jnt}` ``(P,)`` (``None``: the global posterior is
-    :math:`\\lambda_0 + \\sum_k \\eta_k`, as in FedPC and PVI)."""
+    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)``, the client sites ``sites`` ``(K, P)`` (as the
+    clients sent them) and the global ``joint`` :math:`\\lambda_{jnt}` ``(P,)`` where it is not the sites' sum:
+    after an ADMM round, after bounded aggregation (:func:`bound_sites_ef`) or after a private round the server
+    had to pull back into the domain (:func:`retreat_ef`); ``None``: the global posterior is
+    :math:`\\lambda_0 + \\sum_k \\eta_k`, as in FedPC and PVI."""
 
     prior: jax.Array
     sites: jax.Array
@@ -188,16 +193,23 @@ def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
     The Gaussian blocks' condition is the Gaussian safeguard's (:func:`~numpyro_pc.federated.core.safe_rho`):
     a positive definite cavity precision."""
     inside = lambda t: family.in_domain(lam - t * eta)  # noqa: E731
+    top = 1.0 / rho
+    lo = _boundary(inside, top, steps)
+    return jnp.where(inside(top), rho, jnp.maximum(rho, (1.0 + margin) / jnp.maximum(lo, 1e-300)))
 
+
+def _boundary(inside, top, steps=60):
+    """The largest ``t ∈ [0, top]`` that bisection finds with ``inside(t)`` true, for a test true at 0 and
+    monotone (true up to a point, false after it); the returned point has passed the test (or is 0)."""
     def halve(_, bounds):
         lo, hi = bounds
         mid = 0.5 * (lo + hi)
         ok = inside(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    top = 1.0 / rho
+    top = jnp.asarray(top)
     lo, _ = jax.lax.fori_loop(0, steps, halve, (jnp.zeros_like(top), top))
-    return jnp.where(inside(top), rho, jnp.maximum(rho, (1.0 + margin) / jnp.maximum(lo, 1e-300)))
+    return lo
 
 
 def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight, prior, tol, max_iters):
@@ -217,29 +229,56 @@ def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight
     return EFLocalResult(s, lam, it, res, ok & jnp.all(jnp.isfinite(s)))
 
 
-@partial(jax.jit, static_argnames=("config", "num_participants", "max_iters"))
-def _local_round(config, num_participants, max_iters, state, stack, weights, rho, damping, tol, margin, key):
+def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech):
+    """:math:`\\sum_j c_j s_j` at :math:`\\lambda`: each example's term :math:`s_j = -g_j(\\lambda)` clipped to the
+    Euclidean norm ``mech.clip_natural`` (:mod:`~numpyro_pc.federated.privacy`), plus — ``weight`` 1 — the
+    non-conjugate prior's correction, which depends on :math:`\\lambda` only (no example moves it)."""
+    sites = compute_sites(config, lam, ModelData(per_example, shared))
+    terms = -sites.grads
+    return (mask * clip_rows(terms, mech.clip_natural)) @ terms - weight * (sites.prior + prior)
+
+
+def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key):
+    """The site a private client sends: :func:`clipped_site_ef` at the global :math:`\\lambda` the server sent,
+    plus the mechanism's noise (:func:`~numpyro_pc.federated.privacy.add_noise_natural`). As for Gaussian sites
+    (:func:`~numpyro_pc.federated.core.local_update`) no local problem is solved: a local fixed point depends on
+    every example of the shard, which would break the per-example bound the accounting needs; this is the
+    ``ρ → ∞`` limit of the local step, with the same fixed point."""
+    return add_noise_natural(mech, clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech), key)
+
+
+@partial(jax.jit, static_argnames=("config", "num_participants", "max_iters", "privacy"))
+def _local_round(config, num_participants, max_iters, state, stack, weights, rho, damping, tol, margin, key,
+                 privacy=None):
     num = state.sites.shape[0]
     idx = jnp.arange(num) if num_participants == num else jax.random.choice(key, num, (num_participants,),
                                                                               replace=False)
     lam = global_natural(state)
     old = state.sites[idx]
+    keys = jax.random.split(jax.random.fold_in(key, 1), num_participants)  # the clients' own noise (privacy)
 
-    def one(e, ex, mk, w):
+    def one(e, ex, mk, w, k):
         rho_k = jnp.where(margin >= 0, safe_rho_ef(config.family, lam, e, rho, margin), rho)
+        if privacy is not None:  # the released site at λ; the local parameters recomputed from it
+            site = release_ef(config, lam, ex, mk, stack.shared, w, state.prior, privacy, k)
+            local = EFLocalResult(site, lam + (site - e) / rho_k, jnp.asarray(0), jnp.zeros((), lam.dtype),
+                                  jnp.all(jnp.isfinite(site)))
+            return local, rho_k
         return local_update_ef(config, lam, e, rho_k, ex, mk, stack.shared, w, state.prior, tol, max_iters), rho_k
 
     local, rhos = jax.vmap(one)(old, jax.tree.map(lambda x: x[idx], stack.per_example), stack.mask[idx],
-                                weights[idx])
+                                weights[idx], keys)
     return idx, old + damping * (local.site - old), local, rhos
 
 
 def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
-                    safeguard_margin=0.3):
+                    safeguard_margin=0.3, privacy=None):
     """The clients' half of a round: every participant's local update and the message it sends.
 
     :param participants: how many clients take part (default all; a random subset drawn with ``key``).
     :param safeguard_margin: each client's weight is :func:`safe_rho_ef` with this margin (``None``: ``ρ``).
+    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: each participant sends
+        :func:`release_ef` (its noise drawn from ``key``) instead of solving its local problem.
     :return: ``(indices, messages (M, P), EFLocalResult, weights used (M,))``.
     """
     dtype = state.prior.dtype
@@ -249,11 +288,14 @@ def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=Non
     margin = -1.0 if safeguard_margin is None else float(safeguard_margin)
     return _local_round(clients.config, num if participants is None else int(participants), int(local_iters), state,
                         clients.stack, clients.prior_weight, jnp.asarray(rho, dtype), jnp.asarray(damping, dtype),
-                        jnp.asarray(local_tol, dtype), jnp.asarray(margin, dtype), key)
+                        jnp.asarray(local_tol, dtype), jnp.asarray(margin, dtype), key, privacy)
 
 
-def validate_ef_message(family, state, client, message, max_abs=1e12):
+def validate_ef_message(family, state, client, message, max_abs=1e12, domain=True):
     """Check client ``client``'s message against the server's state (see the module docstring).
+
+    :param bool domain: also ask that the global :math:`\\lambda` with this message stay in the domain (off for
+        private messages: their noise may take the sum out, and :func:`retreat_ef` handles it).
 
     :return: the message as a NumPy array of the state's dtype.
     :raises ClientMessageError: naming the client, what was expected and what was found.
@@ -276,17 +318,19 @@ def validate_ef_message(family, state, client, message, max_abs=1e12):
     if arr.size and np.max(np.abs(arr)) > max_abs:
         raise bad(f"expected values below {max_abs:g} in absolute value, found {np.max(np.abs(arr)):.3g}")
     lam = site_natural(state) - state.sites[int(client)] + arr
-    if not bool(family.in_domain(lam)):
+    if domain and not bool(family.in_domain(lam)):
         raise bad(f"expected the global posterior to stay inside the family's domain, found {family.describe(lam)}")
     return arr
 
 
-def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
+def aggregate_ef(family, state, messages, strict=True, max_abs=1e12, domain=True):
     """The server's half of a round: check each message, store the accepted ones, form the new state.
 
     :param dict messages: ``{client index: site (P,)}``.
     :param bool strict: raise on the first bad message; otherwise leave that client's site as it was and
         report it.
+    :param bool domain: the domain checks (each message's and the sum's); off for private messages, whose
+        global posterior :func:`retreat_ef` keeps inside.
     :return: ``(new EFServerState, {client: reason} of the refused messages)``; an ADMM state keeps its
         ``joint`` until :func:`admm_server_ef` replaces it.
     :raises ClientMessageError: a bad message (``strict``).
@@ -295,7 +339,7 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
     good, rejected = {}, {}
     for client, message in messages.items():
         try:
-            good[client] = validate_ef_message(family, state, client, message, max_abs)
+            good[client] = validate_ef_message(family, state, client, message, max_abs, domain)
         except ClientMessageError as err:
             if strict:
                 raise
@@ -306,10 +350,118 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12):
         sites = sites.at[idx].set(jnp.asarray(np.stack([good[int(k)] for k in idx])))
     new = state._replace(sites=sites)  # FedPC's global posterior: the sites' sum; ADMM's λ_jnt is carried
     lam = site_natural(new)
-    if not bool(family.in_domain(lam)):
+    if domain and not bool(family.in_domain(lam)):
         raise OutOfDomainError(f"the clients' sites together leave the family's domain ({family.describe(lam)}); "
                                "the state is unchanged (increase rho or damp the sites)")
     return new, rejected
+
+
+@partial(jax.jit, static_argnames=("family",))
+def bound_sites_ef(family, prior, sites, lam_ref, bounds):
+    r"""Bounded aggregation (:mod:`~numpyro_pc.federated.robust`) of exponential-family sites: each client's
+    site is tempered, :math:`\eta_k' = s_k t_k \eta_k` with :math:`s_k, t_k \in [0, 1]` (a tempered likelihood
+    stays a likelihood: the family's sites are sums over examples), so that
+
+    * **share** ``γ``: :math:`\|\eta_k'\|_F \le \gamma\, \|\sum_{j \ne k} \eta_j\|_F`, one client's part of the
+      aggregate natural-parameter update at most ``γ`` times the others' together, both measured in the
+      Fisher metric :math:`\|v\|_F^2 = v^\top \nabla^2 A(\lambda_{ref})\, v` of the posterior the round started
+      from (:math:`\tfrac12 \|v\|_F^2` is the KL of a small step ``v``: the metric does not depend on how the
+      family's natural parameters are written). :math:`s_k = \min(1, \gamma \|\sum_{j\ne k}\eta_j\|_F /
+      \|\eta_k\|_F)` — the Gaussian bound :math:`S_k \preceq \gamma P_{-k}` has no family-free analogue, as a
+      natural-parameter vector has no origin to measure a ratio from; the others' update has one;
+    * **shift** ``c``: :math:`\mathrm{KL}(q' \,\|\, q_{-k}) \le c^2/2` with :math:`q_{-k}` the posterior of
+      :math:`\lambda_{-k} = \lambda_0 + \sum_{j\ne k} \eta_j` and :math:`q'` that of :math:`\lambda_{-k} + \eta_k'`;
+      :math:`t_k` is the largest ``t`` with that bound and :math:`\lambda_{-k} + t s_k \eta_k` in the domain (by
+      bisection: the KL grows with ``t``, its derivative being :math:`t\, \eta^\top \nabla^2 A\, \eta \ge 0`, and the
+      domain is convex). For a Gaussian the KL is :math:`\tfrac12 \|m - m_{-k}\|^2_{P_{-k}}` plus a
+      non-negative precision term, so this bound implies the Gaussian path's
+      :math:`\|m - m_{-k}\|_{P_{-k}} \le c` and equals it for a site that leaves the precision alone.
+
+    A site within both bounds is left exactly as it was. As for Gaussian sites the bound is exact for the
+    client being tempered when the other clients are within their own bounds.
+
+    :param prior: :math:`\lambda_0` ``(P,)``; ``sites`` ``(K, P)``; ``lam_ref``: the round's starting
+        :math:`\lambda` (inside the domain).
+    :param bounds: ``(γ, c)`` from :func:`~numpyro_pc.federated.robust.robust_bounds` (``inf``: no bound).
+    :return: ``(λ_0 + Σ_k η_k', tempered (K,) bool, undefined (K,) bool)``: ``undefined`` marks clients whose
+        others' posterior :math:`\lambda_{-k}` lies outside the domain, where the shift bound has no meaning.
+    """
+    share, shift = bounds
+    rest = prior + leave_one_out(sites)
+    fisher = family.fisher(lam_ref)
+    norm = lambda v: jnp.sqrt(jnp.maximum(v @ fisher @ v, 0.0))  # noqa: E731
+    others = jax.vmap(norm)(leave_one_out(sites))
+
+    def one(eta, lam_rest, other):
+        own = norm(eta)
+        s = jnp.where(own > share * other, share * other / jnp.maximum(own, jnp.finfo(own.dtype).tiny), 1.0)
+        step, proper = s * eta, family.in_domain(lam_rest)
+
+        def inside(t):
+            lam = lam_rest + t * step
+            ok = family.in_domain(lam) & proper
+            return ok & (family.kl(jnp.where(ok, lam, lam_rest), lam_rest) <= 0.5 * shift**2)
+
+        t = jnp.where(jnp.isinf(shift) | inside(1.0), 1.0, _boundary(inside, jnp.ones_like(s)))
+        scale = s * t
+        return jnp.where(scale < 1.0, scale * eta, eta), scale < 1.0, jnp.isfinite(shift) & ~proper
+
+    bounded, tempered, undefined = jax.vmap(one)(sites, rest, others)
+    return prior + jnp.sum(bounded, 0), tempered, undefined
+
+
+@partial(jax.jit, static_argnames=("family",))
+def retreat_ef(family, lam_prev, lam_new):
+    r"""Keep a private round's global posterior inside the domain: ``lam_new`` itself where it is inside,
+    else the point halfway from ``lam_prev`` (inside) to the domain's boundary along the segment to ``lam_new``,
+    :math:`\lambda_{prev} + \tfrac{t_b}{2}(\lambda_{new} - \lambda_{prev})` (:math:`t_b` by bisection; the domain
+    is convex).
+
+    Why this and not another rule: the noise of :mod:`~numpyro_pc.federated.privacy` is unbounded, so
+    :math:`\lambda_0 + \sum_k \tilde\eta_k` can leave the domain (a Beta concentration below 0) however well the
+    run is set up. Refusing the round would end private runs at random, and more often the smaller ``ε``;
+    drawing the noise again until the sum is inside would be more releases, and noise conditioned on the other
+    clients' messages, outside the accounting; the domain is open, so there is no nearest point to project
+    on. Stepping back towards the posterior the clients were sent uses only the messages and the server's
+    state — post-processing, which costs no privacy — leaves an inside sum exactly as it is, keeps the
+    posterior a proper member of the family with a margin to the boundary, and is recorded (``domain_step``
+    in the history: ``t_b / 2``, or 1 where the sum was inside).
+
+    :return: ``(λ, t)``.
+    """
+    direction = lam_new - lam_prev
+    inside = family.in_domain(lam_new)
+    t = jnp.where(inside, 1.0, 0.5 * _boundary(lambda u: family.in_domain(lam_prev + u * direction),
+                                               jnp.ones((), lam_prev.dtype)))
+    return jnp.where(inside, lam_new, lam_prev + t * direction), t
+
+
+def server_step_ef(family, state, lam_ref, bounds=None, private=False):
+    """The server's global posterior after :func:`aggregate_ef` stored the sites: the sites' sum, bounded by
+    :func:`bound_sites_ef` (``bounds``) and, for ``private`` messages, kept inside by :func:`retreat_ef`.
+
+    :return: ``(state, info)``, ``state.joint`` the new global :math:`\\lambda` where it is not the sites' sum;
+        ``info``: ``clipped`` (count), ``clipped_clients`` (indices) and, private, ``domain_step``.
+    :raises OutOfDomainError: the bounded sum outside the domain (not private), or a shift bound measured from
+        an others' posterior outside it.
+    """
+    lam, info = site_natural(state), dict(clipped=0, clipped_clients=[])
+    if bounds is not None:
+        lam, tempered, undefined = bound_sites_ef(family, state.prior, state.sites, lam_ref, bounds)
+        bad = np.flatnonzero(np.asarray(undefined))
+        if bad.size:
+            raise OutOfDomainError(f"max_shift bounds KL(q ‖ q_-k) against the posterior of the other clients, "
+                                   f"which lies outside the family's domain for clients {bad.tolist()}: the bound "
+                                   "is not defined there (increase rho, or leave max_shift unset)")
+        info.update(clipped=int(np.sum(tempered)), clipped_clients=np.flatnonzero(np.asarray(tempered)).tolist())
+    if private:
+        lam, t = retreat_ef(family, lam_ref, lam)
+        info["domain_step"] = float(t)
+    elif not bool(family.in_domain(lam)):
+        raise OutOfDomainError(f"the bounded sum of the clients' sites leaves the family's domain "
+                               f"({family.describe(lam)}); the state is unchanged (increase rho or damp the sites)")
+    joint = None if info["clipped"] == 0 and info.get("domain_step", 1.0) == 1.0 else lam  # else: the sites' sum
+    return state._replace(joint=joint), info
 
 
 def admm_server_ef(family, state, local, alpha) -> EFServerState:
@@ -346,9 +498,10 @@ def admm_server_ef(family, state, local, alpha) -> EFServerState:
     return state._replace(joint=joint)
 
 
-def init_ef(clients, init="zero", local_iters=200):
+def init_ef(clients, init="zero", local_iters=200, privacy=None, key=None, bounds=None):
     """The server's first state: ``"zero"`` sites (as in PVI; the first local step starts from
-    :math:`\\lambda_0`), or ``"prior"``: each client's site at :math:`\\lambda_0` (one natural-gradient step).
+    :math:`\\lambda_0`), or ``"prior"``: each client's site at :math:`\\lambda_0` (one natural-gradient step;
+    with ``privacy`` the first release, noised with ``key``; the server's step as in :func:`server_step_ef`).
 
     :raises OutOfDomainError: ``"prior"`` sites that together leave the domain (use ``"zero"``).
     """
@@ -359,8 +512,13 @@ def init_ef(clients, init="zero", local_iters=200):
     if init != "prior":
         raise InvalidOptionError(f"unknown init {init!r}; expected 'zero' or 'prior'")
     # ρ → ∞: the local problem does not move, the message is the site at λ_0
-    _, messages, _, _ = client_round_ef(clients, state, 1e30, local_iters=local_iters, safeguard_margin=None)
-    return aggregate_ef(clients.config.family, state, dict(enumerate(np.asarray(messages))))[0]
+    _, messages, _, _ = client_round_ef(clients, state, 1e30, key=key, local_iters=local_iters,
+                                        safeguard_margin=None, privacy=privacy)
+    fam = clients.config.family
+    state = aggregate_ef(fam, state, dict(enumerate(np.asarray(messages))), domain=privacy is None)[0]
+    if privacy is None and bounds is None:
+        return state
+    return server_step_ef(fam, state, clients.prior, bounds, privacy is not None)[0]
 
 
 def kl_rounding(family, lam_p, lam_q) -> jax.Array:
@@ -377,30 +535,38 @@ def kl_rounding(family, lam_p, lam_q) -> jax.Array:
 
 
 def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
-             safeguard_margin=0.3, admm_alpha=None):
+             safeguard_margin=0.3, admm_alpha=None, privacy=None, bounds=None):
     """One round: :func:`client_round_ef`, then :func:`aggregate_ef` (strict) and, with ``admm_alpha``,
-    :func:`admm_server_ef`. Returns ``(new state, diagnostics)``.
+    :func:`admm_server_ef`; with ``bounds`` or ``privacy``, :func:`server_step_ef`. Returns
+    ``(new state, diagnostics)``.
 
+    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (:func:`release_ef`).
+    :param bounds: ``(γ, c)`` of bounded aggregation (:func:`bound_sites_ef`).
     :param float admm_alpha: ``None``: a FedPC/PVI round, the new global :math:`\\lambda` is the sites' sum;
         else ADMM's server step with this :math:`\\alpha`.
     :return: ``info`` holds ``kl_to_previous``, ``kl_rounding`` (:func:`kl_rounding`), ``residual`` (the largest :math:`\\|\\lambda_k - \\lambda\\| /
         (1 + \\|\\lambda\\|)`; with ADMM also :math:`\\|\\lambda_{jnt} - \\lambda_0 - \\sum_k \\eta_k\\|` on the same
         scale, which the local posteriors do not see once they equal :math:`\\lambda_{jnt}`), ``participants``,
-        ``local_iterations``, ``local_residual``, ``rho_min``, ``rho_max``.
+        ``local_iterations``, ``local_residual``, ``rho_min``, ``rho_max``; with ``bounds`` or ``privacy`` also
+        ``clipped``, ``clipped_clients`` and (private) ``domain_step``.
     :raises OutOfDomainError: a local fixed point outside the domain or not finite, or a new global
         :math:`\\lambda` outside it (``state`` is not changed).
     """
     lam = global_natural(state)
     idx, messages, local, rhos = client_round_ef(clients, state, rho, damping, participants, key, local_tol,
-                                                 local_iters, safeguard_margin)
+                                                 local_iters, safeguard_margin, privacy)
     bad = np.flatnonzero(~np.asarray(local.ok))
     if bad.size:
         raise OutOfDomainError(f"the local updates of clients {np.asarray(idx)[bad].tolist()} left the family's "
                                f"domain or lost finiteness (rho={float(rho):g}); increase rho")
     fam = clients.config.family
-    new, _ = aggregate_ef(fam, state, dict(zip(np.asarray(idx).tolist(), np.asarray(messages))))
+    new, _ = aggregate_ef(fam, state, dict(zip(np.asarray(idx).tolist(), np.asarray(messages))),
+                          domain=privacy is None)
+    step = {}
     if admm_alpha is not None:
         new = admm_server_ef(fam, new, local.local, admm_alpha)
+    elif bounds is not None or privacy is not None:
+        new, step = server_step_ef(fam, new, lam, bounds, privacy is not None)
     scale = 1.0 + jnp.linalg.norm(lam)
     residual = jnp.max(jnp.linalg.norm(local.local - lam, axis=1)) / scale
     if admm_alpha is not None:  # ADMM's λ_jnt also has to reach the sites' sum (it can lag with λ_k = λ_jnt)
@@ -409,7 +575,7 @@ def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, loca
                 kl_rounding=float(kl_rounding(fam, global_natural(new), lam)), residual=float(residual),
                 participants=int(idx.shape[0]), local_iterations=int(jnp.max(local.iterations)),
                 local_residual=float(jnp.max(local.residual)), rho_min=float(jnp.min(rhos)),
-                rho_max=float(jnp.max(rhos)))
+                rho_max=float(jnp.max(rhos)), **step)
     return new, info
 
 
@@ -431,7 +597,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
            tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=200, local_tol=None,
            raise_on_failure=False, kwargs=None, data_plate=None, shared=(), callback=None, init="zero",
            max_retries=6, safeguard=None, safeguard_margin=0.3, expectation="auto", num_nodes=32, num_samples=None,
-           draw_seed=0, admm_alpha=None):
+           draw_seed=0, admm_alpha=None, privacy=None, max_share=None, max_shift=None):
     """Federated posterior correction of an exponential-family product posterior over client shards in one
     process (clients ``vmap``-ed); :func:`numpyro_pc.federated.run` with a dict ``family`` calls this.
 
@@ -457,6 +623,21 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         ``num_nodes``, ``num_samples``, ``seed``.
     :param float admm_alpha: ADMM's step :math:`\\alpha > 0` (default ``1/(1 + ρM)``, ``M`` clients per round,
         with the ``ρ`` given; a retry's doubled floor does not change it).
+    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a client sends is
+        :func:`release_ef` — its examples' terms clipped to ``clip_natural`` and noised, ``1/σ²``-zCDP per
+        release as a Gaussian site, so ``history["epsilon"]`` is the same accounting
+        (:meth:`~numpyro_pc.federated.privacy.GaussianMechanism.epsilon_after`). As for Gaussian posteriors:
+        FedPC and PVI (not ADMM), ``releases`` must cover ``rounds`` plus the initial sites of ``init="prior"``,
+        failed rounds are not retried, and the run ends on its round budget at a perturbed fixed point. A noised
+        sum outside the domain is pulled back by :func:`retreat_ef` (``history["domain_step"]``).
+    :param float max_share: bounded aggregation (:func:`bound_sites_ef`): one client's site at most
+        ``max_share`` times the others' together, in the Fisher metric (needs two clients or more; not ADMM).
+    :param float max_shift: bounded aggregation: :math:`\\mathrm{KL}(q \\| q_{-k}) \\le` ``max_shift² / 2``
+        for every client ``k`` (for a Gaussian this implies the Gaussian path's bound of ``max_shift`` standard
+        deviations on the mean). ``history["clipped"]`` counts the tempered clients, ``clipped_clients`` names
+        them. Where the other clients' posterior lies outside the domain the shift bound is not defined and the
+        round fails (:class:`~numpyro_pc.errors.OutOfDomainError`; retried with a larger ``ρ``, except in a
+        private run, which then stops as ``"diverged"``).
     :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
         :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
         ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``; ADMM: also ``‖λ_jnt − λ_0 − Σ_k η_k‖``),
@@ -465,6 +646,9 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``).
     :raises ConvergenceError: with ``raise_on_failure``, a run that diverged or ended before the tolerances.
     :raises MissingCapabilityError: ``algorithm="ama"``.
+    :raises InvalidOptionError: ``privacy`` or bounded aggregation with ADMM (its server step averages the
+        clients' exact local posteriors, which neither the mechanism nor the bounds cover), a mechanism with
+        fewer ``releases`` than the run may send, bounds with one client.
     """
     if algorithm not in ("fedpc", "pvi", "ama", "admm"):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected 'fedpc', 'pvi' or 'admm' ('ama' needs "
@@ -497,8 +681,27 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         alpha = 1.0 / (1.0 + rho * participants) if admm_alpha is None else float(admm_alpha)
     fam = clients.config.family
     ref = None if reference is None else jnp.asarray(getattr(reference, "natural", reference))
-    state = init_ef(clients, init, local_iters)
-    key, floor, history, status = jax.random.PRNGKey(seed), rho, [], "max_rounds"
+    releases = int(rounds) + (init == "prior")
+    if algorithm == "admm" and privacy is not None:
+        raise InvalidOptionError("privacy is not available with algorithm='admm' (its server step needs each "
+                                 "client's exact local posterior); use 'fedpc' or 'pvi'")
+    if algorithm == "admm" and (max_share is not None or max_shift is not None):
+        raise InvalidOptionError("bounded aggregation (max_share/max_shift) bounds the clients' sites, but ADMM's "
+                                 "server step also averages their local posteriors; use algorithm='fedpc'")
+    if privacy is not None:
+        require(fam, SiteSum, "privacy= (the Gaussian mechanism)",
+                advice="Its sensitivity bound clips each example's term of a site and sums them.")
+        if privacy.releases < releases:
+            raise InvalidOptionError(f"the privacy mechanism is calibrated for {privacy.releases} release(s) per "
+                                     f"client, but rounds={rounds} with init={init!r} may send {releases}")
+        max_retries = 0  # a retry is one more release
+    bounds = robust_bounds(max_share, max_shift, clients.prior.dtype)
+    if bounds is not None and num < 2:
+        raise InvalidOptionError("bounded aggregation measures each client's site against the other clients' "
+                                 "update; with one client there is none (leave max_share/max_shift unset)")
+    key = jax.random.PRNGKey(seed)
+    state = init_ef(clients, init, local_iters, privacy, jax.random.fold_in(key, 2**31 - 1), bounds)
+    floor, history, status = rho, [], "max_rounds"
     message = clients.prior.shape[0] * clients.prior.dtype.itemsize
     per_round = (3 if algorithm == "admm" else 2) * participants * message  # ADMM also sends λ_k up
     start, total = time.perf_counter(), 0
@@ -508,13 +711,15 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
             total += per_round
             try:
                 new, info = round_ef(clients, state, floor, damping, participants, sub, local_tol, local_iters,
-                                     safeguard_margin if safeguard else None, alpha)
+                                     safeguard_margin if safeguard else None, alpha, privacy, bounds)
                 failure = None
                 break
             except (OutOfDomainError, ClientMessageError) as err:
                 failure = str(err)
                 floor *= 2.0
         record = dict(round=t, rho_floor=floor, retries=attempt, bytes=total, seconds=time.perf_counter() - start)
+        if privacy is not None:
+            record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if failure is not None:
             history.append(dict(record, kl_to_previous=float("nan"), failure=failure))
             status = "diverged"

@@ -24,6 +24,21 @@ point fixed by the earlier messages), which implies ``(ε, δ)``-DP with
 ``ε = ρ + 2√(ρ log(1/δ))`` (Prop. 1.3). :class:`GaussianMechanism` solves that for ``σ``
 given ``(ε, δ, T)``.
 
+**Exponential-family posteriors** (:mod:`~numpyro_pc.federated.ef`). A site is one flat vector of
+``P`` natural parameters, ``η_k = Σ_j s_j`` with ``s_j = −g_j`` the example's term. The client
+clips each term to the Euclidean norm ``C_λ`` (``clip_natural``) and adds isotropic noise of
+standard deviation ``σ C_λ/√2``:
+
+.. math::
+    \tilde\eta_k = \textstyle\sum_j c_j s_j + \tfrac{\sigma C_\lambda}{\sqrt2}\, \xi, \qquad
+    c_j = \min\bigl(1, C_\lambda/\|s_j\|\bigr).
+
+One example moves the clipped sum by at most ``C_λ``, so one release is the Gaussian mechanism
+with sensitivity ``C_λ`` and noise ``σ C_λ/√2``: ``C_λ²/(2 σ² C_λ²/2) = 1/σ²``-zCDP, the same
+budget per release as the Gaussian sites' two blocks, and :meth:`GaussianMechanism.epsilon_after`
+is the accounting of both. What the server does when the noised sum of the sites leaves the
+family's natural domain is post-processing (:func:`~numpyro_pc.federated.ef.retreat_ef`).
+
 The guarantee is *example-level* (neighbouring shards differ by one example of that
 client), holds against the server and anyone who sees the messages, and needs that the
 client sends at most ``T`` messages: the in-process :func:`~numpyro_pc.federated.run`
@@ -46,7 +61,7 @@ import jax.numpy as jnp
 from ..errors import InvalidOptionError
 from ..families import GaussianNatural
 
-__all__ = ["GaussianMechanism", "add_noise", "clip_factors"]
+__all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "add_noise_natural"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,8 @@ class GaussianMechanism:
     :param float clip_linear: ``C_h``, the largest norm of one example's linear site term.
     :param float clip_precision: ``C_S``, the largest Frobenius norm of one example's site
         precision term.
+    :param float clip_natural: ``C_λ``, the largest Euclidean norm of one example's term of an
+        exponential-family site (a flat vector of natural parameters).
     """
 
     epsilon: float
@@ -67,9 +84,10 @@ class GaussianMechanism:
     releases: int
     clip_linear: float = 1.0
     clip_precision: float = 1.0
+    clip_natural: float = 1.0
 
     def __post_init__(self):
-        for name in ("epsilon", "clip_linear", "clip_precision"):
+        for name in ("epsilon", "clip_linear", "clip_precision", "clip_natural"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise InvalidOptionError(f"GaussianMechanism.{name} must be a positive finite number, got {value!r}")
@@ -102,6 +120,19 @@ def clip_factors(site_terms, mech):
     prec = jnp.linalg.norm(jnp.reshape(site_terms.precision, (n, -1)), axis=-1)
     scale = lambda norm, c: jnp.where(norm > c, c / jnp.maximum(norm, c), 1.0)  # noqa: E731
     return scale(lin, mech.clip_linear), scale(prec, mech.clip_precision)
+
+
+def clip_rows(terms, bound):
+    """``min(1, bound/‖t_j‖)`` for each row ``t_j`` of ``terms`` ``(N, P)``: the factor that clips it to ``bound``."""
+    norm = jnp.linalg.norm(terms, axis=-1)
+    return jnp.where(norm > bound, bound / jnp.maximum(norm, bound), 1.0)
+
+
+def add_noise_natural(mech, site, key):
+    """An exponential-family release: the clipped sum ``site`` ``(P,)`` plus noise of standard deviation
+    ``σ C_λ/√2`` in every coordinate (module docstring: ``1/σ²``-zCDP, as a Gaussian site)."""
+    sd = jnp.asarray(mech.noise * mech.clip_natural / math.sqrt(2.0), site.dtype)
+    return site + sd * jax.random.normal(key, site.shape, site.dtype)
 
 
 def add_noise(family, mech, site, key):

@@ -40,7 +40,7 @@ from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
 from ..families import Gaussian, GaussianNatural
 
-__all__ = ["aggregate_sites", "site_shapes", "validate_site", "robust_bounds"]
+__all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds"]
 
 
 def robust_bounds(max_share=None, max_shift=None, dtype=float):
@@ -58,7 +58,7 @@ def _dense(family, mean, precision):
     return family.dense_precision(Gaussian(mean, precision))
 
 
-def _leave_one_out(x):
+def leave_one_out(x):
     """``Σ_{j≠k} x_j`` for every ``k`` (axis 0), from exclusive prefix and suffix sums."""
     zero = jnp.zeros_like(x[:1])
     before = jnp.concatenate([zero, jnp.cumsum(x, 0)[:-1]])
@@ -78,8 +78,8 @@ def aggregate_sites(family, prior_nat, eta, bounds):
     dense = jax.vmap(lambda h, prec: _dense(family, h, prec))(eta.linear, eta.precision)
     prior_dense = _dense(family, prior_nat.linear, prior_nat.precision)
     # the others' sums from exclusive prefix and suffix sums: no cancellation when one site dominates
-    rest_lin = prior_nat.linear + _leave_one_out(eta.linear)
-    rest_prec = prior_dense + _leave_one_out(dense)
+    rest_lin = prior_nat.linear + leave_one_out(eta.linear)
+    rest_prec = prior_dense + leave_one_out(dense)
 
     def one(h, site, r_lin, r_prec, prec):
         chol = jnp.linalg.cholesky(r_prec)
