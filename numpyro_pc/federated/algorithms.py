@@ -167,8 +167,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         ``{latent site: family name}`` for an exponential-family product posterior, run by
         :func:`numpyro_pc.federated.ef.run_ef` (``"fedpc"``, ``"pvi"`` or ``"admm"``; ``"ama"``
         and the Gaussian expectation rules are refused; ``privacy``, ``max_share`` and ``max_shift``
-        in the family's natural parameters, see :func:`~numpyro_pc.federated.ef.bound_sites_ef` and
-        :func:`~numpyro_pc.federated.ef.release_ef`).
+        in the family's natural parameters, see :func:`~numpyro_pc.federated.ef_robust.bound_sites_ef` and
+        :func:`~numpyro_pc.federated.ef_robust.release_ef`).
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
     :param float rho: local weight ``ρ``: with the safeguard, the smallest weight a client
         uses (default ``1/K``, the middle of the quadratic case's safe range ``(0, 2/K)``;

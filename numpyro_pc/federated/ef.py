@@ -22,7 +22,7 @@ in :mod:`numpyro_pc.federated.core`). The client sends
 the local posterior over the cavity); PVI damping ``δ`` sends :math:`\eta_k + \delta(\eta_k'
 - \eta_k)`. At a fixed point :math:`\lambda_k = \lambda` for every client, so
 :math:`\lambda = \lambda_0 - \sum_i g_i(\lambda)`: the batch fixed point of
-:func:`~numpyro_pc.ef_posterior.fit_ef`. A conjugate model's sites do not depend on
+:func:`~numpyro_pc.ef_fit.fit_ef`. A conjugate model's sites do not depend on
 :math:`\lambda`, so one round gives the batch posterior for any ``ρ``.
 
 **ρ.** In the linearised dynamics of equal shards with a scalar site Jacobian :math:`j`, one
@@ -43,7 +43,7 @@ evaluate the model on. The fixed point is again the batch one.
 **ADMM** (paper eq. ``admm``). The local step is FedPC's; the server keeps the global
 :math:`\lambda_{jnt}` apart from the sites and moves it by a BLR step of size
 :math:`\alpha = 1/(1 + \rho M)` (``M`` clients taking part) from the clients' local posteriors,
-their product taken as a geometric mean (:func:`admm_server_ef`):
+their product taken as a geometric mean (:func:`~numpyro_pc.federated.ef_server.admm_server_ef`):
 
 .. math::
     \lambda_{jnt} \leftarrow \alpha\big(\lambda_0 + \textstyle\sum_k \eta_k\big)
@@ -65,7 +65,7 @@ natural parameters, so ``algorithm="ama"`` is refused with
 :class:`~numpyro_pc.errors.MissingCapabilityError` (the family lacks
 :class:`~numpyro_pc.capabilities.FixedPrecision`).
 
-**Server checks** (:func:`aggregate_ef`, host side, before anything is stored): a message
+**Server checks** (:func:`~numpyro_pc.federated.ef_server.aggregate_ef`, host side, before anything is stored): a message
 must be a finite floating vector of size ``P`` in the run's dtype, below ``max_abs``, and the
 :math:`\lambda_0 + \sum_k \eta_k` with it must lie in the family's domain (``family.in_domain``); a bad
 message raises :class:`~numpyro_pc.errors.ClientMessageError` naming the client and what was
@@ -93,13 +93,15 @@ from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
-from .privacy import add_noise_natural, clip_rows
-from .robust import leave_one_out, robust_bounds
+# the server's side and the private and bounded sites live in ef_server and ef_robust; their names stay
+# importable from here, as before the split
+from .ef_robust import bound_sites_ef, clipped_site_ef, domain_boundary, release_ef, retreat_ef  # noqa: F401
+from .ef_server import (EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef,  # noqa: F401
+                        site_natural, validate_ef_message)
+from .robust import robust_bounds
 
-__all__ = ["EFClients", "EFServerState", "EFLocalResult", "bind_ef_clients", "init_ef", "global_natural",
-           "site_natural", "safe_rho_ef", "local_update_ef", "clipped_site_ef", "release_ef", "client_round_ef",
-           "validate_ef_message", "aggregate_ef", "bound_sites_ef", "retreat_ef", "admm_server_ef", "round_ef",
-           "posterior_ef", "run_ef"]
+__all__ = ["EFClients", "EFLocalResult", "bind_ef_clients", "init_ef", "safe_rho_ef", "local_update_ef",
+           "client_round_ef", "kl_rounding", "round_ef", "posterior_ef", "run_ef"]
 
 
 class EFClients(NamedTuple):
@@ -121,18 +123,6 @@ class EFClients(NamedTuple):
     prior_weight: jax.Array
 
 
-class EFServerState(NamedTuple):
-    """What the server keeps: ``prior`` :math:`\\lambda_0` ``(P,)``, the client sites ``sites`` ``(K, P)`` (as the
-    clients sent them) and the global ``joint`` :math:`\\lambda_{jnt}` ``(P,)`` where it is not the sites' sum:
-    after an ADMM round, after bounded aggregation (:func:`bound_sites_ef`) or after a private round the server
-    had to pull back into the domain (:func:`retreat_ef`); ``None``: the global posterior is
-    :math:`\\lambda_0 + \\sum_k \\eta_k`, as in FedPC and PVI."""
-
-    prior: jax.Array
-    sites: jax.Array
-    joint: jax.Array | None = None
-
-
 class EFLocalResult(NamedTuple):
     """One local update: the ``site`` :math:`\\hat\\eta_k(\\lambda_k)`, the ``local`` :math:`\\lambda_k`,
     ``iterations``, the final relative ``residual`` of the local fixed point and ``ok`` (finite, in the domain)."""
@@ -144,24 +134,13 @@ class EFLocalResult(NamedTuple):
     ok: jax.Array
 
 
-def site_natural(state) -> jax.Array:
-    """:math:`\\lambda_0 + \\sum_k \\eta_k` (eq. ``global_update``)."""
-    return state.prior + jnp.sum(state.sites, 0)
-
-
-def global_natural(state) -> jax.Array:
-    """The global posterior's :math:`\\lambda`: ADMM's ``joint`` where the state has one, else
-    :func:`site_natural`."""
-    return site_natural(state) if state.joint is None else state.joint
-
-
 def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, shared=(), expectation="auto",
                     num_nodes=32, num_samples=None, seed=0, prior_tol=None, prior_iters=200):
-    """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.ef_posterior.fit_ef`
+    """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.ef_fit.fit_ef`
     does for the union), and find :math:`\\lambda_0`.
 
     :param client_data: one tuple of model arguments per client.
-    :param dict family: ``{latent site: family name}`` (see :func:`~numpyro_pc.ef_posterior.fit_ef`).
+    :param dict family: ``{latent site: family name}`` (see :func:`~numpyro_pc.ef_fit.fit_ef`).
     :param expectation, num_nodes, num_samples, seed: the site rule (:meth:`EFConfig.make
         <numpyro_pc.ef_sites.EFConfig.make>`); Monte Carlo draws use the fixed ``seed``, the same
         points on every client.
@@ -194,22 +173,8 @@ def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
     a positive definite cavity precision."""
     inside = lambda t: family.in_domain(lam - t * eta)  # noqa: E731
     top = 1.0 / rho
-    lo = _boundary(inside, top, steps)
+    lo = domain_boundary(inside, top, steps)
     return jnp.where(inside(top), rho, jnp.maximum(rho, (1.0 + margin) / jnp.maximum(lo, 1e-300)))
-
-
-def _boundary(inside, top, steps=60):
-    """The largest ``t ∈ [0, top]`` that bisection finds with ``inside(t)`` true, for a test true at 0 and
-    monotone (true up to a point, false after it); the returned point has passed the test (or is 0)."""
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = 0.5 * (lo + hi)
-        ok = inside(mid)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    top = jnp.asarray(top)
-    lo, _ = jax.lax.fori_loop(0, steps, halve, (jnp.zeros_like(top), top))
-    return lo
 
 
 def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight, prior, tol, max_iters):
@@ -227,24 +192,6 @@ def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight
 
     lam, s, it, res, ok = natural_solve(target, config.family.in_domain, lam_jnt, tol, max_iters)
     return EFLocalResult(s, lam, it, res, ok & jnp.all(jnp.isfinite(s)))
-
-
-def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech):
-    """:math:`\\sum_j c_j s_j` at :math:`\\lambda`: each example's term :math:`s_j = -g_j(\\lambda)` clipped to the
-    Euclidean norm ``mech.clip_natural`` (:mod:`~numpyro_pc.federated.privacy`), plus — ``weight`` 1 — the
-    non-conjugate prior's correction, which depends on :math:`\\lambda` only (no example moves it)."""
-    sites = compute_sites(config, lam, ModelData(per_example, shared))
-    terms = -sites.grads
-    return (mask * clip_rows(terms, mech.clip_natural)) @ terms - weight * (sites.prior + prior)
-
-
-def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key):
-    """The site a private client sends: :func:`clipped_site_ef` at the global :math:`\\lambda` the server sent,
-    plus the mechanism's noise (:func:`~numpyro_pc.federated.privacy.add_noise_natural`). As for Gaussian sites
-    (:func:`~numpyro_pc.federated.core.local_update`) no local problem is solved: a local fixed point depends on
-    every example of the shard, which would break the per-example bound the accounting needs; this is the
-    ``ρ → ∞`` limit of the local step, with the same fixed point."""
-    return add_noise_natural(mech, clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech), key)
 
 
 @partial(jax.jit, static_argnames=("config", "num_participants", "max_iters", "privacy"))
@@ -278,7 +225,7 @@ def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=Non
     :param participants: how many clients take part (default all; a random subset drawn with ``key``).
     :param safeguard_margin: each client's weight is :func:`safe_rho_ef` with this margin (``None``: ``ρ``).
     :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: each participant sends
-        :func:`release_ef` (its noise drawn from ``key``) instead of solving its local problem.
+        :func:`~numpyro_pc.federated.ef_robust.release_ef` (its noise drawn from ``key``) instead of solving its local problem.
     :return: ``(indices, messages (M, P), EFLocalResult, weights used (M,))``.
     """
     dtype = state.prior.dtype
@@ -291,217 +238,10 @@ def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=Non
                         jnp.asarray(local_tol, dtype), jnp.asarray(margin, dtype), key, privacy)
 
 
-def validate_ef_message(family, state, client, message, max_abs=1e12, domain=True):
-    """Check client ``client``'s message against the server's state (see the module docstring).
-
-    :param bool domain: also ask that the global :math:`\\lambda` with this message stay in the domain (off for
-        private messages: their noise may take the sum out, and :func:`retreat_ef` handles it).
-
-    :return: the message as a NumPy array of the state's dtype.
-    :raises ClientMessageError: naming the client, what was expected and what was found.
-    """
-    def bad(msg):
-        return ClientMessageError(f"client {client}: {msg}; its message is rejected and its site left as it was",
-                                  client=client)
-
-    num, size = state.sites.shape
-    if not (isinstance(client, (int, np.integer)) and 0 <= int(client) < num):
-        raise bad(f"expected a client index in [0, {num})")
-    arr = np.asarray(message)
-    dtype = np.dtype(state.sites.dtype)
-    if arr.dtype != dtype:
-        raise bad(f"expected dtype {dtype}, found {arr.dtype}")
-    if arr.shape != (size,):
-        raise bad(f"expected a site of shape ({size},) (the family's natural parameters), found shape {arr.shape}")
-    if not np.all(np.isfinite(arr)):
-        raise bad(f"expected finite values, found NaN or infinite ones at {np.flatnonzero(~np.isfinite(arr)).tolist()}")
-    if arr.size and np.max(np.abs(arr)) > max_abs:
-        raise bad(f"expected values below {max_abs:g} in absolute value, found {np.max(np.abs(arr)):.3g}")
-    lam = site_natural(state) - state.sites[int(client)] + arr
-    if domain and not bool(family.in_domain(lam)):
-        raise bad(f"expected the global posterior to stay inside the family's domain, found {family.describe(lam)}")
-    return arr
-
-
-def aggregate_ef(family, state, messages, strict=True, max_abs=1e12, domain=True):
-    """The server's half of a round: check each message, store the accepted ones, form the new state.
-
-    :param dict messages: ``{client index: site (P,)}``.
-    :param bool strict: raise on the first bad message; otherwise leave that client's site as it was and
-        report it.
-    :param bool domain: the domain checks (each message's and the sum's); off for private messages, whose
-        global posterior :func:`retreat_ef` keeps inside.
-    :return: ``(new EFServerState, {client: reason} of the refused messages)``; an ADMM state keeps its
-        ``joint`` until :func:`admm_server_ef` replaces it.
-    :raises ClientMessageError: a bad message (``strict``).
-    :raises OutOfDomainError: the accepted messages together leave the domain (nothing is stored).
-    """
-    good, rejected = {}, {}
-    for client, message in messages.items():
-        try:
-            good[client] = validate_ef_message(family, state, client, message, max_abs, domain)
-        except ClientMessageError as err:
-            if strict:
-                raise
-            rejected[client] = str(err)
-    sites = state.sites
-    if good:
-        idx = np.asarray(sorted(good), dtype=np.int64)
-        sites = sites.at[idx].set(jnp.asarray(np.stack([good[int(k)] for k in idx])))
-    new = state._replace(sites=sites)  # FedPC's global posterior: the sites' sum; ADMM's λ_jnt is carried
-    lam = site_natural(new)
-    if domain and not bool(family.in_domain(lam)):
-        raise OutOfDomainError(f"the clients' sites together leave the family's domain ({family.describe(lam)}); "
-                               "the state is unchanged (increase rho or damp the sites)")
-    return new, rejected
-
-
-@partial(jax.jit, static_argnames=("family",))
-def bound_sites_ef(family, prior, sites, lam_ref, bounds):
-    r"""Bounded aggregation (:mod:`~numpyro_pc.federated.robust`) of exponential-family sites: each client's
-    site is tempered, :math:`\eta_k' = s_k t_k \eta_k` with :math:`s_k, t_k \in [0, 1]` (a tempered likelihood
-    stays a likelihood: the family's sites are sums over examples), so that
-
-    * **share** ``γ``: :math:`\|\eta_k'\|_F \le \gamma\, \|\sum_{j \ne k} \eta_j\|_F`, one client's part of the
-      aggregate natural-parameter update at most ``γ`` times the others' together, both measured in the
-      Fisher metric :math:`\|v\|_F^2 = v^\top \nabla^2 A(\lambda_{ref})\, v` of the posterior the round started
-      from (:math:`\tfrac12 \|v\|_F^2` is the KL of a small step ``v``: the metric does not depend on how the
-      family's natural parameters are written). :math:`s_k = \min(1, \gamma \|\sum_{j\ne k}\eta_j\|_F /
-      \|\eta_k\|_F)` — the Gaussian bound :math:`S_k \preceq \gamma P_{-k}` has no family-free analogue, as a
-      natural-parameter vector has no origin to measure a ratio from; the others' update has one;
-    * **shift** ``c``: :math:`\mathrm{KL}(q' \,\|\, q_{-k}) \le c^2/2` with :math:`q_{-k}` the posterior of
-      :math:`\lambda_{-k} = \lambda_0 + \sum_{j\ne k} \eta_j` and :math:`q'` that of :math:`\lambda_{-k} + \eta_k'`;
-      :math:`t_k` is the largest ``t`` with that bound and :math:`\lambda_{-k} + t s_k \eta_k` in the domain (by
-      bisection: the KL grows with ``t``, its derivative being :math:`t\, \eta^\top \nabla^2 A\, \eta \ge 0`, and the
-      domain is convex). For a Gaussian the KL is :math:`\tfrac12 \|m - m_{-k}\|^2_{P_{-k}}` plus a
-      non-negative precision term, so this bound implies the Gaussian path's
-      :math:`\|m - m_{-k}\|_{P_{-k}} \le c` and equals it for a site that leaves the precision alone.
-
-    A site within both bounds is left exactly as it was. As for Gaussian sites the bound is exact for the
-    client being tempered when the other clients are within their own bounds.
-
-    :param prior: :math:`\lambda_0` ``(P,)``; ``sites`` ``(K, P)``; ``lam_ref``: the round's starting
-        :math:`\lambda` (inside the domain).
-    :param bounds: ``(γ, c)`` from :func:`~numpyro_pc.federated.robust.robust_bounds` (``inf``: no bound).
-    :return: ``(λ_0 + Σ_k η_k', tempered (K,) bool, undefined (K,) bool)``: ``undefined`` marks clients whose
-        others' posterior :math:`\lambda_{-k}` lies outside the domain, where the shift bound has no meaning.
-    """
-    share, shift = bounds
-    rest = prior + leave_one_out(sites)
-    fisher = family.fisher(lam_ref)
-    norm = lambda v: jnp.sqrt(jnp.maximum(v @ fisher @ v, 0.0))  # noqa: E731
-    others = jax.vmap(norm)(leave_one_out(sites))
-
-    def one(eta, lam_rest, other):
-        own = norm(eta)
-        s = jnp.where(own > share * other, share * other / jnp.maximum(own, jnp.finfo(own.dtype).tiny), 1.0)
-        step, proper = s * eta, family.in_domain(lam_rest)
-
-        def inside(t):
-            lam = lam_rest + t * step
-            ok = family.in_domain(lam) & proper
-            return ok & (family.kl(jnp.where(ok, lam, lam_rest), lam_rest) <= 0.5 * shift**2)
-
-        t = jnp.where(jnp.isinf(shift) | inside(1.0), 1.0, _boundary(inside, jnp.ones_like(s)))
-        scale = s * t
-        return jnp.where(scale < 1.0, scale * eta, eta), scale < 1.0, jnp.isfinite(shift) & ~proper
-
-    bounded, tempered, undefined = jax.vmap(one)(sites, rest, others)
-    return prior + jnp.sum(bounded, 0), tempered, undefined
-
-
-@partial(jax.jit, static_argnames=("family",))
-def retreat_ef(family, lam_prev, lam_new):
-    r"""Keep a private round's global posterior inside the domain: ``lam_new`` itself where it is inside,
-    else the point halfway from ``lam_prev`` (inside) to the domain's boundary along the segment to ``lam_new``,
-    :math:`\lambda_{prev} + \tfrac{t_b}{2}(\lambda_{new} - \lambda_{prev})` (:math:`t_b` by bisection; the domain
-    is convex).
-
-    Why this and not another rule: the noise of :mod:`~numpyro_pc.federated.privacy` is unbounded, so
-    :math:`\lambda_0 + \sum_k \tilde\eta_k` can leave the domain (a Beta concentration below 0) however well the
-    run is set up. Refusing the round would end private runs at random, and more often the smaller ``ε``;
-    drawing the noise again until the sum is inside would be more releases, and noise conditioned on the other
-    clients' messages, outside the accounting; the domain is open, so there is no nearest point to project
-    on. Stepping back towards the posterior the clients were sent uses only the messages and the server's
-    state — post-processing, which costs no privacy — leaves an inside sum exactly as it is, keeps the
-    posterior a proper member of the family with a margin to the boundary, and is recorded (``domain_step``
-    in the history: ``t_b / 2``, or 1 where the sum was inside).
-
-    :return: ``(λ, t)``.
-    """
-    direction = lam_new - lam_prev
-    inside = family.in_domain(lam_new)
-    t = jnp.where(inside, 1.0, 0.5 * _boundary(lambda u: family.in_domain(lam_prev + u * direction),
-                                               jnp.ones((), lam_prev.dtype)))
-    return jnp.where(inside, lam_new, lam_prev + t * direction), t
-
-
-def server_step_ef(family, state, lam_ref, bounds=None, private=False):
-    """The server's global posterior after :func:`aggregate_ef` stored the sites: the sites' sum, bounded by
-    :func:`bound_sites_ef` (``bounds``) and, for ``private`` messages, kept inside by :func:`retreat_ef`.
-
-    :return: ``(state, info)``, ``state.joint`` the new global :math:`\\lambda` where it is not the sites' sum;
-        ``info``: ``clipped`` (count), ``clipped_clients`` (indices) and, private, ``domain_step``.
-    :raises OutOfDomainError: the bounded sum outside the domain (not private), or a shift bound measured from
-        an others' posterior outside it.
-    """
-    lam, info = site_natural(state), dict(clipped=0, clipped_clients=[])
-    if bounds is not None:
-        lam, tempered, undefined = bound_sites_ef(family, state.prior, state.sites, lam_ref, bounds)
-        bad = np.flatnonzero(np.asarray(undefined))
-        if bad.size:
-            raise OutOfDomainError(f"max_shift bounds KL(q ‖ q_-k) against the posterior of the other clients, "
-                                   f"which lies outside the family's domain for clients {bad.tolist()}: the bound "
-                                   "is not defined there (increase rho, or leave max_shift unset)")
-        info.update(clipped=int(np.sum(tempered)), clipped_clients=np.flatnonzero(np.asarray(tempered)).tolist())
-    if private:
-        lam, t = retreat_ef(family, lam_ref, lam)
-        info["domain_step"] = float(t)
-    elif not bool(family.in_domain(lam)):
-        raise OutOfDomainError(f"the bounded sum of the clients' sites leaves the family's domain "
-                               f"({family.describe(lam)}); the state is unchanged (increase rho or damp the sites)")
-    joint = None if info["clipped"] == 0 and info.get("domain_step", 1.0) == 1.0 else lam  # else: the sites' sum
-    return state._replace(joint=joint), info
-
-
-def admm_server_ef(family, state, local, alpha) -> EFServerState:
-    """ADMM's server step (paper eq. ``admm``) in natural parameters, after :func:`aggregate_ef` stored the sites:
-
-    .. math::
-        \\lambda_{jnt} \\leftarrow \\alpha\\big(\\lambda_0 + \\textstyle\\sum_k \\eta_k\\big)
-        + (1 - \\alpha)\\,\\tfrac1M \\textstyle\\sum_k \\lambda_k .
-
-    :param state: the :class:`EFServerState` with the round's sites.
-    :param local: the participants' local posteriors :math:`\\lambda_k` ``(M, P)``.
-    :param float alpha: the step :math:`\\alpha > 0` (``1/(1 + ρM)`` in :func:`run_ef`).
-    :return: ``state`` with ``joint`` the new :math:`\\lambda_{jnt}`.
-    :raises ClientMessageError: local posteriors of the wrong shape or not finite.
-    :raises OutOfDomainError: the combination leaves the family's domain (only an ``alpha`` above 1, an
-        extrapolation, can take two points of the convex domain outside it); the state is unchanged.
-    """
-    local = jnp.asarray(local)
-    size = state.prior.shape[0]
-    if local.ndim != 2 or local.shape[1] != size:
-        raise ClientMessageError(f"ADMM needs the local posteriors as an array of shape (M, {size}); found shape "
-                                 f"{tuple(local.shape)}")
-    bad = np.flatnonzero(~np.all(np.isfinite(np.asarray(local)), axis=1))
-    if bad.size:
-        raise ClientMessageError(f"ADMM needs finite local posteriors; rows {bad.tolist()} of the participants' "
-                                 "local posteriors are not")
-    fed, mean = site_natural(state), jnp.mean(local, 0)
-    joint = alpha * fed + (1.0 - alpha) * mean
-    if not bool(family.in_domain(joint)):
-        raise OutOfDomainError(f"the ADMM combination α(λ_0 + Σ_k η_k) + (1 − α) mean_k λ_k with "
-                               f"α={float(alpha):g} leaves the family's natural domain ({family.describe(joint)}): "
-                               "the domain is convex, so this happens only when α > 1 extrapolates past the sites' "
-                               "sum or a local posterior lies outside it; the state is unchanged (use α ≤ 1)")
-    return state._replace(joint=joint)
-
-
 def init_ef(clients, init="zero", local_iters=200, privacy=None, key=None, bounds=None):
     """The server's first state: ``"zero"`` sites (as in PVI; the first local step starts from
     :math:`\\lambda_0`), or ``"prior"``: each client's site at :math:`\\lambda_0` (one natural-gradient step;
-    with ``privacy`` the first release, noised with ``key``; the server's step as in :func:`server_step_ef`).
+    with ``privacy`` the first release, noised with ``key``; the server's step as in :func:`~numpyro_pc.federated.ef_server.server_step_ef`).
 
     :raises OutOfDomainError: ``"prior"`` sites that together leave the domain (use ``"zero"``).
     """
@@ -536,12 +276,12 @@ def kl_rounding(family, lam_p, lam_q) -> jax.Array:
 
 def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
              safeguard_margin=0.3, admm_alpha=None, privacy=None, bounds=None):
-    """One round: :func:`client_round_ef`, then :func:`aggregate_ef` (strict) and, with ``admm_alpha``,
-    :func:`admm_server_ef`; with ``bounds`` or ``privacy``, :func:`server_step_ef`. Returns
+    """One round: :func:`client_round_ef`, then :func:`~numpyro_pc.federated.ef_server.aggregate_ef` (strict) and, with ``admm_alpha``,
+    :func:`~numpyro_pc.federated.ef_server.admm_server_ef`; with ``bounds`` or ``privacy``, :func:`~numpyro_pc.federated.ef_server.server_step_ef`. Returns
     ``(new state, diagnostics)``.
 
-    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (:func:`release_ef`).
-    :param bounds: ``(γ, c)`` of bounded aggregation (:func:`bound_sites_ef`).
+    :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (:func:`~numpyro_pc.federated.ef_robust.release_ef`).
+    :param bounds: ``(γ, c)`` of bounded aggregation (:func:`~numpyro_pc.federated.ef_robust.bound_sites_ef`).
     :param float admm_alpha: ``None``: a FedPC/PVI round, the new global :math:`\\lambda` is the sites' sum;
         else ADMM's server step with this :math:`\\alpha`.
     :return: ``info`` holds ``kl_to_previous``, ``kl_rounding`` (:func:`kl_rounding`), ``residual`` (the largest :math:`\\|\\lambda_k - \\lambda\\| /
@@ -603,7 +343,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
 
     :param dict family: ``{latent site: family name}`` as for :func:`numpyro_pc.fit`.
     :param str algorithm: ``"fedpc"`` (``ρ`` default ``1/K``), ``"pvi"`` (``ρ = 1``, sites damped by ``damping``)
-        or ``"admm"`` (FedPC's local step, the server step of :func:`admm_server_ef`; ``ρ`` default ``1/K``).
+        or ``"admm"`` (FedPC's local step, the server step of :func:`~numpyro_pc.federated.ef_server.admm_server_ef`; ``ρ`` default ``1/K``).
         ``"ama"`` is refused: it is MAP with a precision fixed by the prior, and these families learn theirs.
     :param float rho: local weight ``ρ``, a floor when ``safeguard`` (default on for FedPC and ADMM) raises each
         client's
@@ -624,13 +364,13 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     :param float admm_alpha: ADMM's step :math:`\\alpha > 0` (default ``1/(1 + ρM)``, ``M`` clients per round,
         with the ``ρ`` given; a retry's doubled floor does not change it).
     :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a client sends is
-        :func:`release_ef` — its examples' terms clipped to ``clip_natural`` and noised, ``1/σ²``-zCDP per
+        :func:`~numpyro_pc.federated.ef_robust.release_ef` — its examples' terms clipped to ``clip_natural`` and noised, ``1/σ²``-zCDP per
         release as a Gaussian site, so ``history["epsilon"]`` is the same accounting
         (:meth:`~numpyro_pc.federated.privacy.GaussianMechanism.epsilon_after`). As for Gaussian posteriors:
         FedPC and PVI (not ADMM), ``releases`` must cover ``rounds`` plus the initial sites of ``init="prior"``,
         failed rounds are not retried, and the run ends on its round budget at a perturbed fixed point. A noised
-        sum outside the domain is pulled back by :func:`retreat_ef` (``history["domain_step"]``).
-    :param float max_share: bounded aggregation (:func:`bound_sites_ef`): one client's site at most
+        sum outside the domain is pulled back by :func:`~numpyro_pc.federated.ef_robust.retreat_ef` (``history["domain_step"]``).
+    :param float max_share: bounded aggregation (:func:`~numpyro_pc.federated.ef_robust.bound_sites_ef`): one client's site at most
         ``max_share`` times the others' together, in the Fisher metric (needs two clients or more; not ADMM).
     :param float max_shift: bounded aggregation: :math:`\\mathrm{KL}(q \\| q_{-k}) \\le` ``max_shift² / 2``
         for every client ``k`` (for a Gaussian this implies the Gaussian path's bound of ``max_shift`` standard
@@ -639,7 +379,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         round fails (:class:`~numpyro_pc.errors.OutOfDomainError`; retried with a larger ``ρ``, except in a
         private run, which then stops as ``"diverged"``).
     :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
-        :class:`EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
+        :class:`~numpyro_pc.federated.ef_server.EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
         ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``; ADMM: also ``‖λ_jnt − λ_0 − Σ_k η_k‖``),
         ``local_iterations``, ``local_residual``,
         ``rho_min``/``rho_max``/``rho_floor``, ``retries``, ``bytes``, ``seconds``; with a reference also

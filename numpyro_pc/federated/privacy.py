@@ -37,7 +37,7 @@ One example moves the clipped sum by at most ``C_λ``, so one release is the Gau
 with sensitivity ``C_λ`` and noise ``σ C_λ/√2``: ``C_λ²/(2 σ² C_λ²/2) = 1/σ²``-zCDP, the same
 budget per release as the Gaussian sites' two blocks, and :meth:`GaussianMechanism.epsilon_after`
 is the accounting of both. What the server does when the noised sum of the sites leaves the
-family's natural domain is post-processing (:func:`~numpyro_pc.federated.ef.retreat_ef`).
+family's natural domain is post-processing (:func:`~numpyro_pc.federated.ef_robust.retreat_ef`).
 
 The guarantee is *example-level* (neighbouring shards differ by one example of that
 client), holds against the server and anyone who sees the messages, and needs that the
