@@ -1,10 +1,13 @@
 """Saving and loading a :class:`~numpyro_pc.DualPosterior` safely.
 
 The file is one uncompressed zip archive (NumPy's ``.npz`` layout) holding every array
-and a ``manifest.json``: format name and version, family, dtype, expectation rule, the
+and a ``manifest.json`` in the one schema of :mod:`numpyro_pc.file_format` (format
+version 2): format name and version, ``kind`` (``"gaussian"`` here), family, dtype, the
 model's latent signature and :mod:`fingerprint <numpyro_pc.fingerprint>`, the argument
-layout, ids and tombstones of deleted examples, the dual-form residual, and a SHA-256
-checksum of every array. Nothing is pickled and loading never executes code from the file.
+layout, the dual-form residual and a SHA-256 checksum of every array, and in
+``manifest["gaussian"]`` the expectation rule, curvature, storage, chunk size, next id and
+the ids of deleted examples. Files of version 1 load too (upgraded on reading, never
+rewritten). Nothing is pickled and loading never executes code from the file.
 
 Writes are atomic (see :mod:`numpyro_pc.archive`): a crash at any point leaves the
 previous save intact, and temporaries of interrupted saves are removed by the next save.
@@ -21,14 +24,12 @@ documentation page on saving for the threat model).
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from .archive import read_archive
 from .dual import DualPosteriorBase, by_posterior_kind
 from .ef_posterior import EFPosterior
 from .errors import (
@@ -51,9 +52,11 @@ from .options import check_path
 from .rowops import to_device
 from .sites import Sites
 from .site_problem import dual_residual
-from .ef_io import check_ef_manifest, load_ef, save_ef
-from .saved_model import argument_layout, bind_saved_model, binding_manifest, digest, with_data_arrays, write_checked
-from .validation import DATA_DTYPES, FORMAT, SITE_ARRAYS, VERSION, check_contents, check_manifest, check_residual
+from .ef_io import load_ef, save_ef
+from .file_format import FORMAT, VERSION, build_manifest, check_file, check_read_archive, read_posterior_file
+from .saved_model import (argument_layout, bind_saved_model, binding_manifest, digest, site_arrays, with_data_arrays,
+                          write_checked)
+from .validation import DATA_DTYPES, check_residual
 from .posterior_protocol import provides
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
@@ -62,14 +65,12 @@ __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "Corrupt
            "bind_saved_model", "check_read_archive"]
 
 
-def _arrays(post):
+def _arrays(post) -> dict:
     arrays = {"mean": post.state.mean, "precision": post.state.precision, "data_ids": post.data_ids,
               "tombstones": np.asarray(post.tombstones, np.int64)}
-    for name, value in post.sites.arrays().items():
-        arrays[f"sites.{name}"] = value
     if post.offset is not None:
         arrays["offset.linear"], arrays["offset.precision"] = post.offset.linear, post.offset.precision
-    return with_data_arrays(arrays, post.data, DATA_DTYPES)
+    return with_data_arrays(arrays, post.data, DATA_DTYPES, post.sites)
 
 
 @provides("save")
@@ -93,39 +94,32 @@ _save = by_posterior_kind("pc.save", PersistenceError)
 
 
 @_save.register
-def _save_ef(post: EFPosterior, path, key):
+def _save_ef(post: EFPosterior, path, key) -> Path:
     return save_ef(post, path, key=key)
 
 
 @_save.register
-def _save_gaussian(post: DualPosteriorBase, path, key):
+def _save_gaussian(post: DualPosteriorBase, path, key) -> Path:
     arrays = _arrays(post)
     spec = post.spec
     dtype = str(arrays["mean"].dtype)
     with jax.enable_x64(dtype == "float64"):
         fingerprint = model_fingerprint(spec, post.data)
-    manifest = {
-        "format": FORMAT, "version": VERSION, "family": post.family.name,
-        "dtype": dtype, "rule": dict(vars(post.rule)),
-        "curvature": post.curvature, "storage": post.sites.storage, "chunk_size": post.chunk_size,
-        "next_id": post.next_id, "tombstones": list(post.tombstones),
-        **binding_manifest(spec, post.data, arrays, float(post.site_identity_residual), fingerprint, key is not None),
-    }
-    if post.stale_sites:  # written only when true: files of other posteriors are unchanged
-        manifest["stale_sites"] = True
-    return write_checked(path, manifest, arrays, _check_file, key=key, sized_member="tombstones")
-
-
-def _check_file(manifest, arrays) -> None:
-    check_manifest(manifest)
-    check_contents(manifest, arrays)
+    part = {"rule": dict(vars(post.rule)), "curvature": post.curvature, "storage": post.sites.storage,
+            "chunk_size": post.chunk_size, "next_id": post.next_id, "tombstones": list(post.tombstones)}
+    binding = binding_manifest(spec, post.data, arrays, float(post.site_identity_residual), fingerprint,
+                               key is not None)
+    manifest = build_manifest("gaussian", post.family.name, dtype, part, binding, post.stale_sites)
+    return write_checked(path, manifest, arrays, check_file, key=key, sized_member="tombstones")
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase | EFPosterior:
     """Read a posterior saved by :func:`save` and bind it to ``model``, checking everything.
 
     A file saved from an :class:`~numpyro_pc.ef_posterior.EFPosterior` (manifest ``kind``
-    ``"ef"``) is read by the same container code and checked by :func:`numpyro_pc.ef_io.load_ef`.
+    ``"ef"``) is read and checked by the same code (:func:`numpyro_pc.file_format.read_posterior_file`)
+    and bound to the model by :func:`numpyro_pc.ef_io.load_ef`. Files of format version 1
+    (either kind) are upgraded to the version-2 layout as they are read; the file is not changed.
 
     The file is untrusted input: what is read is bounded by the declared sizes, the
     manifest and arrays are validated, the dual-form residual is recomputed and compared
@@ -144,55 +138,30 @@ def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = Non
         :class:`~numpyro_pc.errors.DtypeMismatchError` or :class:`~numpyro_pc.errors.SavedModelMismatchError`
         (also a :class:`~numpyro_pc.errors.ModelMismatchError`).
     """
-    manifest, arrays, signed = read_archive(path, _check_any_manifest, key=key)
-    check_read_archive(path, manifest, arrays, signed, key)
-    if "kind" in manifest:
+    manifest, arrays = read_posterior_file(path, key=key)
+    if manifest["kind"] == "ef":
         return load_ef(path, model, manifest, arrays)
-    dtype = manifest["dtype"]
-    check_contents(manifest, arrays)
+    return _load_gaussian(path, model, manifest, arrays)
+
+
+def _load_gaussian(path, model, manifest, arrays) -> DualPosteriorBase:
+    """The Gaussian posterior of a file read and checked by :func:`~numpyro_pc.file_format.read_posterior_file`:
+    the dual-form residual recomputed and compared, the model bound and its fingerprint compared."""
+    dtype, part = manifest["dtype"], manifest["gaussian"]
     family = get_family(manifest["family"])
     with jax.enable_x64(dtype == "float64"):
-        site_fields = {name: to_device(arrays[f"sites.{name}"]) for name in SITE_ARRAYS if f"sites.{name}" in arrays}
-        sites = Sites.from_arrays(site_fields, storage=manifest["storage"])
+        sites = Sites.from_arrays(site_arrays(arrays), storage=part["storage"])
         state = Gaussian(to_device(arrays["mean"]), to_device(arrays["precision"]))
         offset = None
         if "offset.linear" in arrays:
             offset = GaussianNatural(to_device(arrays["offset.linear"]), to_device(arrays["offset.precision"]))
         try:
-
             residual = dual_residual(family, state, sites, offset)[0]
         except PosteriorCorrectionError as err:
             raise InconsistentFileError(f"{path}: the sites cannot be combined ({err})") from err
         check_residual(manifest.get("residual"), residual, dtype)
         spec, data = bind_saved_model(path, model, manifest, arrays)
-    return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**manifest["rule"]),
-                         manifest["curvature"], manifest["storage"], manifest["chunk_size"], (), None,
-                         data_ids=to_device(arrays["data_ids"]), tombstones=manifest["tombstones"],
-                         next_id=manifest["next_id"], offset=offset, stale_sites=manifest.get("stale_sites", False))
-
-
-def _check_any_manifest(manifest):
-    """The manifest check of the file's kind: a Gaussian dual posterior (no ``kind``) or ``"ef"``."""
-    if "kind" in manifest:
-        return check_ef_manifest(manifest)
-    return check_manifest(manifest)
-
-
-def check_read_archive(path, manifest, arrays, signed, key):
-    """Checks common to every kind of saved posterior once the archive is read: a signature
-    that was removed, a signed file read without a key (a warning), 64-bit arrays without x64.
-
-    :raises IntegrityError, DtypeMismatchError:
-    """
-    if manifest.get("signed") and not signed:
-        raise IntegrityError(f"{path} was signed when saved but its signature member was removed")
-    if signed and key is None:
-        warnings.warn(f"{path} is signed but no key was given: its signature was not checked", UserWarning,
-                      stacklevel=3)
-    if any(not _representable(v.dtype) for k, v in arrays.items() if k != "tombstones"):  # tombstones stay on the host
-        raise DtypeMismatchError(f"{path} holds a {manifest['dtype']} posterior with 64-bit arrays; enable x64 "
-                                 "(jax.enable_x64()) to load it without losing precision")
-
-
-def _representable(dtype):
-    return jax.dtypes.canonicalize_dtype(dtype) == dtype
+    return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**part["rule"]),
+                             part["curvature"], part["storage"], part["chunk_size"], (), None,
+                             data_ids=to_device(arrays["data_ids"]), tombstones=part["tombstones"],
+                             next_id=part["next_id"], offset=offset, stale_sites=manifest["stale_sites"])

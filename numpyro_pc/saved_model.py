@@ -24,7 +24,8 @@ from .fingerprint import compare_fingerprints, model_fingerprint
 from .likelihood import ModelData, bind_model
 from .rowops import to_device
 
-__all__ = ["argument_layout", "bind_saved_model", "digest", "with_data_arrays", "binding_manifest", "write_checked"]
+__all__ = ["argument_layout", "bind_saved_model", "digest", "with_data_arrays", "site_arrays", "binding_manifest",
+           "write_checked"]
 
 
 def digest(array):
@@ -134,13 +135,16 @@ def _rebuild_args(layout, per_example, shared):
     return args, kwargs
 
 
-def with_data_arrays(arrays: dict, data: ModelData, allowed_dtypes) -> dict[str, np.ndarray]:
-    """``arrays`` and the retained data rows (``data.example.k``, ``data.shared.k``) as NumPy arrays,
-    the members of a saved posterior of either kind.
+def with_data_arrays(arrays: dict, data: ModelData, allowed_dtypes, sites=None) -> dict[str, np.ndarray]:
+    """``arrays``, the site table's arrays (``sites.<name>`` for each entry of ``sites.arrays()``)
+    and the retained data rows (``data.example.k``, ``data.shared.k``) as NumPy arrays, the
+    members of a saved posterior of either kind.
 
     :raises PersistenceError: an array whose dtype is not in ``allowed_dtypes`` (what a file may hold).
     """
     arrays = dict(arrays)
+    if sites is not None:
+        arrays.update({f"sites.{name}": value for name, value in sites.arrays().items()})
     for k, leaf in enumerate(data.per_example):
         arrays[f"data.example.{k}"] = leaf
     for k, leaf in enumerate(data.shared):
@@ -150,6 +154,12 @@ def with_data_arrays(arrays: dict, data: ModelData, allowed_dtypes) -> dict[str,
         if str(value.dtype) not in allowed_dtypes:
             raise PersistenceError(f"array {name!r} has dtype {value.dtype}; only {allowed_dtypes} can be saved")
     return arrays
+
+
+def site_arrays(arrays: dict) -> dict:
+    """The ``sites.<name>`` members of a file as ``{name: device array}``, the input of the site
+    table's ``from_arrays``."""
+    return {name[len("sites."):]: to_device(value) for name, value in arrays.items() if name.startswith("sites.")}
 
 
 def binding_manifest(spec, data: ModelData, arrays: dict, residual: float, fingerprint, signed: bool) -> dict:

@@ -1,15 +1,28 @@
-"""Checks of a saved posterior's manifest and arrays before they become a :class:`~numpyro_pc.DualPosterior`.
+"""Checks of a saved posterior's manifest and arrays before they become a posterior.
 
 A saved file may come from someone else, so :func:`numpyro_pc.io.load` trusts nothing in
-it. :func:`check_manifest` checks the manifest's schema (every field's type and range)
-and returns the arrays it declares, so that the reader can bound what it reads.
-:func:`check_contents` checks that the arrays agree with each other and are usable:
-dtypes, shapes across state, sites, data and ids; ids unique, below ``next_id`` and
-disjoint from the tombstones; every value finite; the precision symmetric positive
-definite; one example no larger than the file's arrays (a file without data rows could
-otherwise declare examples of terabytes, and the model is traced on one).
-:func:`check_residual` compares the dual-form residual recomputed from the
-arrays with the one recorded at save time (an edited site or offset changes it).
+it. :func:`numpyro_pc.file_format.check_manifest` checks the common header of the
+manifest with the checks every kind shares (:func:`check_binding_fields`,
+:func:`check_array_entries`) and hands the kind's part to the kind's checker here; each
+returns the arrays the manifest declares, so that the reader can bound what it reads.
+
+- The Gaussian kind (:class:`~numpyro_pc.DualPosterior`): :func:`check_gaussian_part`
+  checks ``family`` and ``manifest["gaussian"]`` (every field's type and range);
+  :func:`check_contents` checks that the arrays agree with each other and are usable:
+  dtypes, shapes across state, sites, data and ids; ids unique, below ``next_id`` and
+  disjoint from the tombstones; every value finite; the precision symmetric positive
+  definite; one example no larger than the file's arrays (:func:`check_example_rows`: a
+  file without data rows could otherwise declare examples of terabytes, and the model is
+  traced on one).
+- The exponential-family kind (:class:`~numpyro_pc.ef_posterior.EFPosterior`):
+  :func:`check_ef_part` checks ``family`` (``{latent site: family name}`` in the model's
+  latent order) and ``manifest["ef"]`` (the site computation's ``config`` and
+  ``conjugate_prior``); :func:`check_ef_contents` checks ``natural``, ``sites.grads``,
+  ``sites.prior``, ``sites.ids`` and the data rows against the manifest and each other. The
+  checks that need the model are made by :func:`numpyro_pc.ef_io.load_ef`.
+
+:func:`check_residual` compares the dual-form residual recomputed from the arrays with the
+one recorded at save time (an edited site or offset changes it).
 
 Each failure raises a :class:`~numpyro_pc.errors.CorruptFileError` (malformed manifest)
 or :class:`~numpyro_pc.errors.InconsistentFileError` naming what was expected and what
@@ -20,22 +33,21 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NoReturn
 
 import numpy as np
 
 from .capabilities import SiteCurvature, capability
 from .curvature import STORES
 from .expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
-from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, InvalidOptionError
+from .errors import CorruptFileError, DtypeMismatchError, InconsistentFileError, InvalidOptionError
 from .families import get_family, registered_families
 from .options import is_choice
 
-__all__ = ["FORMAT", "VERSION", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
-           "check_manifest", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",
-           "check_residual", "fail_field"]
+__all__ = ["GAUSSIAN_FIELDS", "EF_FIELDS", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
+           "check_gaussian_part", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",
+           "check_residual", "fail_field", "check_ef_part", "check_ef_contents"]
 
-FORMAT = "numpyro_pc.dual_posterior"
-VERSION = 1
 SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "index", "nnz", "loss", "ids", "ref_index", "ref_means",
                "prior_grad", "prior_curvature", "prior_loss", "prior_ref")
 _CURVATURE_ARRAYS = {name for store in STORES.values() for name in store.file_shapes(0, 0, 0)}
@@ -60,14 +72,12 @@ def _family_storage(name=None):
 
 _MAX_ID = 2**62
 MIN_EXAMPLE_BOUND = 2**24  # bytes one example may hold even when the file's arrays hold fewer
-_FIELDS = {"format", "version", "family", "dtype", "rule", "curvature", "storage", "chunk_size", "latent", "plate",
-           "observed", "arguments", "next_id", "tombstones", "example_shapes", "arrays", "residual", "fingerprint",
-           "signed", "stale_sites"}
+GAUSSIAN_FIELDS = frozenset({"rule", "curvature", "storage", "chunk_size", "next_id", "tombstones"})  # manifest["gaussian"]
 _NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.precision|data\.(example|shared)\.\d+|"
                    rf"sites\.({'|'.join(SITE_ARRAYS)}))")
 
 
-def fail_field(where, expected, found, error=CorruptFileError):
+def fail_field(where, expected, found, error=CorruptFileError) -> NoReturn:
     """Raise ``error`` (:class:`~numpyro_pc.errors.CorruptFileError`) naming the manifest field, what was
     expected and what was found."""
     text = repr(found)
@@ -87,10 +97,10 @@ def _ints(value, where, low=0):
     return value
 
 
-def _choice(manifest, key, options):
+def _choice(manifest, key, options, prefix=""):
     value = manifest.get(key)
     if not is_choice(value, options):
-        _fail(key, f"one of {list(options)}", value)
+        _fail(prefix + key, f"one of {list(options)}", value)
     return value
 
 
@@ -99,17 +109,17 @@ def _check_rule(rule):
               "prior_mode": (None, "separable", "quadratic", "qmc"), "subspace_dim": (0, MAX_MC_SUBSPACE_DIM + 1),
               "num_prior_points": (1, 10**7), "mc_precision": ("hessian", "reparam")}
     if not isinstance(rule, dict) or not set(rule) <= set(fields) or "kind" not in rule:
-        _fail("rule", f"an object with 'kind' and some of {sorted(fields)}", rule)
+        _fail("gaussian.rule", f"an object with 'kind' and some of {sorted(fields)}", rule)
     for key, value in rule.items():
         allowed = fields[key]
         ok = _is_int(value, *allowed) if isinstance(allowed[0], int) else value in allowed and (
             value is None or isinstance(value, str))
         if not ok:
-            _fail(f"rule.{key}", f"{allowed[0]} ≤ integer < {allowed[1]}" if isinstance(allowed[0], int)
+            _fail(f"gaussian.rule.{key}", f"{allowed[0]} ≤ integer < {allowed[1]}" if isinstance(allowed[0], int)
                   else f"one of {list(allowed)}", value)
     limit = {"gh": MAX_SUBSPACE_DIM, "mc": MAX_MC_SUBSPACE_DIM}.get(rule["kind"], 0)  # tensor rules grow as n^r
     if rule.get("subspace_dim", 0) > limit:
-        _fail("rule.subspace_dim", f"an integer ≤ {limit} for the {rule['kind']!r} rule", rule["subspace_dim"])
+        _fail("gaussian.rule.subspace_dim", f"an integer ≤ {limit} for the {rule['kind']!r} rule", rule["subspace_dim"])
 
 
 def _check_layout(layout):
@@ -130,43 +140,32 @@ def _check_layout(layout):
     return kinds.count("example"), kinds.count("shared")
 
 
-def check_manifest(manifest):
-    """Check the manifest's schema.
+def check_gaussian_part(manifest: dict, num_example: int, num_shared: int) -> dict:
+    """Check the Gaussian part of a version-2 manifest (its header already checked by
+    :func:`numpyro_pc.file_format.check_manifest`): ``family`` and the fields of
+    ``manifest["gaussian"]`` (:data:`GAUSSIAN_FIELDS`), then the declared arrays.
 
     :return: ``{array name: (dtype, shape, sha256)}`` of the declared arrays.
-    :raises CorruptFileError: a field is missing, of the wrong type or out of range.
-    :raises FormatVersionError: the file was written by another format version.
+    :raises CorruptFileError: a field of the wrong type or out of range.
     """
-    if manifest.get("format") != FORMAT:
-        raise CorruptFileError(f"not a saved dual posterior: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    if manifest.get("version") != VERSION:
-        raise FormatVersionError(f"format version {manifest.get('version')!r}; this numpyro_pc reads version {VERSION}")
-    unknown = sorted(set(manifest) - _FIELDS, key=str)
-    if unknown:
-        _fail(unknown[0], f"only the fields {sorted(_FIELDS)}", manifest[unknown[0]])
+    part = manifest["gaussian"]
     storages = _family_storage(manifest.get("family"))
     family = _choice(manifest, "family", tuple(storages))
-    _choice(manifest, "dtype", FLOAT_DTYPES)
-    _choice(manifest, "curvature", ("hessian", "ggn"))
-    _choice(manifest, "storage", storages[family])
-    _check_rule(manifest.get("rule"))
-    if "chunk_size" not in manifest or not (manifest["chunk_size"] is None or _is_int(manifest["chunk_size"], 1)):
-        _fail("chunk_size", "null or a positive integer", manifest.get("chunk_size"))
-    num_example, num_shared = check_binding_fields(manifest)
-    if not _is_int(manifest.get("next_id")):
-        _fail("next_id", "an integer ≥ 0", manifest.get("next_id"))
-    _ints(manifest.get("tombstones"), "tombstones")
-    if manifest.get("stale_sites", False) is not False and manifest.get("stale_sites") is not True:
-        _fail("stale_sites", "true (written only for a posterior whose retained sites are stale)",
-              manifest.get("stale_sites"))
-    storage = manifest["storage"]
+    _choice(part, "curvature", ("hessian", "ggn"), "gaussian.")
+    storage = _choice(part, "storage", storages[family], "gaussian.")
+    _check_rule(part["rule"])
+    if not (part["chunk_size"] is None or _is_int(part["chunk_size"], 1)):
+        _fail("gaussian.chunk_size", "null or a positive integer", part["chunk_size"])
+    if not _is_int(part["next_id"]):
+        _fail("gaussian.next_id", "an integer ≥ 0", part["next_id"])
+    _ints(part["tombstones"], "gaussian.tombstones")
     required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
     required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}
     return check_array_entries(manifest, _NAME, required, num_example, num_shared,
                                optional={"offset.linear", "offset.precision"}, what="a dual posterior")
 
 
-def check_binding_fields(manifest):
+def check_binding_fields(manifest: dict) -> tuple[int, int]:
     """Check the fields that bind a saved posterior to its model: ``latent``, ``plate``,
     ``observed``, ``arguments``, ``example_shapes``, ``fingerprint``, ``signed`` and ``residual``
     (shared by every kind of saved posterior).
@@ -213,7 +212,8 @@ def check_binding_fields(manifest):
     return num_example, num_shared
 
 
-def check_array_entries(manifest, pattern, required, num_example, num_shared, optional=(), what="a dual posterior"):
+def check_array_entries(manifest, pattern, required, num_example, num_shared, optional=(),
+                        what="a dual posterior") -> dict:
     """Check the manifest's ``arrays`` entries: names matching ``pattern``, each with a SHA-256, a
     numeric dtype and a shape; exactly ``required`` plus the data arguments' arrays, and of
     ``optional`` all or none.
@@ -244,12 +244,12 @@ def check_array_entries(manifest, pattern, required, num_example, num_shared, op
     return declared
 
 
-def check_contents(manifest, arrays):
+def check_contents(manifest: dict, arrays: dict) -> None:
     """Check that the arrays agree with the manifest and with each other (see the module docstring).
 
     :raises InconsistentFileError:
     """
-    dtype, family = manifest["dtype"], manifest["family"]
+    dtype, family, part = manifest["dtype"], manifest["family"], manifest["gaussian"]
     floats = ["mean", "precision"] + [f"sites.{n}" for n in ("grad", "curvature", "jac", "lam", "loss", "ref_means",
                                                              "prior_grad", "prior_curvature", "prior_loss",
                                                              "prior_ref")] + ["offset.linear", "offset.precision"]
@@ -266,7 +266,7 @@ def check_contents(manifest, arrays):
     k = arrays["sites.jac"].shape[1] if arrays.get("sites.jac") is not None and arrays["sites.jac"].ndim == 3 else 0
     precision = get_family(family).precision_shape(d)
     rows = arrays["data_ids"].shape[0] if arrays["data_ids"].ndim == 1 else -1
-    store = STORES[manifest["storage"]]
+    store = STORES[part["storage"]]
     width = arrays["sites.index"].shape[1] if store.sparse_rows and arrays["sites.index"].ndim == 2 else 0
     # a separable prior's curvature may be held as its diagonal (numpyro_pc.prior_site)
     prior = (d,) if arrays["sites.prior_curvature"].ndim == 1 else (d, d)
@@ -274,7 +274,7 @@ def check_contents(manifest, arrays):
               "sites.grad": store.grad_shape(n, d, width), "sites.loss": (n,), "sites.ids": (n,),
               "sites.ref_index": (n,), "sites.ref_means": (refs, d), "sites.prior_grad": (d,),
               "sites.prior_curvature": prior, "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
-              "tombstones": (len(manifest["tombstones"]),)}
+              "tombstones": (len(part["tombstones"]),)}
     file_shapes = store.file_shapes(n, k, d, width) if store.sparse_rows else store.file_shapes(n, k, d)
     shapes.update({f"sites.{name}": shape for name, shape in file_shapes.items()})
     for name, shape in shapes.items():
@@ -287,7 +287,7 @@ def check_contents(manifest, arrays):
     _check_precision(family, arrays["precision"])
 
 
-def check_example_rows(manifest, arrays, rows):
+def check_example_rows(manifest: dict, arrays: dict, rows: int) -> None:
     """Check the data arrays against ``example_shapes`` (``rows`` rows each, the declared dtypes,
     one example no larger than the file's arrays) and that every float array is finite.
 
@@ -310,7 +310,7 @@ def check_example_rows(manifest, arrays, rows):
             _inconsistent(name, "finite values", f"{int(np.sum(~np.isfinite(value)))} NaN or infinite value(s)")
 
 
-def _inconsistent(name, expected, found):
+def _inconsistent(name, expected, found) -> NoReturn:
     raise InconsistentFileError(f"array {name!r}: expected {expected}, found {found}")
 
 
@@ -325,9 +325,9 @@ def _check_sparse(arrays, d, width):
 
 
 def _check_ids(manifest, arrays, refs):
-    next_id = manifest["next_id"]
+    next_id = manifest["gaussian"]["next_id"]
     ids, data_ids = arrays["sites.ids"], arrays["data_ids"]
-    tombstones = np.asarray(manifest["tombstones"], np.int64)
+    tombstones = np.asarray(manifest["gaussian"]["tombstones"], np.int64)
     for name, values in (("sites.ids", ids), ("data_ids", data_ids), ("tombstones", tombstones)):
         if values.size and (values.min() < 0 or values.max() >= next_id):
             _inconsistent(name, f"ids in [0, next_id={next_id})", f"ids from {values.min()} to {values.max()}")
@@ -354,7 +354,7 @@ def _check_precision(family, precision):
                   "a variance fails)")
 
 
-def check_residual(saved, recomputed, dtype):
+def check_residual(saved, recomputed, dtype) -> None:
     """Compare the dual-form residual recomputed on load with the one recorded at save time.
 
     Recomputing on the same arrays gives the same value up to rounding; an edited site,
@@ -368,3 +368,69 @@ def check_residual(saved, recomputed, dtype):
                                     f"{saved:.3g} was recorded when saving: the sites, prior site or offset were "
                                     "altered" if saved is not None else
                                     f"the dual-form residual of the saved arrays is {recomputed}")
+
+
+# --------------------------------------------------------------------------- the exponential-family kind
+
+EF_FIELDS = frozenset({"config", "conjugate_prior"})  # manifest["ef"]
+_EF_NAME = re.compile(r"(natural|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
+_IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
+_CONFIG = {"num_nodes": (1, 10**4), "num_samples": (1, 10**7), "seed": (0, 2**32)}
+
+
+
+def check_ef_part(manifest: dict, num_example: int, num_shared: int) -> dict:
+    """Check the exponential-family part of a version-2 manifest (its header already checked).
+
+    :return: ``{array name: (dtype, shape, sha256)}`` of the declared arrays.
+    :raises CorruptFileError: a field of the wrong type or out of range.
+    """
+    part = manifest["ef"]
+    if not isinstance(part["conjugate_prior"], bool):
+        fail_field("ef.conjugate_prior", "true or false", part["conjugate_prior"])
+    config = part["config"]
+    if not isinstance(config, dict) or set(config) != {"rule", *_CONFIG}:
+        fail_field("ef.config", f"an object with the fields {sorted({'rule', *_CONFIG})}", config)
+    if not isinstance(config["rule"], str) or not _IDENTIFIER.fullmatch(config["rule"]):
+        fail_field("ef.config.rule", "the name of an expectation rule (e.g. 'quadrature' or 'mc')", config["rule"])
+    for name, (low, high) in _CONFIG.items():
+        if not _is_int(config[name], low, high):
+            fail_field(f"ef.config.{name}", f"{low} ≤ integer < {high}", config[name])
+    family = manifest.get("family")
+    names = manifest["latent"]["names"] + manifest["latent"].get("discrete_names", [])
+    if not isinstance(family, dict) or list(family) != names or not all(
+            isinstance(v, str) and _IDENTIFIER.fullmatch(v) for v in family.values()):
+        fail_field("family", f"an object naming the family of each latent site {names}, in that order", family)
+    return check_array_entries(manifest, _EF_NAME, {"natural", "sites.grads", "sites.prior", "sites.ids"}, num_example,
+                               num_shared, what="an exponential-family posterior")
+
+
+
+def check_ef_contents(manifest: dict, arrays: dict) -> None:
+    """Check that the arrays agree with the manifest and with each other: dtypes, shapes
+    (``natural (P,)``, ``sites.prior (P,)``, ``sites.grads (N, P)``, ``sites.ids (N,)``,
+    ``N`` data rows), finite values, unique non-negative ids. The family's size ``P`` is
+    checked on load, once the model is bound.
+
+    :raises InconsistentFileError, DtypeMismatchError:
+    """
+    dtype = manifest["dtype"]
+    for name in ("natural", "sites.grads", "sites.prior"):
+        if str(arrays[name].dtype) != dtype:
+            raise DtypeMismatchError(f"array {name!r}: expected dtype {dtype} (the manifest's), found "
+                                     f"{arrays[name].dtype}")
+    ids = arrays["sites.ids"]
+    if str(ids.dtype) not in INT_DTYPES:
+        _inconsistent("sites.ids", f"an integer dtype {INT_DTYPES}", ids.dtype)
+    if arrays["natural"].ndim != 1:
+        _inconsistent("natural", "a vector (P,)", f"shape {arrays['natural'].shape}")
+    size = arrays["natural"].shape[0]
+    rows = ids.shape[0] if ids.ndim == 1 else -1
+    for name, shape in (("sites.prior", (size,)), ("sites.grads", (rows, size)), ("sites.ids", (rows,))):
+        if arrays[name].shape != shape:
+            _inconsistent(name, f"shape {shape} (P={size} natural parameters, N={rows} sites)", arrays[name].shape)
+    check_example_rows(manifest, arrays, rows)
+    if ids.size and (ids.min() < 0 or ids.max() >= _MAX_ID):
+        _inconsistent("sites.ids", f"ids in [0, {_MAX_ID})", f"ids from {ids.min()} to {ids.max()}")
+    if np.unique(ids).size != ids.size:
+        _inconsistent("sites.ids", "unique ids", f"{ids.size - np.unique(ids).size} duplicate(s)")

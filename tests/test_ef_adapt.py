@@ -196,11 +196,13 @@ def _edit_manifest(path, edit):
 
 
 def _edit_arrays(path, **edits):
-    """Replace arrays by ``fn(old arrays)`` and re-sign them in the manifest (a deliberate edit)."""
+    """Replace arrays by ``fn(old arrays)`` and re-sign them in the manifest (a deliberate edit); the
+    site arrays ``sites.grads``, ``sites.prior``, ``sites.ids`` are named without their prefix."""
     members = _members(path)
     manifest = json.loads(members["manifest.json"])
-    old = {n[:-4]: np.load(_io.BytesIO(d)) for n, d in members.items() if n.endswith(".npy")}
-    for name, fn in edits.items():
+    old = {n[:-4].removeprefix("sites."): np.load(_io.BytesIO(d)) for n, d in members.items() if n.endswith(".npy")}
+    for short, fn in edits.items():
+        name = f"sites.{short}" if short in ("grads", "prior", "ids") else short
         new = np.asarray(fn(old))
         members[f"{name}.npy"] = archive.npy_bytes(new)
         manifest["arrays"][name] = {"sha256": io.digest(new), "dtype": str(new.dtype), "shape": list(new.shape)}
@@ -248,11 +250,12 @@ def test_re_signed_inconsistent_arrays_are_refused(saved, edits, error, match):
     (lambda m: m.update(family={"q": "beta"}), errors.CorruptFileError, "family"),
     (lambda m: m.update(kind="gaussian"), errors.CorruptFileError, "kind"),
     (lambda m: m.update(extra=1), errors.CorruptFileError, "only the fields"),
-    (lambda m: m["config"].update(rule="simpson"), errors.InconsistentFileError, "configuration"),
-    (lambda m: m["config"].update(seed=-1), errors.CorruptFileError, "config.seed"),
-    (lambda m: m.update(conjugate_prior="yes"), errors.CorruptFileError, "conjugate_prior"),
+    (lambda m: m["ef"]["config"].update(rule="simpson"), errors.InconsistentFileError, "configuration"),
+    (lambda m: m["ef"]["config"].update(seed=-1), errors.CorruptFileError, "ef.config.seed"),
+    (lambda m: m["ef"].update(conjugate_prior="yes"), errors.CorruptFileError, "ef.conjugate_prior"),
+    (lambda m: m.update(conjugate_prior=True), errors.CorruptFileError, "only the fields"),  # a version-1 place
     (lambda m: m.update(residual=float("nan")), errors.CorruptFileError, "residual"),
-    (lambda m: m.update(residual=0.0) or m["arrays"].pop("grads"), errors.CorruptFileError, "arrays"),
+    (lambda m: m.update(residual=0.0) or m["arrays"].pop("sites.grads"), errors.CorruptFileError, "arrays"),
     (lambda m: m.update(version=99), errors.FormatVersionError, "version"),
 ])
 def test_malformed_manifests_are_refused(saved, edit, error, match):
@@ -273,7 +276,7 @@ def test_a_non_conjugate_prior_cannot_pass_for_conjugate(x64, tmp_path):
     post = pc.fit(lognormal_poisson, y=jnp.asarray(_pois()), family={"rate": "gamma"})
     assert not post.conjugate_prior
     path = pc.save(post, tmp_path / "p")
-    _edit_manifest(path, lambda m: m.update(conjugate_prior=True))
+    _edit_manifest(path, lambda m: m["ef"].update(conjugate_prior=True))
     with pytest.raises(errors.InconsistentFileError, match="conjugate-form prior"):
         pc.load(path, lognormal_poisson)
 

@@ -251,7 +251,7 @@ def test_a_big_endian_member_loads_with_its_values(fresh):
     (lambda p: _edit_array(p, "precision", lambda s: -np.eye(2)), io.InconsistentFileError, "positive definite"),
     (lambda p: _edit_array(p, "sites.grad", lambda g: np.where(np.arange(g.size).reshape(g.shape) == 3, np.nan, g)),
      io.InconsistentFileError, "finite"),
-    (lambda p: _edit_manifest(p, lambda m: m.update(next_id=5)), io.InconsistentFileError, "next_id"),
+    (lambda p: _edit_manifest(p, lambda m: m["gaussian"].update(next_id=5)), io.InconsistentFileError, "next_id"),
     (lambda p: _edit_array(p, "sites.ids", lambda i: np.where(i == 1, 0, i)), io.InconsistentFileError, "unique"),
     (lambda p: _edit_array(p, "data_ids", lambda i: np.where(i == 1, 0, i)), io.InconsistentFileError, "unique"),
     (lambda p: _edit_array(p, "sites.ids", lambda i: np.where(i == 5, 4, i)), io.InconsistentFileError, "deleted"),
@@ -279,12 +279,15 @@ def test_re_signed_inconsistent_contents_are_refused(fresh, edit, error, match):
 
 @pytest.mark.parametrize("mutate", [
     lambda m: m.pop("arrays"), lambda m: m.update(arrays=[]), lambda m: m["arrays"]["mean"].pop("dtype"),
-    lambda m: m["arrays"]["mean"].update(shape="2"), lambda m: m.update(tombstones="4"),
-    lambda m: m.update(tombstones=None), lambda m: m.update(latent=None), lambda m: m["latent"].pop("names"),
-    lambda m: m.update(rule={"kind": "zz"}), lambda m: m.update(rule=[]), lambda m: m.update(arguments=[]),
+    lambda m: m["arrays"]["mean"].update(shape="2"), lambda m: m["gaussian"].update(tombstones="4"),
+    lambda m: m["gaussian"].update(tombstones=None), lambda m: m.update(latent=None), lambda m: m["latent"].pop("names"),
+    lambda m: m["gaussian"].update(rule={"kind": "zz"}), lambda m: m["gaussian"].update(rule=[]), lambda m: m.update(arguments=[]),
     lambda m: m["arguments"]["args"].append(5), lambda m: m.update(example_shapes=[[2]]),
-    lambda m: m.update(next_id="9"), lambda m: m.update(family="banana"), lambda m: m.update(storage=3),
-    lambda m: m.update(plate=None), lambda m: m.update(observed="y"), lambda m: m.update(chunk_size=-1),
+    lambda m: m["gaussian"].update(next_id="9"), lambda m: m.update(family="banana"),
+    lambda m: m["gaussian"].update(storage=3), lambda m: m.update(plate=None), lambda m: m.update(observed="y"),
+    lambda m: m["gaussian"].update(chunk_size=-1), lambda m: m.update(stale_sites=None),
+    lambda m: m.update(kind="ef"), lambda m: m.pop("kind"), lambda m: m.pop("gaussian"),
+    lambda m: m.update(rule=m["gaussian"]["rule"]),
     lambda m: m.update(dtype="complex128"), lambda m: m["arrays"].update(evil={"sha256": "0" * 64}),
     lambda m: m["arrays"].pop("sites.grad"), lambda m: m.update(residual="small"), lambda m: m.update(padding=""),
 ], ids=lambda f: "")
@@ -578,7 +581,7 @@ def test_fuzz_re_signed_arrays_give_a_typed_error_or_a_finite_posterior(saved, t
             members[f"{name}.npy"] = archive.npy_bytes(new)
             manifest["arrays"][name] = {"sha256": io.digest(new), "dtype": str(new.dtype), "shape": list(new.shape)}
             if name == "tombstones" and new.dtype.kind in "iu" and rng.integers(2):
-                manifest["tombstones"] = new.reshape(-1).tolist()  # the manifest's list edited to agree
+                manifest["gaussian"]["tombstones"] = new.reshape(-1).tolist()  # the manifest's list edited to agree
             if name.startswith("data.example.") and new.ndim and rng.integers(2):  # the manifest's shape too
                 manifest["example_shapes"][int(name[-1])] = [list(new.shape[1:]), str(new.dtype)]
         members["manifest.json"] = json.dumps(manifest).encode()
