@@ -55,10 +55,10 @@ def __getattr__(name: str):
 
 
 def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Callable:
-    """A :func:`functools.singledispatch` function over the kind of its first argument, a posterior:
-    each kind registers its implementation (``@impl.register``), anything else is refused with
-    ``error`` naming ``operation`` and what was found — the one place an operation looks up
-    what to do with a Gaussian or an exponential-family posterior.
+    """A :func:`functools.singledispatch` function over the class of its first argument, a posterior,
+    anything else refused with ``error`` naming ``operation``: for the facade
+    (:mod:`numpyro_pc.posterior`), which hands users its own classes. Operations dispatch on the
+    family's site table instead (:func:`numpyro_pc.posterior_protocol.by_site_table`).
     """
 
     def refuse(post, *args, **kwargs):

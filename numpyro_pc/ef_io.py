@@ -68,7 +68,8 @@ def save_ef(post, path, key=None) -> Path:
         residual = float(post.site_identity_residual)
     part = {"config": {"rule": cfg.rule, "num_nodes": int(cfg.num_nodes), "num_samples": int(cfg.num_samples),
                        "seed": int(cfg.seed)},
-            "conjugate_prior": bool(post.conjugate_prior)}
+            "conjugate_prior": bool(post.conjugate_prior), "next_id": int(post.next_id),
+            "tombstones": [int(t) for t in post.tombstones]}
     manifest = build_manifest(KIND, {f.site: f.family_name for f in post.family.factors}, dtype, part,
                               binding_manifest(spec, post.data, arrays, residual, fingerprint, key is not None),
                               post.stale_sites)
@@ -113,7 +114,8 @@ def load_ef(path, model, manifest: dict, arrays: dict) -> EFPosterior:
                           _describe(family, natural))
         config = _config(path, spec, family, part["config"])
         post = EFPosterior(config=config, data=data, state=EFState(natural, sites),
-                           conjugate_prior=part["conjugate_prior"], guide_map=None)
+                           conjugate_prior=part["conjugate_prior"], guide_map=None, tombstones=part["tombstones"],
+                           next_id=part["next_id"] or 0)
         residual = float(post.residual)
         check_residual(manifest.get("residual"), residual, dtype)
         if post.conjugate_prior:

@@ -57,12 +57,16 @@ class _Kind(NamedTuple):
     check: Callable  # check(manifest, num_example, num_shared) -> declared arrays
     contents: Callable  # contents(manifest, arrays)
     v1_arrays: dict  # version-1 array name -> version-2 name
+    v1_defaults: dict  # fields of the kind's part that version 1 did not write -> their upgraded value
 
 
 _KINDS = {
-    "gaussian": _Kind(GAUSSIAN_FIELDS, check_gaussian_part, check_contents, {}),
+    "gaussian": _Kind(GAUSSIAN_FIELDS, check_gaussian_part, check_contents, {}, {}),
+    # version 1 kept no deleted ids for exponential-family posteriors: none are known, and the next id is
+    # the one past the largest held (EFPosterior's floor)
     "ef": _Kind(EF_FIELDS, check_ef_part, check_ef_contents,
-                {"grads": "sites.grads", "prior": "sites.prior", "ids": "sites.ids"}),
+                {"grads": "sites.grads", "prior": "sites.prior", "ids": "sites.ids"},
+                {"tombstones": [], "next_id": None}),
 }
 
 
@@ -153,7 +157,7 @@ def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
     if manifest.get("kind", "ef") != "ef":
         fail_field("kind", "'ef' or no kind (a Gaussian posterior) in a version-1 file", manifest["kind"])
     schema = _KINDS[kind]
-    allowed = COMMON_FIELDS - ({"kind"} if kind == "gaussian" else set()) | schema.fields
+    allowed = COMMON_FIELDS - ({"kind"} if kind == "gaussian" else set()) | (schema.fields - set(schema.v1_defaults))
     unknown = sorted(set(manifest) - allowed, key=str)
     if unknown:
         fail_field(unknown[0], f"only the fields of a version-1 {kind!r} file {sorted(allowed)}",
@@ -171,6 +175,7 @@ def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
     upgraded = {k: v for k, v in manifest.items() if k not in schema.fields}
     upgraded.update(version=VERSION, kind=kind, stale_sites="stale_sites" in manifest, arrays=entries)
     upgraded[kind] = {k: manifest[k] for k in sorted(schema.fields) if k in manifest}
+    upgraded[kind].update({k: v for k, v in schema.v1_defaults.items()})
     return upgraded, {renames.get(name, name): value for name, value in arrays.items()}
 
 

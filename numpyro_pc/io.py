@@ -30,8 +30,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .dual import DualPosteriorBase, by_posterior_kind
+from .dual import DualPosteriorBase
 from .ef_posterior import EFPosterior
+from .ef_site_table import EFSiteTable
 from .errors import (
     CorruptFileError,
     DtypeMismatchError,
@@ -57,7 +58,7 @@ from .file_format import FORMAT, VERSION, build_manifest, check_file, check_read
 from .saved_model import (argument_layout, bind_saved_model, binding_manifest, digest, site_arrays, with_data_arrays,
                           write_checked)
 from .validation import DATA_DTYPES, check_residual
-from .posterior_protocol import provides
+from .posterior_protocol import by_site_table, provides
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",
@@ -90,16 +91,16 @@ def save(post, path: str | os.PathLike, key: bytes | str | None = None) -> Path:
     return _save(post, path, key)
 
 
-_save = by_posterior_kind("pc.save", PersistenceError)
+_save = by_site_table("pc.save", PersistenceError)
 
 
-@_save.register
-def _save_ef(post: EFPosterior, path, key) -> Path:
+@_save.register(EFSiteTable)
+def _save_ef(post, path, key) -> Path:
     return save_ef(post, path, key=key)
 
 
-@_save.register
-def _save_gaussian(post: DualPosteriorBase, path, key) -> Path:
+@_save.register(Sites)
+def _save_gaussian(post, path, key) -> Path:
     arrays = _arrays(post)
     spec = post.spec
     dtype = str(arrays["mean"].dtype)

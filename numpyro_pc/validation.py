@@ -372,7 +372,7 @@ def check_residual(saved, recomputed, dtype) -> None:
 
 # --------------------------------------------------------------------------- the exponential-family kind
 
-EF_FIELDS = frozenset({"config", "conjugate_prior"})  # manifest["ef"]
+EF_FIELDS = frozenset({"config", "conjugate_prior", "next_id", "tombstones"})  # manifest["ef"]
 _EF_NAME = re.compile(r"(natural|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _CONFIG = {"num_nodes": (1, 10**4), "num_samples": (1, 10**7), "seed": (0, 2**32)}
@@ -386,6 +386,10 @@ def check_ef_part(manifest: dict, num_example: int, num_shared: int) -> dict:
     :raises CorruptFileError: a field of the wrong type or out of range.
     """
     part = manifest["ef"]
+    if part["next_id"] is not None and not _is_int(part["next_id"], 0, _MAX_ID):
+        fail_field("ef.next_id", f"an integer in [0, {_MAX_ID}), or null (a file upgraded from version 1)",
+                   part["next_id"])
+    _ints(part["tombstones"], "ef.tombstones")
     if not isinstance(part["conjugate_prior"], bool):
         fail_field("ef.conjugate_prior", "true or false", part["conjugate_prior"])
     config = part["config"]
@@ -434,3 +438,10 @@ def check_ef_contents(manifest: dict, arrays: dict) -> None:
         _inconsistent("sites.ids", f"ids in [0, {_MAX_ID})", f"ids from {ids.min()} to {ids.max()}")
     if np.unique(ids).size != ids.size:
         _inconsistent("sites.ids", "unique ids", f"{ids.size - np.unique(ids).size} duplicate(s)")
+    tombstones, next_id = np.asarray(manifest["ef"]["tombstones"], np.int64), manifest["ef"]["next_id"]
+    if np.unique(tombstones).size != tombstones.size or np.intersect1d(tombstones, ids).size:
+        _inconsistent("ef.tombstones", "unique ids of deleted examples, none of them held", tombstones[:10].tolist())
+    if next_id is not None:
+        for name, values in (("sites.ids", ids), ("ef.tombstones", tombstones)):
+            if values.size and values.max() >= next_id:
+                _inconsistent(name, f"ids below next_id={next_id}", f"ids up to {values.max()}")

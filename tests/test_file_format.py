@@ -12,12 +12,14 @@ import io as _io
 import json
 import zipfile
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import errors, file_format
 
+from test_ef_adapt import beta_bernoulli
 from test_saved_files import FIXTURES, KEY, MODELS
 
 NAMES = sorted(MODELS)
@@ -75,7 +77,7 @@ def test_a_saved_file_has_version_2_one_header_and_its_kind_part(v2_files, name)
     assert manifest["version"] == file_format.VERSION == 2 and manifest["kind"] == kind
     assert set(manifest) == file_format.COMMON_FIELDS | {kind}  # one header, one kind-specific object
     assert set(manifest[kind]) == ({"rule", "curvature", "storage", "chunk_size", "next_id", "tombstones"}
-                                   if kind == "gaussian" else {"config", "conjugate_prior"})
+                                   if kind == "gaussian" else {"config", "conjugate_prior", "next_id", "tombstones"})
     assert manifest["stale_sites"] is False
     sites = {n for n in manifest["arrays"] if n.startswith("sites.")}
     assert {"sites.grads", "sites.prior", "sites.ids"} == sites if kind == "ef" else "sites.grad" in sites
@@ -106,7 +108,14 @@ def test_the_upgrade_is_pure_and_gives_the_layout_a_save_writes(v2_files, name):
     assert manifest == before[0] and arrays.keys() == before[1].keys()  # neither argument is modified
     written = _manifest(v2_files[name])
     assert set(upgraded) == set(written) and upgraded["version"] == 2
-    assert upgraded[upgraded["kind"]] == written[written["kind"]] and upgraded["arrays"].keys() == moved.keys()
+    kind = upgraded["kind"]
+    # version 1 kept no deleted ids of exponential-family posteriors: the upgrade has none and no next id
+    # (the loaded posterior numbers new examples past its largest id), where a save writes both
+    unknown = {"next_id": None, "tombstones": []} if kind == "ef" else {}
+    assert set(upgraded[kind]) == set(written[kind]) and upgraded["arrays"].keys() == moved.keys()
+    assert {k: v for k, v in upgraded[kind].items() if k not in unknown} == \
+        {k: v for k, v in written[kind].items() if k not in unknown}
+    assert all(upgraded[kind][k] == v for k, v in unknown.items())
     file_format.check_file(upgraded, moved)  # every check after the upgrade sees one schema
 
 
@@ -140,13 +149,14 @@ _V1_WITH_V2_FIELDS = [
     ("gaussian_full", lambda m: m.update(gaussian={k: m[k] for k in ("rule", "curvature")}), {}, "version-1"),
     ("gaussian_full", lambda m: m.update(stale_sites=False), {}, "stale_sites"),
     ("ef_beta", lambda m: m.update(ef={"config": m["config"], "conjugate_prior": True}), {}, "version-1"),
+    ("ef_beta", lambda m: m.update(next_id=99), {}, "version-1"),
     ("ef_beta", lambda m: None, {"grads": "sites.grads"}, "version-1 names"),
     ("ef_beta", lambda m: m.update(kind="gaussian"), {}, "kind"),
 ]
 
 
 @pytest.mark.parametrize("name, edit, rename, match", _V1_WITH_V2_FIELDS,
-                         ids=["kind", "gaussian-part", "stale-false", "ef-part", "ef-site-names", "ef-kind"])
+                         ids=["kind", "gaussian-part", "stale-false", "ef-part", "ef-next-id", "ef-site-names", "ef-kind"])
 def test_a_version_1_header_with_version_2_fields_is_refused(name, edit, rename, match, tmp_path):
     path = _edit(FIXTURES / f"{name}.npz", tmp_path / "f", edit, rename)
     with pytest.raises(errors.CorruptFileError, match=match):
@@ -188,6 +198,9 @@ _TAMPERED_PARTS = [
     ("ef_beta", lambda m: m["ef"]["config"].update(num_nodes=0), errors.CorruptFileError, "ef.config.num_nodes"),
     ("ef_beta", lambda m: m["ef"].pop("conjugate_prior"), errors.CorruptFileError, "'ef'"),
     ("ef_beta", lambda m: m["ef"]["config"].update(rule="simpson"), errors.InconsistentFileError, "configuration"),
+    ("ef_beta", lambda m: m["ef"].update(next_id=1), errors.InconsistentFileError, "next_id"),
+    ("ef_beta", lambda m: m["ef"].update(tombstones=[1]), errors.InconsistentFileError, "none of them held"),
+    ("ef_beta", lambda m: m["ef"].update(next_id=-1), errors.CorruptFileError, "ef.next_id"),
     ("ef_beta", lambda m: m.update(kind="gaussian"), errors.CorruptFileError, "kind"),
 ]
 
@@ -199,3 +212,14 @@ def test_a_tampered_kind_specific_field_is_refused_with_its_typed_error(v2_files
     with pytest.raises(error, match=match):
         pc.load(path, MODELS[name])
 
+
+
+def test_an_exponential_family_file_keeps_its_deleted_ids(x64, tmp_path):
+    """Deleted ids survive a save and a load, so an update after loading never gives them again
+    (version 1 kept none: an upgraded file numbers new examples past its largest held id)."""
+    y = jnp.asarray(np.array([1, 0, 1, 1, 0, 1], np.float64))
+    post = pc.fit(beta_bernoulli, y=y[:4], family={"p": "beta"}).delete([2, 3])
+    path = pc.save(post, tmp_path / "ef.npz")
+    back = pc.load(path, beta_bernoulli)
+    assert back.tombstones == (2, 3) and back.next_id == 4
+    np.testing.assert_array_equal(np.asarray(back.update(y=y[4:]).ids), [0, 1, 4, 5])
