@@ -25,30 +25,12 @@ from scipy import special
 import numpyro_pc as pc
 from numpyro_pc.likelihood import constrain
 
-from conftest import logistic_model, make_logistic
-from test_ef_adapt import _bern, _pois, beta_bernoulli, lognormal_poisson
+from test_site_protocol import _fit
 
-N = 20
-TOL = 1e-12
-# the families whose q is the product of its sites (SiteDivision), each Gaussian curvature store
-CASES = {
-    "full-factor": ("full", "factor"),
-    "full-dense": ("full", "dense"),
-    "diagonal": ("diagonal", "auto"),
-    "beta": ({"p": "beta"}, None),
-    "gamma": ({"rate": "gamma"}, None),  # a prior that is not conjugate-form: λ_0 depends on q
-}
+# the families whose q is the product of its sites (SiteDivision), each Gaussian curvature store; fitted
+# as in test_site_protocol (the gamma prior is not conjugate-form: λ_0 depends on q)
+CASES = ("full-factor", "full-dense", "diagonal", "beta", "gamma")
 GAUSSIAN = ("full-factor", "full-dense", "diagonal")
-
-
-def _fit(name):
-    family, storage = CASES[name]
-    if name in GAUSSIAN:
-        X, y = make_logistic(N, 3, seed=4)
-        return pc.fit(logistic_model, X, y, family=family, storage=storage, tol=TOL)
-    if name == "beta":
-        return pc.fit(beta_bernoulli, y=jnp.asarray(_bern(N, seed=1)), family=family, tol=TOL)
-    return pc.fit(lognormal_poisson, y=jnp.asarray(_pois(N, seed=2)), family=family, tol=TOL)
 
 
 @pytest.fixture(params=list(CASES))
