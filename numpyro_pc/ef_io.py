@@ -5,7 +5,8 @@ The file is the one format of :mod:`numpyro_pc.file_format` (one uncompressed zi
 signed with an HMAC key), of kind ``"ef"``. Beside the common header its manifest records
 ``family`` (``{latent site: family name}`` in the model's latent order) and, in
 ``manifest["ef"]``, the site computation's ``config`` (``rule``, ``num_nodes``,
-``num_samples``, ``seed``) and ``conjugate_prior``. Its arrays are ``natural``
+``num_samples``, ``seed``), ``conjugate_prior``, ``next_id`` and the deleted ids
+``tombstones``. Its arrays are ``natural``
 :math:`\lambda` ``(P,)``, the site table's ``sites.grads`` (the sites :math:`g_i`,
 ``(N, P)``), ``sites.prior`` (:math:`g_0`, ``(P,)``) and ``sites.ids`` ``(N,)``, and the data
 rows; the dual-form residual is

@@ -11,7 +11,8 @@ Every saved posterior — Gaussian (:mod:`numpyro_pc.io`) or exponential-family
   (SHA-256, dtype, shape), the dual-form ``residual`` and ``stale_sites``;
 - the kind's own fields in one object named after the kind: ``"gaussian"``: ``rule``,
   ``curvature``, ``storage``, ``chunk_size``, ``next_id``, ``tombstones``; ``"ef"``:
-  ``config``, ``conjugate_prior``.
+  ``config``, ``conjugate_prior``, ``next_id`` (null in a file upgraded from version 1) and
+  ``tombstones``.
 
 The sites are stored as ``sites.<name>``, one member per entry of the site table's
 :meth:`~numpyro_pc.site_protocol.SiteTable.arrays`; beside them a Gaussian file holds
@@ -30,6 +31,7 @@ verified on the bytes as written.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -175,7 +177,7 @@ def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
     upgraded = {k: v for k, v in manifest.items() if k not in schema.fields}
     upgraded.update(version=VERSION, kind=kind, stale_sites="stale_sites" in manifest, arrays=entries)
     upgraded[kind] = {k: manifest[k] for k in sorted(schema.fields) if k in manifest}
-    upgraded[kind].update({k: v for k, v in schema.v1_defaults.items()})
+    upgraded[kind].update(copy.deepcopy(schema.v1_defaults))  # fresh values: callers may edit the result
     return upgraded, {renames.get(name, name): value for name, value in arrays.items()}
 
 

@@ -16,8 +16,8 @@ returns the arrays the manifest declares, so that the reader can bound what it r
   traced on one).
 - The exponential-family kind (:class:`~numpyro_pc.ef_posterior.EFPosterior`):
   :func:`check_ef_part` checks ``family`` (``{latent site: family name}`` in the model's
-  latent order) and ``manifest["ef"]`` (the site computation's ``config`` and
-  ``conjugate_prior``); :func:`check_ef_contents` checks ``natural``, ``sites.grads``,
+  latent order) and ``manifest["ef"]`` (the site computation's ``config``,
+  ``conjugate_prior``, ``next_id`` and ``tombstones``); :func:`check_ef_contents` checks ``natural``, ``sites.grads``,
   ``sites.prior``, ``sites.ids`` and the data rows against the manifest and each other. The
   checks that need the model are made by :func:`numpyro_pc.ef_io.load_ef`.
 

@@ -434,3 +434,20 @@ def test_privacy_and_bound_refusals(x64):
         federated.run(beta_bernoulli, [(y,)], family={"p": "beta"}, max_shift=1.0)
     with pytest.raises(InvalidOptionError, match="positive"):
         run(max_share=-1.0)
+
+
+def test_a_private_round_needs_its_own_key(x64):
+    """Without a key every release would carry the same noise (PRNGKey(0)): the difference of two releases
+    would be the noise-free difference of the clients' data sums. Refused; two keys give two noises."""
+    y = jnp.asarray(_data(4, n=12)["bern"])
+    clients = ef.bind_ef_clients(beta_bernoulli, [(y[:6],), (y[6:],)], {"p": "beta"})
+    mech = GaussianMechanism(1.0, 1e-5, releases=4, clip_natural=1.0)
+    state = ef.init_ef(clients)
+    for call in (lambda: ef.client_round_ef(clients, state, 1.0, privacy=mech),
+                 lambda: ef.round_ef(clients, state, 1.0, privacy=mech),
+                 lambda: ef.init_ef(clients, init="prior", privacy=mech)):
+        with pytest.raises(InvalidOptionError, match="own random key"):
+            call()
+    first, second = (np.asarray(ef.client_round_ef(clients, state, 1.0, privacy=mech, key=jax.random.PRNGKey(k))[1])
+                     for k in (1, 2))
+    assert np.all(first != second)

@@ -12,7 +12,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.federated.core import LocalConfig, bind_clients, client_site, clipped_site, local_update
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
-from numpyro_pc.federated.privacy import GaussianMechanism, add_noise
+from numpyro_pc.federated.privacy import GaussianMechanism, add_noise, clip_rows, finite_rows
 from numpyro_pc.families import Gaussian, GaussianNatural
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear
@@ -179,3 +179,12 @@ def test_client_app_takes_its_privacy_from_the_node_config_and_keeps_the_count_i
     fit(arrays, "update")
     with pytest.raises(pc.PrivacyError, match="covers 2 message"):
         fit(arrays, "update")
+
+
+def test_a_row_without_a_norm_is_dropped_not_spread():
+    """A NaN or infinite example term has no norm to clip: its factor is 0 and the row is zeroed, so the
+    clipped sum stays finite and equals the clipped sum of the other rows."""
+    terms = jnp.asarray([[3.0, 4.0], [jnp.inf, 0.0], [jnp.nan, 1.0], [0.3, 0.4]])
+    factors = clip_rows(terms, 1.0)
+    np.testing.assert_allclose(np.asarray(factors), [0.2, 0.0, 0.0, 1.0], rtol=1e-6)  # float32 rounding of 1/5
+    np.testing.assert_allclose(np.asarray(factors @ finite_rows(terms)), [0.9, 1.2], rtol=1e-6)

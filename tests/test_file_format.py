@@ -223,3 +223,13 @@ def test_an_exponential_family_file_keeps_its_deleted_ids(x64, tmp_path):
     back = pc.load(path, beta_bernoulli)
     assert back.tombstones == (2, 3) and back.next_id == 4
     np.testing.assert_array_equal(np.asarray(back.update(y=y[4:]).ids), [0, 1, 4, 5])
+
+
+def test_each_upgrade_gets_its_own_defaults():
+    """The values an upgrade fills in (an exponential-family file's deleted ids) are fresh per call:
+    editing one upgraded manifest does not reach the next."""
+    manifest, arrays = _manifest(FIXTURES / "ef_beta.npz"), _arrays(FIXTURES / "ef_beta.npz")
+    first, _ = file_format.upgrade(manifest, arrays)
+    first["ef"]["tombstones"].append(0)
+    second, _ = file_format.upgrade(manifest, arrays)
+    assert second["ef"]["tombstones"] == [] and second["ef"]["next_id"] is None

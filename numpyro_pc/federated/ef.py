@@ -231,6 +231,10 @@ def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=Non
     dtype = state.prior.dtype
     num = int(state.sites.shape[0])
     local_tol = (1e-12 if dtype == jnp.float64 else 1e-6) if local_tol is None else float(local_tol)
+    if privacy is not None and key is None:
+        raise InvalidOptionError("a private round needs its own random key (key=): without one every release would "
+                                 "carry the same noise, and the difference of two releases would be the noise-free "
+                                 "difference of the clients' data sums — outside the privacy accounting")
     key = jax.random.PRNGKey(0) if key is None else key
     margin = -1.0 if safeguard_margin is None else float(safeguard_margin)
     return _local_round(clients.config, num if participants is None else int(participants), int(local_iters), state,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ..ef_sites import compute_sites
 from ..likelihood import ModelData
-from .privacy import add_noise_natural, clip_rows
+from .privacy import add_noise_natural, clip_rows, finite_rows
 from .robust import leave_one_out
 
 __all__ = ["domain_boundary", "clipped_site_ef", "release_ef", "bound_sites_ef", "retreat_ef"]
@@ -44,7 +44,7 @@ def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech)
     non-conjugate prior's correction, which depends on :math:`\\lambda` only (no example moves it)."""
     sites = compute_sites(config, lam, ModelData(per_example, shared))
     terms = -sites.grads
-    return (mask * clip_rows(terms, mech.clip_natural)) @ terms - weight * (sites.prior + prior)
+    return (mask * clip_rows(terms, mech.clip_natural)) @ finite_rows(terms) - weight * (sites.prior + prior)
 
 
 def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key):

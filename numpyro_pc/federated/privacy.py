@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from ..errors import InvalidOptionError
 from ..families import GaussianNatural
 
-__all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "add_noise_natural"]
+__all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural"]
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,17 @@ def clip_factors(site_terms, mech):
 
 
 def clip_rows(terms, bound):
-    """``min(1, bound/‖t_j‖)`` for each row ``t_j`` of ``terms`` ``(N, P)``: the factor that clips it to ``bound``."""
+    """``min(1, bound/‖t_j‖)`` for each row ``t_j`` of ``terms`` ``(N, P)``: the factor that clips it to ``bound``;
+    0 for a row with a non-finite value (NaN or ∞ have no norm to clip: the row is dropped, see
+    :func:`finite_rows`, so that one example cannot break the release outside the mechanism)."""
     norm = jnp.linalg.norm(terms, axis=-1)
-    return jnp.where(norm > bound, bound / jnp.maximum(norm, bound), 1.0)
+    factor = jnp.where(norm > bound, bound / jnp.maximum(norm, bound), 1.0)
+    return jnp.where(jnp.all(jnp.isfinite(terms), -1), factor, 0.0)
+
+
+def finite_rows(terms):
+    """``terms`` ``(N, P)`` with every row that holds a non-finite value set to 0 (what :func:`clip_rows` drops)."""
+    return jnp.where(jnp.all(jnp.isfinite(terms), -1, keepdims=True), terms, 0.0)
 
 
 def add_noise_natural(mech, site, key):
