@@ -285,18 +285,15 @@ class Sites:
     def expected_values_at(self, mean, cov) -> tuple[jax.Array, jax.Array]:
         """:meth:`expected_values` under ``N(mean, cov)`` given as a mean and a dense covariance."""
         with jax.enable_x64(self.grad.dtype == jnp.float64):
-            return self._expected_values_at(mean, cov)
-
-    def _expected_values_at(self, mean, cov):
-        refs = self.refs()
-        diff = mean[None, :] - refs
-        trace, quad = self.curv.trace_quad(cov, diff)
-        offsets = 0.5 * jnp.sum(refs * self.curvature_matvec(refs), 1)
-        values = self.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
-        p_diff = mean - self.prior_ref
-        prior_curvature = self.prior_curvature_dense()
-        prior = self.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov)
-                                               - self.prior_ref @ prior_curvature @ self.prior_ref)
+            refs = self.refs()
+            diff = mean[None, :] - refs
+            trace, quad = self.curv.trace_quad(cov, diff)
+            offsets = 0.5 * jnp.sum(refs * self.curvature_matvec(refs), 1)
+            values = self.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
+            p_diff = mean - self.prior_ref
+            prior_curvature = self.prior_curvature_dense()
+            prior = self.prior_grad @ mean + 0.5 * (p_diff @ prior_curvature @ p_diff + jnp.sum(prior_curvature * cov)
+                                                   - self.prior_ref @ prior_curvature @ self.prior_ref)
         return values, prior
 
     def log_normaliser(self, family) -> jax.Array:
@@ -353,7 +350,7 @@ class SiteSums(NamedTuple):
 
 
 @partial(jax.jit, static_argnames=("family", "shared_jacobian"))
-def site_mismatch(stale, fresh, q, family, shared_jacobian=False):
+def site_mismatch(stale, fresh, q, family, shared_jacobian=False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Fisher-metric norm of the natural-gradient mismatch between stale and fresh sites (aligned rows).
 
     Never forms per-example ``d × d`` matrices for factorised or diagonal sites:

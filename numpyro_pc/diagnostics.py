@@ -38,7 +38,7 @@ import numpy as np
 from .capabilities import SiteDivision, require
 from .cached_sites import site_mismatch
 from .errors import IncompatiblePosteriorsError, UnsupportedGuideError
-from .posterior_protocol import Posterior
+from .posterior_protocol import Posterior, require_posterior
 from .rows import positions
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
@@ -131,9 +131,7 @@ def correction_magnitude(post, *args, **kwargs) -> dict:
         and ``gradient`` and ``curvature`` parts (Gaussian) or ``by_site`` parts
         (exponential-family product).
     """
-    if not isinstance(post, Posterior):
-        raise UnsupportedGuideError(f"pc.correction_magnitude needs a dual-form posterior (from pc.fit or "
-                                    f"pc.dual_form); found {type(post).__name__}")
+    require_posterior(post, "pc.correction_magnitude")
     vcl = post.update(*args, correction="none", **kwargs)
     with jax.enable_x64(jnp.result_type(*jax.tree.leaves(post.q)) == jnp.float64):
         ids = np.asarray(post.data_ids)

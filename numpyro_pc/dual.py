@@ -36,7 +36,7 @@ from .rowops import to_device
 from .rows import RowSelection, pad_to_bucket, positions
 from .posterior_protocol import Posterior
 from .site_problem import SiteProblem, dual_residual
-from .sites import compute_sites
+from .sites import Sites, compute_sites
 from .options import check_count, check_finite, check_key, check_solver_options
 from .solvers import solve, solve_init
 
@@ -256,7 +256,7 @@ class DualPosteriorBase(Posterior):
             cache[:] = [self.state, (float(point.residual), dict(point.parts))]
         return cache[1]
 
-    def recompute_sites(self, q):
+    def recompute_sites(self, q) -> Sites:
         """The retained examples' sites (rows in :attr:`data_ids` order) and the prior site recomputed
         at the Gaussian ``q`` of this posterior's family, with its rule, curvature and storage."""
         sites, _ = compute_sites(self.spec, self.data, self.family, q, self.rule, curvature=self.curvature,
@@ -402,7 +402,7 @@ class DualPosteriorBase(Posterior):
         return type(raw.source if isinstance(raw, RowSelection) else raw)
 
     @property
-    def q(self):
+    def q(self) -> Any:
         """The family member: the Gaussian state ``(mean, precision)``."""
         return self.state
 

@@ -44,7 +44,7 @@ def _build(spec, data, fam, lam, guide_map, options):
     return solve_every_site(post, data, ids, lam, tol, max_iters, raise_on_failure)
 
 
-def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
+def fit_ef(model, *args, family, data_plate=None, shared=(), **options) -> EFPosterior:
     """Fit a mean-field exponential-family posterior by the BLR from the prior.
 
     :param dict family: ``{latent site: name}`` covering every site, names from
@@ -60,7 +60,7 @@ def fit_ef(model, *args, family, data_plate=None, shared=(), **options):
     return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts)
 
 
-def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options):
+def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options) -> EFPosterior:
     """A fitted exponential-family guide (hand-written, or an ``AutoGuideList`` of such parts
     and ``AutoNormal``) as an :class:`EFPosterior` (sites computed at the guide, then refined
     to the fixed point unless ``refine=False``)."""

@@ -33,11 +33,10 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
 from .capabilities import SiteDivision, require
-from .errors import (ConvergenceError, InvalidOptionError, ModelMismatchError, PosteriorCorrectionError,
-                     UnsupportedGuideError)
+from .errors import ConvergenceError, InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from .fixed_point import default_tol
 from .likelihood import bind_model, example_loss, prior_loss
-from .posterior_protocol import Posterior
+from .posterior_protocol import require_posterior
 from .rowops import as_ids
 from .rows import memory_ids, positions, take_data
 
@@ -67,9 +66,7 @@ class posterior_prior(Messenger):
     def __init__(self, fn=None, posterior=None, extra_log_density=None):
         if posterior is None:
             raise InvalidOptionError("posterior_prior needs a posterior")
-        if not isinstance(posterior, Posterior):
-            raise UnsupportedGuideError(f"posterior_prior needs a dual-form posterior (from pc.fit or pc.dual_form); "
-                                        f"found {type(posterior).__name__}")
+        require_posterior(posterior, "posterior_prior")
         latent = posterior.spec.latent
         self._factors = posterior.latent_factors()
         self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
@@ -167,9 +164,7 @@ def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_pr
     :raises MissingCapabilityError: a family whose sites cannot be divided out of ``q`` (isotropic,
         low-rank).
     """
-    if not isinstance(posterior, Posterior):
-        raise UnsupportedGuideError(f"correction_factor needs a dual-form posterior (from pc.fit or pc.dual_form); "
-                                    f"found {type(posterior).__name__}")
+    require_posterior(posterior, "correction_factor")
     require(posterior.family, SiteDivision, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
     post, family, spec = posterior, posterior.family, posterior.spec
     retained, held = np.asarray(post.data_ids), np.asarray(post.sites.ids)
@@ -242,9 +237,7 @@ def check_same_model(model, posterior, num_probes=3):
     :raises ModelMismatchError: naming what differs.
     :raises UnsupportedGuideError: an object that is not a dual-form posterior.
     """
-    if not isinstance(posterior, Posterior):
-        raise UnsupportedGuideError(f"pc.handlers.check_same_model needs a dual-form posterior (from pc.fit or "
-                                    f"pc.dual_form); found {type(posterior).__name__}")
+    require_posterior(posterior, "pc.handlers.check_same_model")
     spec = posterior.spec
     if model is spec.model or posterior.num_retained == 0:
         return

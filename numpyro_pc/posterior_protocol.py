@@ -27,7 +27,7 @@ import jax
 
 from .errors import IncompatiblePosteriorsError, MissingCapabilityError, PosteriorCorrectionError, UnsupportedGuideError
 
-__all__ = ["Posterior", "provides", "by_site_table"]
+__all__ = ["Posterior", "provides", "by_site_table", "require_posterior"]
 
 _OPERATIONS: dict[str, Callable] = {}
 
@@ -51,6 +51,12 @@ def _operation(name: str) -> Callable:
                                        "rather than one of its modules alone") from None
 
 
+def require_posterior(obj: object, operation: str, error: type[Exception] = UnsupportedGuideError) -> None:
+    """Refuse ``obj`` with ``error`` unless it is a :class:`Posterior`, naming ``operation`` and what was found."""
+    if not isinstance(obj, Posterior):
+        raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found {type(obj).__name__}")
+
+
 def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> Callable:
     """An operation whose implementation depends on the family's sites: ``impl(post, *args)`` runs
     the implementation registered for the type of ``post.sites`` (``@impl.register(TableType)``),
@@ -71,9 +77,7 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
     table = functools.singledispatch(refuse)
 
     def call(post, *args, **kwargs):
-        if not isinstance(post, Posterior):
-            raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found "
-                        f"{type(post).__name__}")
+        require_posterior(post, operation, error)
         impl = table.dispatch(post.site_table_type)
         if impl is refuse:
             refuse(post.sites, post)
