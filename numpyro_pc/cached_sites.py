@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .curvature import CurvatureStore, get_store
-from .families import GaussianNatural
+from .families import GaussianNatural, add_site
 from .prior_site import prior_dense, prior_matvec
 from .rowops import bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows, to_device
 
@@ -296,12 +296,18 @@ class Sites:
                                                    - self.prior_ref @ prior_curvature @ self.prior_ref)
         return values, prior
 
-    def log_normaliser(self, family) -> jax.Array:
+    def log_normaliser(self, family, extra=None) -> jax.Array:
         r""":math:`\log \int \prod_{i=0}^N \exp(-\hat\ell_i(z))\, dz`, the Gaussian log-partition
         :math:`A(\lambda)` of :math:`\lambda = \lambda_0 + \sum_i \hat\lambda_i` (families whose site sum
-        is a precision they hold: :class:`~numpyro_pc.capabilities.SiteDivision`)."""
+        is a precision they hold: :class:`~numpyro_pc.capabilities.SiteDivision`).
+
+        :param extra: natural parameters held outside every site (a posterior's ``offset``), added to
+            :math:`\lambda`; ``None`` for none.
+        """
         with jax.enable_x64(self.grad.dtype == jnp.float64):
             nat, prior = self.natural_sum(family), self.prior_natural(family)
+            if extra is not None:
+                nat = add_site(nat, extra)
             precision = nat.precision + prior.precision
             precision = precision if jnp.ndim(precision) == 2 else jnp.diag(precision)
             linear = nat.linear + prior.linear

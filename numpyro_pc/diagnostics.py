@@ -101,17 +101,38 @@ def information_gain(old, new) -> dict[str, float]:
     with jax.enable_x64(jnp.result_type(*jax.tree.leaves(new.q)) == jnp.float64):
         v_new, p_new = new.sites.expected_values(family, new.q)
         v_old, p_old = old.sites.expected_values(family, new.q)  # the old sites, under the new q
+        # natural parameters no site holds (a weighted correction's offset) count with the prior's term
+        p_new, p_old = p_new + _offset_value(new, new.q), p_old + _offset_value(old, new.q)
         old_ids, new_ids = np.asarray(old.sites.ids), np.asarray(new.sites.ids)
         common = np.intersect1d(old_ids, new_ids)
         rows_new, rows_old = positions(new_ids, common), positions(old_ids, common)
         new_data = -float(jnp.sum(v_new[~np.isin(new_ids, old_ids)]))
         correction = -float(jnp.sum(v_new[rows_new]) - jnp.sum(v_old[rows_old]) + p_new - p_old)
         removed = float(jnp.sum(v_old[~np.isin(old_ids, new_ids)]))
-        ratio = float(old.sites.log_normaliser(family) - new.sites.log_normaliser(family))
+        ratio = float(_log_normaliser(old) - _log_normaliser(new))
         total = float(new.kl(old))
     parts = new_data + correction + removed + ratio
     return dict(kl=total, new_data=new_data, correction=correction, removed=removed, log_normaliser_ratio=ratio,
                 identity_error=parts - total)
+
+
+def _offset_value(post, q) -> jax.Array | float:
+    r""":math:`E_q[\hat\ell_o]` of the natural parameters ``post.offset`` that no site holds, as a site in
+    natural form (:math:`\hat\ell_o(z) = -h_o^\top z + \tfrac12 z^\top P_o z`): 0 without an offset."""
+    offset = getattr(post, "offset", None)
+    if offset is None:
+        return 0.0
+    mean, cov = q.mean, post.family.dense_covariance(q)
+    precision = offset.precision if jnp.ndim(offset.precision) == 2 else jnp.diag(offset.precision)
+    return -offset.linear @ mean + 0.5 * (mean @ precision @ mean + jnp.sum(precision * cov))
+
+
+def _log_normaliser(post) -> jax.Array:
+    """The log-partition of the product of ``post``'s sites and of any natural parameters no site holds."""
+    offset = getattr(post, "offset", None)
+    if offset is None:
+        return post.sites.log_normaliser(post.family)
+    return post.sites.log_normaliser(post.family, offset)
 
 
 def correction_magnitude(post, *args, **kwargs) -> dict:

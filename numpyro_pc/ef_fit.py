@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from .ef_guides import read_guide
-from .ef_posterior import EFPosterior, EFState, bucketed_target, solve_every_site
+from .ef_posterior import EFPosterior, EFState
+from .ef_solve import bucketed_target, solve_every_site
 from .ef_product import site_shape, site_supports, family_for_model, make_factor, site_names
 from .ef_site_table import EFSiteTable
 from .ef_sites import EFConfig, conjugate_rtol, prior_form_residual

@@ -23,9 +23,6 @@ sites are exact and constant, so all of these are exact Bayes.
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
-from collections.abc import Callable
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +33,11 @@ from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
 from .ef_sites import EFConfig, blr_solve, compute_sites, model_point, relative_residual  # noqa: F401  (EFConfig: as before)
+from .ef_adapt import delete_ef, refine_ef, update_ef
 from .ef_site_table import EFSiteTable, EFState
-from .errors import (DataShapeError, InvalidOptionError, MonteCarloErrorWarning,
-                     OutOfDomainError, UnknownExampleError)
-from .likelihood import ModelData, bind_model
+from .ef_solve import bucketed_target, solve_every_site  # noqa: F401  (importable from here, as before)
+from .errors import (InvalidOptionError)
 from .posterior_protocol import Posterior
-from .rowops import as_ids, join_rows, take_rows
-from .rows import concat_data, pad_to_bucket
 
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 
@@ -58,33 +53,6 @@ def __getattr__(name: str):
                       "pc.dual_form); the old location is removed in the next release", FutureWarning, stacklevel=2)
         return getattr(ef_fit, name)
     raise AttributeError(f"module 'numpyro_pc.ef_posterior' has no attribute {name!r}")
-
-
-@partial(jax.jit, static_argnums=(0, 3))
-def _target(config, lam, data, prior_active, const, weights, seed):
-    """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
-    (``weights`` 0 on the rows that only pad the data to its bucket)."""
-    sites = compute_sites(config, lam, data, seed)
-    tau = const - weights @ sites.grads
-    if prior_active:
-        tau = tau - sites.prior
-    return tau, sites
-
-
-def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
-    """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.rows.bucket_size` rows
-    (repeats of the last row with weight 0), so that batches of other sizes reuse the same
-    compiled site computation; the sites returned are those of the real rows."""
-    num = int(data.per_example[0].shape[0])
-    padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
-    cfg = _rows(config, int(weights.shape[0]))
-    seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
-
-    def target(lam):
-        tau, sites = _target(cfg, lam, padded, prior_active, const, weights, seed)
-        return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
-
-    return target
 
 
 def _called(name):
@@ -287,102 +255,56 @@ class EFPosterior(Posterior):
         return write_params(gmap, self.family, self.natural)
 
     # ------------------------------------------------------------------ operations
-    def update(self, *args, correction="exact", memory=None, seed=0, batch_fraction=0.1, epochs=1, tol=None,
-               max_iters=200, raise_on_failure=True, **kwargs):
-        """Add a batch (paper §3.1, eq. ``vcl_correction``).
+    def update(self, *args, correction: str = "exact", memory=None, selection: str = "random", keep="all",
+               seed: int = 0, tol: float | None = None, max_iters: int | None = None, progress: bool = False,
+               raise_on_failure: bool = True, batch_fraction: float = 0.1, epochs: int | None = None,
+               **kwargs) -> EFPosterior:
+        """Add a batch (paper §3.1, eq. ``postcorr``), with the options of the Gaussian
+        :meth:`~numpyro_pc.DualPosterior.update` read by the same rules (:mod:`numpyro_pc.ef_adapt`).
 
-        :param str correction: which stale sites are recomputed at the new fixed point —
-            ``"exact"``: all of them (the batch posterior); ``"none"``: none (VCL: the old sites
-            and prior term stay frozen, only the new sites are solved for); ``"prior"``: the
-            prior term (differs from ``"none"`` only for a prior that is not conjugate-form);
-            ``"memory"``: the prior term and the sites of a memory set of past examples;
-            ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes over all examples in
-            random blocks of ``batch_fraction`` of them, each block's sites recomputed at the
-            fixed point with the others held (block Gauss–Seidel on the dual form: it tends to
-            the exact update as the passes grow).
-        :param memory: for ``"memory"``: a fraction of the retained examples drawn with ``seed``,
-            or the example ids to correct.
+        New examples get the next free ids. ``correction`` chooses which stale sites are
+        recomputed at the new fixed point — ``"exact"``: all of them (the batch posterior);
+        ``"none"``: none (VCL: the old sites and prior term stay frozen, only the new sites are
+        solved for); ``"prior"``: the prior term (differs from ``"none"`` only for a prior that is
+        not conjugate-form); ``"memory"``: the prior term and the sites of a memory set;
+        ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes (default 1) over all
+        examples in random blocks of ``batch_fraction`` of them, each block's sites recomputed
+        at the fixed point with the others held (block Gauss–Seidel on the dual form: it tends to
+        the exact update as the passes grow). ``"weighted"`` is refused: it rescales sites, and
+        these posteriors hold no natural parameters outside their sites.
+
+        :param memory: for ``"memory"``: a count of examples, a fraction in ``(0, 1]`` of them, or
+            their ids (:func:`numpyro_pc.memory_sets.corrected_ids`).
+        :param str selection: how a memory of a given size is chosen: ``"random"`` (with ``seed``)
+            or ``"leverage"`` (the largest second-order KL of removing the site); ``"residual"`` and
+            ``"curvature"`` rank Gaussian sites and are refused here.
+        :param keep: ``"all"`` (the only retention these posteriors have; ``"none"`` and a
+            reservoir size are refused with the reason).
+        :param bool progress: show a progress bar of the solve.
+        :return: a new :class:`EFPosterior`; ``record`` holds the operation's diagnostics.
+        :raises InvalidOptionError: an unknown or inconsistent option.
+        :raises MissingCapabilityError: an option these families have no meaning for.
         """
-        if correction not in ("exact", "none", "prior", "memory", "stochastic"):
-            raise InvalidOptionError(f"correction for exponential-family posteriors is 'exact', 'none', 'prior', "
-                                     f"'memory' or 'stochastic'; got {correction!r} (the weighted correction rescales "
-                                     "a memory set's sites, which would break λ = -g_0 - Σ g_i for the stored sites)")
-        if correction == "stochastic":
-            if not 0.0 < float(batch_fraction) <= 1.0 or int(epochs) < 1:
-                raise InvalidOptionError(f"the stochastic correction needs 0 < batch_fraction ≤ 1 and epochs ≥ 1; got "
-                                         f"{batch_fraction}, {epochs}")
-            post = self.update(*args, correction="prior", tol=tol, max_iters=max_iters,
-                               raise_on_failure=raise_on_failure, **kwargs)
-            rng = np.random.default_rng(seed)
-            blocks = int(np.ceil(1.0 / float(batch_fraction)))
-            for _ in range(int(epochs)):
-                for rows in np.array_split(rng.permutation(post.num_examples), blocks):
-                    post = post._recompute(np.sort(rows), tol, max_iters, raise_on_failure)
-            return post.evolve(record=dict(post.record, operation="update", correction="stochastic",
-                                           batch_fraction=float(batch_fraction), epochs=int(epochs)))
-        if (memory is not None) != (correction == "memory"):
-            raise InvalidOptionError("memory= goes with correction='memory' (and that correction needs it)")
-        spec, new = bind_model(self.config.spec.model, args, kwargs, data_plate=self.config.spec.plate,
-                               allow_discrete=True)
-        if spec.latent != self.config.spec.latent or spec.observed != self.config.spec.observed:
-            raise DataShapeError("the new batch binds the model to other latent or observed sites")
-        start = self.next_id  # never an id held or deleted before
-        ids = jnp.arange(start, start + spec.num_examples)
-        if correction == "exact":
-            data = concat_data(self.data, new)
-            post = solve_every_site(self, data, jnp.concatenate([self.ids, ids]), self.natural, tol, max_iters,
-                          raise_on_failure)
-            return post.evolve(record=dict(post.record, operation="update", correction="exact"))
-        rows = self._memory_rows(memory, seed) if correction == "memory" else np.zeros(0, int)
-        prior_active = correction != "none" and not self.conjugate_prior
-        const = self.natural - self.sites.take(rows).natural_sum()  # the corrected sites leave the constant
-        if prior_active:
-            const = const + self.sites.prior
-        active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(self.data.per_example,
-                                                                                  new.per_example)), new.shared)
-        tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(bucketed_target(self.config, active, prior_active, const),
-                                     self.family.in_domain, self.natural, tol, max_iters,
-                                     raise_on_failure=raise_on_failure)
-        added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else self.sites.prior, ids)
-        state = EFState(lam, self.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
-        return self.evolve(config=_rows(self.config, self.num_examples + spec.num_examples),
-                           data=concat_data(self.data, new), state=state,
-                           record=dict(operation="update", correction=correction, corrected=int(rows.size),
-                                       **info._asdict()))
+        return update_ef(self, *args, correction=correction, memory=memory, selection=selection, keep=keep,
+                         seed=seed, tol=tol, max_iters=max_iters, progress=progress,
+                         raise_on_failure=raise_on_failure, batch_fraction=batch_fraction, epochs=epochs, **kwargs)
 
-    def _recompute(self, rows, tol, max_iters, raise_on_failure):
-        """The sites at ``rows`` (and the prior term unless conjugate-form) recomputed at the fixed
-        point with every other site held."""
-        prior_active = not self.conjugate_prior
-        const = self.natural - self.sites.take(rows).natural_sum()
-        if prior_active:
-            const = const + self.sites.prior
-        active = ModelData(tuple(take_rows(x, rows) for x in self.data.per_example), self.data.shared)
-        tol = default_tol(const.dtype) if tol is None else tol
-        lam, sites, info = blr_solve(bucketed_target(self.config, active, prior_active, const),
-                                     self.family.in_domain, self.natural, tol, max_iters,
-                                     raise_on_failure=raise_on_failure)
-        table = self.sites.with_rows(rows, sites.grads)
-        state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)
-        return self.evolve(state=state, record=info._asdict())
+    def refine(self, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
+               raise_on_failure: bool = True, progress: bool = False) -> EFPosterior:
+        """Natural-gradient steps from the current natural parameters until every site is fresh and the
+        dual-form residual is below ``tol`` (after a merge, a site removal or a VCL update).
 
-    def _memory_rows(self, memory, seed):
-        """Positions of the memory set: a fraction drawn with ``seed``, or the rows of given ids."""
-        num = self.num_examples
-        if isinstance(memory, float) and not isinstance(memory, bool):
-            if not 0.0 <= memory <= 1.0:
-                raise InvalidOptionError(f"memory as a fraction must lie in [0, 1]; got {memory}")
-            count = int(round(memory * num))
-            return np.sort(np.random.default_rng(seed).choice(num, count, replace=False))
-        wanted = np.asarray(as_ids(memory))
-        held = np.asarray(self.ids)
-        missing = sorted(set(wanted.tolist()) - set(held.tolist()))
-        if missing:
-            raise UnknownExampleError(f"memory ids {missing[:10]} are not in this posterior")
-        return np.flatnonzero(np.isin(held, wanted))
+        :param float step_size: the largest damping ``ρ ∈ (0, 1]`` of a step.
+        :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError` (carrying the
+            last posterior as ``err.posterior``) when ``tol`` is not reached; ``False`` warns instead.
+        :param bool progress: show a progress bar.
+        :return: a new :class:`EFPosterior` with fresh sites; ``record`` holds the solve's diagnostics.
+        """
+        return refine_ef(self, tol=tol, max_iters=max_iters, step_size=step_size, raise_on_failure=raise_on_failure,
+                         progress=progress)
 
-    def delete(self, ids, method="remove_site", tol=None, max_iters=200, raise_on_failure=True):
+    def delete(self, ids, method: str = "remove_site", damping: bool = False, tol: float | None = None,
+               max_iters: int | None = None, raise_on_failure: bool = True) -> EFPosterior:
         """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;
         ``"corrected"``: then the retained sites are recomputed to the fixed point (exact);
         ``"retrain"``: the fixed point of the retained data solved again from the prior (the
@@ -392,42 +314,15 @@ class EFPosterior(Posterior):
         gradient step in a Gaussian's mean, while here removing the sites is exact in the natural
         parameters and ``"corrected"`` recomputes the others.
 
-        :raises OutOfDomainError: ``"remove_site"`` leaving a shape parameter non-positive.
+        :param bool damping: when removing the sites would leave the natural domain, remove the
+            largest fraction :math:`\\alpha` of them that stays inside (× 0.99) instead of raising,
+            reported in ``record["damping"]`` (as on Gaussian posteriors).
+        :raises OutOfDomainError: ``"remove_site"`` leaving a shape parameter non-positive (without
+            ``damping``).
         :raises UnknownExampleError: ids that are not held.
         """
-        if method in ("influence", "tracin"):
-            raise InvalidOptionError(
-                f"method={method!r} approximates a deletion by a {'Newton' if method == 'influence' else 'gradient'} "
-                "step in a Gaussian's mean; an exponential-family posterior removes the sites exactly in its natural "
-                "parameters (λ + Σ g_j). Use 'remove_site', 'corrected' (the retained sites recomputed) or 'retrain'.")
-        if method not in ("remove_site", "corrected", "retrain"):
-            raise InvalidOptionError(f"method for exponential-family posteriors is 'remove_site', 'corrected' or "
-                                     f"'retrain'; got {method!r}")
-        wanted = np.asarray(as_ids(ids))
-        held = np.asarray(self.ids)
-        missing = sorted(set(wanted.tolist()) - set(held.tolist()))
-        if missing:
-            raise UnknownExampleError(f"example ids {missing[:10]} are not in this posterior")
-        drop = np.isin(held, wanted)
-        keep = np.flatnonzero(~drop)
-        tombstones = self.tombstones + tuple(held[drop].tolist())
-        removed = self.natural - self.sites.take(np.flatnonzero(drop)).natural_sum()
-        inside = bool(self.family.in_domain(removed))
-        data = ModelData(tuple(take_rows(x, keep) for x in self.data.per_example), self.data.shared)
-        if method == "remove_site":
-            if not inside:
-                raise OutOfDomainError("removing the sites leaves a non-positive shape parameter "
-                                       f"({self.family.describe(removed)}); use method='corrected'")
-            state = EFState(removed, self.sites.take(keep))
-            return self.evolve(config=_rows(self.config, int(keep.size)), data=data, state=state,
-                               record=dict(operation="delete", method=method), stale_sites=True, tombstones=tombstones)
-        if keep.size == 0:
-            raise DataShapeError(f"{method} deletion needs at least one retained example")
-        start = removed if inside else self.natural
-        if method == "retrain":
-            start = self.sites.prior_natural() if self.conjugate_prior else self.family.default_natural(self.natural.dtype)
-        post = solve_every_site(self, data, self.ids[keep], start, tol, max_iters, raise_on_failure)
-        return post.evolve(record=dict(post.record, operation="delete", method=method), tombstones=tombstones)
+        return delete_ef(self, ids, method=method, damping=damping, tol=tol, max_iters=max_iters,
+                         raise_on_failure=raise_on_failure)
 
     def merge(self, *others, alphas=None, method="bayesian", refine=False, tol=None, max_iters=200) -> EFPosterior:
         r"""Bayesian arithmetic with posteriors of the same model, family and prior fitted on other
@@ -446,58 +341,6 @@ class EFPosterior(Posterior):
     def __repr__(self):
         return (f"EFPosterior({', '.join(f'{n}: {fam}' for n, (fam, _) in self.family.describe(self.natural).items())}"
                 f", N={self.num_examples})")
-
-
-def _rows(config, num):
-    """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
-    return replace(config, spec=replace(config.spec, num_examples=num))
-
-
-def solve_every_site(post, data, ids, start, tol, max_iters, raise_on_failure) -> EFPosterior:
-    """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
-    natural parameters ``start``; the prior term is active unless conjugate-form."""
-    num = int(ids.shape[0])
-    cfg = _rows(post.config, num)
-    tol = default_tol(start.dtype) if tol is None else tol
-    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
-    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
-                                 post.family.in_domain, start, tol, max_iters, raise_on_failure=raise_on_failure)
-    prior = post.sites.prior if post.conjugate_prior else sites.prior
-    state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
-    record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
-    if cfg.rule != "quadrature" and info.converged:
-        record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
-    return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
-
-
-def _draw_error(config, data, prior_active, const, lam, tol):
-    """The fixed point's residual under an independent set of points (seed + 1): other draws,
-    or the cubature rotated by another orthogonal matrix.
-
-    The solver reaches the fixed point of the expectations under *its* points; the residual a
-    second set sees at that point estimates how far the answer is from the family's true
-    optimum (0 up to rounding for conjugate losses, whose sites are exact whatever the
-    points, and, under ``"cubature"``, for losses of degree at most 3 in the Gaussian blocks; the
-    second cubature has another rotation *and* radius, so that an error depending on the radius
-    alone shows too).
-    Warned about when well above the tolerance.
-    """
-    other, _ = bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
-    residual = relative_residual(lam, other)
-    cubature = config.rule == "cubature"
-    if not residual <= 100 * tol:  # a NaN residual warns too
-        if cubature:
-            what = (f"its own cubature points but {residual:.1e} for a rotated cubature: the loss is far from a "
-                    "polynomial of degree 3 in the Gaussian blocks over q, and the degree-3 rule's error shows; pass "
-                    "expectation='mixed' (num_samples draws) or 'mc'")
-        else:
-            what = (f"its own {config.num_samples} draws but {residual:.1e} for independent draws: the answer is "
-                    "only as accurate as the Monte Carlo error of the draws; raise num_samples (or give vector "
-                    "sites scalar factors with Gauss rules)")
-        warnings.warn(f"the fixed point's residual is below {tol:g} for {what}", MonteCarloErrorWarning, stacklevel=4)
-    if cubature:
-        return dict(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
-    return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
 
 
 def merge_ef(a, b, refine=False, tol=None, max_iters=200):

@@ -428,7 +428,7 @@ EF_MAX_ITERS = 200  # natural-gradient steps of an exponential-family solve when
 
 
 def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, raise_on_failure=True,
-              memory=5) -> tuple[jax.Array, object, SolveInfo]:
+              memory=5, progress=False) -> tuple[jax.Array, object, SolveInfo]:
     r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.fixed_point`).
 
     Each step is :func:`numpyro_pc.fixed_point.natural_propose`: Anderson mixing over the last
@@ -449,6 +449,7 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
     :param in_domain: ``λ -> bool`` (traceable).
     :param lam: the start (inside the domain).
     :param tol: relative residual tolerance (default :func:`numpyro_pc.fixed_point.default_tol`).
+    :param bool progress: show a progress bar of the iterations with the residual.
     :return: ``(λ, aux, SolveInfo)`` where ``aux`` belongs to the returned ``λ``.
     :raises OutOfDomainError: if the start is outside the domain, or no step keeps
         the iterate inside.
@@ -470,18 +471,26 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
 
     target, aux = evaluate(lam, 0)
     state = fixed_point.natural_init(lam, target, rho, memory)
-    while True:
-        res, it = float(state.residual), int(state.iteration)
-        if res < tol:
-            return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
-        if it >= max_iters:
-            break
-        new, state = fixed_point.natural_propose_host(state, in_domain, rho)
-        if not bool(state.inside):
-            raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
-                                   f"positive (target {np.asarray(state.target).tolist()})")
-        target, aux = evaluate(new, it + 1)
-        state = fixed_point.natural_observe(state, new, target)
+    bar = fixed_point.progress_bar(progress, max_iters, "natural-gradient solve")
+    try:
+        while True:
+            res, it = float(state.residual), int(state.iteration)
+            if bar is not None:
+                bar.n = it
+                bar.set_postfix(residual=f"{res:.2e}")
+            if res < tol:
+                return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
+            if it >= max_iters:
+                break
+            new, state = fixed_point.natural_propose_host(state, in_domain, rho)
+            if not bool(state.inside):
+                raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
+                                       f"positive (target {np.asarray(state.target).tolist()})")
+            target, aux = evaluate(new, it + 1)
+            state = fixed_point.natural_observe(state, new, target)
+    finally:
+        if bar is not None:
+            bar.close()
     info = SolveInfo(max_iters, res, False, float(state.damping.step))
     if raise_on_failure:
         raise ConvergenceError(f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} "

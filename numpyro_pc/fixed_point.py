@@ -46,7 +46,8 @@ import numpy as np
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
            "backtrack", "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
            "natural_observe", "natural_propose_host", "natural_solve", "relative_residual", "default_tol", "stagnation",
-           "iteration_budget", "BASE_ITERATIONS", "MAX_ITERATIONS", "PATIENCE", "TINY_STEP", "TINY_RUN", "OBJECTIVE_PROGRESS"]
+           "iteration_budget", "progress_bar", "largest_inside_fraction", "BASE_ITERATIONS", "MAX_ITERATIONS", "PATIENCE", "TINY_STEP", "TINY_RUN",
+           "OBJECTIVE_PROGRESS"]
 
 PATIENCE = 25  # iterations without halving the best residual before a run is declared stagnant
 TINY_STEP = 1e-3  # accepted damped steps this small, TINY_RUN times in a row, also mean stagnation
@@ -331,3 +332,28 @@ def stagnation(residuals, steps, objectives=None):
     if len(steps) >= TINY_RUN and all(0.0 < s <= TINY_STEP for s in steps[-TINY_RUN:]):
         return f"stagnant: the last {TINY_RUN} accepted steps were damped below {TINY_STEP:g}"
     return None
+
+
+def progress_bar(enabled: bool, total: int, desc: str = "refine"):
+    """A ``tqdm`` bar of ``total`` steps that a host loop advances, or ``None`` when not ``enabled``."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm  # imported only when a bar is asked for
+    return tqdm(total=total, desc=desc, leave=False, disable=False, mininterval=0.5)
+
+
+def largest_inside_fraction(inside: Callable[[float], bool], steps: int = 40, margin: float = 0.99) -> float:
+    """The largest ``α ∈ [0, 1]`` with ``inside(α)``, by bisection, times ``margin`` (off the boundary).
+
+    For a convex region that holds the point at ``α = 0`` — a positive definite precision, an
+    exponential family's natural domain — the answer is a step that stays inside; ``0`` when none
+    of the bisection's points is inside.
+    """
+    lo, hi = 0.0, 1.0
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        if inside(mid):
+            lo = mid
+        else:
+            hi = mid
+    return margin * lo

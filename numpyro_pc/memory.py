@@ -1,6 +1,6 @@
 """The machine's memory, and the share of it that automatic choices may fill.
 
-``storage="auto"`` (:func:`numpyro_pc.sites.resolve_storage`) stores a model's per-example
+``storage="auto"`` (:func:`numpyro_pc.site_storage.resolve_storage`) stores a model's per-example
 Hessians dense, ``N·d²`` numbers, only when they factorise no cheaper and their bytes fit
 :func:`dense_auto_budget`: 1/8 of the memory this process can have (the physical memory, or
 a smaller cgroup limit), or 1 GiB where that cannot be read. The rest of the memory is left

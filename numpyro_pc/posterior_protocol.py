@@ -254,6 +254,17 @@ class Posterior(ABC):
         """A copy with the given fields changed, of this posterior's class (nothing recomputed)."""
 
     # ------------------------------------------------------------------ what changes it
+    @abstractmethod
+    def refine(self, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
+               raise_on_failure: bool = True, progress: bool = False) -> Posterior:
+        """Every site recomputed at the fixed point from the current ``q`` (paper eq. ``qdualform``):
+        after a merge, a site removal or an update that left sites stale; the result's residual is
+        below ``tol``.
+
+        :raises ConvergenceError: ``tol`` not reached (with ``raise_on_failure``); ``err.posterior``
+            is the last iterate.
+        """
+
     def update(self, *args, **kwargs) -> Posterior:
         """Add a batch of examples with a correction of the stale sites (paper §3.1); see
         :func:`numpyro_pc.streaming.update` and :meth:`numpyro_pc.ef_posterior.EFPosterior.update`."""

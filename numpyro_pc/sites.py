@@ -20,7 +20,7 @@ accumulated with ``lax.scan``; ``samples × N × d × d`` is never formed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -29,155 +29,26 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .capabilities import gaussian_solver, site_curvature
-from .curvature import FULL, Dense, Factor, get_store
-from .curvature_sparse import SparseFactor
-from .errors import DataShapeError, ExpectationRuleError, InvalidOptionError, SiteStorageError
+from .curvature import FULL, Dense
+from .errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from .expectations import (hermite_nodes, mc_noise, prior_is_separable, subspace_basis, subspace_excess,
                            subspace_tolerance, tensor_hermite_nodes)
 from .cached_sites import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .likelihood import example_loss, example_params
-from .memory import dense_auto_budget, format_bytes, machine_memory
 from .prior_site import prior_terms, prior_terms_reparam, reparam_curvature
 from .options import is_choice
+from .site_storage import (SiteConfig, default_chunk_size, mc_along_subspace, resolve_storage,  # noqa: F401
+                           uses_params)
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
            "trace_count"]  # Sites, SiteSums: re-exported
 
-_CHUNK_BUDGET = 2**23  # numbers per chunk of transient per-example curvature
 _TRACES = {"compute": 0}
 
 
 def trace_count():
     """Number of times the site computation has been traced (compiled) in this process."""
     return _TRACES["compute"]
-
-
-@dataclass(frozen=True)
-class SiteConfig:
-    """Static options of a site computation (hashable, part of the jit cache key)."""
-
-    rule: object
-    curvature: str = "hessian"
-    storage: type = Factor
-    chunk_size: int = 256
-    num_devices: int = 1
-    need_hessian_sum: bool = False
-    width: int = 0  # columns per example of a sparse store
-    prior_diagonal: bool = False  # hold Ĥ_0 as its diagonal (a separable prior, a family with matrix-free sites)
-
-
-_DENSE_AUTO_LIMIT = dense_auto_budget(machine_memory())  # bytes, read once on import
-
-
-def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
-    r"""The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model.
-
-    ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one; else
-    ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, ``O(N·k·d)``; ``"sparse"`` for a family with
-    matrix-free sites) where the sites factorise exactly: distribution parameters affine in
-    ``z``, the ``"gh"`` or ``"mc"`` rule over a fixed dependence subspace
-    (:func:`mc_along_subspace`), or ``curvature="ggn"`` with the ``"delta"`` rule; else ``"dense"`` when its ``N·d²`` numbers, counted in bytes of ``dtype``,
-    fit the budget ``_DENSE_AUTO_LIMIT`` (:func:`dense_auto_budget`: 1/8 of
-    :func:`machine_memory`, or 1 GiB where that cannot be read). Otherwise, and for a store that
-    cannot hold what the family or model needs, it raises
-    :class:`~numpyro_pc.errors.SiteStorageError`, whose ``remedies`` are the option sets its
-    message suggests.
-
-    :param dtype: floating dtype of the sites (default: float64 with x64 enabled, else float32).
-    """
-    d, n = spec.latent.dim, spec.num_examples
-    family.check_dimension(d)
-    factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
-                    or mc_along_subspace(rule, curvature)) and spec.num_params > 0
-    if isinstance(storage, str) and storage == "auto":
-        needs = site_curvature(family)
-        if needs.default_storage is not None:
-            return get_store(needs.default_storage)
-        if factorisable:
-            return SparseFactor if needs.matrix_free else Factor
-        size = n * d * d * np.dtype(jnp.result_type(float) if dtype is None else dtype).itemsize
-        if size <= _DENSE_AUTO_LIMIT:
-            return Dense
-        diagonal = [({"family": "diagonal"}, "diagonal sites, N·d numbers")] if family.name == "full" else []
-        remedies = _factorised(spec, rule) + diagonal + [({"storage": "dense"}, "to accept the memory")]
-        raise SiteStorageError(
-            f"the per-example Hessians of this model do not factorise exactly ({_why(spec, rule)}) and dense "
-            f"storage would hold N·d² = {n * d * d:.3g} numbers ({format_bytes(size)}), more than the budget of "
-            f"storage='auto' ({format_bytes(_DENSE_AUTO_LIMIT)}: numpyro_pc.memory.dense_auto_budget); "
-            f"{_say(remedies)}.", [r for r, _ in remedies])
-    store = get_store(storage)
-    if store.keeps_jacobian and not factorisable:
-        remedies = _factorised(spec, rule) + [({"storage": "dense"}, "")]
-        raise SiteStorageError(f"storage={store.name!r} holds J_iᵀ Λ_i J_i, which needs distribution parameters "
-                               f"affine in z, the 'gh' rule, the 'mc' rule along a fixed subspace (expectation="
-                               f"'auto' finds it), or curvature='ggn' with the 'delta' rule "
-                               f"({_why(spec, rule)}); {_say(remedies)}.", [r for r, _ in remedies])
-    if store.detail < site_curvature(family).detail:
-        try:
-            auto = resolve_storage("auto", family, spec, rule, curvature, dtype)
-        except SiteStorageError:
-            auto = None
-        remedy = ({"storage": "dense"}, "") if auto is None else ({"storage": "auto"}, f"here {auto.name!r}")
-        raise SiteStorageError(f"the {family.name} family needs more per-example curvature than "
-                               f"storage={store.name!r} holds; {_say([remedy])}.", [remedy[0]])
-    return store
-
-
-def mc_along_subspace(rule, curvature) -> bool:
-    """Whether the ``"mc"`` rule differentiates each example along its dependence subspace
-    (``rule.subspace_dim > 0``, exact Hessians): its sites are then stored as ``(P_i, E[∇²_u φ_i])``."""
-    return rule.kind == "mc" and rule.subspace_dim > 0 and curvature == "hessian" and rule.mc_precision == "hessian"
-
-
-def _why(spec, rule):
-    if spec.num_params == 0:
-        return "its likelihood has no distribution parameters that depend on z"
-    if rule.kind == "delta":
-        return (f"its {spec.num_params} distribution parameter(s) are not affine in z, so the Hessian has "
-                "terms beyond J_iᵀ Λ_i J_i")
-    return (f"its {spec.num_params} distribution parameter(s) are not affine in z, so their Jacobian J_i "
-            f"changes over the points the {rule.kind!r} rule averages")
-
-
-def _factorised(spec, rule):
-    """The options under which this model's sites factorise (Gauss–Newton at the mean), with their meaning."""
-    if spec.num_params == 0:
-        return []
-    if rule.kind == "delta":
-        return [({"curvature": "ggn"}, "Gauss–Newton, stored factorised")]
-    return [({"expectation": "delta", "curvature": "ggn"}, "the Laplace–Gauss–Newton posterior, stored factorised")]
-
-
-def _say(remedies):
-    """``pass a='x' with b='y' (meaning), or c='z' …``"""
-    parts = [" with ".join(f"{k}={v!r}" for k, v in r.items()) + (f" ({note})" if note else "")
-             for r, note in remedies]
-    return "pass " + ", or ".join(parts)
-
-
-def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=True, rule=None) -> int:
-    """Examples per chunk: as many as the transient-memory budget allows, balanced so that
-    padding is at most one example per chunk."""
-    d, k = spec.latent.dim, max(spec.num_params, 1)
-    if rule is not None and mc_along_subspace(rule, curvature):  # r + 3 probe Jacobians and r Hessian tangents
-        r = rule.subspace_dim
-        largest = max(1, _CHUNK_BUDGET // (((r + 3) * k + 2 * r) * d))
-        chunks = int(math.ceil(num_examples / largest))
-        return int(math.ceil(num_examples / chunks))
-    # a d × d curvature per example is formed by the dense store, by models without distribution
-    # parameters, and by the diag/none stores only when the dense sum Σ Ĥ_i is asked for (their
-    # own stored terms come from J_i, Λ_i directly: Diagonal.from_point never forms J_iᵀ Λ_i J_i)
-    dense_transient = (storage is Dense or not _uses_params(spec, storage, curvature)
-                       or (need_hessian_sum and not storage.keeps_jacobian))
-    per_example = d * d if dense_transient else 4 * k * d
-    largest = max(1, _CHUNK_BUDGET // max(per_example, 1))
-    chunks = int(math.ceil(num_examples / largest))
-    return int(math.ceil(num_examples / chunks))
-
-
-def _uses_params(spec, storage, curvature):
-    """Whether per-example curvature goes through the distribution parameters (``J_iᵀ Λ_i J_i``)."""
-    return spec.num_params > 0 and (storage.keeps_jacobian or curvature == "ggn" or spec.affine)
 
 
 def _psd(lam):
@@ -187,7 +58,7 @@ def _psd(lam):
 
 def _point_terms(spec, cfg, z, ex, shared):
     """Loss, gradient and curvature of one example at one point ``z``."""
-    if _uses_params(spec, cfg.storage, cfg.curvature):
+    if uses_params(spec, cfg.storage, cfg.curvature):
         theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
         theta, loss_fn = example_params(spec, z, ex, shared)
         jac_fn = jax.jacrev if spec.num_params < spec.latent.dim else jax.jacfwd

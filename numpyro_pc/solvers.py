@@ -47,7 +47,7 @@ from .errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, 
 from .curvature import FULL, NONE
 from . import newton_polish
 from .fixed_point import (BASE_ITERATIONS, anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol,
-                          iteration_budget, stagnation)
+                          iteration_budget, progress_bar, stagnation)
 from .families import Gaussian
 from .site_problem import check_finite_sites, evaluate, fixed_point_map
 
@@ -278,7 +278,7 @@ def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30
     state = solve_init(problem, q, sites, sums, memory)
     auto = max_iters is None
     max_iters = BASE_ITERATIONS if auto else int(max_iters)
-    bar = _progress(progress, max_iters)
+    bar = progress_bar(progress, max_iters)
     while not solve_converged(state, tol):
         if state.iteration >= max_iters:
             more = iteration_budget([h["residual"] for h in state.history], tol, state.iteration) if auto else 0
@@ -433,8 +433,3 @@ def _history_entry(iteration, point, step, accelerated, start):
                 accelerated=accelerated, seconds=time.perf_counter() - start)
 
 
-def _progress(enabled, total):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc="refine", leave=False, disable=False, mininterval=0.5)

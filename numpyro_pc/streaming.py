@@ -40,70 +40,20 @@ import time
 import warnings
 from dataclasses import replace
 
-import jax.numpy as jnp
 import numpy as np
 
 from .batches import bind_batch
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
 from .correction import solve_update
 from .diagnostics import site_mismatch
-from .rowops import as_ids, to_device
+from .rowops import to_device
 from .rows import concat_data, positions, take_data
 from .solvers import default_tol
 from .stochastic import stochastic_update
 from .posterior_protocol import provides
-from .options import is_choice
+from .memory_sets import CORRECTIONS, SELECTIONS, corrected_ids, select_memory
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
-
-CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic")
-SELECTIONS = ("random", "residual", "curvature", "leverage")
-
-
-def select_memory(post, size, rule="random", seed=0):
-    """Choose ``size`` retained examples to correct.
-
-    :param str rule: ``"random"``; ``"residual"`` (largest stale site gradient ``‖ĝ_i‖``);
-        ``"curvature"`` (largest ``tr Ĥ_i``); ``"leverage"`` (largest ``tr(Ĥ_i S⁻¹)``).
-    :return: the chosen ids.
-    """
-    ids = np.asarray(post.data_ids)
-    size = int(min(max(size, 0), ids.size))
-    if size == 0:
-        return ids[:0]
-    rows = positions(post.sites.ids, ids)
-    sites = post.sites.take(rows)
-    if rule == "random":
-        chosen = np.random.default_rng(seed).choice(ids.size, size=size, replace=False)
-        return ids[np.sort(chosen)]
-    if rule == "residual":
-        score = np.asarray(jnp.linalg.norm(sites.grad, axis=1))
-    elif rule == "curvature":
-        score = np.asarray(sites.curvature_trace())
-    elif rule == "leverage":
-        cov = post.covariance
-        score = np.asarray(sites.curv.trace_quad(cov, jnp.zeros_like(sites.dense_grad()))[0])
-    else:
-        raise InvalidOptionError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
-    return ids[np.sort(np.argsort(-score, kind="stable")[:size])]
-
-
-def _corrected_ids(post, correction, memory, selection, seed):
-    if not is_choice(correction, CORRECTIONS):
-        raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
-    retained = np.asarray(post.data_ids)
-    if correction in ("none", "prior"):
-        return retained[:0], correction == "prior"
-    if correction in ("exact", "stochastic"):
-        return retained, True
-    if memory is None:
-        raise InvalidOptionError("correction='memory' needs memory= (a size or a list of example ids)")
-    if np.ndim(memory) == 0:
-        return select_memory(post, _memory_size(memory, retained.size), selection, seed), True
-    chosen = as_ids(memory)
-    positions(retained, chosen, "retained example (its data was not kept)")
-    return chosen, True
-
 
 def _reservoir(ids_old, ids_new, size, seen_before, seed):
     """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
@@ -118,20 +68,6 @@ def _reservoir(ids_old, ids_new, size, seen_before, seed):
             if slot < size:
                 kept[slot] = int(new)
     return np.asarray(sorted(kept), dtype=np.int64)
-
-
-def _memory_size(memory, num_retained):
-    """The number of retained examples a scalar ``memory`` asks for: an integer count, or a fraction in
-    ``(0, 1)`` of the retained examples (rounded, at least one)."""
-    value = float(memory)
-    if isinstance(memory, (bool, np.bool_)) or not np.isfinite(value) or value < 0:
-        raise InvalidOptionError(f"memory must be a count of examples, a fraction in (0, 1) or a list of ids; "
-                                 f"got {memory!r}")
-    if 0 < value < 1:
-        return max(1, int(round(value * num_retained)))
-    if value != int(value):
-        raise InvalidOptionError(f"memory={memory!r} is neither a whole number of examples nor a fraction in (0, 1)")
-    return int(value)
 
 
 @provides("update")
@@ -149,7 +85,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     new_data = bind_batch(post, args, kwargs)
     num_new = int(new_data.per_example[0].shape[0])
     new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
-    corrected, correct_prior = _corrected_ids(post, correction, memory, selection, seed)
+    corrected, correct_prior = corrected_ids(post, correction, memory, selection, seed)
     site_rows = positions(post.sites.ids, corrected)
     weight = 1.0
     if correction == "weighted":

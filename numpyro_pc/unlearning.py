@@ -49,6 +49,7 @@ from .rows import pad_to_bucket, positions, take_data
 from .sites import compute_sites
 from .site_problem import SiteProblem
 from .solvers import default_tol, solve
+from .fixed_point import largest_inside_fraction
 from .posterior_protocol import provides
 from .options import is_choice
 
@@ -104,18 +105,6 @@ def _removed_natural(post, rows):
     return _selected_natural_sum(post.family, source, jnp.asarray(padded), jnp.asarray(weights))
 
 
-def _largest_safe_fraction(family, natural, removal, steps=40):
-    """Largest α in (0, 1] with ``natural − α·removal`` positive definite (bisection)."""
-    lo, hi = 0.0, 1.0
-    for _ in range(steps):
-        mid = 0.5 * (lo + hi)
-        if bool(family.is_positive_definite(remove_site(natural, removal, mid).precision)):
-            lo = mid
-        else:
-            hi = mid
-    return 0.99 * lo
-
-
 @partial(jax.jit, static_argnums=0)
 def _removed(family, state, removal, alpha):
     """``q`` with ``α·removal`` taken out of its natural parameters, and whether that is positive definite."""
@@ -140,7 +129,9 @@ def _remove(post, removal, damping, what):
                 "curvature than the posterior can lose); pass damping=True to shrink the removal, or use "
                 "method='corrected'/'retrain'."
             )
-        alpha = _largest_safe_fraction(family, family.natural(post.state), removal)
+        natural = family.natural(post.state)
+        alpha = largest_inside_fraction(
+            lambda a: bool(family.is_positive_definite(remove_site(natural, removal, a).precision)))
         if alpha <= 0.0:
             raise NotPositiveDefiniteError(f"{what}: no damping keeps the precision positive definite")
         _, q = _removed(family, post.state, removal, alpha)

@@ -27,6 +27,19 @@ def test_information_gain_parts_add_up_to_the_kl(x64, family):
     assert abs(gain["identity_error"]) < 1e-8 * max(1.0, abs(gain["removed"]))
 
 
+@pytest.mark.parametrize("family", ["full", "diagonal"])
+def test_information_gain_counts_the_offset_of_a_weighted_correction(x64, family):
+    # the weighted correction leaves natural parameters no site holds (λ = offset + Σ λ̂_i): their
+    # expected value and their share of log Z belong to the parts, or the parts miss the KL by O(0.1)
+    X, y = make_logistic(60, 3, seed=2)
+    old = pc.fit(logistic_model, X[:40], y[:40], family=family, tol=1e-12)
+    new = old.update(X[40:], y[40:], correction="weighted", memory=8, seed=1, tol=1e-12)
+    assert new.record["fallback"] is None and new.offset is not None
+    assert float(np.max(np.abs(np.asarray(new.offset.linear)))) > 1e-2  # an offset the parts would miss
+    gain = diagnostics.information_gain(old, new)
+    assert gain["kl"] > 1e-2 and abs(gain["identity_error"]) < 1e-9, gain
+
+
 def test_correction_magnitude_vanishes_for_conjugate_full_gaussian(x64):
     """Linear-Gaussian sites do not depend on q: no interference, whatever the new data."""
     X, y = make_linear(90, 3, seed=13)

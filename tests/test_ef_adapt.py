@@ -445,3 +445,68 @@ def test_pc_merge_refuses_mixed_kinds_and_gaussian_options(x64):
         pc.merge(ef, [ef.delete([0])])
     with pytest.raises(errors.InvalidOptionError, match="list of posteriors"):
         pc.merge(ef, ef)
+
+
+# ---------------------------------------------------------------- update and delete options
+
+
+def test_update_options_read_as_on_gaussian_posteriors(x64):
+    y = _bern(30, seed=5)
+    post = pc.fit(beta_bernoulli, y=jnp.asarray(y[:20]), family={"p": "beta"})
+    batch = dict(y=jnp.asarray(y[20:]))
+    # an integer memory is a count of examples (as for a Gaussian posterior), never an example id
+    counted = post.update(**batch, correction="memory", memory=4, seed=3)
+    assert counted.record["corrected"] == 4
+    assert post.update(**batch, correction="memory", memory=1.0).record["corrected"] == 20  # a fraction: all
+    with pytest.raises(errors.InvalidOptionError, match="neither a whole number"):
+        post.update(**batch, correction="memory", memory=3.5)
+    with pytest.raises(errors.InvalidOptionError, match="goes with correction='memory'"):
+        post.update(**batch, correction="exact", memory=4)  # ignored before: now refused, for every family
+    with pytest.raises(errors.MissingCapabilityError, match="without a separate curvature"):
+        post.update(**batch, correction="memory", memory=4, selection="curvature")
+    with pytest.raises(errors.MissingCapabilityError, match="depends on the parametrisation"):
+        post.update(**batch, correction="memory", memory=4, selection="residual")
+    with pytest.raises(errors.InvalidOptionError, match="unknown selection"):
+        post.update(**batch, correction="memory", memory=4, selection="largest")
+    with pytest.raises(errors.MissingCapabilityError, match="keeps the data of every example"):
+        post.update(**batch, keep="none")
+    with pytest.raises(errors.InvalidOptionError, match="reservoir size"):
+        post.update(**batch, keep=-1)
+    with pytest.raises(errors.InvalidOptionError, match="progress"):
+        post.update(**batch, progress="yes")
+    shown = post.update(**batch, correction="stochastic", batch_fraction=0.5, progress=True)
+    np.testing.assert_allclose(_args(shown), [A0 + y.sum(), B0 + (1 - y).sum()], rtol=1e-10)  # conjugate: exact
+
+
+def test_site_removal_with_damping_stops_inside_the_domain(x64):
+    # a stale posterior (its natural parameters put back at the prior's) whose three y = 1 sites (1, 0)
+    # cannot all be removed: a - 1 = A0 - 1 - 3α stays above -1 only for α < A0 / 3
+    from numpyro_pc.ef_posterior import EFState
+
+    post = pc.fit(beta_bernoulli, y=jnp.ones(10), family={"p": "beta"})
+    stale = post.evolve(state=EFState(jnp.asarray([A0 - 1.0, B0 - 1.0]), post.sites), stale_sites=True)
+    with pytest.raises(errors.OutOfDomainError, match="damping=True"):
+        stale.delete([0, 1, 2])
+    damped = stale.delete([0, 1, 2], damping=True)
+    alpha = damped.record["damping"]
+    assert alpha == pytest.approx(0.99 * A0 / 3, rel=1e-9)  # the bisection's boundary, 1 % inside
+    np.testing.assert_allclose(np.asarray(damped.natural), [A0 - 1.0 - 3 * alpha, B0 - 1.0], rtol=1e-12)
+    assert damped.stale_sites and damped.num_examples == 7 and damped.tombstones == (0, 1, 2)
+    assert post.delete([0, 1, 2], damping=True).record["damping"] == 1.0  # inside: the whole removal
+
+
+def test_refine_brings_stale_sites_to_the_refit_or_says_how_far_it_got(x64):
+    y = jnp.asarray(_pois(30, seed=3))
+    family = {"rate": "gamma"}
+    stale = pc.fit(lognormal_poisson, y=y, family=family, tol=1e-12).delete([0, 1], method="remove_site")
+    assert stale.stale_sites  # the prior term (not conjugate-form) was computed at the old q
+    with pytest.raises(errors.ConvergenceError, match="did not reach") as caught:
+        stale.refine(tol=1e-14, max_iters=1)
+    assert isinstance(caught.value.posterior, pc.EFPosterior) and caught.value.posterior.record["iterations"] == 1
+    with pytest.warns(RuntimeWarning, match="did not reach"):
+        assert not stale.refine(tol=1e-14, max_iters=1, raise_on_failure=False).record["converged"]
+    refined = stale.refine(tol=1e-12, step_size=0.5)
+    assert not refined.stale_sites and refined.record["operation"] == "refine"
+    assert float(refined.kl(pc.fit(lognormal_poisson, y=y[2:], family=family, tol=1e-12))) < 1e-9
+    with pytest.raises(errors.InvalidOptionError, match="step_size"):
+        stale.refine(step_size=0.0)

@@ -32,6 +32,7 @@ import numpyro_pc as pc
 from numpyro_pc import errors, federated
 from numpyro_pc.federated.ef import global_natural
 from numpyro_pc.federated.privacy import GaussianMechanism
+from numpyro_pc.memory_sets import select_memory, selection_scores
 from numpyro_pc.rows import positions
 
 from conftest import linear_model, make_linear
@@ -136,6 +137,46 @@ def update_memory(name):
         assert u.residual < 1e-9
 
 
+def update_memory_count(name):  # memory=3 is a count of examples for every family, never the id 3
+    p = _first(name)
+    u = p.update(**_rows(name, range(FIRST, N)), correction="memory", memory=3, seed=7, tol=TOL)
+    chosen = np.sort(np.random.default_rng(7).choice(FIRST, 3, replace=False))  # the random rule, this seed
+    stale = [i for i in range(FIRST) if i not in chosen]
+    assert u.record["corrected"] == 3
+    np.testing.assert_array_equal(_site_values(u, stale), _site_values(p, stale))
+
+
+def _leverage(name, post):
+    """Closed-form leverage of the first examples: ``tr(Ĥ_i S⁻¹)`` for the Gaussian families (linear
+    regression: ``Ĥ_i = x_i x_iᵀ/σ²``, its diagonal for the diagonal family), and the second-order KL
+    of removing the site, ``½ g_iᵀ ∇²A(λ) g_i``, with the Beta / Gamma Fisher written out."""
+    if name in GAUSSIAN:
+        X, cov = np.asarray(_data(name)["X"])[:FIRST], np.asarray(post.covariance)
+        if name == "diagonal":
+            return X**2 @ np.diag(cov) / NOISE**2
+        return np.einsum("nd,de,ne->n", X, cov, X) / NOISE**2
+    (_, args), = post.family.describe(post.natural).values()
+    a, b = (float(v) for v in args.values())
+    if name == "beta":  # λ = (a − 1, b − 1), A = lnΓ(a) + lnΓ(b) − lnΓ(a + b)
+        t = special.polygamma(1, a + b)
+        fisher = np.array([[special.polygamma(1, a) - t, -t], [-t, special.polygamma(1, b) - t]])
+    else:  # λ = (a − 1, −b), A = lnΓ(a) − a ln b
+        fisher = np.array([[special.polygamma(1, a), 1 / b], [1 / b, a / b**2]])
+    g = np.asarray(post.sites.grads)[:FIRST]
+    return 0.5 * np.einsum("ip,pq,iq->i", g, fisher, g)
+
+
+def update_memory_leverage(name):
+    p = _first(name)
+    want = _leverage(name, p)
+    np.testing.assert_allclose(selection_scores(p, "leverage", np.arange(FIRST)), want, rtol=1e-10)
+    chosen = np.sort(np.argsort(-want, kind="stable")[:3])
+    np.testing.assert_array_equal(select_memory(p, 3, "leverage"), chosen)
+    u = p.update(**_rows(name, range(FIRST, N)), correction="memory", memory=3, selection="leverage", tol=TOL)
+    stale = [i for i in range(FIRST) if i not in chosen]
+    np.testing.assert_array_equal(_site_values(u, stale), _site_values(p, stale))
+
+
 def update_stochastic(name):  # one block of every retained example per pass: the exact correction
     u = _first(name).update(**_rows(name, range(FIRST, N)), correction="stochastic", batch_fraction=1.0, epochs=1,
                             tol=TOL)
@@ -161,6 +202,11 @@ def delete_remove_site(name):
         rows = positions(np.asarray(p.sites.ids), np.asarray(GONE))
         removed = p.sites.take(rows).natural_sum(p.family)
         np.testing.assert_allclose(_flat(p.natural) - _flat(u.natural), _flat(removed), rtol=1e-10, atol=1e-10)
+
+
+def refine_after_site_removal(name):  # the removal leaves the other sites stale; refine() reaches the refit
+    u = _first(name).delete(GONE, method="remove_site").refine(tol=TOL)
+    assert _kl(u, _fit(name, KEPT)) < 1e-9 and float(u.residual) < 1e-9 and not u.stale_sites
 
 
 def delete_corrected(name):
@@ -342,15 +388,16 @@ def federated_bounded(name):
     assert all(h["clipped"] == 0 and h["clipped_clients"] == [] for h in bounded.history)
 
 
-OPERATIONS = [update_exact, update_none, update_memory, update_stochastic, update_weighted, delete_remove_site,
-              delete_corrected, delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base,
-              save_load, loo, influence, information_gain, correction_magnitude, lfo, correction_factor,
-              federated_private, federated_bounded]
+OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, update_memory_leverage,
+              update_stochastic, update_weighted, delete_remove_site, refine_after_site_removal, delete_corrected,
+              delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base, save_load, loo,
+              influence, information_gain, correction_magnitude, lfo, correction_factor, federated_private,
+              federated_bounded]
 
 # the cells that refuse, with the error and a phrase of the reason
 REFUSED = {
-    ("beta", "update_weighted"): (errors.InvalidOptionError, "would break λ"),
-    ("gamma", "update_weighted"): (errors.InvalidOptionError, "would break λ"),
+    ("beta", "update_weighted"): (errors.InvalidOptionError, "no term outside its sites"),
+    ("gamma", "update_weighted"): (errors.InvalidOptionError, "no term outside its sites"),
     ("beta", "delete_influence"): (errors.InvalidOptionError, "removes the sites exactly"),
     ("gamma", "delete_influence"): (errors.InvalidOptionError, "removes the sites exactly"),
     ("beta", "delete_tracin"): (errors.InvalidOptionError, "removes the sites exactly"),
@@ -360,9 +407,13 @@ REFUSED = {
     ("isotropic", "loo"): (errors.MissingCapabilityError, "no precision to remove"),
     ("isotropic", "information_gain"): (errors.MissingCapabilityError, "carry no curvature"),
     ("isotropic", "correction_factor"): (errors.MissingCapabilityError, "fixed base measure"),
+    ("isotropic", "update_memory_leverage"): (errors.MissingCapabilityError, "carry gradients only"),
     ("lowrank-1", "update_memory"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "update_memory_count"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "update_memory_leverage"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "update_stochastic"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "delete_remove_site"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "refine_after_site_removal"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "loo"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "influence"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "information_gain"): (errors.MissingCapabilityError, "projection of the site sum"),

@@ -11,7 +11,7 @@ import pytest
 from conftest import logistic_model, make_logistic
 
 import numpyro_pc as pc
-from numpyro_pc import memory, sites
+from numpyro_pc import memory, site_storage, sites
 from numpyro_pc.curvature import Dense, Diagonal, Factor
 from numpyro_pc.expectations import get_rule
 from numpyro_pc.families import FullGaussian
@@ -55,7 +55,7 @@ def test_budget_is_a_share_of_the_machines_memory(monkeypatch, tmp_path):
     assert memory.DENSE_AUTO_FALLBACK > 16 * 59e6  # far above the 59 MB of the 40-group model's dense sites
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < memory.machine_memory() <= physical
-    assert sites._DENSE_AUTO_LIMIT == memory.dense_auto_budget(memory.machine_memory())
+    assert site_storage._DENSE_AUTO_LIMIT == memory.dense_auto_budget(memory.machine_memory())
     # a container's cgroup limit below the physical memory wins; "max" (unlimited) is ignored
     limit, unlimited = tmp_path / "memory.max", tmp_path / "unlimited"
     limit.write_text("1073741824\n")
@@ -78,7 +78,7 @@ def test_budget_counts_bytes_of_the_dtype(monkeypatch):
     spec, _ = bind_model(noncentred, (g, x, y))
     n, d = spec.num_examples, spec.latent.dim
     assert not spec.affine and spec.num_params == 2
-    monkeypatch.setattr(sites, "_DENSE_AUTO_LIMIT", n * d * d * 4)  # float32 fits, float64 does not
+    monkeypatch.setattr(site_storage, "_DENSE_AUTO_LIMIT", n * d * d * 4)  # float32 fits, float64 does not
     mc = get_rule("mc")
     assert sites.resolve_storage("auto", FullGaussian(), spec, mc, "hessian", jnp.float32) is Dense
     with pytest.raises(pc.SiteStorageError) as err:
@@ -112,7 +112,7 @@ def test_advice_of_a_too_large_auto_storage_works(x64, monkeypatch):
     assert isinstance(auto.sites.curv, Dense)
     np.testing.assert_allclose(auto.mean, dense.mean, rtol=0, atol=1e-8)
     np.testing.assert_allclose(auto.state.precision, dense.state.precision, rtol=1e-8)
-    monkeypatch.setattr(sites, "_DENSE_AUTO_LIMIT", 1024)
+    monkeypatch.setattr(site_storage, "_DENSE_AUTO_LIMIT", 1024)
     remedies = _raised(lambda: pc.fit(noncentred, *args, expectation="mc"))
     assert remedies == ({"expectation": "delta", "curvature": "ggn"}, {"family": "diagonal"}, {"storage": "dense"})
     fits = {i: _fit(noncentred, args, **{"expectation": "mc", **r}) for i, r in enumerate(remedies)}
@@ -150,9 +150,9 @@ def test_a_forty_group_noncentred_regression_is_stored_dense(monkeypatch):
     spec = replace(spec, num_examples=bucket_size(spec.num_examples))
     assert (spec.num_examples, spec.latent.dim) == (1024, 85)
     mc = get_rule("mc")
-    monkeypatch.setattr(sites, "_DENSE_AUTO_LIMIT", memory.dense_auto_budget(None))
+    monkeypatch.setattr(site_storage, "_DENSE_AUTO_LIMIT", memory.dense_auto_budget(None))
     assert sites.resolve_storage("auto", FullGaussian(), spec, mc, "hessian", jnp.float64) is Dense
-    monkeypatch.setattr(sites, "_DENSE_AUTO_LIMIT", 2**22 * 8)
+    monkeypatch.setattr(site_storage, "_DENSE_AUTO_LIMIT", 2**22 * 8)
     with pytest.raises(pc.SiteStorageError, match=r"7\.4e\+06 numbers \(56\.4 MiB\)"):
         sites.resolve_storage("auto", FullGaussian(), spec, mc, "hessian", jnp.float64)
 

@@ -53,8 +53,8 @@ def test_the_default_rule_is_the_subspace_one_with_the_dense_numbers(pair, x64):
 
 def test_updates_and_deletions_agree(pair, x64):
     posts, new = pair
-    for correction in ("exact", "memory"):
-        a, b = (p.update(*new, correction=correction, memory=10) for p in (posts["dense"], posts["along"]))
+    for correction, options in (("exact", {}), ("memory", dict(memory=10))):
+        a, b = (p.update(*new, correction=correction, **options) for p in (posts["dense"], posts["along"]))
         _close(b.mean, a.mean)
         assert float(b.kl(a)) < 1e-8, correction
     for method in ("corrected",):
