@@ -399,3 +399,39 @@ def test_a_former_check_still_works_for_one_release_with_a_warning_naming_its_re
             check(manifest)
     with pytest.raises(AttributeError, match="no attribute"):
         getattr(importlib.import_module(module), name + "_never_defined")
+
+
+# --------------------------------------------------------------------------- read order and bounds
+
+
+def test_a_signed_file_is_verified_before_its_family_name_is_interpreted(tmp_path, x64):
+    """A parametrised family name is built and registered when the manifest is checked; with a key, the
+    signature is verified first, so an altered name registers nothing (the process's family registry is
+    not for the file's author to extend)."""
+    from numpyro_pc.families import registered_families
+    assert "lowrank-37" not in registered_families()
+    path = _edit(FIXTURES / "gaussian_full_signed.npz", tmp_path / "f", lambda m: m.update(family="lowrank-37"))
+    with pytest.raises(errors.IntegrityError, match="does not match"):
+        pc.load(path, MODELS["gaussian_full"], key=KEY)
+    assert "lowrank-37" not in registered_families()
+    with pytest.raises(errors.CorruptFileError):  # unsigned reading still refuses it, after the checks
+        pc.load(path, MODELS["gaussian_full"])
+
+
+def test_the_manifest_allowance_of_a_tombstones_member_is_for_manifests_that_list_deleted_ids(v2_files, tmp_path,
+                                                                                            monkeypatch, x64):
+    """Only files that list their deleted ids in the manifest (written before the member held them alone)
+    need more than MAX_MANIFEST bytes of manifest; another manifest using the allowance that any
+    ``tombstones.npy`` grants before the kind is known is refused once parsed."""
+    from numpyro_pc import archive
+    listed = FIXTURES / "gaussian_full_v2_listed.npz"
+    current = _with_member(v2_files["gaussian_full"], tmp_path / "f", "tombstones", np.arange(0))
+    for path in (listed, current):
+        size = len(_members(path)["manifest.json"])
+        monkeypatch.setattr(archive, "MAX_MANIFEST", size - 64)  # within the member's allowance (3 × 128 bytes)
+        assert size <= archive.manifest_limit(len(_members(path)["tombstones.npy"]))
+        if path == listed:
+            assert pc.load(path, MODELS["gaussian_full"]).tombstones == (1, 7)
+        else:
+            with pytest.raises(errors.OversizedFileError, match="lists no deleted ids"):
+                pc.load(path, MODELS["gaussian_full"])
