@@ -13,15 +13,19 @@ a posterior has a few dozen members, and a directory of a million empty entries 
 cost far more memory than its bytes). Before any member is read it checks that members
 are stored (not compressed), unencrypted, unique, that their sizes add up to no more than
 the file, that the manifest is at most :data:`MAX_MANIFEST` bytes plus three bytes per
-byte of the tombstones array (the manifest lists the deleted ids too), and that each
-array member's size is the one its manifest entry declares (shape × item size plus a
-bounded ``.npy`` header). A file therefore never makes the reader hold more than its own
+byte of the tombstones array (an allowance for the files written before that array held
+the deleted ids alone, whose manifests list them too: a parsed manifest that lists none
+and exceeds :data:`MAX_MANIFEST` is refused), and that each array member's size is the
+one its manifest entry declares (shape × item size plus a bounded ``.npy`` header). A file therefore never makes the reader hold more than its own
 size in member bytes, and the parsed manifest stays within a fixed allowance plus a
 multiple of the tombstones' size. Every failure is a
 :class:`~numpyro_pc.errors.PersistenceError` subclass.
 
 An optional key adds an HMAC-SHA256 over the manifest and every array member
 (:data:`SIGNATURE` member); see the documentation page on saving for what it protects.
+With a key, :func:`read_archive` verifies the signature before the manifest is checked:
+nothing in the file is interpreted (family names looked up, parametrised families built)
+beyond the names of the members the signature covers.
 """
 
 from __future__ import annotations
@@ -261,23 +265,58 @@ def read_archive(path, check_manifest, key=None):
             raise CorruptFileError(f"{path}: the manifest is not valid JSON ({err})") from err
         if not isinstance(manifest, dict):
             raise CorruptFileError(f"{path}: the manifest is a JSON {type(manifest).__name__}, expected an object")
+        if len(manifest_bytes) > MAX_MANIFEST and not _lists_deleted_ids(manifest):
+            raise OversizedFileError(f"{path}: its manifest holds {len(manifest_bytes)} bytes; a manifest that lists "
+                                     f"no deleted ids needs at most {MAX_MANIFEST}")
+        signed = SIGNATURE in infos
+        raw = None
+        if key is not None:  # verified before anything else in the file is interpreted (checks, family names)
+            raw = _read_signed(archive, infos, manifest, path)
+            _verify_signature(archive, infos, key, manifest_bytes, list(raw.items()), path)
         declared = check_manifest(manifest)
         expected = {MANIFEST} | {f"{name}.npy" for name in declared}
         extra = sorted(set(infos) - expected - {SIGNATURE})
         if extra:
             raise CorruptFileError(f"{path} holds members the manifest does not declare: {extra[:5]}")
-        arrays, raw = {}, []
+        arrays = {}
         for name, (dtype, shape, digest) in declared.items():
             member = infos.get(f"{name}.npy")
             if member is None:
                 raise CorruptFileError(f"{path} lacks the array {name!r} its manifest declares")
-            data = _read_member(archive, member, path, _npy_limit(dtype, shape))
+            limit = _npy_limit(dtype, shape)
+            data = _read_member(archive, member, path, limit) if raw is None else raw[f"{name}.npy"]
+            if len(data) > limit:
+                raise OversizedFileError(f"{path}: member {member.filename!r} holds {len(data)} bytes; the manifest "
+                                         f"declares at most {limit}")
             arrays[name] = _parse_npy(data, name, dtype, shape, digest, path)
-            raw.append((f"{name}.npy", data))
-        signed = SIGNATURE in infos
-        if key is not None:
-            _verify_signature(archive, infos, key, manifest_bytes, raw, path)
     return manifest, arrays, signed
+
+
+def _lists_deleted_ids(manifest):
+    """Whether ``manifest`` lists deleted ids, as files written before the ``tombstones`` member did
+    (version 1 at the top level, the first version-2 files in the kind's object): only such a
+    manifest may use the allowance of :func:`manifest_limit` beyond :data:`MAX_MANIFEST`."""
+    kind = manifest.get("kind")
+    part = manifest.get(kind) if isinstance(kind, str) and kind in ("gaussian", "ef") else None
+    return isinstance(manifest.get("tombstones"), list) or (
+        isinstance(part, dict) and isinstance(part.get("tombstones"), list))
+
+
+def _read_signed(archive, infos, manifest, path):
+    """``{member name: bytes}`` of the arrays the manifest names, in its order (the order the
+    signature covers), read before the manifest is checked so that the signature is verified
+    first; each read is bounded by the file's size (:func:`_checked_members`)."""
+    entries = manifest.get("arrays")
+    if not isinstance(entries, dict):
+        raise CorruptFileError(f"{path}: manifest field 'arrays': expected an object naming the arrays, found "
+                               f"{type(entries).__name__}")
+    raw = {}
+    for name in entries:
+        member = infos.get(f"{name}.npy")
+        if member is None:
+            raise CorruptFileError(f"{path} lacks the array {name!r} its manifest declares")
+        raw[member.filename] = _read_member(archive, member, path, member.file_size)
+    return raw
 
 
 def _checked_members(archive, size, path):

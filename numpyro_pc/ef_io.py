@@ -5,9 +5,8 @@ The file is the one format of :mod:`numpyro_pc.file_format` (one uncompressed zi
 signed with an HMAC key), of kind ``"ef"``. Beside the common header its manifest records
 ``family`` (``{latent site: family name}`` in the model's latent order) and, in
 ``manifest["ef"]``, the site computation's ``config`` (``rule``, ``num_nodes``,
-``num_samples``, ``seed``), ``conjugate_prior``, ``next_id`` and the deleted ids
-``tombstones``. Its arrays are ``natural``
-:math:`\lambda` ``(P,)``, the site table's ``sites.grads`` (the sites :math:`g_i`,
+``num_samples``, ``seed``), ``conjugate_prior`` and ``next_id``. Its arrays are ``natural``
+:math:`\lambda` ``(P,)``, the ids of deleted examples ``tombstones`` ``(K,)`` (``int64``), the site table's ``sites.grads`` (the sites :math:`g_i`,
 ``(N, P)``), ``sites.prior`` (:math:`g_0`, ``(P,)``) and ``sites.ids`` ``(N,)``, and the data
 rows; the dual-form residual is
 :math:`\|\lambda + g_0 + \sum_i g_i\| / (1 + \|g_0 + \sum_i g_i\|)`.
@@ -27,6 +26,7 @@ pass it to :meth:`~numpyro_pc.ef_posterior.EFPosterior.to_guide_params` after lo
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -39,16 +39,38 @@ from .ef_posterior import EFConfig, EFPosterior, EFState, family_for_model
 from .ef_site_table import EFSiteTable
 from .errors import InconsistentFileError, PosteriorCorrectionError, SavedModelMismatchError
 from .file_format import build_manifest, check_file
+from .file_format import check_manifest as _check_manifest
 from .fingerprint import model_fingerprint
 from .saved_model import bind_saved_model, binding_manifest, site_arrays, with_data_arrays, write_checked
 from .likelihood import ModelData
 from .rowops import to_device
-from .validation import DATA_DTYPES, check_residual
+from .validation import DATA_DTYPES, TOMBSTONES, check_residual, read_tombstones, tombstones_member
+from .validation import check_ef_contents as _check_ef_contents
 
 __all__ = ["KIND", "save_ef", "load_ef"]
 
 KIND = "ef"
 _PRIOR_PROBES = 8  # draws at which a conjugate-form prior is compared with the model's
+# former checks of this module -> (their replacement, what it checks)
+_REPLACED = {
+    "check_ef_manifest": ("numpyro_pc.file_format.check_manifest", _check_manifest,
+                          "a version-2 manifest of either kind; numpyro_pc.file_format.upgrade maps a version-1 "
+                          "manifest to it"),
+    "check_ef_contents": ("numpyro_pc.validation.check_ef_contents", _check_ef_contents,
+                          "the arrays of a version-2 'ef' file, named sites.grads, sites.prior and sites.ids"),
+}
+
+
+def __getattr__(name: str):
+    """The checks that moved to :mod:`numpyro_pc.file_format` and :mod:`numpyro_pc.validation`
+    (``check_ef_manifest``, ``check_ef_contents``): importing them from here still works for one
+    release, with a ``FutureWarning`` naming the replacement."""
+    if name in _REPLACED:
+        new, value, what = _REPLACED[name]
+        warnings.warn(f"numpyro_pc.ef_io.{name} was replaced by {new} (it checks {what}); the old name is removed "
+                      "in the next release", FutureWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module 'numpyro_pc.ef_io' has no attribute {name!r}")
 
 
 def save_ef(post, path, key=None) -> Path:
@@ -61,7 +83,8 @@ def save_ef(post, path, key=None) -> Path:
     :return: the :class:`~pathlib.Path` written.
     :raises PersistenceError: a posterior that cannot be saved in a form that loads back.
     """
-    arrays = with_data_arrays({"natural": post.natural}, post.data, DATA_DTYPES, post.sites)
+    arrays = with_data_arrays({"natural": post.natural, TOMBSTONES: tombstones_member(post.tombstones)}, post.data,
+                              DATA_DTYPES, post.sites)
     cfg, spec = post.config, post.config.spec
     dtype = str(arrays["natural"].dtype)
     with jax.enable_x64(dtype == "float64"):
@@ -69,8 +92,7 @@ def save_ef(post, path, key=None) -> Path:
         residual = float(post.site_identity_residual)
     part = {"config": {"rule": cfg.rule, "num_nodes": int(cfg.num_nodes), "num_samples": int(cfg.num_samples),
                        "seed": int(cfg.seed)},
-            "conjugate_prior": bool(post.conjugate_prior), "next_id": int(post.next_id),
-            "tombstones": [int(t) for t in post.tombstones]}
+            "conjugate_prior": bool(post.conjugate_prior), "next_id": int(post.next_id)}
     manifest = build_manifest(KIND, {f.site: f.family_name for f in post.family.factors}, dtype, part,
                               binding_manifest(spec, post.data, arrays, residual, fingerprint, key is not None),
                               post.stale_sites)
@@ -115,8 +137,8 @@ def load_ef(path, model, manifest: dict, arrays: dict) -> EFPosterior:
                           _describe(family, natural))
         config = _config(path, spec, family, part["config"])
         post = EFPosterior(config=config, data=data, state=EFState(natural, sites),
-                           conjugate_prior=part["conjugate_prior"], guide_map=None, tombstones=part["tombstones"],
-                           next_id=part["next_id"] or 0)
+                           conjugate_prior=part["conjugate_prior"], guide_map=None, tombstones=read_tombstones(arrays),
+                           next_id=part["next_id"])
         residual = float(post.residual)
         check_residual(manifest.get("residual"), residual, dtype)
         if post.conjugate_prior:

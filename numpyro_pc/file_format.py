@@ -10,15 +10,17 @@ Every saved posterior — Gaussian (:mod:`numpyro_pc.io`) or exponential-family
   ``arguments``, ``example_shapes``, ``fingerprint``, ``signed``), the ``arrays`` entries
   (SHA-256, dtype, shape), the dual-form ``residual`` and ``stale_sites``;
 - the kind's own fields in one object named after the kind: ``"gaussian"``: ``rule``,
-  ``curvature``, ``storage``, ``chunk_size``, ``next_id``, ``tombstones``; ``"ef"``:
-  ``config``, ``conjugate_prior``, ``next_id`` (null in a file upgraded from version 1) and
-  ``tombstones``.
+  ``curvature``, ``storage``, ``chunk_size``, ``next_id``; ``"ef"``: ``config``,
+  ``conjugate_prior``, ``next_id`` (an integer in every version-2 file; an upgrade from
+  version 1 sets it past the largest held id).
 
 The sites are stored as ``sites.<name>``, one member per entry of the site table's
 :meth:`~numpyro_pc.site_protocol.SiteTable.arrays`; beside them a Gaussian file holds
-``mean``, ``precision``, ``data_ids``, ``tombstones`` and optionally ``offset.*``, an
-exponential-family file ``natural``, and both the data rows ``data.example.k`` and
-``data.shared.k``.
+``mean``, ``precision``, ``data_ids`` and optionally ``offset.*``, an exponential-family
+file ``natural``, and both the ids of deleted examples ``tombstones`` (``int64``, checked by
+:func:`numpyro_pc.validation.check_tombstones`) and the data rows ``data.example.k`` and
+``data.shared.k``. Files of version 1 and the first version-2 files listed the deleted ids in
+the kind's part instead (``tombstones``); :func:`upgrade` moves such a list to the member.
 
 :func:`check_manifest` checks the common header once and hands the kind's part to the
 kind's checker (:func:`numpyro_pc.validation.check_gaussian_part`,
@@ -31,17 +33,18 @@ verified on the bytes as written.
 
 from __future__ import annotations
 
-import copy
+import hashlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from .archive import read_archive
-from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, IntegrityError
-from .validation import (EF_FIELDS, FLOAT_DTYPES, GAUSSIAN_FIELDS, check_binding_fields, check_contents,
+from .errors import CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError, IntegrityError
+from .validation import (EF_FIELDS, FLOAT_DTYPES, GAUSSIAN_FIELDS, TOMBSTONES, check_binding_fields, check_contents,
                          check_ef_contents, check_ef_part, check_gaussian_part, fail_field)
 
 __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "COMMON_FIELDS", "build_manifest", "check_manifest", "check_file",
@@ -59,16 +62,26 @@ class _Kind(NamedTuple):
     check: Callable  # check(manifest, num_example, num_shared) -> declared arrays
     contents: Callable  # contents(manifest, arrays)
     v1_arrays: dict  # version-1 array name -> version-2 name
-    v1_defaults: dict  # fields of the kind's part that version 1 did not write -> their upgraded value
+    v1_fields: frozenset  # the fields of the kind's part that version 1 wrote (at the top level)
+    v1_defaults: Callable  # v1_defaults(upgraded arrays) -> {field version 1 did not write: its upgraded value}
+
+
+def _past_largest(ids) -> int:
+    """The id past the largest of ``ids`` (0 for none, or for ids that are no integers: refused later)."""
+    if ids is None or not ids.size or ids.dtype.kind not in "iu":
+        return 0
+    return max(int(ids.max()) + 1, 0)
 
 
 _KINDS = {
-    "gaussian": _Kind(GAUSSIAN_FIELDS, check_gaussian_part, check_contents, {}, {}),
+    "gaussian": _Kind(GAUSSIAN_FIELDS, check_gaussian_part, check_contents, {}, GAUSSIAN_FIELDS | {"tombstones"},
+                      lambda arrays: {}),
     # version 1 kept no deleted ids for exponential-family posteriors: none are known, and the next id is
     # the one past the largest held (EFPosterior's floor)
     "ef": _Kind(EF_FIELDS, check_ef_part, check_ef_contents,
                 {"grads": "sites.grads", "prior": "sites.prior", "ids": "sites.ids"},
-                {"tombstones": [], "next_id": None}),
+                frozenset({"config", "conjugate_prior"}),
+                lambda arrays: {"tombstones": [], "next_id": _past_largest(arrays.get("sites.ids"))}),
 }
 
 
@@ -133,15 +146,53 @@ def check_file(manifest: dict, arrays: dict) -> None:
 
 
 def upgrade(manifest: dict, arrays: dict) -> tuple[dict, dict]:
-    """The manifest and arrays in the version-2 layout: as they are for version 2,
-    :func:`_upgrade_v1` for version 1 (neither argument is modified).
+    """The manifest and arrays in the version-2 layout: :func:`_upgrade_v1` for version 1, then
+    :func:`_listed_tombstones` for a file that lists its deleted ids in the manifest (neither
+    argument is modified).
 
-    :raises CorruptFileError: another format, or a version-1 manifest with fields version 1 never wrote.
+    :raises CorruptFileError: another format, a version-1 manifest with fields version 1 never wrote,
+        or a malformed list of deleted ids.
+    :raises InconsistentFileError: a list of deleted ids that is not the ``tombstones`` member's.
     :raises FormatVersionError: a version this release does not read.
     """
-    if _check_format(manifest) == VERSION:
+    if _check_format(manifest) != VERSION:
+        manifest, arrays = _upgrade_v1(manifest, arrays)
+    return _listed_tombstones(manifest, arrays)
+
+
+def _listed_tombstones(manifest: dict, arrays: dict) -> tuple[dict, dict]:
+    """Move the deleted ids listed in the kind's part (``tombstones``: version 1 and the first
+    version-2 files, whose manifests a load parses whole, so that a posterior with very many deleted
+    ids could not be read) to the ``tombstones`` member, where every file keeps them now.
+
+    A file that holds the member too (Gaussian files wrote both) must list the same ids; one without
+    it (exponential-family files) gets the member built from the list, ``int64`` in the listed order,
+    and its manifest an entry for it. Other manifests are returned as they are.
+
+    :raises CorruptFileError: a list that is not of integers in ``[0, 2**62)``.
+    :raises InconsistentFileError: a list other than the member's ids.
+    """
+    kind = manifest.get("kind")
+    part = manifest.get(kind) if isinstance(kind, str) and kind in _KINDS else None
+    if not isinstance(part, dict) or "tombstones" not in part:
         return manifest, arrays
-    return _upgrade_v1(manifest, arrays)
+    listed = part["tombstones"]
+    if not isinstance(listed, list) or not all(type(t) is int and 0 <= t < 2**62 for t in listed):
+        fail_field(f"{kind}.tombstones", "a list of integers in [0, 2**62) (the ids of deleted examples)", listed)
+    member = np.asarray(listed, np.int64).reshape(-1)
+    entries = manifest.get("arrays")
+    manifest = {**manifest, kind: {k: v for k, v in part.items() if k != "tombstones"}}
+    if isinstance(entries, dict) and TOMBSTONES in entries:  # the file holds the member: the two must agree
+        if TOMBSTONES in arrays:
+            found = np.asarray(arrays[TOMBSTONES]).reshape(-1)
+            if found.shape != member.shape or not np.array_equal(np.sort(found), np.sort(member)):
+                raise InconsistentFileError(f"array {TOMBSTONES!r}: expected the {member.size} deleted ids listed in "
+                                            f"the manifest field '{kind}.tombstones', found {found.size} other ids")
+        return manifest, arrays
+    if isinstance(entries, dict):
+        manifest["arrays"] = {**entries, TOMBSTONES: {"sha256": hashlib.sha256(member.tobytes()).hexdigest(),
+                                                      "dtype": str(member.dtype), "shape": list(member.shape)}}
+    return manifest, {**arrays, TOMBSTONES: member}
 
 
 def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
@@ -159,7 +210,7 @@ def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
     if manifest.get("kind", "ef") != "ef":
         fail_field("kind", "'ef' or no kind (a Gaussian posterior) in a version-1 file", manifest["kind"])
     schema = _KINDS[kind]
-    allowed = COMMON_FIELDS - ({"kind"} if kind == "gaussian" else set()) | (schema.fields - set(schema.v1_defaults))
+    allowed = COMMON_FIELDS - ({"kind"} if kind == "gaussian" else set()) | schema.v1_fields
     unknown = sorted(set(manifest) - allowed, key=str)
     if unknown:
         fail_field(unknown[0], f"only the fields of a version-1 {kind!r} file {sorted(allowed)}",
@@ -174,11 +225,12 @@ def _upgrade_v1(manifest: dict, arrays: dict) -> tuple[dict, dict]:
         if clash:
             fail_field("arrays", f"the version-1 names {sorted(renames)}", clash)
         entries = {renames.get(name, name): meta for name, meta in entries.items()}
-    upgraded = {k: v for k, v in manifest.items() if k not in schema.fields}
+    upgraded = {k: v for k, v in manifest.items() if k not in schema.v1_fields}
     upgraded.update(version=VERSION, kind=kind, stale_sites="stale_sites" in manifest, arrays=entries)
-    upgraded[kind] = {k: manifest[k] for k in sorted(schema.fields) if k in manifest}
-    upgraded[kind].update(copy.deepcopy(schema.v1_defaults))  # fresh values: callers may edit the result
-    return upgraded, {renames.get(name, name): value for name, value in arrays.items()}
+    arrays = {renames.get(name, name): value for name, value in arrays.items()}
+    upgraded[kind] = {k: manifest[k] for k in sorted(schema.v1_fields) if k in manifest}
+    upgraded[kind].update(schema.v1_defaults(arrays))  # fresh values per call: callers may edit the result
+    return upgraded, arrays
 
 
 def read_posterior_file(path, key=None) -> tuple[dict, dict]:

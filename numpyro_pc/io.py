@@ -5,8 +5,8 @@ and a ``manifest.json`` in the one schema of :mod:`numpyro_pc.file_format` (form
 version 2): format name and version, ``kind`` (``"gaussian"`` here), family, dtype, the
 model's latent signature and :mod:`fingerprint <numpyro_pc.fingerprint>`, the argument
 layout, the dual-form residual and a SHA-256 checksum of every array, and in
-``manifest["gaussian"]`` the expectation rule, curvature, storage, chunk size, next id and
-the ids of deleted examples. Files of version 1 load too (upgraded on reading, never
+``manifest["gaussian"]`` the expectation rule, curvature, storage, chunk size and next id;
+the ids of deleted examples are the array ``tombstones``. Files of version 1 load too (upgraded on reading, never
 rewritten). Nothing is pickled and loading never executes code from the file.
 
 Writes are atomic (see :mod:`numpyro_pc.archive`): a crash at any point leaves the
@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from .dual import DualPosteriorBase
 from .ef_posterior import EFPosterior
@@ -57,7 +56,7 @@ from .ef_io import load_ef, save_ef
 from .file_format import FORMAT, VERSION, build_manifest, check_file, check_read_archive, read_posterior_file
 from .saved_model import (argument_layout, bind_saved_model, binding_manifest, digest, site_arrays, with_data_arrays,
                           write_checked)
-from .validation import DATA_DTYPES, check_residual
+from .validation import DATA_DTYPES, TOMBSTONES, check_residual, read_tombstones, tombstones_member
 from .posterior_protocol import by_site_table, provides
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
@@ -68,7 +67,7 @@ __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "Corrupt
 
 def _arrays(post) -> dict:
     arrays = {"mean": post.state.mean, "precision": post.state.precision, "data_ids": post.data_ids,
-              "tombstones": np.asarray(post.tombstones, np.int64)}
+              TOMBSTONES: tombstones_member(post.tombstones)}
     if post.offset is not None:
         arrays["offset.linear"], arrays["offset.precision"] = post.offset.linear, post.offset.precision
     return with_data_arrays(arrays, post.data, DATA_DTYPES, post.sites)
@@ -107,11 +106,11 @@ def _save_gaussian(post, path, key) -> Path:
     with jax.enable_x64(dtype == "float64"):
         fingerprint = model_fingerprint(spec, post.data)
     part = {"rule": dict(vars(post.rule)), "curvature": post.curvature, "storage": post.sites.storage,
-            "chunk_size": post.chunk_size, "next_id": post.next_id, "tombstones": list(post.tombstones)}
+            "chunk_size": post.chunk_size, "next_id": post.next_id}
     binding = binding_manifest(spec, post.data, arrays, float(post.site_identity_residual), fingerprint,
                                key is not None)
     manifest = build_manifest("gaussian", post.family.name, dtype, part, binding, post.stale_sites)
-    return write_checked(path, manifest, arrays, check_file, key=key, sized_member="tombstones")
+    return write_checked(path, manifest, arrays, check_file, key=key)
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosteriorBase | EFPosterior:
@@ -164,5 +163,5 @@ def _load_gaussian(path, model, manifest, arrays) -> DualPosteriorBase:
         spec, data = bind_saved_model(path, model, manifest, arrays)
     return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**part["rule"]),
                              part["curvature"], part["storage"], part["chunk_size"], (), None,
-                             data_ids=to_device(arrays["data_ids"]), tombstones=part["tombstones"],
+                             data_ids=to_device(arrays["data_ids"]), tombstones=read_tombstones(arrays),
                              next_id=part["next_id"], offset=offset, stale_sites=manifest["stale_sites"])

@@ -176,13 +176,11 @@ def binding_manifest(spec, data: ModelData, arrays: dict, residual: float, finge
     }
 
 
-def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_member: str | None = None) -> Path:
+def write_checked(path, manifest: dict, arrays: dict, check, key=None) -> Path:
     """Write ``manifest`` and ``arrays`` atomically after checking them as a load would.
 
     :param check: ``check(manifest, arrays)``, the load's checks of the file alone, run on the
         manifest exactly as it will be read back (through JSON).
-    :param sized_member: the array whose size raises the manifest limit a load accepts (the
-        Gaussian files' ``tombstones``), if any.
     :raises PersistenceError: a posterior that cannot be saved in a form that loads back.
     """
     manifest = json.loads(json.dumps(manifest))  # exactly what load will see
@@ -194,7 +192,7 @@ def write_checked(path, manifest: dict, arrays: dict, check, key=None, sized_mem
     # which is the order a load reads them in and checks a signature over
     text = json.dumps(manifest, indent=1, sort_keys=True).encode()
     members = [(f"{k}.npy", npy_bytes(arrays[k])) for k in sorted(arrays)]
-    limit = manifest_limit(len(dict(members)[f"{sized_member}.npy"]) if sized_member else 0)
+    limit = manifest_limit(0)  # deleted ids are a member, not a list in the manifest
     if len(text) > limit:
         raise PersistenceError(f"the posterior cannot be saved in a form that loads back: its manifest needs "
                                f"{len(text)} bytes, more than the {limit} a load accepts (a model with very many "

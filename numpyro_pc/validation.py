@@ -10,15 +10,15 @@ returns the arrays the manifest declares, so that the reader can bound what it r
   checks ``family`` and ``manifest["gaussian"]`` (every field's type and range);
   :func:`check_contents` checks that the arrays agree with each other and are usable:
   dtypes, shapes across state, sites, data and ids; ids unique, below ``next_id`` and
-  disjoint from the tombstones; every value finite; the precision symmetric positive
+  disjoint from the deleted ids of the ``tombstones`` member (:func:`check_tombstones`, shared by both kinds); every value finite; the precision symmetric positive
   definite; one example no larger than the file's arrays (:func:`check_example_rows`: a
   file without data rows could otherwise declare examples of terabytes, and the model is
   traced on one).
 - The exponential-family kind (:class:`~numpyro_pc.ef_posterior.EFPosterior`):
   :func:`check_ef_part` checks ``family`` (``{latent site: family name}`` in the model's
   latent order) and ``manifest["ef"]`` (the site computation's ``config``,
-  ``conjugate_prior``, ``next_id`` and ``tombstones``); :func:`check_ef_contents` checks ``natural``, ``sites.grads``,
-  ``sites.prior``, ``sites.ids`` and the data rows against the manifest and each other. The
+  ``conjugate_prior`` and ``next_id``); :func:`check_ef_contents` checks ``natural``, ``sites.grads``,
+  ``sites.prior``, ``sites.ids``, ``tombstones`` and the data rows against the manifest and each other. The
   checks that need the model are made by :func:`numpyro_pc.ef_io.load_ef`.
 
 :func:`check_residual` compares the dual-form residual recomputed from the arrays with the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import NoReturn
 
 import numpy as np
@@ -46,7 +47,8 @@ from .options import is_choice
 
 __all__ = ["GAUSSIAN_FIELDS", "EF_FIELDS", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
            "check_gaussian_part", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",
-           "check_residual", "fail_field", "check_ef_part", "check_ef_contents"]
+           "check_residual", "fail_field", "check_ef_part", "check_ef_contents", "TOMBSTONES", "check_tombstones",
+           "read_tombstones", "tombstones_member"]
 
 SITE_ARRAYS = ("grad", "curvature", "jac", "lam", "index", "nnz", "loss", "ids", "ref_index", "ref_means",
                "prior_grad", "prior_curvature", "prior_loss", "prior_ref")
@@ -72,7 +74,8 @@ def _family_storage(name=None):
 
 _MAX_ID = 2**62
 MIN_EXAMPLE_BOUND = 2**24  # bytes one example may hold even when the file's arrays hold fewer
-GAUSSIAN_FIELDS = frozenset({"rule", "curvature", "storage", "chunk_size", "next_id", "tombstones"})  # manifest["gaussian"]
+GAUSSIAN_FIELDS = frozenset({"rule", "curvature", "storage", "chunk_size", "next_id"})  # manifest["gaussian"]
+TOMBSTONES = "tombstones"  # the member holding the ids of deleted examples, in files of either kind
 _NAME = re.compile(r"(mean|precision|data_ids|tombstones|offset\.linear|offset\.precision|data\.(example|shared)\.\d+|"
                    rf"sites\.({'|'.join(SITE_ARRAYS)}))")
 
@@ -158,8 +161,7 @@ def check_gaussian_part(manifest: dict, num_example: int, num_shared: int) -> di
         _fail("gaussian.chunk_size", "null or a positive integer", part["chunk_size"])
     if not _is_int(part["next_id"]):
         _fail("gaussian.next_id", "an integer ≥ 0", part["next_id"])
-    _ints(part["tombstones"], "gaussian.tombstones")
-    required = {"mean", "precision", "data_ids", "tombstones"} | {f"sites.{n}" for n in SITE_ARRAYS}
+    required = {"mean", "precision", "data_ids", TOMBSTONES} | {f"sites.{n}" for n in SITE_ARRAYS}
     required -= {f"sites.{n}" for n in _CURVATURE_ARRAYS - set(STORES[storage].file_shapes(0, 0, 0))}
     return check_array_entries(manifest, _NAME, required, num_example, num_shared,
                                optional={"offset.linear", "offset.precision"}, what="a dual posterior")
@@ -257,7 +259,7 @@ def check_contents(manifest: dict, arrays: dict) -> None:
         if name in arrays and str(arrays[name].dtype) != dtype:
             raise DtypeMismatchError(f"array {name!r}: expected dtype {dtype} (the manifest's), found "
                                      f"{arrays[name].dtype}")
-    for name in ("data_ids", "tombstones", "sites.ids", "sites.ref_index"):
+    for name in ("data_ids", "sites.ids", "sites.ref_index"):
         if str(arrays[name].dtype) not in INT_DTYPES:
             _inconsistent(name, f"an integer dtype {INT_DTYPES}", arrays[name].dtype)
     d = sum(math.prod(s) for s in manifest["latent"]["unconstrained_shapes"])
@@ -273,8 +275,7 @@ def check_contents(manifest: dict, arrays: dict) -> None:
     shapes = {"mean": (d,), "precision": precision, "offset.linear": (d,), "offset.precision": precision,
               "sites.grad": store.grad_shape(n, d, width), "sites.loss": (n,), "sites.ids": (n,),
               "sites.ref_index": (n,), "sites.ref_means": (refs, d), "sites.prior_grad": (d,),
-              "sites.prior_curvature": prior, "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,),
-              "tombstones": (len(part["tombstones"]),)}
+              "sites.prior_curvature": prior, "sites.prior_loss": (), "sites.prior_ref": (d,), "data_ids": (rows,)}
     file_shapes = store.file_shapes(n, k, d, width) if store.sparse_rows else store.file_shapes(n, k, d)
     shapes.update({f"sites.{name}": shape for name, shape in file_shapes.items()})
     for name, shape in shapes.items():
@@ -327,16 +328,12 @@ def _check_sparse(arrays, d, width):
 def _check_ids(manifest, arrays, refs):
     next_id = manifest["gaussian"]["next_id"]
     ids, data_ids = arrays["sites.ids"], arrays["data_ids"]
-    tombstones = np.asarray(manifest["gaussian"]["tombstones"], np.int64)
-    for name, values in (("sites.ids", ids), ("data_ids", data_ids), ("tombstones", tombstones)):
+    for name, values in (("sites.ids", ids), ("data_ids", data_ids)):
         if values.size and (values.min() < 0 or values.max() >= next_id):
             _inconsistent(name, f"ids in [0, next_id={next_id})", f"ids from {values.min()} to {values.max()}")
         if np.unique(values).size != values.size:
             _inconsistent(name, "unique ids", f"{values.size - np.unique(values).size} duplicate(s)")
-    if not np.array_equal(np.sort(tombstones), np.sort(arrays["tombstones"].astype(np.int64))):
-        _inconsistent("tombstones", "the deleted ids listed in the manifest", "other ids")
-    if np.intersect1d(tombstones, ids).size or np.intersect1d(tombstones, data_ids).size:
-        _inconsistent("sites.ids", "no deleted (tombstoned) id", "deleted ids that reappear")
+    check_tombstones(arrays, next_id, ids, data_ids)
     if np.setdiff1d(data_ids, ids).size:
         _inconsistent("data_ids", "ids that have a site", f"{np.setdiff1d(data_ids, ids).size} id(s) without a site")
     index = arrays["sites.ref_index"]
@@ -372,8 +369,8 @@ def check_residual(saved, recomputed, dtype) -> None:
 
 # --------------------------------------------------------------------------- the exponential-family kind
 
-EF_FIELDS = frozenset({"config", "conjugate_prior", "next_id", "tombstones"})  # manifest["ef"]
-_EF_NAME = re.compile(r"(natural|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
+EF_FIELDS = frozenset({"config", "conjugate_prior", "next_id"})  # manifest["ef"]
+_EF_NAME = re.compile(r"(natural|tombstones|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _CONFIG = {"num_nodes": (1, 10**4), "num_samples": (1, 10**7), "seed": (0, 2**32)}
 
@@ -386,10 +383,8 @@ def check_ef_part(manifest: dict, num_example: int, num_shared: int) -> dict:
     :raises CorruptFileError: a field of the wrong type or out of range.
     """
     part = manifest["ef"]
-    if part["next_id"] is not None and not _is_int(part["next_id"], 0, _MAX_ID):
-        fail_field("ef.next_id", f"an integer in [0, {_MAX_ID}), or null (a file upgraded from version 1)",
-                   part["next_id"])
-    _ints(part["tombstones"], "ef.tombstones")
+    if not _is_int(part["next_id"], 0, _MAX_ID):  # null included: every version-2 file records its next id
+        fail_field("ef.next_id", f"an integer in [0, {_MAX_ID})", part["next_id"])
     if not isinstance(part["conjugate_prior"], bool):
         fail_field("ef.conjugate_prior", "true or false", part["conjugate_prior"])
     config = part["config"]
@@ -405,7 +400,8 @@ def check_ef_part(manifest: dict, num_example: int, num_shared: int) -> dict:
     if not isinstance(family, dict) or list(family) != names or not all(
             isinstance(v, str) and _IDENTIFIER.fullmatch(v) for v in family.values()):
         fail_field("family", f"an object naming the family of each latent site {names}, in that order", family)
-    return check_array_entries(manifest, _EF_NAME, {"natural", "sites.grads", "sites.prior", "sites.ids"}, num_example,
+    return check_array_entries(manifest, _EF_NAME, {"natural", "sites.grads", "sites.prior", "sites.ids", TOMBSTONES},
+                               num_example,
                                num_shared, what="an exponential-family posterior")
 
 
@@ -438,10 +434,56 @@ def check_ef_contents(manifest: dict, arrays: dict) -> None:
         _inconsistent("sites.ids", f"ids in [0, {_MAX_ID})", f"ids from {ids.min()} to {ids.max()}")
     if np.unique(ids).size != ids.size:
         _inconsistent("sites.ids", "unique ids", f"{ids.size - np.unique(ids).size} duplicate(s)")
-    tombstones, next_id = np.asarray(manifest["ef"]["tombstones"], np.int64), manifest["ef"]["next_id"]
-    if np.unique(tombstones).size != tombstones.size or np.intersect1d(tombstones, ids).size:
-        _inconsistent("ef.tombstones", "unique ids of deleted examples, none of them held", tombstones[:10].tolist())
-    if next_id is not None:
-        for name, values in (("sites.ids", ids), ("ef.tombstones", tombstones)):
-            if values.size and values.max() >= next_id:
-                _inconsistent(name, f"ids below next_id={next_id}", f"ids up to {values.max()}")
+    next_id = manifest["ef"]["next_id"]
+    if ids.size and ids.max() >= next_id:
+        _inconsistent("sites.ids", f"ids below next_id={next_id}", f"ids up to {ids.max()}")
+    check_tombstones(arrays, next_id, ids)
+
+
+def check_tombstones(arrays: dict, next_id: int, *held) -> None:
+    """Check the ``tombstones`` member (the ids of deleted examples) of a file of either kind: an
+    integer dtype, one dimension, unique ids in ``[0, next_id)``, none of them among the ``held``
+    id arrays (a deleted id never comes back).
+
+    :raises InconsistentFileError:
+    """
+    value = arrays[TOMBSTONES]
+    if str(value.dtype) not in INT_DTYPES:
+        _inconsistent(TOMBSTONES, f"an integer dtype {INT_DTYPES}", value.dtype)
+    if value.ndim != 1:
+        _inconsistent(TOMBSTONES, "a vector of ids (one dimension)", f"shape {value.shape}")
+    if value.size and (value.min() < 0 or value.max() >= next_id):
+        _inconsistent(TOMBSTONES, f"ids in [0, next_id={next_id})", f"ids from {value.min()} to {value.max()}")
+    unique = np.unique(value)
+    if unique.size != value.size:
+        _inconsistent(TOMBSTONES, "unique ids of deleted examples", f"{value.size - unique.size} duplicate(s)")
+    for ids in held:
+        back = np.intersect1d(unique, ids)
+        if back.size:
+            _inconsistent(TOMBSTONES, "ids of deleted examples, none of them held",
+                          f"{back.size} held id(s), e.g. {back[:5].tolist()}")
+
+
+def read_tombstones(arrays: dict) -> tuple[int, ...]:
+    """The deleted ids of a file's ``tombstones`` member (checked by :func:`check_tombstones`), in the
+    order written."""
+    return tuple(int(t) for t in arrays[TOMBSTONES].tolist())
+
+
+def tombstones_member(tombstones) -> np.ndarray:
+    """The ``tombstones`` member written for a posterior's deleted ids: ``int64``, one dimension, in
+    the posterior's order (what :func:`read_tombstones` gives back)."""
+    return np.asarray(tuple(int(t) for t in tombstones), np.int64).reshape(-1)
+
+
+def __getattr__(name: str):
+    """``check_manifest`` moved to :func:`numpyro_pc.file_format.check_manifest` (format version 2, one
+    schema for both kinds); importing it from here still works for one release, with a ``FutureWarning``."""
+    if name == "check_manifest":
+        from . import file_format  # file_format builds on this module
+        warnings.warn("numpyro_pc.validation.check_manifest was replaced by numpyro_pc.file_format.check_manifest, "
+                      "which checks a version-2 manifest of either kind (numpyro_pc.file_format.upgrade maps a "
+                      "version-1 manifest to it); the old name is removed in the next release", FutureWarning,
+                      stacklevel=2)
+        return file_format.check_manifest
+    raise AttributeError(f"module 'numpyro_pc.validation' has no attribute {name!r}")

@@ -76,8 +76,9 @@ def test_a_saved_file_has_version_2_one_header_and_its_kind_part(v2_files, name)
     kind = "gaussian" if name.startswith("gaussian") else "ef"
     assert manifest["version"] == file_format.VERSION == 2 and manifest["kind"] == kind
     assert set(manifest) == file_format.COMMON_FIELDS | {kind}  # one header, one kind-specific object
-    assert set(manifest[kind]) == ({"rule", "curvature", "storage", "chunk_size", "next_id", "tombstones"}
-                                   if kind == "gaussian" else {"config", "conjugate_prior", "next_id", "tombstones"})
+    assert set(manifest[kind]) == ({"rule", "curvature", "storage", "chunk_size", "next_id"}
+                                   if kind == "gaussian" else {"config", "conjugate_prior", "next_id"})
+    assert manifest["arrays"]["tombstones"]["dtype"] == "int64"  # deleted ids: a member in both kinds
     assert manifest["stale_sites"] is False
     sites = {n for n in manifest["arrays"] if n.startswith("sites.")}
     assert {"sites.grads", "sites.prior", "sites.ids"} == sites if kind == "ef" else "sites.grad" in sites
@@ -88,7 +89,10 @@ def test_a_version_1_file_round_trips_through_version_2_unchanged(v2_files, name
     """Load v1, save (v2), load: every array identical, only the site members renamed for "ef"."""
     old, new = _arrays(FIXTURES / f"{name}.npz"), _arrays(v2_files[name])
     renamed = {"grads": "sites.grads", "prior": "sites.prior", "ids": "sites.ids"} if name.startswith("ef") else {}
-    assert {renamed.get(k, k) for k in old} == set(new)
+    added = {"tombstones"} if name.startswith("ef") else set()  # version 1 kept no deleted ids of these
+    assert {renamed.get(k, k) for k in old} | added == set(new)
+    if added:
+        assert new["tombstones"].shape == (0,)
     for key, value in old.items():
         assert new[renamed.get(key, key)].dtype == value.dtype
         np.testing.assert_array_equal(new[renamed.get(key, key)], value)
@@ -109,13 +113,15 @@ def test_the_upgrade_is_pure_and_gives_the_layout_a_save_writes(v2_files, name):
     written = _manifest(v2_files[name])
     assert set(upgraded) == set(written) and upgraded["version"] == 2
     kind = upgraded["kind"]
-    # version 1 kept no deleted ids of exponential-family posteriors: the upgrade has none and no next id
-    # (the loaded posterior numbers new examples past its largest id), where a save writes both
-    unknown = {"next_id": None, "tombstones": []} if kind == "ef" else {}
+    # version 1 kept no deleted ids of exponential-family posteriors: the upgrade has none, and the next id
+    # past the largest held id (the fixtures deleted nothing, so a save writes the same)
     assert set(upgraded[kind]) == set(written[kind]) and upgraded["arrays"].keys() == moved.keys()
-    assert {k: v for k, v in upgraded[kind].items() if k not in unknown} == \
-        {k: v for k, v in written[kind].items() if k not in unknown}
-    assert all(upgraded[kind][k] == v for k, v in unknown.items())
+    assert upgraded[kind] == written[kind]
+    if kind == "ef":
+        assert upgraded["ef"]["next_id"] == int(arrays["ids"].max()) + 1 > 0
+    assert moved["tombstones"].dtype == np.int64 and moved["tombstones"].ndim == 1
+    np.testing.assert_array_equal(moved["tombstones"], _arrays(v2_files[name])["tombstones"])
+    assert upgraded["arrays"]["tombstones"] == written["arrays"]["tombstones"]  # the same entry, checksum included
     file_format.check_file(upgraded, moved)  # every check after the upgrade sees one schema
 
 
@@ -199,8 +205,11 @@ _TAMPERED_PARTS = [
     ("ef_beta", lambda m: m["ef"].pop("conjugate_prior"), errors.CorruptFileError, "'ef'"),
     ("ef_beta", lambda m: m["ef"]["config"].update(rule="simpson"), errors.InconsistentFileError, "configuration"),
     ("ef_beta", lambda m: m["ef"].update(next_id=1), errors.InconsistentFileError, "next_id"),
-    ("ef_beta", lambda m: m["ef"].update(tombstones=[1]), errors.InconsistentFileError, "none of them held"),
+    ("ef_beta", lambda m: m["ef"].update(tombstones=[1]), errors.InconsistentFileError, "ef.tombstones"),
     ("ef_beta", lambda m: m["ef"].update(next_id=-1), errors.CorruptFileError, "ef.next_id"),
+    # null was the value of an upgrade from version 1: a version-2 file records its next id
+    ("ef_beta", lambda m: m["ef"].update(next_id=None), errors.CorruptFileError, "ef.next_id"),
+    ("ef_beta", lambda m: m["arrays"].pop("tombstones"), errors.CorruptFileError, "arrays"),
     ("ef_beta", lambda m: m.update(kind="gaussian"), errors.CorruptFileError, "kind"),
 ]
 
@@ -226,10 +235,203 @@ def test_an_exponential_family_file_keeps_its_deleted_ids(x64, tmp_path):
 
 
 def test_each_upgrade_gets_its_own_defaults():
-    """The values an upgrade fills in (an exponential-family file's deleted ids) are fresh per call:
-    editing one upgraded manifest does not reach the next."""
+    """The values an upgrade fills in (an exponential-family file's next id and deleted ids) are fresh
+    per call: editing one upgraded manifest does not reach the next."""
     manifest, arrays = _manifest(FIXTURES / "ef_beta.npz"), _arrays(FIXTURES / "ef_beta.npz")
-    first, _ = file_format.upgrade(manifest, arrays)
-    first["ef"]["tombstones"].append(0)
-    second, _ = file_format.upgrade(manifest, arrays)
-    assert second["ef"]["tombstones"] == [] and second["ef"]["next_id"] is None
+    first, moved = file_format.upgrade(manifest, arrays)
+    first["ef"]["next_id"] = 10**6
+    first["arrays"]["tombstones"]["shape"].append(1)
+    moved["tombstones"] = np.arange(3)
+    second, again = file_format.upgrade(manifest, arrays)
+    assert second["ef"]["next_id"] == int(arrays["ids"].max()) + 1
+    assert second["arrays"]["tombstones"]["shape"] == [0] and again["tombstones"].shape == (0,)
+
+
+# --------------------------------------------------------------------------- deleted ids: the tombstones member
+
+
+def _with_member(source, target, name, value):
+    """Copy ``source`` to ``target`` with the array ``name`` replaced by ``value`` and its manifest entry
+    (checksum, dtype, shape) made to agree: damage that only the checks of the values can find."""
+    members = _members(source)
+    manifest = json.loads(members["manifest.json"])
+    value = np.asarray(value)
+    buffer = _io.BytesIO()
+    np.save(buffer, value, allow_pickle=False)
+    members[f"{name}.npy"] = buffer.getvalue()
+    manifest["arrays"][name] = {"sha256": hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest(),
+                                "dtype": str(value.dtype), "shape": list(value.shape)}
+    members["manifest.json"] = json.dumps(manifest).encode()
+    _write(target, members)
+    return target
+
+
+def test_an_exponential_family_posterior_with_very_many_deleted_ids_saves_and_loads(x64, tmp_path):
+    """250 000 deleted ids (the manifest's list stopped near 175 000: its 2 MiB cap): the ids are a
+    member, the manifest stays small, and every id comes back, so an update after loading numbers past them."""
+    y = jnp.asarray(np.array([1, 0, 1, 1, 0, 1], np.float64))
+    many = pc.fit(beta_bernoulli, y=y[:4], family={"p": "beta"}).evolve(tombstones=range(4, 250_004))
+    assert len(many.tombstones) == 250_000 and many.next_id == 250_004
+    path = pc.save(many, tmp_path / "many.npz")
+    assert len(_members(path)["manifest.json"]) < 16_384
+    back = pc.load(path, beta_bernoulli)
+    assert back.tombstones == many.tombstones and back.next_id == 250_004
+    np.testing.assert_array_equal(np.asarray(back.natural), np.asarray(many.natural))
+    np.testing.assert_array_equal(np.asarray(back.update(y=y[4:]).ids), [0, 1, 2, 3, 250_004, 250_005])
+
+
+_BAD_TOMBSTONES = [
+    (lambda ids, nxt: np.array([float(nxt)]), "integer dtype"),
+    (lambda ids, nxt: np.array([[nxt - 1]], np.int64), "one dimension"),
+    (lambda ids, nxt: np.array([nxt], np.int64), "next_id"),
+    (lambda ids, nxt: np.array([-1], np.int64), "next_id"),
+    (lambda ids, nxt: np.array([ids[0]], np.int64), "none of them held"),
+    (lambda ids, nxt: np.array([nxt - 1, nxt - 1], np.int32), "unique"),
+]
+
+
+@pytest.mark.parametrize("name", ["ef_beta", "gaussian_full"])
+@pytest.mark.parametrize("make, match", _BAD_TOMBSTONES, ids=["float", "2d", "at-next-id", "negative", "held",
+                                                              "duplicate"])
+def test_a_damaged_tombstones_member_is_refused_with_its_typed_error(v2_files, name, make, match, tmp_path, x64):
+    manifest, arrays = _manifest(v2_files[name]), _arrays(v2_files[name])
+    kind = manifest["kind"]
+    held, next_id = arrays["sites.ids"], manifest[kind]["next_id"]
+    if match == "unique":  # an id free in both kinds: the file's next id raised past the held ones
+        next_id = int(held.max()) + 3
+        path = _edit(v2_files[name], tmp_path / "next", lambda m: m[kind].update(next_id=next_id))
+    else:
+        path = v2_files[name]
+    path = _with_member(path, tmp_path / "f", "tombstones", make(held, next_id))
+    with pytest.raises(errors.InconsistentFileError, match=match):
+        pc.load(path, MODELS[name])
+
+
+@pytest.mark.parametrize("name", ["ef_beta", "gaussian_full"])
+def test_a_tombstones_member_larger_than_declared_is_not_read(v2_files, name, tmp_path):
+    path = _with_member(v2_files[name], tmp_path / "f", "tombstones", np.arange(10**5, dtype=np.int64))
+    _edit(path, path, lambda m: m["arrays"]["tombstones"].update(shape=[1]))
+    with pytest.raises(errors.CorruptFileError, match="tombstones"):  # OversizedFileError is one
+        pc.load(path, MODELS[name])
+
+
+# --------------------------------------------------------------------------- version-2 files that list deleted ids
+
+# written by tests/fixtures/write_v2_listed_fixtures.py with the release that listed deleted ids in the manifest
+_LISTED = {"ef_beta_v2_listed": ("ef", (2, 5), 8, [0, 1, 3, 4, 6, 7]),
+           "gaussian_full_v2_listed": ("gaussian", (1, 7), 12, [0, 2, 3, 4, 5, 6, 8, 9, 10, 11])}
+
+
+def _listed_model(name):
+    from conftest import logistic_model
+    return beta_bernoulli if name.startswith("ef") else logistic_model
+
+
+@pytest.mark.parametrize("name", sorted(_LISTED))
+def test_a_version_2_file_that_lists_its_deleted_ids_loads_and_saves_them_as_a_member(name, tmp_path, x64):
+    kind, tombstones, next_id, ids = _LISTED[name]
+    manifest = _manifest(FIXTURES / f"{name}.npz")
+    assert manifest["version"] == 2 and manifest[kind]["tombstones"] == list(tombstones)
+    post = pc.load(FIXTURES / f"{name}.npz", _listed_model(name))
+    assert post.tombstones == tombstones and post.next_id == next_id
+    np.testing.assert_array_equal(np.asarray(post.sites.ids), ids)
+    again = pc.save(post, tmp_path / "again.npz")
+    assert "tombstones" not in _manifest(again)[kind]
+    np.testing.assert_array_equal(_arrays(again)["tombstones"], tombstones)
+    back = pc.load(again, _listed_model(name))
+    assert back.tombstones == tombstones and back.next_id == next_id
+    for x, y in zip(post.sites.arrays().values(), back.sites.arrays().values(), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_signed_version_2_file_that_lists_its_deleted_ids_is_verified_as_written(x64):
+    post = pc.load(FIXTURES / "ef_beta_v2_listed_signed.npz", beta_bernoulli, key=KEY)
+    assert post.tombstones == (2, 5)
+    with pytest.raises(errors.IntegrityError, match="does not match"):
+        pc.load(FIXTURES / "ef_beta_v2_listed_signed.npz", beta_bernoulli, key=b"another key")
+
+
+_BAD_LISTS = [
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones=[-1]), errors.CorruptFileError, "ef.tombstones"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones="2,5"), errors.CorruptFileError, "ef.tombstones"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones=[2, True]), errors.CorruptFileError, "ef.tombstones"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones=[2, 3]), errors.InconsistentFileError, "held"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones=[2, 2]), errors.InconsistentFileError, "unique"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(tombstones=[8]), errors.InconsistentFileError, "next_id"),
+    ("ef_beta_v2_listed", lambda m: m["ef"].update(next_id=None), errors.CorruptFileError, "ef.next_id"),
+    ("gaussian_full_v2_listed", lambda m: m["gaussian"].update(tombstones=[1, 8]), errors.InconsistentFileError,
+     "gaussian.tombstones"),
+]
+
+
+@pytest.mark.parametrize("name, edit, error, match", _BAD_LISTS, ids=lambda v: "")
+def test_a_damaged_list_of_deleted_ids_is_refused_with_its_typed_error(name, edit, error, match, tmp_path, x64):
+    path = _edit(FIXTURES / f"{name}.npz", tmp_path / "f", edit)
+    with pytest.raises(error, match=match):
+        pc.load(path, _listed_model(name))
+
+
+# --------------------------------------------------------------------------- the former names of the checks
+
+_FORMER = [("numpyro_pc.validation", "check_manifest", "numpyro_pc.file_format.check_manifest"),
+           ("numpyro_pc.ef_io", "check_ef_manifest", "numpyro_pc.file_format.check_manifest"),
+           ("numpyro_pc.ef_io", "check_ef_contents", "numpyro_pc.validation.check_ef_contents")]
+
+
+@pytest.mark.parametrize("module, name, new", _FORMER, ids=[n for _, n, _ in _FORMER])
+def test_a_former_check_still_works_for_one_release_with_a_warning_naming_its_replacement(v2_files, module, name,
+                                                                                          new):
+    import importlib
+    with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
+        check = getattr(importlib.import_module(module), name)
+    path = v2_files["ef_beta"]
+    manifest, arrays = _manifest(path), _arrays(path)
+    if name == "check_ef_contents":
+        check(manifest, arrays)  # the saved file passes
+        arrays["sites.ids"] = arrays["sites.ids"][::-1].copy()
+        arrays["sites.ids"][0] = arrays["sites.ids"][1]
+        with pytest.raises(errors.InconsistentFileError, match="unique ids"):
+            check(manifest, arrays)
+    else:
+        assert set(check(manifest)) == set(manifest["arrays"])  # the declared arrays
+        manifest["ef"]["next_id"] = None
+        with pytest.raises(errors.CorruptFileError, match="ef.next_id"):
+            check(manifest)
+    with pytest.raises(AttributeError, match="no attribute"):
+        getattr(importlib.import_module(module), name + "_never_defined")
+
+
+# --------------------------------------------------------------------------- read order and bounds
+
+
+def test_a_signed_file_is_verified_before_its_family_name_is_interpreted(tmp_path, x64):
+    """A parametrised family name is built and registered when the manifest is checked; with a key, the
+    signature is verified first, so an altered name registers nothing (the process's family registry is
+    not for the file's author to extend)."""
+    from numpyro_pc.families import registered_families
+    assert "lowrank-37" not in registered_families()
+    path = _edit(FIXTURES / "gaussian_full_signed.npz", tmp_path / "f", lambda m: m.update(family="lowrank-37"))
+    with pytest.raises(errors.IntegrityError, match="does not match"):
+        pc.load(path, MODELS["gaussian_full"], key=KEY)
+    assert "lowrank-37" not in registered_families()
+    with pytest.raises(errors.CorruptFileError):  # unsigned reading still refuses it, after the checks
+        pc.load(path, MODELS["gaussian_full"])
+
+
+def test_the_manifest_allowance_of_a_tombstones_member_is_for_manifests_that_list_deleted_ids(v2_files, tmp_path,
+                                                                                            monkeypatch, x64):
+    """Only files that list their deleted ids in the manifest (written before the member held them alone)
+    need more than MAX_MANIFEST bytes of manifest; another manifest using the allowance that any
+    ``tombstones.npy`` grants before the kind is known is refused once parsed."""
+    from numpyro_pc import archive
+    listed = FIXTURES / "gaussian_full_v2_listed.npz"
+    current = _with_member(v2_files["gaussian_full"], tmp_path / "f", "tombstones", np.arange(0))
+    for path in (listed, current):
+        size = len(_members(path)["manifest.json"])
+        monkeypatch.setattr(archive, "MAX_MANIFEST", size - 64)  # within the member's allowance (3 × 128 bytes)
+        assert size <= archive.manifest_limit(len(_members(path)["tombstones.npy"]))
+        if path == listed:
+            assert pc.load(path, MODELS["gaussian_full"]).tombstones == (1, 7)
+        else:
+            with pytest.raises(errors.OversizedFileError, match="lists no deleted ids"):
+                pc.load(path, MODELS["gaussian_full"])
