@@ -505,9 +505,10 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
             for name, data in members.items():
                 z.writestr(name, json.dumps(mutated).encode() if name == "manifest.json" else data)
         cases.append(("manifest", buffer.getvalue()))
-    start = time.perf_counter()
+    start, slowest = time.perf_counter(), 0.0
     for kind, data in cases:
         path.write_bytes(data)
+        began = time.perf_counter()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -515,6 +516,8 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
         except io.PersistenceError:
             outcomes["error"] += 1
             continue
+        finally:
+            slowest = max(slowest, time.perf_counter() - began)
         if kind in ("manifest", "member"):  # edits the checksums cannot see; the arrays must still be the saved ones
             for x, y in zip(jax.tree.leaves((post.state, post.sites, post.data, post.data_ids)),
                             jax.tree.leaves((back.state, back.sites, back.data, back.data_ids)), strict=True):
@@ -523,8 +526,9 @@ def test_fuzz_every_damaged_file_gives_a_typed_error_or_the_same_posterior(saved
             _assert_same(post, back)
         outcomes["same"] += 1
     elapsed = time.perf_counter() - start
-    print(f"fuzz: {len(cases)} cases, {outcomes}, {elapsed:.1f} s")
-    assert outcomes["error"] > len(cases) // 2 and elapsed < 60
+    print(f"fuzz: {len(cases)} cases, {outcomes}, {elapsed:.1f} s, slowest load {slowest:.2f} s")
+    # no damaged file makes load hang or expand it (the bound is per file, so a loaded machine does not fail it)
+    assert outcomes["error"] > len(cases) // 2 and slowest < 10.0
 
 
 _DTYPES = ["bool", "int8", "int32", "int64", "uint8", "uint64", "float16", "float32", "float64", "complex128"]

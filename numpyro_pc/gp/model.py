@@ -317,10 +317,29 @@ class StreamingSparseGP:
         """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
         if self._state is None:
             raise NotFittedError("predict needs at least one update() first")
+        Xs = self._test_inputs(Xs)
         with jax.enable_x64(True):
             s = self._state
-            mu, var = predict_from_q(s.hyper, s.Z, s.mean, s.cov, s.chol_Kzz, jnp.asarray(np.atleast_2d(Xs), float))
+            mu, var = predict_from_q(s.hyper, s.Z, s.mean, s.cov, s.chol_Kzz, jnp.asarray(Xs, float))
             return np.asarray(mu), np.maximum(np.asarray(var), 0.0)
+
+    def _test_inputs(self, Xs) -> np.ndarray:
+        """``Xs`` as a finite ``(N*, D)`` float array with the stream's ``D`` (a 1-D array is one column
+        when ``D = 1``, else one point), or a typed refusal."""
+        try:
+            Xs = np.asarray(Xs, float)
+        except (TypeError, ValueError):
+            raise DataShapeError(f"test inputs must be a numeric array; got {type(Xs).__name__}") from None
+        dim = int(self._state.Z.shape[1])
+        if Xs.ndim == 1:
+            Xs = Xs[:, None] if dim == 1 else Xs[None, :]
+        if Xs.ndim != 2 or Xs.shape[1] != dim:
+            raise DataShapeError(f"test inputs must have shape (N*, {dim}) like the stream's inputs; got {Xs.shape}")
+        bad = ~np.all(np.isfinite(Xs), axis=1)
+        if bad.any():
+            raise NonFiniteDataError(f"{int(bad.sum())} test input(s) hold NaN or infinite values (first at row "
+                                     f"{int(np.flatnonzero(bad)[0])}): a prediction there would be NaN")
+        return Xs
 
     def predict_y(self, Xs):
         """Predictive mean and variance of ``y`` (noise added; class-1 probability for Bernoulli)."""

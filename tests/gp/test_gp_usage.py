@@ -17,7 +17,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 
-from numpyro_pc.errors import DataShapeError, NotFittedError, PosteriorCorrectionError  # noqa: E402
+from numpyro_pc.errors import (DataShapeError, NonFiniteDataError, NotFittedError,  # noqa: E402
+                               PosteriorCorrectionError)
 from numpyro_pc.gp import StreamingSparseGP  # noqa: E402
 from numpyro_pc.gp.usage import progress, use_progress  # noqa: E402
 
@@ -78,6 +79,17 @@ def test_plot_and_predict_errors_are_typed():
     sgp = StreamingSparseGP(gpx.kernels.RBF(), 4, max_iters=3, memory_size=0).update(X, X[:, 0])
     with pytest.raises(DataShapeError):
         sgp.plot()
+    # test inputs: a NaN or infinite row and the wrong number of columns are refused, never predicted as NaN
+    with pytest.raises(NonFiniteDataError, match="row 1"):
+        sgp.predict(np.array([[0.0, 0.0, 0.0], [np.nan, 0.0, 0.0]]))
+    with pytest.raises(NonFiniteDataError):
+        sgp.predict_y(np.array([[np.inf, 0.0, 0.0]]))
+    with pytest.raises(DataShapeError, match=r"\(N\*, 3\)"):
+        sgp.predict(np.zeros((2, 2)))
+    one_point, as_row = sgp.predict(X[0]), sgp.predict(X[:1])  # a 1-D input with D > 1 is one point
+    np.testing.assert_array_equal(one_point[0], as_row[0])
+    line = StreamingSparseGP(gpx.kernels.RBF(), 4, max_iters=3, memory_size=0).update(X[:, :1], X[:, 0])
+    np.testing.assert_array_equal(line.predict(X[:5, 0])[0], line.predict(X[:5, :1])[0])  # D = 1: a column
 
 
 _SCRIPT = textwrap.dedent("""
