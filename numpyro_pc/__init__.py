@@ -66,3 +66,11 @@ from . import criticism  # noqa: E402
 from .criticism import influence, lfo, loo  # noqa: E402
 
 __all__ += ["criticism", "loo", "lfo", "influence"]
+
+from .compilation_cache import (compilation_cache_dir, disable_compilation_cache,  # noqa: E402
+                                enable_compilation_cache)
+from .compilation_cache import enable_by_default as _enable_compilation_cache_by_default  # noqa: E402
+
+__all__ += ["enable_compilation_cache", "disable_compilation_cache", "compilation_cache_dir"]
+
+_enable_compilation_cache_by_default()  # JAX's persistent cache in a per-user folder (numpyro_pc.compilation_cache)

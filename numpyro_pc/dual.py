@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,17 +24,13 @@ from jax.typing import ArrayLike
 
 from .capabilities import FixedPrecision, capability
 from . import guides as _guides
-from .errors import (
-    ConvergenceError,
-    InvalidOptionError,
-    PointEstimateWarning,
-    UnsupportedGuideError,
-)
+from .errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
 from .families import add_site
 from .likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from .rowops import to_device
 from .rows import RowSelection, pad_to_bucket, positions
 from .posterior_protocol import Posterior
+from .posterior_state import PosteriorConfig, PosteriorState
 from .site_problem import SiteProblem, dual_residual
 from .sites import Sites, compute_sites
 from .options import check_count, check_finite, check_key, check_solver_options
@@ -66,50 +62,6 @@ def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Ca
                     f"{type(post).__name__}")
 
     return functools.singledispatch(refuse)
-
-
-class PosteriorState(NamedTuple):
-    """The numeric state of a dual-form posterior: a pytree, so it passes through ``jax.jit``,
-    ``jax.vmap`` and ``jax.lax.scan`` (see :meth:`DualPosteriorBase.tree`).
-
-    :ivar q: the family member (e.g. :class:`~numpyro_pc.families.Gaussian`).
-    :ivar sites: the :class:`~numpyro_pc.sites.Sites`, one row per example with a site.
-    :ivar offset: natural parameters attributed to no single site, or ``None``
-        (``λ = offset + Σ_i λ̂_i``).
-    :ivar data_ids: ids of the examples whose data is retained, aligned with the data rows.
-    :ivar tombstones: ids of deleted examples (never reused).
-    :ivar next_id: the id the next new example gets.
-    :ivar stale_sites: a boolean array: the retained sites belong to an earlier ``q`` (after an
-        approximate deletion; ``None`` counts as ``False``).
-    """
-
-    q: Any
-    sites: Any
-    offset: Any
-    data_ids: jax.Array
-    tombstones: jax.Array
-    next_id: jax.Array
-    stale_sites: Any = None
-
-
-@dataclass(frozen=True)
-class PosteriorConfig:
-    """The static configuration of a dual-form posterior (hashable: a compiled program's key).
-
-    :ivar spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
-    :ivar family: the :class:`~numpyro_pc.families.ExponentialFamily`.
-    :ivar rule: the prepared expectation rule.
-    :ivar curvature: ``"hessian"`` or ``"ggn"``.
-    :ivar storage: the requested curvature storage (``"auto"`` or a store's name).
-    :ivar chunk_size: examples per chunk of the site computation (``None``: automatic).
-    """
-
-    spec: Any
-    family: Any
-    rule: Any
-    curvature: str
-    storage: str
-    chunk_size: int | None
 
 
 def in_own_precision(method):

@@ -77,18 +77,22 @@ def memory_size(memory, num_retained: int) -> int:
     return int(value)
 
 
-selection_scores = by_site_table("memory selection")
-selection_scores.__doc__ = """Score of each retained example under ``rule`` (largest first is chosen).
-
-:param post: the posterior.
-:param str rule: ``"residual"``, ``"curvature"`` or ``"leverage"`` (module docstring).
-:param rows: positions in ``post.sites`` of the retained examples.
-:return: a NumPy array, one score per row.
-:raises MissingCapabilityError: a rule the family's sites carry nothing for, with the reason.
-"""
+_scores = by_site_table("memory selection")  # a family with its own site table registers its scores here
 
 
-@selection_scores.register(Sites)
+def selection_scores(post, rule: str, rows: np.ndarray) -> np.ndarray:
+    """Score of each retained example under ``rule`` (largest first is chosen).
+
+    :param post: the posterior.
+    :param str rule: ``"residual"``, ``"curvature"`` or ``"leverage"`` (module docstring).
+    :param rows: positions in ``post.sites`` of the retained examples.
+    :return: a NumPy array, one score per row.
+    :raises MissingCapabilityError: a rule the family's sites carry nothing for, with the reason.
+    """
+    return _scores(post, rule, rows)
+
+
+@_scores.register(Sites)
 def _gaussian_scores(post, rule: str, rows: np.ndarray) -> np.ndarray:
     sites = post.sites.take(rows)
     if rule == "residual":
@@ -102,7 +106,7 @@ def _gaussian_scores(post, rule: str, rows: np.ndarray) -> np.ndarray:
     return np.asarray(sites.curv.trace_quad(post.covariance, jnp.zeros_like(sites.dense_grad()))[0])
 
 
-@selection_scores.register(EFSiteTable)
+@_scores.register(EFSiteTable)
 def _ef_scores(post, rule: str, rows: np.ndarray) -> np.ndarray:
     if rule != "leverage":
         why = ("a Gaussian site's gradient at its expansion point; an exponential-family site is the natural-"

@@ -22,7 +22,10 @@ def _persistent_compilation_cache():
     (other files got slower by as much); a second run on the same machine is faster (the demo's
     tests 157 s → 60 s).
     A program's key is its HLO, compile options and the JAX version, so an edited package never
-    reads a stale entry. Tests only: the package never changes this process-wide setting."""
+    reads a stale entry."""
+    # the harness decides, not the package's default (numpyro_pc.compilation_cache), here and in the
+    # processes tests start (the demo, scripts): they would otherwise fill the user's cache folder
+    os.environ["NUMPYRO_PC_NO_COMPILATION_CACHE"] = "1"
     folder = os.environ.get("NUMPYRO_PC_TEST_JAX_CACHE", str(Path(__file__).resolve().parent.parent
                                                               / ".pytest_cache" / "jax"))
     if folder in ("", "0") or jax.config.jax_compilation_cache_dir:
