@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from numpyro_pc.federated import flower
+from numpyro_pc.federated import flower, logic
 
 
 class Rogue(flower.ClientLogic):
@@ -28,5 +28,5 @@ class Rogue(flower.ClientLogic):
 
 if __name__ == "__main__":
     Rogue.mode = sys.argv.pop(1)
-    flower.ClientLogic = Rogue
+    logic.ClientLogic = Rogue  # what ClientByFamily makes for a Gaussian run
     sys.exit(flower.main(["client", *sys.argv[1:]]))

@@ -1,5 +1,7 @@
 """Federated posterior correction against the joint posterior, and the PVI failure case."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,8 +163,14 @@ def test_bad_input_raises():
         federated.run(linear_model, [(X, y)], algorithm="fedavg")
     with pytest.raises(ValueError, match="PVI uses"):
         federated.run(linear_model, [(X, y)], algorithm="pvi", rho=0.5)
-    with pytest.raises(ValueError, match="isotropic family"):
-        federated.run(linear_model, [(X, y)], algorithm="ama", family="full")
+    # refused by the family's capability, with the mathematical reason (FullGaussian learns its precision)
+    for family in ("full", "diagonal"):
+        with pytest.raises(pc.errors.MissingCapabilityError, match=r"needs a precision fixed by the prior .*"
+                                                                    r"isotropic family.*precision is learned"):
+            federated.run(linear_model, [(X, y)], algorithm="ama", family=family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        federated.run(linear_model, [(X, y)], algorithm="ama", family="isotropic", rounds=1)  # the family it needs
     with pytest.raises(ValueError, match="client_data is empty"):
         federated.run(linear_model, [])
     with pytest.raises(pc.DataShapeError, match="client 1"):

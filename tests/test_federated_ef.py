@@ -27,6 +27,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 from scipy import special, stats
 
@@ -451,3 +453,40 @@ def test_a_private_round_needs_its_own_key(x64):
     first, second = (np.asarray(ef.client_round_ef(clients, state, 1.0, privacy=mech, key=jax.random.PRNGKey(k))[1])
                      for k in (1, 2))
     assert np.all(first != second)
+
+
+def data_scaled_prior(y=None):
+    # a prior written with the data: its scale is the shard's first count. The binding checks (the per-example
+    # terms must add up to the joint; clients must share their shared arguments) do not see it: the prior term
+    # is evaluated on the first row both ways
+    rate = numpyro.sample("rate", dist.Gamma(2.0, 1.0 / (1.0 + y[0])))
+    with numpyro.plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Poisson(rate), obs=y)
+
+
+def test_a_private_run_refuses_a_prior_that_depends_on_the_data(x64):
+    # λ_0 is computed on one row of client 0 and released outside the mechanism: with a data-dependent prior
+    # it would reveal that row; the same data with a data-free prior (gamma_poisson) runs as before
+    y = _data(3, n=30)["pois"]
+    shards = [(jnp.asarray(p),) for p in np.array_split(y, 3)]
+    scaled = shards
+    assert len({float(p[0][0]) for p in shards} | {float(p[0][-1]) for p in shards}) > 1
+    mech = GaussianMechanism(1e30, 1e-5, releases=2, clip_natural=1e3)
+    with pytest.raises(pc.errors.PrivacyError, match="the prior depends on the data"):
+        federated.run(data_scaled_prior, scaled, family={"rate": "gamma"}, rounds=2, privacy=mech)
+    clients = ef.bind_ef_clients(data_scaled_prior, scaled, {"rate": "gamma"})
+    with pytest.raises(pc.errors.PrivacyError, match=r"client 0's row 0 and client \d's row \d+"):
+        ef.check_prior_data_free(clients)
+    ef.check_prior_data_free(ef.bind_ef_clients(gamma_poisson, shards, {"rate": "gamma"}))  # nothing raised
+    private = _quiet(federated.run, gamma_poisson, shards, family={"rate": "gamma"}, rounds=2, privacy=mech)
+    exact = _quiet(federated.run, gamma_poisson, shards, family={"rate": "gamma"}, rounds=2)
+    np.testing.assert_allclose(private.posterior.natural, exact.posterior.natural, rtol=1e-12)
+    # without privacy the data-dependent prior is not refused (nothing is released outside a mechanism)
+    _quiet(federated.run, data_scaled_prior, scaled, family={"rate": "gamma"}, rounds=1)
+    # a private Flower client checks its own rows before it sends λ_0 (a statistic passed as a shared argument
+    # is the same on all of them: only the comparison across clients above sees it)
+    from numpyro_pc.federated.ef_transport import EFClientLogic, EFServerLogic
+
+    config = EFServerLogic(1, {"rate": "gamma"}, x64=True).fit_config(0, "init")
+    client = EFClientLogic(gamma_poisson, shards[0], privacy=mech)
+    assert len(client.initial(config)) == 3 and client._checked is not None

@@ -12,7 +12,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.federated.core import LocalConfig, bind_clients, client_site, clipped_site, local_update
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
-from numpyro_pc.federated.privacy import GaussianMechanism, add_noise, clip_rows, finite_rows
+from numpyro_pc.federated.privacy import GaussianMechanism, add_noise, clip_factors, clip_rows, finite_rows
 from numpyro_pc.families import Gaussian, GaussianNatural
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear
@@ -188,3 +188,26 @@ def test_a_row_without_a_norm_is_dropped_not_spread():
     factors = clip_rows(terms, 1.0)
     np.testing.assert_allclose(np.asarray(factors), [0.2, 0.0, 0.0, 1.0], rtol=1e-6)  # float32 rounding of 1/5
     np.testing.assert_allclose(np.asarray(factors @ finite_rows(terms)), [0.9, 1.2], rtol=1e-6)
+
+
+def test_a_gaussian_example_term_without_a_norm_is_dropped_not_spread(x64):
+    """The Gaussian path's counterpart: an example whose site term is NaN or infinite gets clipping
+    factors 0 (both parts) and adds nothing, so the clipped site stays finite and equals the clipped
+    site of the other examples."""
+    d = 2
+    terms = GaussianNatural(jnp.asarray([[3.0, 4.0], [jnp.nan, 0.0], [0.1, 0.2], [0.3, 0.4]]),
+                            jnp.asarray([np.eye(d), np.eye(d), np.full((d, d), np.inf), 0.1 * np.eye(d)]))
+    mech = GaussianMechanism(1.0, 1e-5, 1, clip_linear=1.0, clip_precision=1.0)
+    c_lin, c_prec = clip_factors(terms, mech)
+    np.testing.assert_allclose(np.asarray(c_lin), [0.2, 0.0, 0.0, 1.0], rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(c_prec), [1 / np.sqrt(2), 0.0, 0.0, 1.0], rtol=1e-12)
+    # end to end: one example's features so large (finite data) that its curvature term overflows to
+    # ∞ / NaN; the release is finite, the clipped site of the other examples
+    X, y = make_logistic(12, 2, seed=3)
+    cfg, ex, mask, shared = _cfg(logistic_model, X.at[5].set(1e200), y, "full", mech)
+    q = Gaussian(jnp.full(3, 0.1), jnp.eye(3))
+    site = clipped_site(cfg, q, ex, mask, shared)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in site)
+    rest = clipped_site(cfg, q, ex, mask.at[5].set(0.0), shared)
+    for a, b in zip(site, rest):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)

@@ -17,9 +17,11 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import federated
+from numpyro_pc.federated import ef, ef_transport
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
 
 from conftest import logistic_model, make_logistic
+from test_expfam import gamma_poisson, misclassified
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 4
@@ -290,7 +292,7 @@ def _certificates(tmp_path):
     return ca, cert, key
 
 
-def _launch(tmp_path, parts, server_args, roles, tls=False):
+def _launch(tmp_path, parts, server_args, roles, tls=False, model="conftest:logistic_model"):
     """A server and one process per shard; ``roles[k]`` is "honest", "nan" or "crash-init"/"crash-update".
 
     With ``tls`` the server gets a certificate for 127.0.0.1 and the clients its CA (``--certificates`` /
@@ -300,8 +302,8 @@ def _launch(tmp_path, parts, server_args, roles, tls=False):
     if tls:
         ca, cert, key = _certificates(tmp_path)
         server_tls, client_tls = ["--certificates", ca, cert, key], ["--root-certificates", ca]
-    for k, (X, y) in enumerate(parts):
-        np.savez(tmp_path / f"shard{k}.npz", arg0=np.asarray(X), arg1=np.asarray(y))
+    for k, part in enumerate(parts):
+        np.savez(tmp_path / f"shard{k}.npz", **{f"arg{i}": np.asarray(a) for i, a in enumerate(part)})
     address = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), JAX_PLATFORMS="cpu")
     out = tmp_path / "result.npz"
@@ -313,7 +315,7 @@ def _launch(tmp_path, parts, server_args, roles, tls=False):
     for k, role in enumerate(roles):
         cmd = ([sys.executable, "-m", "numpyro_pc.federated.flower", "client"] if role == "honest" else
                [sys.executable, str(ROOT / "tests" / "flower_rogue.py"), role])
-        clients.append(subprocess.Popen(cmd + ["--server", address, "--model", "conftest:logistic_model", "--data",
+        clients.append(subprocess.Popen(cmd + ["--server", address, "--model", model, "--data",
                                                str(tmp_path / f"shard{k % len(parts)}.npz"), "--x64",
                                                "--max-wait", "20", *client_tls],
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -442,3 +444,106 @@ def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tm
         ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, tol=0.0, residual_tol=0.0, keep_data=False)
         np.testing.assert_allclose(res["mean"], np.asarray(ref.state.mean), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(res["precision"], np.asarray(ref.state.precision), rtol=1e-9)
+
+
+# ---------------------------------------------------------------- exponential-family posteriors
+def _ef_shards():
+    # the misclassified Beta–Bernoulli model: non-conjugate, so the sites move with λ and every round counts
+    from test_expfam import _data
+
+    y = _data(4, n=40)["bern"]
+    return [(np.asarray(p),) for p in np.split(y, [4, 12, 22])]
+
+
+def _ef_by_hand(server, clients, rounds):
+    from numpyro_pc.federated.ef_transport import EFClientLogic
+
+    logic = [EFClientLogic(misclassified, p) for p in clients]
+    server.aggregate_initial({k: c.initial(server.fit_config(k, "init")) for k, c in enumerate(logic)})
+    for _ in range(rounds):
+        out = {k: c.update(server.broadcast(), server.fit_config(k, "update")) for k, c in enumerate(logic)}
+        server.aggregate({k: o[0] for k, o in out.items()}, residuals=[o[1]["residual"] for o in out.values()])
+    return logic
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+@pytest.mark.parametrize("algorithm", ["fedpc", "admm"])
+def test_ef_server_and_client_logic_equal_the_in_process_run(x64, algorithm):
+    from numpyro_pc.federated.ef import run_ef
+    from numpyro_pc.federated.ef_transport import EFServerLogic
+
+    parts = _ef_shards()
+    server = EFServerLogic(len(parts), {"p": "beta"}, algorithm, x64=True)
+    _ef_by_hand(server, parts, ROUNDS)
+    ref = run_ef(misclassified, parts, {"p": "beta"}, algorithm, rounds=ROUNDS, tol=0.0, residual_tol=0.0,
+                 keep_data=False)
+    assert ref.rounds == ROUNDS and ref.history[0]["kl_to_previous"] > 1e-3  # the rounds move the posterior
+    fam = server.family
+    kl = float(fam.kl(server.natural, ef.global_natural(ref.state)))
+    print(f"{algorithm}: KL(Flower logic ‖ run_ef) = {kl:.2e}")
+    assert kl < 1e-12
+    np.testing.assert_allclose(np.asarray(server.natural), np.asarray(ef.global_natural(ref.state)), rtol=1e-10)
+    np.testing.assert_allclose([h["kl_to_previous"] for h in server.history], ref.column("kl_to_previous"),
+                               rtol=1e-6, atol=1e-14)
+    np.testing.assert_allclose([h["residual"] for h in server.history], ref.column("residual"), rtol=1e-6,
+                               atol=1e-14)
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_ef_server_refuses_bad_messages_and_goes_on(x64, tmp_path):
+    from numpyro_pc.federated.ef_transport import EFClientLogic, EFServerLogic
+
+    parts = _ef_shards()[1:]
+    server = EFServerLogic(5, "p=beta", x64=True, min_clients=3)
+    clients = [EFClientLogic(misclassified, p) for p in parts]
+    init = {f"node{k}": c.initial(server.fit_config(f"node{k}", "init")) for k, c in enumerate(clients)}
+    # a client reporting another family (a Gamma) is not admitted
+    other = EFClientLogic(gamma_poisson, (np.ones(5),)).initial(dict(server.config, family='{"rate": "gamma"}'))
+    server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]], stranger=other))
+    assert server.ids == ["node0", "node1", "node2", "rogue"]
+    assert "expected the family" in server.rejected_initial["stranger"]
+    size = server.family.size
+    stored = np.asarray(server.sites["rogue"])
+
+    def round_with(message):
+        replies = {f"node{k}": c.update(server.broadcast(), server.config)[0] for k, c in enumerate(clients)}
+        return server.aggregate(dict(replies, rogue=message))
+
+    out_of_domain = np.asarray([-1e3, 0.0])  # a Beta concentration far below zero
+    cases = {"shape": [np.zeros(size + 1)], "finite": [np.full(size, np.nan)], "dtype": [np.zeros(size, np.float32)],
+             "domain": [out_of_domain], "1 array(s), found 2": [np.zeros(size)] * 2}
+    for reason, message in cases.items():
+        lam = round_with(message)
+        assert server.family.in_domain(ef.global_natural(lam))
+        rejected = server.history[-1]["rejected"]
+        assert list(rejected) == ["rogue"] and reason in rejected["rogue"], (reason, rejected)
+        assert server.history[-1]["participants"] == 3
+        np.testing.assert_array_equal(np.asarray(server.sites["rogue"]), stored)  # nothing of it is stored
+    with pytest.raises(pc.TooFewClientsError, match="min_clients=3"):
+        server.aggregate({"node0": [np.zeros(size)], "rogue": [np.full(size, np.nan)], "unknown": [np.zeros(size)]})
+    assert "not admitted" in server.failure
+    server.save(tmp_path / "partial.npz")
+    with np.load(tmp_path / "partial.npz") as res:
+        np.testing.assert_array_equal(res["natural"], np.asarray(server.natural))
+        assert json.loads(str(res["clients"])) == server.ids and len(json.loads(str(res["history"]))) == 5
+    with pytest.raises(pc.errors.MissingCapabilityError, match="FixedPrecision|precision"):
+        EFServerLogic(2, {"p": "beta"}, "ama")
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_processes_carry_exponential_family_sites(x64, tmp_path):
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from numpyro_pc.federated.ef import run_ef
+
+    parts = _ef_shards()[1:]
+    code, log, out = _launch(tmp_path, parts, ["--clients", "3", "--rounds", str(ROUNDS), "--family", "p=beta"],
+                             ["honest"] * 3, model="test_expfam:misclassified")
+    assert code == 0, log[-6000:]
+    ref = run_ef(misclassified, parts, {"p": "beta"}, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
+    with np.load(out) as res:
+        natural, history = res["natural"], json.loads(str(res["history"]))
+        fam = ef_transport.family_from_description(json.loads(str(res["family"])))
+    kl = float(fam.kl(jax.numpy.asarray(natural), ef.global_natural(ref.state)))
+    print(f"KL(Flower processes ‖ run_ef) = {kl:.2e}")
+    assert len(history) == ROUNDS and all(h["participants"] == 3 for h in history) and kl < 1e-12
+    np.testing.assert_allclose(natural, np.asarray(ef.global_natural(ref.state)), rtol=1e-10)

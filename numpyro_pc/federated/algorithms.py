@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..capabilities import FixedPrecision, SiteSum, capability, require
-from ..errors import ConvergenceError, InvalidOptionError
+from ..errors import ConvergenceError, InvalidOptionError, MissingCapabilityError
 from ..expectations import ExpectationRule
 from ..families import Gaussian, GaussianNatural, get_family
 from ..merging import gaussian_prior, prior_natural
@@ -84,13 +84,32 @@ PRIVACY_NEEDS_SUM = ("Its sensitivity bound clips each example's term of a site 
                      "'diagonal' or 'isotropic', or an exponential-family dict.")
 
 
+def refuse_ama(family) -> None:
+    """Refuse ``algorithm="ama"`` for a family without :class:`~numpyro_pc.capabilities.FixedPrecision`.
+
+    AMA is MAP estimation of the mean under a precision ``τI`` fixed by the prior (paper theorem "AMA as
+    posterior correction"): the isotropic family with the delta rule. A family that learns its precision
+    from its sites' curvature has no such fixed precision.
+
+    :raises MissingCapabilityError: naming the family and, in mathematical terms, why it lacks it.
+    """
+    if capability(family, FixedPrecision) is not None:
+        return
+    name = getattr(family, "name", type(family).__name__)
+    why = getattr(family, "lacks", {}).get(FixedPrecision) or ("its precision is learned: every site adds its "
+                                                               "curvature to the prior's")
+    raise MissingCapabilityError(f"algorithm='ama' needs {FixedPrecision.needs} (AMA is MAP estimation of the mean "
+                                 f"under a precision τI the prior fixes, the isotropic family with the delta rule); "
+                                 f"the {name} family lacks it: {why}. Use family='isotropic' for AMA, or "
+                                 "algorithm='fedpc' to keep this family.")
+
+
 def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
     if not is_choice(algorithm, ALGORITHMS):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
-        if family not in (None, "isotropic", "iso"):
-            raise InvalidOptionError(f"algorithm='ama' is the isotropic family with the delta rule; "
-                                     f"got family={family!r}")
+        if family is not None:
+            refuse_ama(get_family(family))
         family, expectation = "isotropic", "delta"
     family = get_family("full" if family is None else family)
     if algorithm == "pvi":

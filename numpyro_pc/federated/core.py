@@ -253,7 +253,8 @@ def clipped_site(cfg, q, per_example, mask, shared):
         ex, wc = xs
         g, h = jax.vmap(lambda e: example_terms(cfg, q, e, shared))(ex)
         terms = jax.vmap(lambda gj, hj: family.site_natural(gj, family.project_curvature(hj), q.mean))(g, h)
-        c_lin, c_prec = clip_factors(terms, cfg.privacy)
+        c_lin, c_prec = clip_factors(terms, cfg.privacy)  # 0 for an example with a non-finite term
+        terms = jax.tree.map(lambda t: jnp.where(jnp.isfinite(t), t, 0.0), terms)  # 0 · NaN is NaN
         return jax.tree.map(lambda a, t, c: a + jnp.tensordot(wc * c, t, 1), acc, terms,
                             GaussianNatural(c_lin, c_prec)), None
 

@@ -90,7 +90,7 @@ from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
-from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
+from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError, PrivacyError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
 # the server's side and the private and bounded sites live in ef_server and ef_robust; their names stay
@@ -100,7 +100,7 @@ from .ef_server import (EFServerState, admm_server_ef, aggregate_ef, global_natu
                         site_natural, validate_ef_message)
 from .robust import robust_bounds
 
-__all__ = ["EFClients", "EFLocalResult", "bind_ef_clients", "init_ef", "safe_rho_ef", "local_update_ef",
+__all__ = ["EFClients", "EFLocalResult", "bind_ef_clients", "check_prior_data_free", "init_ef", "safe_rho_ef", "local_update_ef",
            "client_round_ef", "kl_rounding", "round_ef", "posterior_ef", "run_ef"]
 
 
@@ -135,7 +135,7 @@ class EFLocalResult(NamedTuple):
 
 
 def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, shared=(), expectation="auto",
-                    num_nodes=32, num_samples=None, seed=0, prior_tol=None, prior_iters=200):
+                    num_nodes=32, num_samples=None, seed=0, prior_tol=None, prior_iters=200) -> EFClients:
     """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.ef_fit.fit_ef`
     does for the union), and find :math:`\\lambda_0`.
 
@@ -166,7 +166,41 @@ def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, sh
                      weight)
 
 
-def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
+def check_prior_data_free(clients) -> None:
+    """Refuse a prior that depends on the data where the prior's term must not carry any (a private run).
+
+    :func:`bind_ef_clients` finds :math:`\\lambda_0` from the prior term computed on one row of client 0's
+    shard (a model needs its data arguments to run: plates, shapes, supports). A prior written with the data
+    (``Gamma(2, 1 / mean(y))``) then holds that row, and the server receives it outside the privacy mechanism,
+    which covers the examples' terms only. A data-free probe in place of the row would not help: it would
+    silently change such a prior. So the prior term at one :math:`\\lambda` is computed on the first and last
+    row of every client's shard; a data-free prior gives the same term on all of them (checked to 64 units of
+    rounding). A dependence on rows that are all equal cannot be seen, and reveals nothing beyond them.
+
+    :raises PrivacyError: the prior term differs between two rows, naming them and the difference.
+    """
+    cfg = replace(clients.config, spec=replace(clients.config.spec, num_examples=1))
+    lam = cfg.family.default_natural(clients.prior.dtype)
+    term = jax.jit(lambda one: compute_sites(cfg, lam, one).prior)
+    ref, first = None, None
+    for k, data in enumerate(clients.datas):
+        n = int(data.per_example[0].shape[0])
+        for j in sorted({0, n - 1}):
+            value = np.asarray(term(ModelData(tuple(x[j:j + 1] for x in data.per_example), data.shared)))
+            if ref is None:
+                ref, first = value, (k, j)
+                continue
+            tol = 64 * np.finfo(value.dtype).eps * (1.0 + np.max(np.abs(ref)))
+            if not np.all(np.abs(value - ref) <= tol):
+                raise PrivacyError(
+                    f"the prior term differs between client {first[0]}'s row {first[1]} and client {k}'s row {j} "
+                    f"(by up to {np.max(np.abs(value - ref)):.3g}, expected equal to {tol:.1g}): the prior depends on "
+                    "the data. A private run sends the prior's natural parameters outside the mechanism, which "
+                    "covers only the examples' terms, so they would reveal a row of client 0; write the prior "
+                    "without the data (or run without privacy)")
+
+
+def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60) -> jax.Array:
     """Smallest weight ``ρ_k ≥ ρ`` whose ρ-cavity :math:`\\lambda - \\eta_k/\\rho_k` lies inside the domain with
     the relative ``margin``: ``max(ρ, (1 + margin) ρ*)``, ``ρ*`` the boundary (bisection on the convex domain).
     The Gaussian blocks' condition is the Gaussian safeguard's (:func:`~numpyro_pc.federated.core.safe_rho`):
@@ -177,7 +211,7 @@ def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60):
     return jnp.where(inside(top), rho, jnp.maximum(rho, (1.0 + margin) / jnp.maximum(lo, 1e-300)))
 
 
-def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight, prior, tol, max_iters):
+def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight, prior, tol, max_iters) -> EFLocalResult:
     """Solve :math:`\\lambda_k = \\lambda - \\eta_k/\\rho + \\hat\\eta_k(\\lambda_k)/\\rho` from :math:`\\lambda`
     for one client (pure; ``vmap`` over padded clients). ``weight`` (0 or 1) adds the prior's correction.
 
@@ -219,7 +253,7 @@ def _local_round(config, num_participants, max_iters, state, stack, weights, rho
 
 
 def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
-                    safeguard_margin=0.3, privacy=None):
+                    safeguard_margin=0.3, privacy=None) -> tuple[jax.Array, jax.Array, EFLocalResult, jax.Array]:
     """The clients' half of a round: every participant's local update and the message it sends.
 
     :param participants: how many clients take part (default all; a random subset drawn with ``key``).
@@ -242,7 +276,7 @@ def client_round_ef(clients, state, rho, damping=1.0, participants=None, key=Non
                         jnp.asarray(local_tol, dtype), jnp.asarray(margin, dtype), key, privacy)
 
 
-def init_ef(clients, init="zero", local_iters=200, privacy=None, key=None, bounds=None):
+def init_ef(clients, init="zero", local_iters=200, privacy=None, key=None, bounds=None) -> EFServerState:
     """The server's first state: ``"zero"`` sites (as in PVI; the first local step starts from
     :math:`\\lambda_0`), or ``"prior"``: each client's site at :math:`\\lambda_0` (one natural-gradient step;
     with ``privacy`` the first release, noised with ``key``; the server's step as in :func:`~numpyro_pc.federated.ef_server.server_step_ef`).
@@ -279,7 +313,7 @@ def kl_rounding(family, lam_p, lam_q) -> jax.Array:
 
 
 def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, local_tol=None, local_iters=200,
-             safeguard_margin=0.3, admm_alpha=None, privacy=None, bounds=None):
+             safeguard_margin=0.3, admm_alpha=None, privacy=None, bounds=None) -> tuple[EFServerState, dict]:
     """One round: :func:`client_round_ef`, then :func:`~numpyro_pc.federated.ef_server.aggregate_ef` (strict) and, with ``admm_alpha``,
     :func:`~numpyro_pc.federated.ef_server.admm_server_ef`; with ``bounds`` or ``privacy``, :func:`~numpyro_pc.federated.ef_server.server_step_ef`. Returns
     ``(new state, diagnostics)``.
@@ -323,7 +357,7 @@ def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, loca
     return new, info
 
 
-def posterior_ef(clients, state, record=None):
+def posterior_ef(clients, state, record=None) -> EFPosterior:
     """The global :class:`~numpyro_pc.ef_posterior.EFPosterior` on the union of the shards (sites at the global
     :math:`\\lambda`; ``prior`` :math:`-\\lambda_0` for a conjugate-form prior, else the prior term at :math:`q`)."""
     data = concat_datas(clients.datas)
@@ -341,7 +375,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
            tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=200, local_tol=None,
            raise_on_failure=False, kwargs=None, data_plate=None, shared=(), callback=None, init="zero",
            max_retries=6, safeguard=None, safeguard_margin=0.3, expectation="auto", num_nodes=32, num_samples=None,
-           draw_seed=0, admm_alpha=None, privacy=None, max_share=None, max_shift=None):
+           draw_seed=0, admm_alpha=None, privacy=None, max_share=None, max_shift=None) -> FederatedResult:
     """Federated posterior correction of an exponential-family product posterior over client shards in one
     process (clients ``vmap``-ed); :func:`numpyro_pc.federated.run` with a dict ``family`` calls this.
 
@@ -390,6 +424,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``).
     :raises ConvergenceError: with ``raise_on_failure``, a run that diverged or ended before the tolerances.
     :raises MissingCapabilityError: ``algorithm="ama"``.
+    :raises PrivacyError: ``privacy`` with a prior that depends on the data (:func:`check_prior_data_free`).
     :raises InvalidOptionError: ``privacy`` or bounded aggregation with ADMM (its server step averages the
         clients' exact local posteriors, which neither the mechanism nor the bounds cover), a mechanism with
         fewer ``releases`` than the run may send, bounds with one client.
@@ -435,6 +470,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     if privacy is not None:
         require(fam, SiteSum, "privacy= (the Gaussian mechanism)",
                 advice="Its sensitivity bound clips each example's term of a site and sums them.")
+        check_prior_data_free(clients)
         if privacy.releases < releases:
             raise InvalidOptionError(f"the privacy mechanism is calibrated for {privacy.releases} release(s) per "
                                      f"client, but rounds={rounds} with init={init!r} may send {releases}")

@@ -24,7 +24,7 @@ from .robust import leave_one_out
 __all__ = ["domain_boundary", "clipped_site_ef", "release_ef", "bound_sites_ef", "retreat_ef"]
 
 
-def domain_boundary(inside, top, steps=60):
+def domain_boundary(inside, top, steps=60) -> jax.Array:
     """The largest ``t ∈ [0, top]`` that bisection finds with ``inside(t)`` true, for a test true at 0 and
     monotone (true up to a point, false after it); the returned point has passed the test (or is 0)."""
     def halve(_, bounds):
@@ -38,7 +38,7 @@ def domain_boundary(inside, top, steps=60):
     return lo
 
 
-def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech):
+def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech) -> jax.Array:
     """:math:`\\sum_j c_j s_j` at :math:`\\lambda`: each example's term :math:`s_j = -g_j(\\lambda)` clipped to the
     Euclidean norm ``mech.clip_natural`` (:mod:`~numpyro_pc.federated.privacy`), plus — ``weight`` 1 — the
     non-conjugate prior's correction, which depends on :math:`\\lambda` only (no example moves it)."""
@@ -47,7 +47,7 @@ def clipped_site_ef(config, lam, per_example, mask, shared, weight, prior, mech)
     return (mask * clip_rows(terms, mech.clip_natural)) @ finite_rows(terms) - weight * (sites.prior + prior)
 
 
-def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key):
+def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key) -> jax.Array:
     """The site a private client sends: :func:`clipped_site_ef` at the global :math:`\\lambda` the server sent,
     plus the mechanism's noise (:func:`~numpyro_pc.federated.privacy.add_noise_natural`). As for Gaussian sites
     (:func:`~numpyro_pc.federated.core.local_update`) no local problem is solved: a local fixed point depends on
@@ -57,7 +57,7 @@ def release_ef(config, lam, per_example, mask, shared, weight, prior, mech, key)
 
 
 @partial(jax.jit, static_argnames=("family",))
-def bound_sites_ef(family, prior, sites, lam_ref, bounds):
+def bound_sites_ef(family, prior, sites, lam_ref, bounds) -> tuple[jax.Array, jax.Array, jax.Array]:
     r"""Bounded aggregation (:mod:`~numpyro_pc.federated.robust`) of exponential-family sites: each client's
     site is tempered, :math:`\eta_k' = s_k t_k \eta_k` with :math:`s_k, t_k \in [0, 1]` (a tempered likelihood
     stays a likelihood: the family's sites are sums over examples), so that
@@ -111,7 +111,7 @@ def bound_sites_ef(family, prior, sites, lam_ref, bounds):
 
 
 @partial(jax.jit, static_argnames=("family",))
-def retreat_ef(family, lam_prev, lam_new):
+def retreat_ef(family, lam_prev, lam_new) -> tuple[jax.Array, jax.Array]:
     r"""Keep a private round's global posterior inside the domain: ``lam_new`` itself where it is inside,
     else the point halfway from ``lam_prev`` (inside) to the domain's boundary along the segment to ``lam_new``,
     :math:`\lambda_{prev} + \tfrac{t_b}{2}(\lambda_{new} - \lambda_{prev})` (:math:`t_b` by bisection; the domain

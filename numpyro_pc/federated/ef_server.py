@@ -44,7 +44,7 @@ def global_natural(state) -> jax.Array:
     return site_natural(state) if state.joint is None else state.joint
 
 
-def validate_ef_message(family, state, client, message, max_abs=1e12, domain=True):
+def validate_ef_message(family, state, client, message, max_abs=1e12, domain=True) -> np.ndarray:
     """Check client ``client``'s message against the server's state (see the module docstring).
 
     :param bool domain: also ask that the global :math:`\\lambda` with this message stay in the domain (off for
@@ -76,7 +76,7 @@ def validate_ef_message(family, state, client, message, max_abs=1e12, domain=Tru
     return arr
 
 
-def aggregate_ef(family, state, messages, strict=True, max_abs=1e12, domain=True):
+def aggregate_ef(family, state, messages, strict=True, max_abs=1e12, domain=True) -> tuple[EFServerState, dict]:
     """The server's half of a round: check each message, store the accepted ones, form the new state.
 
     :param dict messages: ``{client index: site (P,)}``.
@@ -109,7 +109,7 @@ def aggregate_ef(family, state, messages, strict=True, max_abs=1e12, domain=True
     return new, rejected
 
 
-def server_step_ef(family, state, lam_ref, bounds=None, private=False):
+def server_step_ef(family, state, lam_ref, bounds=None, private=False) -> tuple[EFServerState, dict]:
     """The server's global posterior after :func:`aggregate_ef` stored the sites: the sites' sum, bounded by
     :func:`~numpyro_pc.federated.ef_robust.bound_sites_ef` (``bounds``) and, for ``private`` messages, kept inside by :func:`~numpyro_pc.federated.ef_robust.retreat_ef`.
 

@@ -7,11 +7,23 @@ function the in-process :func:`numpyro_pc.federated.run` ``vmap``-s). Messages a
 global Gaussian (server → clients) and each client's site ``η_k`` (and, for ADMM, its
 local natural parameters) back — never data.
 
+The server's ``family`` chooses the kind of posterior: a Gaussian family's name, or an
+exponential-family product ``{latent site: family name}`` (``--family p=beta,rate=gamma`` or
+JSON), whose messages are the flat natural-parameter vectors :math:`\lambda` and ``η_k`` and
+whose steps are those of :func:`~numpyro_pc.federated.ef.run_ef`
+(:mod:`numpyro_pc.federated.ef_transport`). Clients take the kind from the server's first
+message (:class:`~numpyro_pc.federated.logic.ClientByFamily`).
+
 Round 1 is an initialisation round: every client sends the prior it derives from the
 model (the server checks they agree) and its first site (at the prior; zero for the
 isotropic family), matching ``init="auto"`` of :func:`~numpyro_pc.federated.run`; rounds ``2 … R+1`` are the ``R``
 rounds of the algorithm. With every client taking part, the result equals the in-process
-run (up to the order of a sum).
+run (up to the order of a sum). For a product family round 1 registers the clients (first
+site, zero by default, prior and family description; the server's ``--init zero|prior``),
+rounds ``2 … R+1`` are ``run_ef``'s ``R`` rounds; a server started with ``--private`` pulls
+a noised sum back into the domain instead of refusing it, and a private client clips each
+example's term to ``--dp-clip-natural`` (``--dp-releases`` = ``--rounds``, plus one with
+``--init prior``).
 
 Client identity is the transport's (Flower's node id), never something a message says; the
 server checks every message and can bound one client's influence
@@ -23,6 +35,7 @@ Command line (one server, one process per client)::
         --min-clients 2 --rounds 20 --algorithm fedpc --family full --out result.npz
     python -m numpyro_pc.federated.flower client --server 127.0.0.1:8080 \
         --model mypackage.models:logistic --data shard_k.npz
+    python -m numpyro_pc.federated.flower server --clients 3 --family p=beta --rounds 20 --out ef.npz
 
 ``--data`` is an ``.npz`` file whose arrays ``arg0, arg1, …`` are the model's positional
 arguments; ``--model`` is ``module:function``. Add ``--x64`` on every process for float64.
@@ -44,23 +57,20 @@ import contextlib
 import importlib
 import json
 import os
-import secrets
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import FixedPrecision, capability
-from ..errors import DataShapeError, InvalidOptionError, PrivacyError, TooFewClientsError
-from ..families import Gaussian, GaussianNatural
-from ..merging import gaussian_prior, prior_natural
-from .algorithms import check_settings
-from .core import LocalConfig, bind_clients, global_state, local_update, release_site
+from ..errors import DataShapeError, InvalidOptionError, TooFewClientsError
+from .ef_transport import EFClientLogic, EFServerLogic
+from .logic import ClientByFamily, ClientLogic, server_logic
 from .privacy import GaussianMechanism
 from .server import ServerLogic
 
-__all__ = ["ServerLogic", "ClientLogic", "make_strategy", "make_client", "start_server", "start_client", "main",
+__all__ = ["ServerLogic", "ClientLogic", "EFServerLogic", "EFClientLogic", "ClientByFamily", "server_logic",
+           "make_strategy", "make_client", "start_server", "start_client", "main",
            "server_app", "client_app"]  # noqa: F822 - the two apps are built on first access (module __getattr__)
 
 
@@ -71,94 +81,9 @@ def _require_flwr():
         raise ImportError("the Flower transport needs the optional extra: pip install 'numpyro-pc[federated]'") from err
 
 
-def _nat(arrays):
-    return GaussianNatural(jnp.asarray(arrays[0]), jnp.asarray(arrays[1]))
-
-
-def _arrays(x):
-    return [np.asarray(v) for v in x]
-
-
-class ClientLogic:
-    """What a client does each round, without any transport (stateful: it keeps ``η_k``).
-
-    :param model: the NumPyro model.
-    :param tuple args: the client's model arguments (its shard).
-    :param dict kwargs: the model's keyword arguments.
-    :param privacy: this client's own
-        :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (the server cannot switch it
-        off): every site it sends is clipped and noised, and after ``privacy.releases``
-        messages it refuses to send more (:class:`~numpyro_pc.errors.PrivacyError`).
-    :param int seed: seed of the privacy noise (default: from the operating system).
-    :ivar releases: messages sent so far.
-    """
-
-    def __init__(self, model, args, kwargs=None, privacy=None, seed=None):
-        self.spec, self.stack, (self.data,) = bind_clients(model, [args], kwargs)
-        self.site = None
-        self.privacy = privacy
-        self.releases = 0
-        self.seed = secrets.randbits(31) if seed is None else int(seed)
-        self._fns = {}
-
-    def _cfg(self, config):
-        n = int(self.stack.mask.sum())
-        if n < int(config.get("min_examples", 1)):
-            raise PrivacyError(f"this client holds {n} example(s), fewer than the run's min_examples="
-                             f"{config['min_examples']}: it does not take part (its site would reveal its data)")
-        family, _, _, rule = check_settings(config["algorithm"], config["family"], None if config["algorithm"] == "pvi"
-                                       else config["rho"], config["damping"],
-                                       None if config["expectation"] == "auto" else config["expectation"], self.spec)
-        if self.privacy is not None:
-            if config["algorithm"] == "admm":
-                raise PrivacyError("this client adds differential-privacy noise, which the run's algorithm 'admm' "
-                                   "cannot take (it needs the exact local posterior): it does not take part")
-            if self.releases >= self.privacy.releases:
-                raise PrivacyError(f"this client's privacy budget covers {self.privacy.releases} message(s) "
-                                   f"(ε={self.privacy.epsilon:g}, δ={self.privacy.delta:g}), all sent: it stops")
-        return LocalConfig(self.spec, family, rule, int(config["num_nodes"]), int(config["local_iters"]),
-                           float(config["local_tol"]), safeguard=bool(config.get("safeguard", False)),
-                           margin=float(config.get("safeguard_margin", 0.3)), privacy=self.privacy)
-
-    def _key(self):
-        self.releases += 1
-        return jax.random.fold_in(jax.random.PRNGKey(self.seed), self.releases)
-
-    def _ex(self):
-        return tuple(x[0] for x in self.stack.per_example), self.stack.mask[0], self.stack.shared
-
-    def initial(self, config):
-        """Round 1: the prior ``(m_0, P_0)`` and this client's first site."""
-        cfg = self._cfg(config)
-        prior = gaussian_prior(self.spec, self.data)
-        tau = cfg.family.prior_tau(prior)
-        q0 = global_state(cfg.family, prior, prior_natural(cfg.family, prior, tau),
-                          jax.tree.map(jnp.zeros_like, prior_natural(cfg.family, prior, tau)))
-        ex, mask, shared = self._ex()
-        if capability(cfg.family, FixedPrecision):  # init="auto" of the in-process run: sites start at one
-            self.site = GaussianNatural(jnp.zeros_like(q0.mean), jnp.zeros((), q0.mean.dtype))
-        else:
-            self.site = jax.jit(release_site, static_argnums=0)(cfg, q0, ex, mask, shared, self._key())
-        return _arrays(self.site) + [np.asarray(prior.mean), np.asarray(prior.precision)]
-
-    def update(self, arrays, config):
-        """One local update from the global Gaussian ``arrays = [mean, precision]``."""
-        cfg = self._cfg(config)
-        q_jnt = Gaussian(jnp.asarray(arrays[0]), jnp.asarray(arrays[1]))
-        if cfg not in self._fns:
-            self._fns[cfg] = jax.jit(local_update, static_argnums=0)
-        ex, mask, shared = self._ex()
-        out = self._fns[cfg](cfg, q_jnt, self.site, jnp.asarray(config["rho"], q_jnt.mean.dtype), ex, mask, shared,
-                             self._key())
-        damping = float(config["damping"])
-        self.site = jax.tree.map(lambda o, n: o + damping * (n - o), self.site, out.site)
-        # a private client reports nothing beyond its (noised) message
-        metrics = {} if self.privacy is not None else {"iterations": int(out.iterations), "ok": bool(out.ok)}
-        return _arrays(self.site) + _arrays(out.local), metrics
-
-
 def make_strategy(logic, connect_timeout=120.0, out=None):
-    """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic`.
+    """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic` or an
+    :class:`~numpyro_pc.federated.ef_transport.EFServerLogic` (:func:`~numpyro_pc.federated.logic.server_logic`).
 
     Client identity is the transport's (``ClientProxy.cid``, Flower's node id). Round 1 waits
     up to ``connect_timeout`` seconds for ``num_clients`` nodes; later rounds ask the admitted
@@ -208,23 +133,26 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
                     raise TooFewClientsError(logic.failure)
                 order = np.random.default_rng(server_round).permutation(len(alive))[:wanted]
                 clients = [alive[i] for i in sorted(order)]
-                arrays = [np.asarray(logic.state.mean), np.asarray(logic.state.precision)]
+                arrays = logic.broadcast()
             phase = "init" if server_round == 1 else "update"
-            ins = FitIns(ndarrays_to_parameters(arrays), dict(logic.config, phase=phase))
-            return [(c, ins) for c in clients]
+            parameters = ndarrays_to_parameters(arrays)
+            return [(c, FitIns(parameters, logic.fit_config(c.cid, phase))) for c in clients]
 
         @recorded
         def aggregate_fit(self, server_round, results, failures):
             replies = {proxy.cid: parameters_to_ndarrays(r.parameters) for proxy, r in results}
             examples = {proxy.cid: r.num_examples for proxy, r in results}
             if server_round == 1:
-                q = logic.aggregate_initial(replies, examples)
+                logic.aggregate_initial(replies, examples)
             else:
                 iterations = [int(r.metrics.get("iterations", 0)) for _, r in results
                               if isinstance(r.metrics.get("iterations", 0), int)]
-                q = logic.aggregate(replies, iterations, examples)
+                kw = {}
+                if logic.kind == "ef":
+                    kw["residuals"] = [r.metrics["residual"] for _, r in results if "residual" in r.metrics]
+                logic.aggregate(replies, iterations, examples, **kw)
                 logic.history[-1]["dropped"] = len(failures)
-            return ndarrays_to_parameters([np.asarray(q.mean), np.asarray(q.precision)]), {}
+            return ndarrays_to_parameters(logic.broadcast()), {}
 
         def configure_evaluate(self, server_round, parameters, client_manager):
             return []
@@ -239,7 +167,9 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
 
 
 def make_client(logic, x64=None, state=None):
-    """A Flower ``NumPyClient`` around a :class:`ClientLogic` (it sends no identity: the transport gives it).
+    """A Flower ``NumPyClient`` around a :class:`ClientLogic`, an
+    :class:`~numpyro_pc.federated.ef_transport.EFClientLogic` or a :class:`ClientByFamily` (it sends no identity:
+    the transport gives it).
 
     :param bool x64: compute in float64 (``None``: as the caller's scope).
     :param state: a Flower ``RecordDict`` (``Context.state``) keeping the client's site between
@@ -254,18 +184,18 @@ def make_client(logic, x64=None, state=None):
 
         def fit(self, parameters, config):
             with contextlib.nullcontext() if x64 is None else jax.enable_x64(x64):
-                if logic.site is None and state is not None and _STATE_KEY in state:
-                    site = state[_STATE_KEY].to_numpy_ndarrays()
-                    logic.site, (logic.releases, logic.seed) = _nat(site[:2]), (int(v) for v in site[2])
+                client = logic.for_config(config) if isinstance(logic, ClientByFamily) else logic
+                if client.site is None and state is not None and _STATE_KEY in state:
+                    client.restore(state[_STATE_KEY].to_numpy_ndarrays())
                 if config["phase"] == "init":
-                    arrays, metrics = logic.initial(config), {}
+                    arrays, metrics = client.initial(config), {}
                 else:
-                    arrays, metrics = logic.update(parameters, config)
+                    arrays, metrics = client.update(parameters, config)
                 if state is not None:
                     from flwr.app import ArrayRecord
 
-                    state[_STATE_KEY] = ArrayRecord(_arrays(logic.site) + [np.asarray([logic.releases, logic.seed])])
-            return arrays, int(logic.stack.mask.sum()), metrics
+                    state[_STATE_KEY] = ArrayRecord(client.state_arrays())
+            return arrays, client.num_examples, metrics
 
     return PosteriorCorrectionClient()
 
@@ -283,11 +213,13 @@ def _server_fn(context):
     from flwr.server import ServerAppComponents, ServerConfig
 
     cfg = dict(context.run_config)
-    logic = ServerLogic(int(cfg["num-clients"]), str(cfg.get("algorithm", "fedpc")), str(cfg.get("family", "full")),
-                        _opt(cfg, "rho"), _opt(cfg, "damping"), str(cfg.get("expectation", "auto")),
-                        float(cfg.get("fraction", 1.0)), x64=bool(cfg.get("x64", True)),
-                        min_clients=_opt(cfg, "min-clients", int), min_examples=int(cfg.get("min-examples", 1)),
-                        max_share=_opt(cfg, "max-share"), max_shift=_opt(cfg, "max-shift"))
+    logic = server_logic(int(cfg["num-clients"]), str(cfg.get("algorithm", "fedpc")), str(cfg.get("family", "full")),
+                         rho=_opt(cfg, "rho"), damping=_opt(cfg, "damping"),
+                         expectation=str(cfg.get("expectation", "auto")), fraction=float(cfg.get("fraction", 1.0)),
+                         x64=bool(cfg.get("x64", True)), min_clients=_opt(cfg, "min-clients", int),
+                         min_examples=int(cfg.get("min-examples", 1)), max_share=_opt(cfg, "max-share"),
+                         max_shift=_opt(cfg, "max-shift"), private=bool(cfg.get("private", False)) or None,
+                         init=_opt(cfg, "init", str))
     strategy = make_strategy(logic, float(cfg.get("connect-timeout", 120.0)), out=_opt(cfg, "out", str))
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=int(cfg.get("rounds", 20)) + 1,
                                                                       round_timeout=float(cfg.get("round-timeout",
@@ -299,7 +231,8 @@ def _privacy(cfg):
     if _opt(cfg, "dp-epsilon") is None:
         return None
     return GaussianMechanism(float(cfg["dp-epsilon"]), float(cfg.get("dp-delta", 1e-5)), int(cfg["dp-releases"]),
-                             float(cfg.get("dp-clip-linear", 1.0)), float(cfg.get("dp-clip-precision", 1.0)))
+                             float(cfg.get("dp-clip-linear", 1.0)), float(cfg.get("dp-clip-precision", 1.0)),
+                             float(cfg.get("dp-clip-natural", 1.0)))
 
 
 def _client_fn(context):
@@ -312,8 +245,8 @@ def _client_fn(context):
     x64 = bool(context.run_config.get("x64", True))
     node = dict(context.node_config)
     with jax.enable_x64(x64):
-        logic = ClientLogic(_load_model(str(context.run_config["model"])), _load_args(str(node["data"])),
-                            json.loads(str(context.run_config.get("model-kwargs", "{}"))), privacy=_privacy(node))
+        logic = ClientByFamily(_load_model(str(context.run_config["model"])), _load_args(str(node["data"])),
+                               json.loads(str(context.run_config.get("model-kwargs", "{}"))), privacy=_privacy(node))
     return make_client(logic, x64=x64, state=context.state).to_client()
 
 
@@ -401,7 +334,11 @@ def _parser():
     srv.add_argument("--min-examples", type=int, default=1, help="examples a client must hold to take part")
     srv.add_argument("--rounds", type=int, default=20)
     srv.add_argument("--algorithm", default="fedpc", choices=["fedpc", "pvi", "ama", "admm"])
-    srv.add_argument("--family", default="full")
+    srv.add_argument("--family", default="full", help="a Gaussian family (full, diagonal, isotropic) or an "
+                     "exponential-family product: site=name pairs, e.g. p=beta,rate=gamma (or JSON)")
+    srv.add_argument("--init", default=None, choices=["zero", "prior"], help="exponential family: first sites")
+    srv.add_argument("--private", action="store_true", help="exponential family: the clients send private sites "
+                     "(a sum outside the domain is pulled back, not refused)")
     srv.add_argument("--rho", type=float, default=None)
     srv.add_argument("--damping", type=float, default=None)
     srv.add_argument("--expectation", default="auto")
@@ -425,15 +362,18 @@ def _parser():
     cli.add_argument("--dp-releases", type=int, default=None, help="differential privacy: messages the budget covers")
     cli.add_argument("--dp-clip-linear", type=float, default=1.0, help="per-example clipping norm (linear part)")
     cli.add_argument("--dp-clip-precision", type=float, default=1.0, help="per-example clipping norm (precision)")
+    cli.add_argument("--dp-clip-natural", type=float, default=1.0,
+                     help="per-example clipping norm of an exponential-family site term")
     for p in (srv, cli):
         p.add_argument("--x64", action="store_true", help="compute in float64")
     return parser
 
 
 def _serve(args):
-    logic = ServerLogic(args.clients, args.algorithm, args.family, args.rho, args.damping, args.expectation,
-                        args.fraction, x64=args.x64, min_clients=args.min_clients, min_examples=args.min_examples,
-                        max_share=args.max_share, max_shift=args.max_shift)
+    logic = server_logic(args.clients, args.algorithm, args.family, rho=args.rho, damping=args.damping,
+                         expectation=args.expectation, fraction=args.fraction, x64=args.x64,
+                         min_clients=args.min_clients, min_examples=args.min_examples, max_share=args.max_share,
+                         max_shift=args.max_shift, init=args.init, private=args.private or None)
     code = 0
     try:
         start_server(args.address, logic, args.rounds, args.round_timeout, args.connect_timeout, args.certificates)
@@ -464,8 +404,8 @@ def main(argv=None):
             if args.dp_releases is None:
                 raise InvalidOptionError("--dp-epsilon needs --dp-releases (the server's --rounds plus one)")
             privacy = GaussianMechanism(args.dp_epsilon, args.dp_delta, args.dp_releases, args.dp_clip_linear,
-                                        args.dp_clip_precision)
-        logic = ClientLogic(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs), privacy)
+                                        args.dp_clip_precision, args.dp_clip_natural)
+        logic = ClientByFamily(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs), privacy)
         start_client(args.server, logic, args.root_certificates, args.max_wait)
     return 0
 

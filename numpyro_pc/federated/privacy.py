@@ -114,11 +114,20 @@ class GaussianMechanism:
 
 
 def clip_factors(site_terms, mech):
-    """Per-example factors ``(c^h_j, c^S_j)`` of the module docstring for stacked site terms."""
+    """Per-example factors ``(c^h_j, c^S_j)`` of the module docstring for stacked site terms.
+
+    An example whose linear or precision term holds a non-finite value (NaN or ∞: no norm to clip)
+    gets 0 for both factors — the example is dropped, as :func:`clip_rows` drops an
+    exponential-family row; its terms must then be zeroed too (:func:`finite_rows`), since
+    ``0 · NaN`` is NaN.
+    """
     lin = jnp.linalg.norm(site_terms.linear, axis=-1)
     n = site_terms.linear.shape[0]
     prec = jnp.linalg.norm(jnp.reshape(site_terms.precision, (n, -1)), axis=-1)
-    scale = lambda norm, c: jnp.where(norm > c, c / jnp.maximum(norm, c), 1.0)  # noqa: E731
+    finite = jnp.all(jnp.isfinite(site_terms.linear), -1) & jnp.all(
+        jnp.isfinite(jnp.reshape(site_terms.precision, (n, -1))), -1)
+    scale = lambda norm, c: jnp.where(finite & (norm <= c), 1.0, jnp.where(  # noqa: E731
+        finite, c / jnp.maximum(norm, c), 0.0))
     return scale(lin, mech.clip_linear), scale(prec, mech.clip_precision)
 
 

@@ -92,6 +92,16 @@ class ServerLogic:
         self.sites, self.prior, self.prior_nat, self.state = {}, None, None, None
         self.history, self.total_bytes, self.failure, self.rejected_initial = [], 0, None, {}
 
+    kind = "gaussian"
+
+    def broadcast(self):
+        """What the server sends the clients: the global Gaussian ``[mean, precision]``."""
+        return [np.asarray(self.state.mean), np.asarray(self.state.precision)]
+
+    def fit_config(self, cid, phase):
+        """The config sent to client ``cid`` (the same for every client): the run's and the ``phase``."""
+        return dict(self.config, phase=phase)
+
     @property
     def dim(self):
         """Dimension of the latent vector (known after round 1)."""
