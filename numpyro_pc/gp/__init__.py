@@ -9,6 +9,7 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 * :mod:`~numpyro_pc.gp.corrected` — the posterior-corrected variant with a memory;
 * :mod:`~numpyro_pc.gp.core` — the functional core (``StreamingGPState`` pytree, pure ``step``, ``lax.scan``-able);
 * :mod:`~numpyro_pc.gp.usage` — persistent compilation cache, progress bar, plotting;
+* :mod:`~numpyro_pc.gp.datainit` — starting values from the first batch and scale-free optimiser coordinates;
 * :mod:`~numpyro_pc.gp.state`, :mod:`~numpyro_pc.gp.inducing`, :mod:`~numpyro_pc.gp.optim`.
 """
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from . import bounds, corrected
+from .datainit import from_search, to_search
 from .optim import minimize
 from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q
 
@@ -161,12 +162,15 @@ def reservoir_update(memory, X, y, mask, ss, key):
                        pick(ss, memory.ss), memory.seen + jnp.sum(valid).astype(jnp.int32))
 
 
-def fit_batch(config, state, Z0, X, y, mask):
+def fit_batch(config, state, Z0, X, y, mask, input_scale=None):
     """Absorb one (padded, masked) batch with initial inducing inputs ``Z0``; pure and traceable.
 
     Maximises the online bound (Bui's, or the corrected one when ``config.memory_size > 0``)
     plus the noise-memory term over θ, σ² and ``Z_b``, hands over, then updates the noise
-    statistics and the memory.
+    statistics and the memory. The optimiser moves the log of every positive hyperparameter and
+    ``Z / input_scale`` (:func:`~numpyro_pc.gp.datainit.to_search`; ``input_scale``: ``None`` or ``(D,)``
+    typical input distances, an array so that a new data set does not recompile), so its steps do not
+    depend on the units of the data.
 
     :return: ``(new_state, info)`` with ``info = dict(bound, iterations, finite, residual_ss, kl_to_previous)``;
         ``finite`` holds one flag per checked quantity (bound, ``L_D``, ``q(u)``, its Cholesky factor,
@@ -189,17 +193,19 @@ def fit_batch(config, state, Z0, X, y, mask):
     scale = jnp.maximum(jnp.sum(ma), 1.0)
     terms = bounds.old_terms(old, sites) if config.alpha == 0.0 else None      # loop-invariant: factorised once
 
-    def loss(p):
-        hyper = eqx.combine(p, static)
+    zs = None if input_scale is None else jnp.asarray(input_scale, X.dtype)
+
+    def loss(u):
+        hyper = eqx.combine(from_search(u, zs), static)
         fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
         return -(fit.bound + noise_memory_term(hyper, stats)) / scale, fit
 
     iters = evals = jnp.asarray(0)
     fit = None
     if jax.tree.leaves(params):                # q(b) of the final iterate comes with it (no second trace)
-        res = minimize(loss, params, config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol,
+        res = minimize(loss, to_search(params, zs), config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol,
                        has_aux=True)
-        params, iters, fit = res.params, res.iterations, res.aux
+        params, iters, fit = from_search(res.params, zs), res.iterations, res.aux
         evals = iters if res.evaluations is None else res.evaluations
     hyper = eqx.combine(params, static)
     if fit is None:

@@ -8,7 +8,11 @@
   from the old ``Z`` that is closest to the batch;
 * ``"fixed"``: ``Z`` never changes (and is not optimised).
 
-All policies return exactly ``M`` points, so the bound's shapes never change.
+All policies return exactly ``M`` points, so the bound's shapes never change. Every policy is
+scale-free: random subsets and Lloyd means move with the data, and the distances of ``"kmeans"``
+and ``"greedy"`` are measured per column in units of that column's spread
+(:func:`~numpyro_pc.gp.datainit.input_scales`), so multiplying an input column by any constant
+multiplies the chosen ``Z`` column by it and changes nothing else. (``Z_init`` is used as given.)
 """
 
 from __future__ import annotations
@@ -66,10 +70,17 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
     return Z
 
 
+def _spread(points):
+    from .datainit import input_scales
+
+    return input_scales(points)
+
+
 def _lloyd(points, centres, iters=10):
     centres = centres.copy()
+    s = _spread(points)
     for _ in range(iters):
-        d = ((points[:, None, :] - centres[None, :, :]) ** 2).sum(-1)
+        d = (((points[:, None, :] - centres[None, :, :]) / s) ** 2).sum(-1)
         assign = d.argmin(1)
         for j in range(centres.shape[0]):
             members = points[assign == j]
@@ -79,7 +90,10 @@ def _lloyd(points, centres, iters=10):
 
 
 def _greedy(Z_old, X, M):
-    cand = np.concatenate([Z_old, X])
+    raw = np.concatenate([Z_old, X])
+    s = _spread(raw)
+    Z_old, X = Z_old / s, X / s
+    cand = raw / s
     d_batch = ((Z_old[:, None, :] - X[None, :, :]) ** 2).sum(-1).min(1)
     chosen = [int(d_batch.argmin())]
     dist = ((cand - cand[chosen[0]]) ** 2).sum(-1)
@@ -87,4 +101,4 @@ def _greedy(Z_old, X, M):
         j = int(dist.argmax())
         chosen.append(j)
         dist = np.minimum(dist, ((cand - cand[j]) ** 2).sum(-1))
-    return cand[chosen]
+    return raw[chosen]          # the rows themselves: a kept old z stays bit-identical

@@ -21,10 +21,11 @@ import numpy as np
 
 from ..errors import (DataShapeError, InvalidOptionError, NonFiniteDataError, NonFiniteResultError, NotFittedError,
                       NotPositiveDefiniteError)
-from . import core, corrected, inducing, uncollapsed
+from . import core, corrected, datainit, inducing, uncollapsed
 from .core import noise_memory_term
 from .optim import minimize
-from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_matrix, kl_to_previous,
+from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_diag, kernel_matrix,
+                    kl_to_previous,
                     predict_from_q, prior_state)
 from .usage import plot_gp
 from .usage import progress as _progress
@@ -52,6 +53,10 @@ _fit_batch = eqx.filter_jit(core.fit_batch)
 _init_state = eqx.filter_jit(core.init_state)       # one program instead of a dozen op-by-op compilations
 
 
+def _zs(input_scale):
+    return None if input_scale is None else jnp.asarray(input_scale, jnp.float64)
+
+
 def _q_from_raw(raw):
     mean, P = raw
     return uncollapsed.WhitenedQ(mean, jnp.tril(P, -1) + jnp.diag(jax.nn.softplus(jnp.diag(P))))
@@ -63,11 +68,11 @@ def _q_to_raw(q):
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol):
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs):
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
-    def objective(p, rq):
-        hyper = eqx.combine(p, static)
+    def objective(u, rq):
+        hyper = eqx.combine(datainit.from_search(u, zs), static)
         q = _q_from_raw(rq)
         value = uncollapsed.uncollapsed_bound(hyper, old, X, y, mask, q)
         if mem is not None:
@@ -76,9 +81,10 @@ def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method
             value = value + corrected.correction_term(hyper, Lb, q, mem[0], mem[1], mem[2], sites)
         return value
 
-    res = minimize(lambda pq: -objective(*pq) / scale, (params, raw_q), method, max_iters, lr, gtol)
-    p, rq = res.params
-    return p, rq, objective(p, rq), res.iterations, res.evaluations
+    res = minimize(lambda pq: -objective(*pq) / scale, (datainit.to_search(params, zs), raw_q), method, max_iters,
+                   lr, gtol)
+    u, rq = res.params
+    return datainit.from_search(u, zs), rq, objective(u, rq), res.iterations, res.evaluations
 
 
 class StreamingSparseGP:
@@ -91,7 +97,8 @@ class StreamingSparseGP:
         :class:`~numpyro_pc.gp.uncollapsed.BernoulliLogit`): uncollapsed bound.
     :param mean_function: a GPJax mean function (default ``Zero``).
     :param float noise_variance: initial ``σ²`` (Gaussian likelihood; a ``Gaussian``
-        likelihood passed in overrides it with its ``obs_stddev²``).
+        likelihood passed in overrides it with its ``obs_stddev²``). ``None`` (default): not set, i.e.
+        initialised from the data (see ``init_from_data``), else 1.
     :param float alpha: 0 for VFE, α ∈ (0, 1] for Power-EP (collapsed only).
     :param str bound: ``"collapsed"`` or ``"uncollapsed"`` (default: collapsed for Gaussian).
     :param str inducing: initialisation policy per batch, see :mod:`numpyro_pc.gp.inducing`.
@@ -102,7 +109,9 @@ class StreamingSparseGP:
     :param str optimizer: ``"lbfgs"`` (default) or ``"adam"``.
     :param int max_iters: optimiser iterations per batch (a cap; L-BFGS stops earlier on ``ftol``/``gtol``).
     :param float learning_rate: Adam step size.
-    :param float jitter: ε added once to every ``K_ZZ``, recorded in the state.
+    :param float jitter: ε added once to every ``K_ZZ``, recorded in the state. When the kernel variance is
+        initialised from the data, ε is relative to it (``jitter × k(x, x)`` at the start; :attr:`jitter` of
+        the updated model and ``state.jitter`` hold the absolute value).
     :param int memory_size: > 0 enables the posterior-corrected variant
         (:mod:`numpyro_pc.gp.corrected`) with a memory of that many past examples
         (reservoir sample of the stream). Gaussian likelihood: the memory rows enter the
@@ -124,12 +133,28 @@ class StreamingSparseGP:
         α = 0) and off otherwise; other bounds raise ``ValueError`` if it is asked for;
         ``False`` is Bui et al.'s original update. Only active while hyperparameters are
         learned; the bound recorded in :attr:`history` is always the online bound alone.
+    :param init_from_data: scale-free starting values from the first batch
+        (:func:`~numpyro_pc.gp.datainit.init_from_data`): lengthscale ``ℓ_d`` = median ``|x_d − x'_d|`` over
+        pairs of rows (one per column for an ARD kernel, a constant column falls back to a non-zero value),
+        kernel variance = ``var(y)`` (mean square about the mean function), noise = ``var(y)/100``, a
+        ``Constant`` mean's constant = ``mean(y)``; sums split the variance among their summands, products
+        give it to their first factor; non-stationary kernels are left as written; for a non-Gaussian
+        likelihood only lengthscales are set. GPJax cannot tell ``RBF()`` from ``RBF(lengthscale=1.0)``,
+        so the rule is by value: ``None`` (default) initialises, when hyperparameters are learned, every
+        kernel parameter equal to GPJax's default (lengthscale 1, variance 1), a ``Constant`` mean at 0
+        and a ``noise_variance`` left at ``None`` (or a ``Gaussian`` likelihood with ``obs_stddev = 1``);
+        ``True`` initialises all of them whatever their values; ``False`` never. What was initialised is
+        in :attr:`initialised_from_data`, ``history[0]["initialised_from_data"]`` (kernels left as
+        written: ``"left_as_written"``) and the starting values in ``history[i]["initial_hyperparameters"]``.
+        Independently of this option the optimiser moves ``log`` of every positive hyperparameter and
+        ``Z`` in units of the first batch's input spread, so results do not depend on the units of ``X``
+        or ``y`` (docs/gp.md, "Units of the data").
     """
 
-    def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=1.0, alpha=0.0,
+    def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=None, alpha=0.0,
                  bound=None, inducing="keep", keep_fraction=0.7, Z_init=None, learn_hyperparameters=True,
                  learn_inducing=True, optimizer="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6,
-                 jitter=1e-6, memory_size=None, seed=0, noise_memory=None, ftol=1e-4):
+                 jitter=1e-6, memory_size=None, seed=0, noise_memory=None, ftol=1e-4, init_from_data=None):
         import gpjax as gpx
         from gpjax.parameters import PositiveReal
 
@@ -154,9 +179,14 @@ class StreamingSparseGP:
             noise_memory = vfe
         if noise_memory and not vfe:
             raise InvalidOptionError("noise_memory needs the collapsed VFE bound (Gaussian likelihood, alpha = 0)")
+        if init_from_data not in (None, True, False):
+            raise InvalidOptionError(f"init_from_data must be None, True or False, got {init_from_data!r}")
+        noise_set = noise_variance is not None
         if isinstance(likelihood, gpx.likelihoods.Gaussian):
             from gpjax.parameters import val
             noise_variance = float(val(likelihood.obs_stddev)) ** 2
+            noise_set = noise_variance != 1.0
+        noise_variance = 1.0 if noise_variance is None else noise_variance
         with jax.enable_x64(True):
             self._hyper = Hyper(kernel=_to64(kernel),
                                 mean_function=_to64(mean_function or gpx.mean_functions.Zero()),
@@ -177,6 +207,10 @@ class StreamingSparseGP:
         self.memory_size = memory_size
         self.noise_memory = bool(noise_memory)
         self.seed = seed
+        self.init_from_data = init_from_data
+        self._noise_set = noise_set
+        self.initialised_from_data = ()
+        self._input_scale = None
         self._rng = np.random.default_rng(seed)
         self._state = None
         self._stream = None
@@ -242,13 +276,25 @@ class StreamingSparseGP:
         new.history = list(self.history)
         t0 = time.perf_counter()
         with jax.enable_x64(True):
+            initialised, left = [], []
             if self._state is None:
+                if self.init_from_data or (self.init_from_data is None and self.learn_hyperparameters):
+                    new._hyper, initialised, left = datainit.init_from_data(
+                        self._hyper, X, y, obs, gaussian=self._hyper.noise is not None,
+                        force=self.init_from_data is True, init_noise=self.init_from_data is True or not self._noise_set,
+                        rng=np.random.default_rng(self.seed))
+                    new.initialised_from_data = tuple(initialised)
+                    if any(p.endswith("variance") for p in initialised):     # ε relative to the prior variance
+                        new.jitter = self.jitter * max(float(np.mean(np.asarray(kernel_diag(new._hyper.kernel,
+                                                                                             jnp.asarray(X[:1]))))),
+                                                       np.finfo(float).tiny)
+                new._input_scale = tuple(float(v) for v in datainit.input_scales(X, np.random.default_rng(self.seed)))
                 Z0 = self.Z_init if self.Z_init is not None else inducing.initial_inducing(
                     X, self.num_inducing, new._rng, self.inducing)
                 if Z0.shape != (self.num_inducing, X.shape[1]):
                     raise DataShapeError(f"Z_init must have shape {(self.num_inducing, X.shape[1])}, got {Z0.shape}")
-                hyper0 = eqx.tree_at(lambda h: h.Z, self._hyper, jnp.asarray(Z0))
-                old = prior_state(hyper0, self.jitter) if self.bound != "collapsed" else None
+                hyper0 = eqx.tree_at(lambda h: h.Z, new._hyper, jnp.asarray(Z0))
+                old = prior_state(hyper0, new.jitter) if self.bound != "collapsed" else None
             else:
                 old = self._state
                 Z0 = inducing.next_inducing(np.asarray(old.Z), X, new._rng, self.inducing, self.keep_fraction)
@@ -260,12 +306,12 @@ class StreamingSparseGP:
             mask = np.concatenate([obs.astype(float), np.zeros(nb - n)])
             Xp, yp, mask = jnp.asarray(Xp), jnp.asarray(yp), jnp.asarray(mask)
             if self.bound == "collapsed":
-                cfg = self._config()
+                cfg = new._config()
                 stream = self._stream
                 if stream is None:
-                    stream = _init_state(self._hyper, jnp.asarray(Z0), cfg, jax.random.PRNGKey(self.seed))
+                    stream = _init_state(new._hyper, jnp.asarray(Z0), cfg, jax.random.PRNGKey(self.seed))
                     check_chol(stream.gp.chol_Kzz, "K(Z, Z) + jitter")
-                stream, info = _fit_batch(cfg, stream, jnp.asarray(Z0), Xp, yp, mask)
+                stream, info = _fit_batch(cfg, stream, jnp.asarray(Z0), Xp, yp, mask, _zs(new._input_scale))
                 _check_finite(info["finite"], len(self.history))
                 new._stream = stream
                 new._state = stream.gp
@@ -276,7 +322,7 @@ class StreamingSparseGP:
                 params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters,
                                                                self.learn_inducing))
                 Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
-                                      + self.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
+                                      + new.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
                 m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
                 S0 = full_cov(old, hyper0.Z)
                 q0 = uncollapsed.whiten(Lb0, m0, S0 + 1e-10 * jnp.eye(self.num_inducing))
@@ -289,10 +335,11 @@ class StreamingSparseGP:
                         corrected.Sites(*(jnp.zeros(self.memory_size),) * 3)
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters, evals = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
-                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol)
+                                                        self.optimizer, self.max_iters, self.learning_rate, self.gtol,
+                                                        _zs(new._input_scale))
                 hyper = eqx.combine(p, static)
                 Zb = hyper.Z
-                Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + self.jitter * jnp.eye(self.num_inducing)),
+                Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + new.jitter * jnp.eye(self.num_inducing)),
                                 "K(Z_b, Z_b) + jitter")
                 mean, cov = uncollapsed.unwhiten(Lb, _q_from_raw(rq))
                 if self.memory_size:
@@ -302,14 +349,16 @@ class StreamingSparseGP:
                         X[obs], y[obs], new._rng)
                 if not np.isfinite(float(value)):
                     raise NonFiniteResultError(f"the online bound is not finite after batch {len(self.history)}")
-                new._state = handover(hyper, mean, cov, self.jitter)
+                new._state = handover(hyper, mean, cov, new.jitter)
                 kl_step = _kl_to_previous(new._state, old)
             kl_step = None if self._state is None else float(kl_step)
             jax.block_until_ready(new._state.mean)
             new.history.append(dict(batch=len(self.history), n=n, bucket=nb, bound=float(value),
                                     iterations=int(iters), evaluations=int(iters if evals is None else evals),
                                     seconds=time.perf_counter() - t0, kl_to_previous=kl_step,
-                                    hyperparameters=hyperparameters(hyper)))
+                                    hyperparameters=hyperparameters(hyper),
+                                    initial_hyperparameters=hyperparameters(hyper0), initialised_from_data=initialised,
+                                    left_as_written=left))
         return new
 
     # ------------------------------------------------------------------ prediction

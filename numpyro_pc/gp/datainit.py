@@ -1,0 +1,219 @@
+"""Scale-free starting values: the kernel, noise and mean initialised from the first batch.
+
+GPJax's defaults (lengthscale 1, variance 1) and the noise default 1 assume standardised data.
+On raw data with inputs in thousands or outputs in millionths the first batch's optimiser starts
+far from any sensible fit and can settle in the "everything is noise" optimum, where the
+lengthscale gradient vanishes. :func:`init_from_data` replaces such values by ones read off the
+batch:
+
+* lengthscale ``ℓ_d`` = the median of ``|x_d − x'_d|`` over pairs of batch rows (ARD: one per
+  input column of the kernel's ``active_dims``; isotropic: the median of ``‖x − x'‖ / √D``); a
+  constant column (median 0) falls back to its standard deviation, then to the median of the
+  other columns' values, then to ``max |x_d|``, then to 1;
+* kernel variance = the mean squared residual ``mean((y − m(X))²)`` about the (initialised) mean
+  function, i.e. ``var(y)`` with a constant mean; a ``SumKernel`` splits it equally among its
+  summands, a ``ProductKernel`` gives it to its first factor;
+* noise variance = 1/100 of that (a signal-to-noise ratio of 10 in standard deviations: small
+  enough that the optimiser starts by explaining the batch with ``f``, large enough to keep the
+  first factorisations well conditioned; a noisy data set raises it within the first batch);
+* a ``Constant`` mean function's constant = ``mean(y)``.
+
+Only Gaussian regression gets variance, noise and mean: for a non-Gaussian likelihood the latent
+scale is set by the link function, not by the units of ``y``, so only lengthscales are
+initialised. Kernels other than GPJax's stationary kernels and their sums/products (``Linear``,
+``Polynomial``, ``ArcCosine``, ...) and parameters that are not plain ``PositiveReal`` /
+``NonNegativeReal`` (e.g. wrapped as non-trainable) are left as written.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["input_scales", "init_from_data", "to_search", "from_search", "NOISE_RATIO", "MAX_PAIRS"]
+
+NOISE_RATIO = 0.01
+MAX_PAIRS = 4096
+
+
+def _pairs(n, rng):
+    if n < 2:
+        return np.zeros(0, int), np.zeros(0, int)
+    if n * (n - 1) // 2 <= MAX_PAIRS:
+        i, j = np.triu_indices(n, 1)
+        return i, j
+    i = rng.integers(0, n, MAX_PAIRS)
+    j = (i + rng.integers(1, n, MAX_PAIRS)) % n
+    return i, j
+
+
+def input_scales(X, rng=None):
+    """Per-column typical distance of ``X`` ``(N, D)``: median ``|x_d − x'_d|`` over pairs of rows,
+    never zero (see the module docstring for the fall-backs)."""
+    X = np.asarray(X, float)
+    rng = np.random.default_rng(0) if rng is None else rng
+    i, j = _pairs(X.shape[0], rng)
+    med = np.median(np.abs(X[i] - X[j]), axis=0) if i.size else np.zeros(X.shape[1])
+    std = X.std(0) if X.shape[0] > 1 else np.zeros(X.shape[1])
+    out = np.where(med > 0, med, std)
+    good = out > 0
+    for d in np.flatnonzero(~good):
+        if good.any():
+            out[d] = np.median(out[good])
+        else:
+            m = np.max(np.abs(X[:, d])) if X.shape[0] else 0.0
+            out[d] = m if m > 0 else 1.0
+    return out
+
+
+def _isotropic_scale(X, rng):
+    X = np.asarray(X, float)
+    i, j = _pairs(X.shape[0], rng)
+    if i.size:
+        med = float(np.median(np.linalg.norm(X[i] - X[j], axis=1))) / np.sqrt(X.shape[1])
+        if med > 0:
+            return med
+    return float(np.sqrt(np.mean(input_scales(X, rng) ** 2)))
+
+
+def _is_default(p, value, force):
+    """Whether the parameter ``p`` may be replaced: a plain ``PositiveReal``/``NonNegativeReal`` that
+    holds GPJax's default ``value`` everywhere, to 1e-6 relative (the softplus round trip turns 1.0 into
+    0.99999999955), or anything plain when ``force``."""
+    from gpjax.parameters import NonNegativeReal, PositiveReal, val
+
+    if type(p) not in (PositiveReal, NonNegativeReal):
+        return False
+    return force or bool(np.allclose(np.asarray(val(p)), value, rtol=1e-6, atol=0.0))  # softplus round trip
+
+
+def _set(module, name, p, value):
+    new = type(p)(jnp.asarray(value, jnp.float64))
+    return eqx.tree_at(lambda m: getattr(m, name), module, new)
+
+
+def _kernel(kernel, X, variance, force, rng, path, done, left):
+    """Initialise one GPJax kernel (recursively for sums/products); record paths in ``done``/``left``."""
+    import gpjax as gpx
+    from gpjax.kernels.base import CombinationKernel
+    from gpjax.kernels.stationary.base import StationaryKernel
+    from gpjax.parameters import val
+
+    if isinstance(kernel, CombinationKernel):
+        kernels = list(kernel.kernels)
+        is_sum = isinstance(kernel, gpx.kernels.SumKernel)
+        new = []
+        for k, sub in enumerate(kernels):
+            v = None if variance is None else (variance / len(kernels) if is_sum else (variance if k == 0 else None))
+            new.append(_kernel(sub, X, v, force, rng, f"{path}.kernels[{k}]", done, left))
+        return eqx.tree_at(lambda m: m.kernels, kernel, new)
+    if not isinstance(kernel, StationaryKernel):
+        left.append(f"{path} ({type(kernel).__name__})")
+        return kernel
+    Xa = np.asarray(X, float)[:, np.arange(X.shape[1])[kernel.active_dims]]
+    white = isinstance(kernel, gpx.kernels.White)
+    if not white and _is_default(kernel.lengthscale, 1.0, force):
+        ls = np.asarray(val(kernel.lengthscale))
+        if ls.ndim == 1 and ls.shape[0] == Xa.shape[1] and ls.shape[0] > 1:
+            value = input_scales(Xa, rng)
+        else:
+            value = np.full(ls.shape, _isotropic_scale(Xa, rng))
+        kernel = _set(kernel, "lengthscale", kernel.lengthscale, value)
+        done.append(f"{path}.lengthscale")
+    if variance is not None and _is_default(kernel.variance, 1.0, force):
+        kernel = _set(kernel, "variance", kernel.variance, NOISE_RATIO * variance if white else variance)
+        done.append(f"{path}.variance")
+    return kernel
+
+
+def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=True, rng=None):
+    """Starting values of a :class:`~numpyro_pc.gp.state.Hyper` read off one batch.
+
+    :param hyper: the hyperparameters as the user built them.
+    :param X: batch inputs ``(N, D)``.
+    :param y: batch outputs ``(N,)``.
+    :param obs: optional ``(N,)`` booleans, ``False`` where ``y`` is missing (such rows still count for
+        the input spread).
+    :param bool gaussian: Gaussian likelihood (variance, noise and mean are initialised only then).
+    :param bool force: replace every plain parameter, not only those at GPJax's defaults.
+    :param bool init_noise: replace the noise variance (the user did not set it).
+    :param rng: ``numpy.random.Generator`` for the pair subsample of large batches.
+    :return: ``(hyper, initialised, left)``: the new ``Hyper``, the paths set from the data (e.g.
+        ``"kernel.lengthscale"``, ``"noise"``, ``"mean_function.constant"``) and the kernels left as
+        written.
+    """
+    import gpjax as gpx
+
+    rng = np.random.default_rng(0) if rng is None else rng
+    X = np.asarray(X, float)
+    y = np.asarray(y, float).reshape(-1)
+    obs = np.ones(y.shape, bool) if obs is None else np.asarray(obs, bool).reshape(-1)
+    Xo, y = X[obs], y[obs]
+    done, left = [], []
+    variance = None
+    if gaussian and y.size:
+        mf = hyper.mean_function
+        if isinstance(mf, gpx.mean_functions.Constant) and not isinstance(mf.constant, eqx.Module) and (
+                force or bool(np.all(np.asarray(mf.constant) == 0.0))):
+            c = np.asarray(mf.constant)
+            mf = eqx.tree_at(lambda m: m.constant, mf, jnp.full(c.shape, float(np.mean(y)), jnp.float64))
+            hyper = eqx.tree_at(lambda h: h.mean_function, hyper, mf)
+            done.append("mean_function.constant")
+        resid = y - np.asarray(hyper.mean_function(jnp.asarray(Xo))).reshape(-1)
+        v = float(np.mean(resid ** 2))
+        variance = v if v > 0 and np.isfinite(v) else None
+    kernel = _kernel(hyper.kernel, X, variance, force, rng, "kernel", done, left)
+    hyper = eqx.tree_at(lambda h: h.kernel, hyper, kernel)
+    if gaussian and init_noise and variance is not None and hyper.noise is not None:
+        hyper = eqx.tree_at(lambda h: h.noise, hyper, type(hyper.noise)(jnp.asarray(NOISE_RATIO * variance,
+                                                                                    jnp.float64)))
+        done.append("noise")
+    return hyper, done, left
+
+
+def _positive(x):
+    from gpjax.parameters import NonNegativeReal, PositiveReal
+
+    return isinstance(x, (PositiveReal, NonNegativeReal))
+
+
+def _map_positive(tree, fn):
+    def one(x):
+        if _positive(x) and eqx.is_inexact_array(x._unconstrained):
+            return eqx.tree_at(lambda p: p._unconstrained, x, fn(x._unconstrained))
+        return x
+
+    return jax.tree.map(one, tree, is_leaf=_positive)
+
+
+def _map_Z(tree, fn):
+    Z = getattr(tree, "Z", None)
+    if Z is None or not eqx.is_inexact_array(Z):
+        return tree
+    return eqx.tree_at(lambda h: h.Z, tree, fn(Z))
+
+
+def to_search(params, input_scale=None):
+    """The optimiser's coordinates of a partitioned :class:`~numpyro_pc.gp.state.Hyper`: every softplus-positive
+    parameter (``PositiveReal``/``NonNegativeReal``) as ``log`` of its value, ``Z`` divided by ``input_scale``
+    (``(D,)``; ``None``: as is). Multiplying the data by a constant then shifts or scales these coordinates
+    without changing the optimiser's steps (GPJax's softplus is the identity above ~20, where a raw step is
+    absolute, so a lengthscale of 10⁶ would hardly move)."""
+    u = _map_positive(params, lambda r: jnp.log(jax.nn.softplus(r)))
+    if input_scale is not None:
+        u = _map_Z(u, lambda Z: Z / input_scale)
+    return u
+
+
+def from_search(u, input_scale=None):
+    """Inverse of :func:`to_search` (``softplus⁻¹(e^u) = e^u + log(−expm1(−e^u))``, stable for every ``u``)."""
+    def inv(t):
+        v = jnp.exp(t)
+        return v + jnp.log(-jnp.expm1(-v))
+
+    p = _map_positive(u, inv)
+    if input_scale is not None:
+        p = _map_Z(p, lambda Z: Z * input_scale)
+    return p
