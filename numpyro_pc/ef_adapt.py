@@ -23,10 +23,11 @@ import numpy as np
 from .ef_site_table import EFSiteTable, EFState
 from .ef_sites import blr_solve
 from .ef_solve import bucketed_target, config_rows, solve_every_site
-from .errors import ConvergenceError, DataShapeError, InvalidOptionError, MissingCapabilityError, OutOfDomainError, UnknownExampleError
+from .errors import (ConvergenceError, DataShapeError, InvalidOptionError, MissingCapabilityError, NonFiniteResultError,
+                     OutOfDomainError, UnknownExampleError)
 from .fixed_point import default_tol, largest_inside_fraction, progress_bar
 from .likelihood import ModelData, bind_model
-from .memory_sets import corrected_ids
+from .memory_sets import check_stochastic_options, corrected_ids
 from .options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
 from .posterior_protocol import Posterior
 from .rowops import as_ids, join_rows, take_rows
@@ -54,6 +55,18 @@ def _check_keep(keep) -> None:
         "one data row per site. Keep all data (keep='all'), or use a Gaussian family, whose frozen sites need no data")
 
 
+def _check_sites_represent(post: Posterior) -> None:
+    """An update keeps the stale sites it does not correct: refuse non-finite ones, warn when the sites
+    do not represent the posterior (after a damped removal, a stopped solve), as the Gaussian update does."""
+    residual = float(post.site_identity_residual)
+    if not np.isfinite(residual):
+        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or natural "
+                                   "parameters hold non-finite values, so no update can be trusted; refit it")
+    if residual > 100 * default_tol(post.natural.dtype):
+        warnings.warn(f"updating a posterior whose sites do not add up to it (dual-form residual {residual:.1e}); "
+                      "refine() it first so that its sites represent it", RuntimeWarning, stacklevel=4)
+
+
 def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, selection: str = "random",
               keep="all", seed: int = 0, tol: float | None = None, max_iters: int | None = None,
               progress: bool = False, raise_on_failure: bool = True, batch_fraction: float = 0.1,
@@ -66,7 +79,9 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     _check_keep(keep)
     if correction == "weighted":
         raise InvalidOptionError(_WEIGHTED_REFUSAL)
+    _check_sites_represent(post)
     corrected, _ = corrected_ids(post, correction, memory, selection, seed)
+    check_stochastic_options(correction, epochs)
     if correction == "stochastic":
         return _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress,
                            raise_on_failure)
@@ -206,7 +221,10 @@ def refine_ef(post: Posterior, tol: float | None = None, max_iters: int | None =
     check_flag(progress, "progress")
     if post.num_examples == 0:
         raise DataShapeError("refine needs at least one example: this posterior holds none (it is its prior)")
-    solved = solve_every_site(post, post.data, post.ids, post.natural, tol, max_iters, False, progress, step_size)
+    with warnings.catch_warnings():  # the solver's own warning is replaced by refine's, below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        solved = solve_every_site(post, post.data, post.ids, post.natural, tol, max_iters, False, progress,
+                                  step_size)
     record = dict(solved.record, operation="refine")
     solved = solved.evolve(record=record)
     if not record["converged"]:

@@ -69,6 +69,7 @@ converged. Conjugate models converge in one full step (:math:`\tau` is constant)
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -454,7 +455,8 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
     :raises OutOfDomainError: if the start is outside the domain, or no step keeps
         the iterate inside.
     :raises NonFiniteResultError: if the sites are not finite.
-    :raises ConvergenceError: if ``tol`` is not met in ``max_iters`` (with ``raise_on_failure``).
+    :raises ConvergenceError: if ``tol`` is not met in ``max_iters`` (with ``raise_on_failure``; without
+        it a ``RuntimeWarning`` says so and the last iterate is returned).
     """
     if not bool(in_domain(lam)):
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
@@ -492,7 +494,10 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
         if bar is not None:
             bar.close()
     info = SolveInfo(max_iters, res, False, float(state.damping.step))
+    message = (f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} iterations (relative "
+               f"residual {res:.3g})")
     if raise_on_failure:
-        raise ConvergenceError(f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} "
-                               f"iterations (relative residual {res:.3g})")
+        raise ConvergenceError(message)
+    warnings.warn(message + "; the result is the last iterate (record['converged'] is False)", RuntimeWarning,
+                  stacklevel=3)
     return state.lam, aux, info

@@ -334,7 +334,7 @@ def stagnation(residuals, steps, objectives=None):
     return None
 
 
-def progress_bar(enabled: bool, total: int, desc: str = "refine"):
+def progress_bar(enabled: bool, total: int, desc: str = "refine") -> object | None:
     """A ``tqdm`` bar of ``total`` steps that a host loop advances, or ``None`` when not ``enabled``."""
     if not enabled:
         return None

@@ -41,7 +41,7 @@ from .rows import positions
 from .sites import Sites
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "MEMORY_CORRECTIONS", "memory_size", "selection_scores", "select_memory",
-           "corrected_ids"]
+           "corrected_ids", "check_stochastic_options"]
 
 CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic")
 MEMORY_CORRECTIONS = ("memory", "weighted")  # the corrections that take memory=
@@ -170,6 +170,10 @@ def corrected_ids(post, correction: str, memory, selection: str, seed: int) -> t
                                  f"correction={correction!r} with memory={'None' if memory is None else 'given'}")
     if not is_choice(selection, SELECTIONS):
         raise InvalidOptionError(f"unknown selection rule {selection!r}; expected one of {SELECTIONS}")
+    if selection != "random" and not (uses_memory and np.ndim(memory) == 0):
+        raise InvalidOptionError(f"selection={selection!r} chooses a memory of a given size (correction='memory' or "
+                                 "'weighted' with memory a count or a fraction); here nothing is chosen "
+                                 f"(correction={correction!r}, memory {'of ids' if uses_memory else 'unused'})")
     retained = np.asarray(post.data_ids)
     if correction in ("none", "prior"):
         return retained[:0], correction == "prior"
@@ -180,3 +184,13 @@ def corrected_ids(post, correction: str, memory, selection: str, seed: int) -> t
     chosen = as_ids(memory)
     positions(retained, chosen, "retained example (its data was not kept)")
     return chosen, True
+
+
+def check_stochastic_options(correction: str, epochs) -> None:
+    """Refuse ``epochs`` given to a correction other than ``"stochastic"`` (the only one that makes passes).
+
+    :raises InvalidOptionError:
+    """
+    if epochs is not None and correction != "stochastic":
+        raise InvalidOptionError(f"epochs= caps the passes of correction='stochastic'; got epochs={epochs!r} with "
+                                 f"correction={correction!r}")

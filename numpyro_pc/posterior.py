@@ -66,7 +66,7 @@ class DualPosterior(DualPosteriorBase):
         return posterior if isinstance(posterior, cls) else cls(**posterior.constructor_fields())
 
     # ------------------------------------------------------------------ adaptation
-    def update(self, *args, correction: str = "exact", memory: int | float | None = None, selection: str = "random",
+    def update(self, *args, correction: str = "exact", memory=None, selection: str = "random",
                keep: str | int = "all", seed: int = 0, tol: float | None = None, max_iters: int | None = None,
                progress: bool = False, raise_on_failure: bool = True, batch_fraction: float = 0.1,
                epochs: int | None = None, **kwargs) -> DualPosterior:
@@ -75,9 +75,10 @@ class DualPosterior(DualPosteriorBase):
         New examples get the next free ids. ``correction`` chooses the past terms whose
         stale sites are replaced by their true losses: ``"none"`` (VCL), ``"prior"``,
         ``"exact"`` (every retained example: the batch posterior), ``"memory"`` (``memory``
-        is a list of ids, or a size — a count, or a fraction in ``(0, 1)`` of the retained
-        examples — chosen by ``selection`` in ``"random"``,
-        ``"residual"``, ``"curvature"``, ``"leverage"``), ``"weighted"`` (the memory scaled
+        is a list of ids, or a size — an integer count, or a fraction in ``(0, 1]`` of the retained
+        examples, ``1.0`` being all of them — chosen by ``selection`` in ``"random"``,
+        ``"residual"``, ``"curvature"``, ``"leverage"``: :mod:`numpyro_pc.memory_sets`, the same
+        rules for every family), ``"weighted"`` (the memory scaled
         to stand for all retained data, falling back to ``"memory"`` if that loses positive
         definiteness) or ``"stochastic"`` (the exact correction from a random
         ``batch_fraction`` of the retained data per iteration, SAG-style; ``epochs`` caps

@@ -51,7 +51,7 @@ from .rows import concat_data, positions, take_data
 from .solvers import default_tol
 from .stochastic import stochastic_update
 from .posterior_protocol import provides
-from .memory_sets import CORRECTIONS, SELECTIONS, corrected_ids, select_memory
+from .memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
@@ -86,6 +86,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     num_new = int(new_data.per_example[0].shape[0])
     new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
     corrected, correct_prior = corrected_ids(post, correction, memory, selection, seed)
+    check_stochastic_options(correction, epochs)
     site_rows = positions(post.sites.ids, corrected)
     weight = 1.0
     if correction == "weighted":

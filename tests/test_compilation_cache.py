@@ -37,16 +37,21 @@ def test_a_fresh_process_caches_in_the_default_folder_unless_told_otherwise(tmp_
     folder, entries = _probe({"NUMPYRO_PC_JAX_CACHE": str(own)})
     assert folder == str(own) and entries > 0  # on by default: the program was written there
     assert _probe({"NUMPYRO_PC_JAX_CACHE": str(own), "NUMPYRO_PC_NO_COMPILATION_CACHE": "1"})[0] == "None"
+    assert _probe({"NUMPYRO_PC_JAX_CACHE": "0"})[0] == "None"  # the streaming GP demo's spelling of "off"
     users = tmp_path / "users"  # a folder the user gave JAX is kept
     assert _probe({"NUMPYRO_PC_JAX_CACHE": str(own), "JAX_COMPILATION_CACHE_DIR": str(users)})[0] == str(users)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")  # a folder that cannot be written: the import goes on without the cache
+    assert _probe({"NUMPYRO_PC_JAX_CACHE": str(blocked / "jax")})[0] == "None"
 
 
 @pytest.fixture
 def restore_cache_setting():
-    folder, seconds = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs", "jax_compilation_cache_max_size")
+    saved = {name: getattr(jax.config, name) for name in names}
     yield
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", seconds)
+    for name, value in saved.items():
+        jax.config.update(name, value)
     compilation_cache._jax_cache.reset_cache()
 
 
@@ -63,5 +68,5 @@ def test_enable_and_disable_in_a_running_process(tmp_path, restore_cache_setting
         pc.enable_compilation_cache(tmp_path / "c", min_compile_seconds=-1.0, replace=True)
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    with pytest.raises(InvalidOptionError, match="cannot create"):
+    with pytest.raises(InvalidOptionError, match="cannot use"):
         pc.enable_compilation_cache(blocked / "inside", replace=True)

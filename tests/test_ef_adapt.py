@@ -468,6 +468,12 @@ def test_update_options_read_as_on_gaussian_posteriors(x64):
         post.update(**batch, correction="memory", memory=4, selection="residual")
     with pytest.raises(errors.InvalidOptionError, match="unknown selection"):
         post.update(**batch, correction="memory", memory=4, selection="largest")
+    with pytest.raises(errors.InvalidOptionError, match="chooses a memory of a given size"):
+        post.update(**batch, correction="memory", memory=[0, 1], selection="leverage")  # ids: nothing to choose
+    with pytest.raises(errors.InvalidOptionError, match="chooses a memory of a given size"):
+        post.update(**batch, correction="exact", selection="leverage")
+    with pytest.raises(errors.InvalidOptionError, match="epochs= caps the passes"):
+        post.update(**batch, correction="exact", epochs=3)
     with pytest.raises(errors.MissingCapabilityError, match="keeps the data of every example"):
         post.update(**batch, keep="none")
     with pytest.raises(errors.InvalidOptionError, match="reservoir size"):
@@ -493,6 +499,8 @@ def test_site_removal_with_damping_stops_inside_the_domain(x64):
     np.testing.assert_allclose(np.asarray(damped.natural), [A0 - 1.0 - 3 * alpha, B0 - 1.0], rtol=1e-12)
     assert damped.stale_sites and damped.num_examples == 7 and damped.tombstones == (0, 1, 2)
     assert post.delete([0, 1, 2], damping=True).record["damping"] == 1.0  # inside: the whole removal
+    with pytest.warns(RuntimeWarning, match=r"refine\(\) it first"):  # its sites no longer add up to it
+        damped.update(y=jnp.ones(2), correction="none")
 
 
 def test_refine_brings_stale_sites_to_the_refit_or_says_how_far_it_got(x64):
@@ -505,6 +513,8 @@ def test_refine_brings_stale_sites_to_the_refit_or_says_how_far_it_got(x64):
     assert isinstance(caught.value.posterior, pc.EFPosterior) and caught.value.posterior.record["iterations"] == 1
     with pytest.warns(RuntimeWarning, match="did not reach"):
         assert not stale.refine(tol=1e-14, max_iters=1, raise_on_failure=False).record["converged"]
+    with pytest.warns(RuntimeWarning, match="did not reach"):  # a stopped solve is never silent
+        assert not stale.update(y=y[:3], tol=1e-14, max_iters=1, raise_on_failure=False).record["converged"]
     refined = stale.refine(tol=1e-12, step_size=0.5)
     assert not refined.stale_sites and refined.record["operation"] == "refine"
     assert float(refined.kl(pc.fit(lognormal_poisson, y=y[2:], family=family, tol=1e-12))) < 1e-9

@@ -211,3 +211,31 @@ def test_a_gaussian_example_term_without_a_norm_is_dropped_not_spread(x64):
     rest = clipped_site(cfg, q, ex, mask.at[5].set(0.0), shared)
     for a, b in zip(site, rest):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-14)
+
+
+def _label_prior_logistic(X, y=None):
+    """Logistic regression whose intercept prior is written with the data (its mean is the first label)."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    b = numpyro.sample("b", dist.Normal(y[0], 1.0))
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
+
+
+def test_a_private_gaussian_run_refuses_a_prior_that_depends_on_the_data(x64, skewed):
+    # the prior (m_0, P_0) leaves outside the mechanism: written with the data it would reveal a label
+    clients, _ = skewed
+    mech = GaussianMechanism(1e30, 1e-5, releases=3, clip_linear=1e6, clip_precision=1e6)
+    with pytest.raises(pc.PrivacyError, match=r"the prior depends on the data"):
+        federated.run(_label_prior_logistic, clients, rounds=2, privacy=mech)
+    server = ServerLogic(2, "fedpc", "full", x64=True)
+    mixed = (jnp.concatenate([clients[0][0][:3], clients[3][0][:3]]), jnp.concatenate([clients[0][1][:3],
+                                                                                        clients[3][1][:3]]))
+    with pytest.raises(pc.PrivacyError, match="client 0's row 0 and client 0's row 5"):  # a Flower client: its rows
+        ClientLogic(_label_prior_logistic, mixed, privacy=mech).initial(server.config)
+    with warnings.catch_warnings():  # without privacy nothing leaves outside a mechanism: not refused
+        warnings.simplefilter("ignore", RuntimeWarning)
+        federated.run(_label_prior_logistic, clients, rounds=1)
+    ClientLogic(logistic_model, clients[0], privacy=mech).initial(server.config)  # a data-free prior: as before

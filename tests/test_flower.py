@@ -528,6 +528,12 @@ def test_ef_server_refuses_bad_messages_and_goes_on(x64, tmp_path):
         assert json.loads(str(res["clients"])) == server.ids and len(json.loads(str(res["history"]))) == 5
     with pytest.raises(pc.errors.MissingCapabilityError, match="FixedPrecision|precision"):
         EFServerLogic(2, {"p": "beta"}, "ama")
+    # a client's family description is untrusted text: whatever breaks in it refuses that client, typed
+    # (an overflowing shape raised OverflowError, a deep nesting RecursionError: both ended the server)
+    for text in ('[{"family": "beta", "site": "p", "shape": [1e400]}]', "[" * 5000 + "]" * 5000,
+                 '[{"family": "beta", "site": "p", "shape": [-1]}]', "x" * 70000, 3):
+        with pytest.raises(pc.ClientMessageError, match="family description"):
+            ef_transport.family_from_description(text)
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")

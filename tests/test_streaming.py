@@ -99,6 +99,13 @@ def test_memory_policies_interpolate_between_vcl_and_exact(x64):
     for bad in (1.5, -3, float("nan"), True):
         with pytest.raises(pc.errors.InvalidOptionError, match="memory"):
             first.update(*parts[1], correction="memory", memory=bad)
+    # options that would be ignored are refused (they were ignored before, silently)
+    with pytest.raises(pc.errors.InvalidOptionError, match="goes with correction='memory'"):
+        first.update(*parts[1], correction="exact", memory=25)
+    with pytest.raises(pc.errors.InvalidOptionError, match="chooses a memory of a given size"):
+        first.update(*parts[1], correction="memory", memory=np.arange(5), selection="curvature")
+    with pytest.raises(pc.errors.InvalidOptionError, match="epochs= caps the passes"):
+        first.update(*parts[1], correction="memory", memory=25, epochs=2)
 
 
 def test_keep_policies_and_frozen_sites(x64):

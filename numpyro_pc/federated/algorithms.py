@@ -71,6 +71,7 @@ from ..dual_build import build_posterior
 from ..posterior import DualPosterior
 from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, record_round, release_site)
+from .privacy import check_gaussian_prior_data_free
 from .robust import aggregate_sites, robust_bounds
 from ..options import is_choice
 
@@ -279,6 +280,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         if privacy.releases < releases:
             raise InvalidOptionError(f"the privacy mechanism is calibrated for {privacy.releases} release(s) per "
                                      f"client, but rounds={rounds} with init={init!r} may send {releases}")
+        check_gaussian_prior_data_free(spec, datas)
         max_retries = 0
     cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol, safeguard=safeguard,
                       margin=float(safeguard_margin), privacy=privacy)

@@ -96,20 +96,29 @@ def describe_family(family) -> str:
     return json.dumps(out, default=list)
 
 
+_MAX_DESCRIPTION = 65536  # characters of a family description a client may send
+_MAX_DIM = 2**20  # largest dimension of one factor's shape
+
+
 def family_from_description(text) -> ProductFamily:
     """The :class:`~numpyro_pc.ef_product.ProductFamily` of :func:`describe_family`'s text.
 
     :raises ClientMessageError: text that does not describe a product of known factors.
     """
+    if not isinstance(text, str) or len(text) > _MAX_DESCRIPTION:
+        raise ClientMessageError(f"expected a family description (a JSON text of at most {_MAX_DESCRIPTION} "
+                                 f"characters), found {type(text).__name__} of length {len(text) if isinstance(text, str) else '-'}")
     try:
         factors = []
         for item in json.loads(text):
             item = dict(item)
             cls = EF_FAMILIES[item.pop("family")]
             item["shape"] = tuple(int(s) for s in item["shape"])
+            if any(s < 0 or s > _MAX_DIM for s in item["shape"]):
+                raise ValueError(f"shape {item['shape']} has a dimension outside [0, {_MAX_DIM}]")
             factors.append(cls(**item))
         return ProductFamily(tuple(factors))
-    except (ValueError, TypeError, KeyError, AttributeError) as err:
+    except Exception as err:  # an untrusted client's text: whatever it breaks, the client is refused, not the run
         raise ClientMessageError(f"expected a family description (a JSON list of factors named in "
                                  f"{sorted(EF_FAMILIES)}), found one that does not parse ({type(err).__name__}: "
                                  f"{err})") from err

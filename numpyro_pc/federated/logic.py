@@ -23,6 +23,7 @@ from ..merging import gaussian_prior, prior_natural
 from .algorithms import check_settings
 from .core import LocalConfig, bind_clients, global_state, local_update, release_site
 from .ef_transport import EFClientLogic, EFServerLogic, is_ef_family, parse_family
+from .privacy import check_gaussian_prior_data_free
 from .server import ServerLogic
 
 __all__ = ["ClientLogic", "ClientByFamily", "server_logic"]
@@ -102,6 +103,8 @@ class ClientLogic:
     def initial(self, config) -> list:
         """Round 1: the prior ``(m_0, P_0)`` and this client's first site."""
         cfg = self._cfg(config)
+        if self.privacy is not None:  # the prior leaves outside the mechanism: it must not hold the data
+            check_gaussian_prior_data_free(self.spec, [self.data])
         prior = gaussian_prior(self.spec, self.data)
         tau = cfg.family.prior_tau(prior)
         q0 = global_state(cfg.family, prior, prior_natural(cfg.family, prior, tau),

@@ -53,15 +53,19 @@ The clipping and the noise move the fixed point away from the joint posterior
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ..errors import InvalidOptionError
+from ..errors import InvalidOptionError, PrivacyError
 from ..families import GaussianNatural
+from ..likelihood import ModelData
+from ..merging import gaussian_prior
 
-__all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural"]
+__all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural",
+           "check_gaussian_prior_data_free"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +163,35 @@ def add_noise(family, mech, site, key):
     linear = site.linear + sd * mech.clip_linear * jax.random.normal(k_lin, site.linear.shape, site.linear.dtype)
     precision = family.noisy_precision(site.precision, k_prec, sd * mech.clip_precision)
     return GaussianNatural(linear, precision)
+
+
+def check_gaussian_prior_data_free(spec, datas) -> None:
+    """Refuse a Gaussian prior that depends on the data in a private run (the Gaussian counterpart of
+    :func:`~numpyro_pc.federated.ef.check_prior_data_free`).
+
+    A private run sends the prior ``(m_0, P_0)`` (read from the model with a client's data bound) outside
+    the mechanism, which covers the examples' terms only; a prior written with the data
+    (``Normal(mean(y), 1)``) would reveal it. The prior is read on the first and last row of every shard;
+    a data-free prior is the same on all of them (to 64 units of rounding).
+
+    :param spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
+    :param datas: the clients' :class:`~numpyro_pc.likelihood.ModelData`.
+    :raises PrivacyError: the prior differs between two rows, naming them.
+    """
+    one = replace(spec, num_examples=1)
+    ref, first = None, None
+    for k, data in enumerate(datas):
+        n = int(data.per_example[0].shape[0])
+        for j in sorted({0, n - 1}):
+            prior = gaussian_prior(one, ModelData(tuple(x[j:j + 1] for x in data.per_example), data.shared))
+            value = np.concatenate([np.ravel(np.asarray(prior.mean)), np.ravel(np.asarray(prior.precision))])
+            if ref is None:
+                ref, first = value, (k, j)
+                continue
+            tol = 64 * np.finfo(value.dtype).eps * (1.0 + np.max(np.abs(ref)))
+            if not np.all(np.abs(value - ref) <= tol):
+                raise PrivacyError(
+                    f"the prior differs between client {first[0]}'s row {first[1]} and client {k}'s row {j} (by up "
+                    f"to {np.max(np.abs(value - ref)):.3g}): the prior depends on the data. A private run sends the "
+                    "prior outside the mechanism, which covers only the examples' terms, so it would reveal the "
+                    "data; write the prior without the data (or run without privacy)")

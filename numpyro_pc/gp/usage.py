@@ -1,8 +1,9 @@
 """User helpers for a streaming sparse GP: persistent compilation cache, progress bar, plotting.
 
-* :func:`enable_compilation_cache` turns on JAX's persistent compilation cache, so the
-  jitted per-batch update is compiled once per machine (not once per process): a second
-  run of the same stream compiles nothing. The demo turns it on by default.
+* :func:`enable_compilation_cache` (the package's :func:`numpyro_pc.compilation_cache.enable_compilation_cache`,
+  which importing the package already calls unless told not to) turns on JAX's persistent
+  compilation cache, so the jitted per-batch update is compiled once per machine (not once
+  per process): a second run of the same stream compiles nothing.
 * :func:`progress` wraps an iterable of batches in a ``tqdm`` bar when the output is a
   terminal and not in CI (``CI`` set); ``NUMPYRO_PC_PROGRESS=0/1`` forces it off/on.
 * :func:`plot_gp` draws the predictive band (1-D inputs) or the predictive mean (2-D
@@ -16,38 +17,10 @@ import sys
 
 import numpy as np
 
+from ..compilation_cache import default_cache_dir, enable_compilation_cache  # noqa: F401  (re-exported here)
 from ..errors import DataShapeError, NotFittedError
 
 __all__ = ["enable_compilation_cache", "default_cache_dir", "progress", "use_progress", "plot_gp"]
-
-
-def default_cache_dir():
-    """``$NUMPYRO_PC_JAX_CACHE`` or ``~/.cache/numpyro_pc/jax``."""
-    return os.environ.get("NUMPYRO_PC_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "numpyro_pc",
-                                                                "jax"))
-
-
-def enable_compilation_cache(path=None, min_compile_seconds=0.0):
-    """Turn on JAX's persistent compilation cache (a process-wide JAX setting).
-
-    Equivalent to ``jax.config.update("jax_compilation_cache_dir", path)`` plus a lower
-    minimum compile time, so the GP's per-batch update (a few seconds to compile) is
-    cached. Leaves an existing cache directory setting alone.
-
-    :param str path: cache folder (default :func:`default_cache_dir`).
-    :param float min_compile_seconds: only programs that took at least this long to compile are stored.
-    :return: the cache folder in use.
-    """
-    import jax
-
-    current = jax.config.jax_compilation_cache_dir
-    if current:
-        return current
-    path = path or default_cache_dir()
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
-    return path
 
 
 def use_progress(progress=None):
