@@ -90,9 +90,10 @@ from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
 from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
-from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError, PrivacyError
+from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
+from .privacy import check_same_on_every_row
 # the server's side and the private and bounded sites live in ef_server and ef_robust; their names stay
 # importable from here, as before the split
 from .ef_robust import bound_sites_ef, clipped_site_ef, domain_boundary, release_ef, retreat_ef  # noqa: F401
@@ -182,22 +183,7 @@ def check_prior_data_free(clients) -> None:
     cfg = replace(clients.config, spec=replace(clients.config.spec, num_examples=1))
     lam = cfg.family.default_natural(clients.prior.dtype)
     term = jax.jit(lambda one: compute_sites(cfg, lam, one).prior)
-    ref, first = None, None
-    for k, data in enumerate(clients.datas):
-        n = int(data.per_example[0].shape[0])
-        for j in sorted({0, n - 1}):
-            value = np.asarray(term(ModelData(tuple(x[j:j + 1] for x in data.per_example), data.shared)))
-            if ref is None:
-                ref, first = value, (k, j)
-                continue
-            tol = 64 * np.finfo(value.dtype).eps * (1.0 + np.max(np.abs(ref)))
-            if not np.all(np.abs(value - ref) <= tol):
-                raise PrivacyError(
-                    f"the prior term differs between client {first[0]}'s row {first[1]} and client {k}'s row {j} "
-                    f"(by up to {np.max(np.abs(value - ref)):.3g}, expected equal to {tol:.1g}): the prior depends on "
-                    "the data. A private run sends the prior's natural parameters outside the mechanism, which "
-                    "covers only the examples' terms, so they would reveal a row of client 0; write the prior "
-                    "without the data (or run without privacy)")
+    check_same_on_every_row(term, clients.datas, "the prior term", "the prior's natural parameters")
 
 
 def safe_rho_ef(family, lam, eta, rho, margin=0.3, steps=60) -> jax.Array:

@@ -65,7 +65,7 @@ from ..likelihood import ModelData
 from ..merging import gaussian_prior
 
 __all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural",
-           "check_gaussian_prior_data_free"]
+           "check_same_on_every_row", "check_gaussian_prior_data_free"]
 
 
 @dataclass(frozen=True)
@@ -165,33 +165,49 @@ def add_noise(family, mech, site, key):
     return GaussianNatural(linear, precision)
 
 
-def check_gaussian_prior_data_free(spec, datas) -> None:
-    """Refuse a Gaussian prior that depends on the data in a private run (the Gaussian counterpart of
-    :func:`~numpyro_pc.federated.ef.check_prior_data_free`).
+def check_same_on_every_row(term, datas, what: str, sent: str) -> None:
+    """Refuse a term that should not depend on the data but differs between rows (a private run's prior).
 
-    A private run sends the prior ``(m_0, P_0)`` (read from the model with a client's data bound) outside
-    the mechanism, which covers the examples' terms only; a prior written with the data
-    (``Normal(mean(y), 1)``) would reveal it. The prior is read on the first and last row of every shard;
-    a data-free prior is the same on all of them (to 64 units of rounding).
+    ``term`` is evaluated on the first and last row of every shard; a term free of the data is the same
+    on all of them (to 64 units of rounding). A dependence on rows that are all equal cannot be seen, and
+    reveals nothing beyond them.
 
-    :param spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
+    :param term: ``ModelData`` of one row → an array.
     :param datas: the clients' :class:`~numpyro_pc.likelihood.ModelData`.
-    :raises PrivacyError: the prior differs between two rows, naming them.
+    :param str what: the term, for the message (``"the prior term"``).
+    :param str sent: what the run would send outside the mechanism, for the message.
+    :raises PrivacyError: the term differs between two rows, naming them and the difference.
     """
-    one = replace(spec, num_examples=1)
     ref, first = None, None
     for k, data in enumerate(datas):
         n = int(data.per_example[0].shape[0])
         for j in sorted({0, n - 1}):
-            prior = gaussian_prior(one, ModelData(tuple(x[j:j + 1] for x in data.per_example), data.shared))
-            value = np.concatenate([np.ravel(np.asarray(prior.mean)), np.ravel(np.asarray(prior.precision))])
+            value = np.ravel(np.asarray(term(ModelData(tuple(x[j:j + 1] for x in data.per_example), data.shared))))
             if ref is None:
                 ref, first = value, (k, j)
                 continue
             tol = 64 * np.finfo(value.dtype).eps * (1.0 + np.max(np.abs(ref)))
             if not np.all(np.abs(value - ref) <= tol):
                 raise PrivacyError(
-                    f"the prior differs between client {first[0]}'s row {first[1]} and client {k}'s row {j} (by up "
-                    f"to {np.max(np.abs(value - ref)):.3g}): the prior depends on the data. A private run sends the "
-                    "prior outside the mechanism, which covers only the examples' terms, so it would reveal the "
-                    "data; write the prior without the data (or run without privacy)")
+                    f"{what} differs between client {first[0]}'s row {first[1]} and client {k}'s row {j} (by up to "
+                    f"{np.max(np.abs(value - ref)):.3g}, expected equal to {tol:.1g}): the prior depends on the data. "
+                    f"A private run sends {sent} outside the mechanism, which covers only the examples' terms, so "
+                    "it would reveal the data; write the prior without the data (or run without privacy)")
+
+
+def check_gaussian_prior_data_free(spec, datas) -> None:
+    """Refuse a Gaussian prior that depends on the data in a private run (the Gaussian counterpart of
+    :func:`~numpyro_pc.federated.ef.check_prior_data_free`): the prior ``(m_0, P_0)`` leaves outside the
+    mechanism, and a prior written with the data (``Normal(mean(y), 1)``) would reveal it.
+
+    :param spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
+    :param datas: the clients' :class:`~numpyro_pc.likelihood.ModelData`.
+    :raises PrivacyError: the prior differs between two rows (:func:`check_same_on_every_row`).
+    """
+    one = replace(spec, num_examples=1)
+
+    def prior(data):
+        q0 = gaussian_prior(one, data)
+        return np.concatenate([np.ravel(np.asarray(q0.mean)), np.ravel(np.asarray(q0.precision))])
+
+    check_same_on_every_row(prior, datas, "the prior", "the prior's mean and precision")
