@@ -21,9 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .ef_site_table import EFSiteTable, EFState
-from .ef_sites import blr_solve, compute_sites, relative_residual
+from .ef_sites import EFConfig, blr_solve, compute_sites, relative_residual
 from .errors import MonteCarloErrorWarning
 from .fixed_point import default_tol
+from .posterior_protocol import Posterior
 from .rows import pad_to_bucket
 
 __all__ = ["bucketed_target", "config_rows", "solve_every_site"]
@@ -56,12 +57,13 @@ def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
     return target
 
 
-def config_rows(config, num: int):
+def config_rows(config: EFConfig, num: int) -> EFConfig:
     """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
     return replace(config, spec=replace(config.spec, num_examples=num))
 
 
-def solve_every_site(post, data, ids, start, tol, max_iters, raise_on_failure, progress=False, rho=1.0):
+def solve_every_site(post: Posterior, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
+                     rho=1.0) -> Posterior:
     """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
     natural parameters ``start``; the prior term is active unless conjugate-form."""
     num = int(ids.shape[0])
