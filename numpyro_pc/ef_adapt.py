@@ -99,21 +99,28 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
                                          corrected=int(post.num_examples), new=int(spec.num_examples)))
     rows = positions(post.ids, corrected) if corrected.size else np.zeros(0, np.int64)
     prior_active = correction != "none" and not post.conjugate_prior
-    const = post.natural - post.sites.take(rows).natural_sum()  # the corrected sites leave the constant
-    if prior_active:
-        const = const + post.sites.prior
     active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(post.data.per_example,
                                                                               new.per_example)), new.shared)
-    tol = default_tol(const.dtype) if tol is None else tol
-    lam, sites, info = blr_solve(bucketed_target(post.config, active, prior_active, const),
-                                 post.family.in_domain, post.natural, tol, max_iters,
-                                 raise_on_failure=raise_on_failure, progress=progress)
+    lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure,
+                                             progress)
     added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else post.sites.prior, ids)
     state = EFState(lam, post.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
     return post.evolve(config=config_rows(post.config, post.num_examples + spec.num_examples),
                        data=concat_data(post.data, new), state=state,
                        record=dict(operation="update", correction=correction, corrected=int(rows.size),
                                    new=int(spec.num_examples), **info._asdict()))
+
+
+def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False):
+    r"""The fixed point with the sites at positions ``rows`` (and the prior term when ``prior_active``)
+    divided out of ``q`` and solved for again over the ``active`` data, every other site held:
+    :math:`\lambda = c - \sum_{i \in active} g_i(\lambda) [- g_0(\lambda)]`, ``c`` what the held sites leave."""
+    const = post.natural - post.sites.take(rows).natural_sum()
+    if prior_active:
+        const = const + post.sites.prior
+    tol = default_tol(const.dtype) if tol is None else tol
+    return blr_solve(bucketed_target(post.config, active, prior_active, const), post.family.in_domain, post.natural,
+                     tol, max_iters, raise_on_failure=raise_on_failure, progress=progress)
 
 
 def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress, raise_on_failure):
@@ -146,14 +153,8 @@ def recompute_rows(post: Posterior, rows: np.ndarray, tol: float | None, max_ite
     """The sites at positions ``rows`` (and the prior term unless conjugate-form) recomputed at the
     fixed point with every other site held."""
     prior_active = not post.conjugate_prior
-    const = post.natural - post.sites.take(rows).natural_sum()
-    if prior_active:
-        const = const + post.sites.prior
     active = ModelData(tuple(take_rows(x, rows) for x in post.data.per_example), post.data.shared)
-    tol = default_tol(const.dtype) if tol is None else tol
-    lam, sites, info = blr_solve(bucketed_target(post.config, active, prior_active, const),
-                                 post.family.in_domain, post.natural, tol, max_iters,
-                                 raise_on_failure=raise_on_failure)
+    lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure)
     table = post.sites.with_rows(rows, sites.grads)
     state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)
     return post.evolve(state=state, record=info._asdict())

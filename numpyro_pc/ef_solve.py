@@ -50,7 +50,7 @@ def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
     cfg = config_rows(config, int(weights.shape[0]))
     seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
 
-    def target(lam):
+    def target(lam: jax.Array) -> tuple[jax.Array, object]:
         tau, sites = _target(cfg, lam, padded, prior_active, const, weights, seed)
         return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
 

@@ -47,6 +47,7 @@ from .ef import bind_ef_clients, check_prior_data_free, kl_rounding, local_updat
 from .ef_robust import release_ef
 from .ef_server import EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef, site_natural
 from .robust import robust_bounds
+from .server import keep_majority
 
 __all__ = ["EFClientLogic", "EFServerLogic", "is_ef_family", "parse_family", "describe_family",
            "family_from_description"]
@@ -448,14 +449,8 @@ class EFServerLogic:
                         good[cid] = self._initial_message(cid, list(arrays))
                     except ClientMessageError as err:
                         rejected[cid] = str(err)
-            groups = {}
-            for cid, (_, prior, text, _) in good.items():
-                groups.setdefault((prior.tobytes(), text), []).append(cid)
-            majority = max(groups.values(), key=len) if groups else []
-            for cid in list(good):
-                if cid not in majority:
-                    rejected[cid] = f"client {cid} reports another prior or family than the majority of clients"
-                    del good[cid]
+            keep_majority(good, rejected, lambda message: (message[1].tobytes(), message[2]),
+                          "another prior or family")
             self._need(good, rejected, "round 1")
             ids = sorted(good, key=str)
             _, prior, text, family = good[ids[0]]

@@ -206,7 +206,7 @@ def check_gaussian_prior_data_free(spec, datas) -> None:
     """
     one = replace(spec, num_examples=1)
 
-    def prior(data):
+    def prior(data: ModelData) -> np.ndarray:
         q0 = gaussian_prior(one, data)
         return np.concatenate([np.ravel(np.asarray(q0.mean)), np.ravel(np.asarray(q0.precision))])
 

@@ -34,7 +34,24 @@ from .core import global_state, natural_nbytes
 from .robust import aggregate_sites, robust_bounds, validate_site
 from ..options import is_choice
 
-__all__ = ["ServerLogic"]
+__all__ = ["ServerLogic", "keep_majority"]
+
+
+def keep_majority(good: dict, rejected: dict, key, what: str) -> list:
+    """Keep in ``good`` (client id → message) the clients whose ``key(message)`` most clients share, moving
+    the others to ``rejected`` with a reason that says they report ``what`` (round 1: the prior, the family).
+
+    :return: the ids of the majority (empty when ``good`` is).
+    """
+    groups = {}
+    for cid, message in good.items():
+        groups.setdefault(key(message), []).append(cid)
+    majority = max(groups.values(), key=len) if groups else []
+    for cid in list(good):
+        if cid not in majority:
+            rejected[cid] = f"client {cid} reports {what} than the majority of clients"
+            del good[cid]
+    return majority
 
 
 class ServerLogic:
@@ -163,15 +180,8 @@ class ServerLogic:
             replies = dict(sorted(replies.items(), key=lambda kv: str(kv[0]))[: self.num_clients])
             good, rejected = self._screen(replies, examples or {}, 1)
             # the prior most clients report wins; the others are refused
-            groups = {}
-            for cid, arrays in good.items():
-                key = (arrays[2].tobytes(), arrays[3].tobytes(), arrays[2].shape)
-                groups.setdefault(key, []).append(cid)
-            majority = max(groups.values(), key=len) if groups else []
-            for cid in list(good):
-                if cid not in majority:
-                    rejected[cid] = f"client {cid} reports another prior than the majority of clients"
-                    del good[cid]
+            majority = keep_majority(good, rejected, lambda arrays: (arrays[2].tobytes(), arrays[3].tobytes(),
+                                                                      arrays[2].shape), "another prior")
             self._need(good, rejected, "round 1")
             first = good[majority[0]]
             self.prior = Gaussian(jnp.asarray(first[2]), jnp.asarray(first[3]))

@@ -162,7 +162,7 @@ def reservoir_update(memory, X, y, mask, ss, key):
                        pick(ss, memory.ss), memory.seen + jnp.sum(valid).astype(jnp.int32))
 
 
-def fit_batch(config, state, Z0, X, y, mask, input_scale=None):
+def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[StreamingGPState, dict]:
     """Absorb one (padded, masked) batch with initial inducing inputs ``Z0``; pure and traceable.
 
     Maximises the online bound (Bui's, or the corrected one when ``config.memory_size > 0``)
