@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .ef_site_table import EFSiteTable, EFState
-from .ef_sites import blr_solve
-from .ef_solve import bucketed_target, config_rows, solve_every_site
+from .ef_solve import blr_solve, bucketed_target, config_rows, solve_every_site
 from .errors import (ConvergenceError, DataShapeError, InvalidOptionError, MissingCapabilityError, NonFiniteResultError,
                      OutOfDomainError, UnknownExampleError)
 from .fixed_point import default_tol, largest_inside_fraction, progress_bar

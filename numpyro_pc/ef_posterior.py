@@ -32,7 +32,8 @@ from .ef_product import ProductFamily, family_for_model, site_names  # noqa: F40
 from .ef_eval import inference_data
 from .ef_guides import read_guide, write_params
 from .fixed_point import default_tol
-from .ef_sites import EFConfig, blr_solve, compute_sites, model_point, relative_residual  # noqa: F401  (EFConfig: as before)
+from .ef_sites import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
+from .ef_solve import blr_solve, relative_residual  # noqa: F401  (blr_solve: as before)
 from .ef_adapt import delete_ef, refine_ef, update_ef
 from .ef_site_table import EFSiteTable, EFState
 from .ef_solve import bucketed_target, solve_every_site  # noqa: F401  (importable from here, as before)

@@ -69,22 +69,18 @@ converged. Conjugate models converge in one full step (:math:`\tau` is constant)
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import fixed_point
 from .ef_product import ProductFamily
-from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, OutOfDomainError
+from .errors import InvalidOptionError
 from .likelihood import ModelSpec, example_loss, prior_loss
 
-__all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol",
-           "SolveInfo", "blr_solve", "relative_residual"]
+__all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol"]
 
 
 def conjugate_rtol(dtype):
@@ -407,97 +403,3 @@ def _drawn_prior_residual(config, lam, data) -> jax.Array:
     prior = jax.vmap(lambda point: _prior_at(config.spec, config.family, point, data))(values)
     _, resid = regress(config.family.stats(values), weights, prior[None])
     return resid[0]
-
-
-# --------------------------------------------------------------------------- the BLR fixed point
-
-class SolveInfo(NamedTuple):
-    """What the solver did: ``iterations``, final ``residual``, ``converged``, last step ``rho``."""
-
-    iterations: int
-    residual: float
-    converged: bool
-    rho: float
-
-
-def relative_residual(lam, target) -> float:
-    """:math:`\\|\\lambda - \\tau\\| / (1 + \\|\\tau\\|)` as a float (:func:`numpyro_pc.fixed_point.relative_residual`)."""
-    return float(fixed_point.relative_residual(lam, target))
-
-
-EF_MAX_ITERS = 200  # natural-gradient steps of an exponential-family solve when max_iters is None
-
-
-def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, raise_on_failure=True,
-              memory=5, progress=False) -> tuple[jax.Array, object, SolveInfo]:
-    r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.fixed_point`).
-
-    Each step is :func:`numpyro_pc.fixed_point.natural_propose`: Anderson mixing over the last
-    ``memory`` iterates (type II; Walker & Ni, 2011) with :math:`f_k = \tau(\lambda_k) - \lambda_k`
-    and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate
-    :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`, used only when it
-    lies inside the domain; otherwise the plain step halved until inside. The damping is
-    non-monotone (:func:`numpyro_pc.fixed_point.damping_observe`): a residual above the largest of
-    the last three clears the history and halves the step if the step that made it worse was a
-    plain one; a residual below the smallest of the last three doubles it again (up to ``rho``).
-    Simultaneous updates of the factors of a product oscillate on their way to the fixed point
-    (as coordinate-ascent VB updated in parallel does), which a monotone test would reject. A
-    conjugate model converges in one step (there is no history at the first step).
-    :func:`numpyro_pc.fixed_point.natural_solve` is the same iteration as one ``lax.while_loop``.
-
-    :param target_fn: ``λ -> (τ(λ), aux)``: the fixed-point target and what was computed
-        with it (the sites at ``λ``); jit it.
-    :param in_domain: ``λ -> bool`` (traceable).
-    :param lam: the start (inside the domain).
-    :param tol: relative residual tolerance (default :func:`numpyro_pc.fixed_point.default_tol`).
-    :param bool progress: show a progress bar of the iterations with the residual.
-    :return: ``(λ, aux, SolveInfo)`` where ``aux`` belongs to the returned ``λ``.
-    :raises OutOfDomainError: if the start is outside the domain, or no step keeps
-        the iterate inside.
-    :raises NonFiniteResultError: if the sites are not finite.
-    :raises ConvergenceError: if ``tol`` is not met in ``max_iters`` (with ``raise_on_failure``; without
-        it a ``RuntimeWarning`` says so and the last iterate is returned).
-    """
-    if not bool(in_domain(lam)):
-        raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
-                               f"parameter: {np.asarray(lam).tolist()}")
-    tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)
-    max_iters = EF_MAX_ITERS if max_iters is None else int(max_iters)
-
-    def evaluate(x, it):
-        target, aux = target_fn(x)
-        if not bool(jnp.all(jnp.isfinite(target))):
-            raise NonFiniteResultError(f"the sites at iteration {it} are not finite (natural parameter "
-                                       f"{np.asarray(x).tolist()})")
-        return target, aux
-
-    target, aux = evaluate(lam, 0)
-    state = fixed_point.natural_init(lam, target, rho, memory)
-    bar = fixed_point.progress_bar(progress, max_iters, "natural-gradient solve")
-    try:
-        while True:
-            res, it = float(state.residual), int(state.iteration)
-            if bar is not None:
-                bar.n = it
-                bar.set_postfix(residual=f"{res:.2e}")
-            if res < tol:
-                return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
-            if it >= max_iters:
-                break
-            new, state = fixed_point.natural_propose_host(state, in_domain, rho)
-            if not bool(state.inside):
-                raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
-                                       f"positive (target {np.asarray(state.target).tolist()})")
-            target, aux = evaluate(new, it + 1)
-            state = fixed_point.natural_observe(state, new, target)
-    finally:
-        if bar is not None:
-            bar.close()
-    info = SolveInfo(max_iters, res, False, float(state.damping.step))
-    message = (f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} iterations (relative "
-               f"residual {res:.3g})")
-    if raise_on_failure:
-        raise ConvergenceError(message)
-    warnings.warn(message + "; the result is the last iterate (record['converged'] is False)", RuntimeWarning,
-                  stacklevel=3)
-    return state.lam, aux, info

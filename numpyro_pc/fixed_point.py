@@ -4,7 +4,7 @@ Every solve in numpyro_pc looks for a fixed point :math:`x = T(x)` of a natural-
 (Bayesian learning rule) map — the Gaussian solver on ``(m, S)``
 (:mod:`numpyro_pc.solvers`), the pure kernels of :mod:`numpyro_pc.stream_state` and
 :mod:`numpyro_pc.site_table`, the exponential-family solve on the natural parameter
-(:func:`numpyro_pc.ef_sites.blr_solve`) and the federated clients' local solves
+(:func:`numpyro_pc.ef_solve.blr_solve`) and the federated clients' local solves
 (:mod:`numpyro_pc.federated.ef`). They share these pieces, each a pure function over a
 ``NamedTuple`` carry so that the same code runs in a host loop and inside
 ``lax.while_loop``:
@@ -232,7 +232,7 @@ def _propose_method(state, owner, name, rho_max):
 
 
 def natural_propose_host(state: NaturalState, in_domain: Callable, rho_max=1.0) -> tuple[jax.Array, NaturalState]:
-    """:func:`natural_propose` for a host loop (:func:`numpyro_pc.ef_sites.blr_solve`).
+    """:func:`natural_propose` for a host loop (:func:`numpyro_pc.ef_solve.blr_solve`).
 
     When ``in_domain`` is a method of an object that hashes by value (a family: a frozen
     dataclass) the proposal is compiled once per family and shape, so a new fit with an equal

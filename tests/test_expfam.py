@@ -22,7 +22,7 @@ from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor
 from numpyro_pc.ef_product import ProductFamily
 from numpyro_pc.ef_rules import beta_rule, gamma_rule
 from numpyro_pc.ef_posterior import EFPosterior
-from numpyro_pc.ef_sites import blr_solve
+from numpyro_pc.ef_solve import blr_solve
 from numpyro_pc.errors import (ConvergenceError, GuideParamsError, NonFiniteResultError, OutOfDomainError,
                                UnsupportedGuideError, UnsupportedModelError)
 

@@ -4,7 +4,7 @@ iteration's host and traced drivers, stagnation and the tolerance rule.
 Oracles: the fixed point of an affine map in closed form, ``(I − A)⁻¹ b``; Anderson type II
 with a full history is GMRES on an affine map, so it must land on it in at most ``n + 1``
 steps while the plain iteration needs hundreds (the spectral radius is 0.95); the host driver
-(:func:`numpyro_pc.ef_sites.blr_solve`) and the traced one (:func:`natural_solve`) run the same
+(:func:`numpyro_pc.ef_solve.blr_solve`) and the traced one (:func:`natural_solve`) run the same
 pieces, so their iterates agree to rounding. All in float64.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import ef_posterior, ef_sites, fixed_point, solvers
+from numpyro_pc import ef_posterior, ef_solve, fixed_point, solvers
 from numpyro_pc.errors import ConvergenceError, OutOfDomainError, StagnationError
 from conftest import logistic_model, make_logistic
 from numpyro_pc.fixed_point import (anderson_init, anderson_mix, anderson_push, anderson_restart, damping_init,
@@ -52,7 +52,7 @@ def test_host_and_traced_drivers_take_the_same_iterates():
         target = jax.jit(lambda x: (c + 0.5 * jnp.log(x), x))
         inside = lambda x: jnp.all(x > 0)  # noqa: E731
         start = jnp.asarray([1.0, 1.0, 1.0])
-        lam_h, aux_h, info = ef_sites.blr_solve(target, inside, start, tol=1e-12, max_iters=100)
+        lam_h, aux_h, info = ef_solve.blr_solve(target, inside, start, tol=1e-12, max_iters=100)
         lam_t, aux_t, its, res, ok = natural_solve(target, inside, start, 1e-12, 100)
         assert info.converged and bool(ok)
         assert info.iterations == int(its)
@@ -73,8 +73,8 @@ def test_proposals_stay_inside_the_domain():
 
         inside = lambda x: jnp.all(x > 0)  # noqa: E731
         with pytest.raises(Exception) as err:
-            ef_sites.blr_solve(target, inside, jnp.asarray([1.0]), tol=1e-12, max_iters=30)
-        assert isinstance(err.value, (OutOfDomainError, ef_sites.ConvergenceError))
+            ef_solve.blr_solve(target, inside, jnp.asarray([1.0]), tol=1e-12, max_iters=30)
+        assert isinstance(err.value, (OutOfDomainError, ef_solve.ConvergenceError))
         assert all(float(x[0]) > 0 for x in seen)
         lam, _, _, _, ok = jax.jit(lambda s: natural_solve(lambda x: (-1.0 + 0.1 * x, None), inside, s, 1e-12, 30))(
             jnp.asarray([1.0]))

@@ -16,7 +16,7 @@ g_i(\lambda)` the client's site at :math:`\lambda`, the stationarity condition o
     = \underbrace{\lambda - \eta_k/\rho}_{\rho\text{-cavity}} - \tfrac1\rho \textstyle\sum_{i\in D_k} g_i(\lambda_k),
 
 a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.fixed_point.natural_solve` (the
-iteration of :func:`~numpyro_pc.ef_sites.blr_solve` as a ``lax.while_loop``), so that clients are ``vmap``-ed (shards padded as
+iteration of :func:`~numpyro_pc.ef_solve.blr_solve` as a ``lax.while_loop``), so that clients are ``vmap``-ed (shards padded as
 in :mod:`numpyro_pc.federated.core`). The client sends
 :math:`\eta_k' = \hat\eta_k(\lambda_k)` (with ``ρ = 1``: :math:`\lambda_k - (\lambda - \eta_k)`,
 the local posterior over the cavity); PVI damping ``δ`` sends :math:`\eta_k + \delta(\eta_k'
@@ -89,7 +89,8 @@ from ..capabilities import FixedPrecision, SiteSum, require
 from ..ef_posterior import EFPosterior, EFState, family_for_model
 from ..ef_site_table import EFSiteTable
 from ..fixed_point import natural_solve
-from ..ef_sites import EFConfig, blr_solve, compute_sites, conjugate_rtol, prior_form_residual
+from ..ef_sites import EFConfig, compute_sites, conjugate_rtol, prior_form_residual
+from ..ef_solve import blr_solve
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
 from ..likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
