@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-After a dual form converges from a user's guide, :func:`numpyro_pc.boundary.check_boundary`
+After a dual form converges from a user's guide, :func:`numpyro_pc.solvers.boundary.check_boundary`
 flags constrained coordinates beyond the prior's 1–99 % range (prior draws) and, only then,
 scores the default start of ``pc.fit`` against the posterior on the fixed-draw variational
 objective. Two cases (float64, seed 0):
@@ -44,9 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpyro_pc as pc  # noqa: E402
-from numpyro_pc import boundary, start  # noqa: E402
-from numpyro_pc.likelihood import bind_model  # noqa: E402
-from numpyro_pc.hierarchical import correlated_admissions  # noqa: E402
+from numpyro_pc.solvers import boundary
+from numpyro_pc.solvers import start  # noqa: E402
+from numpyro_pc.model.likelihood import bind_model  # noqa: E402
+from numpyro_pc.posteriordb.suite import correlated_admissions  # noqa: E402
 
 from _common import machine_info, write_results  # noqa: E402
 

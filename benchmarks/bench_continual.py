@@ -92,7 +92,7 @@ sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
 from bench_refine import RefGaussian  # noqa: E402
-from numpyro_pc.datasets import load_a7a  # noqa: E402
+from numpyro_pc.datasets.loaders import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 PRIOR_PRECISION = 5.0

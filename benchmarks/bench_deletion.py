@@ -71,7 +71,7 @@ import numpyro_pc as pc  # noqa: E402
 from bench_continual import model  # noqa: E402  (same model: intercept, prior precision 5)
 from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
 from bench_refine import RefGaussian  # noqa: E402
-from numpyro_pc.datasets import load_a7a  # noqa: E402
+from numpyro_pc.datasets.loaders import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")

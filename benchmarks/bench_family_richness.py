@@ -38,7 +38,7 @@ Model
 ``digits``: a one-hidden-layer tanh network (16 units, biases; d = 1 210) classifying
   scikit-learn's digits (1 797 images, pixels / 16, N(0, 1) priors) with Laplace–GGN sites
   (``expectation="delta"``, ``curvature="ggn"``), file order. The mean equation is the
-  network's MAP problem; Newton–CG steps (:mod:`numpyro_pc.newton_polish`) finish it (plain
+  network's MAP problem; Newton–CG steps (:mod:`numpyro_pc.solvers.newton_polish`) finish it (plain
   Gauss–Newton steps stalled near a relative residual of 1e-6).
 
 Usage::
@@ -77,8 +77,8 @@ sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
 from bench_continual import model as logistic  # noqa: E402  (the same a7a model)
-from numpyro_pc.datasets import load_a7a  # noqa: E402
-from numpyro_pc.likelihood import bind_model, losses, prior_loss  # noqa: E402
+from numpyro_pc.datasets.loaders import load_a7a  # noqa: E402
+from numpyro_pc.model.likelihood import bind_model, losses, prior_loss  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 def load(name, quick, hidden=16):

@@ -66,7 +66,7 @@ sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
 from bench_continual import model, predictive_scores  # noqa: E402  (same model as benchmarks 3 and 4)
-from numpyro_pc.datasets import load_a7a, load_breast_cancer  # noqa: E402
+from numpyro_pc.datasets.loaders import load_a7a, load_breast_cancer  # noqa: E402
 import numpyro  # noqa: E402
 import numpyro.distributions as dist  # noqa: E402
 

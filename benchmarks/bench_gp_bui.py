@@ -48,7 +48,7 @@ sys.path.insert(0, HERE)
 import gpjax as gpx  # noqa: E402
 
 from _common import machine_info, write_results  # noqa: E402
-from numpyro_pc.datasets import load_banana, load_bui2017_toy  # noqa: E402
+from numpyro_pc.datasets.loaders import load_banana, load_bui2017_toy  # noqa: E402
 from numpyro_pc.gp import StreamingSparseGP  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")

@@ -59,7 +59,7 @@ import gpjax as gpx  # noqa: E402
 
 from _common import machine_info, write_results  # noqa: E402
 from bench_gp_power import gpjax_predict, gpjax_sgpr, metrics  # noqa: E402
-from numpyro_pc.datasets import load_uci  # noqa: E402
+from numpyro_pc.datasets.loaders import load_uci  # noqa: E402
 from numpyro_pc.gp import StreamingSparseGP  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")

@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-For every model of :func:`numpyro_pc.hierarchical.suite` (eight schools in both
+For every model of :func:`numpyro_pc.posteriordb.suite.suite` (eight schools in both
 parametrisations; varying-intercept/slope regressions with Gaussian, logistic and Poisson
 likelihoods, centred and non-centred, HalfNormal/HalfCauchy/Exponential scales, 40 and 200
 groups), in one process, float64:
@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, write_results  # noqa: E402
-from numpyro_pc.hierarchical import suite  # noqa: E402
+from numpyro_pc.posteriordb.suite import suite  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 CHUNK = 250

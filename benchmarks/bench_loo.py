@@ -76,7 +76,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet as _quiet, write_results  # noqa: E402
-from numpyro_pc.datasets import load_breast_cancer  # noqa: E402
+from numpyro_pc.datasets.loaders import load_breast_cancer  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 PREDICTORS = ("remove_site", "influence", "tracin")
@@ -273,11 +273,11 @@ def _problem(name):
         X, y, _ = load_breast_cancer(standardize=True)
         return model, (jnp.asarray(X), jnp.asarray(y)), {}
     if name == "a7a":
-        from numpyro_pc.datasets import load_a7a
+        from numpyro_pc.datasets.loaders import load_a7a
 
         X, y = load_a7a("train")
         return a7a_model, (jnp.asarray(X), jnp.asarray(y)), {}
-    from numpyro_pc import posteriordb as pdb
+    from numpyro_pc.posteriordb import reference as pdb
 
     tr = pdb.translate(name)
     return tr.model, tuple(tr.args), dict(tr.kwargs)
@@ -435,11 +435,11 @@ def diagnose_main(args):
     """
     from dataclasses import replace as _replace
 
-    import numpyro_pc.expectations as expectations
+    import numpyro_pc.sites.expectations as expectations
     from numpyro_pc.criticism import cavity as cv
-    from numpyro_pc.families import Gaussian
-    from numpyro_pc.rows import positions, take_data
-    from numpyro_pc.sites import compute_sites
+    from numpyro_pc.families.registry import Gaussian
+    from numpyro_pc.model.rows import positions, take_data
+    from numpyro_pc.sites.gaussian import compute_sites
 
     mdl, margs, mkw = _problem(args.diagnose)
     post = _quiet(pc.fit, mdl, *margs, **mkw)

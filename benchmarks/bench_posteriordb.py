@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-For every supported posterior of :mod:`numpyro_pc.posteriordb` (the NumPyro translations of
+For every supported posterior of :mod:`numpyro_pc.posteriordb.reference` (the NumPyro translations of
 the posteriordb models with one likelihood term per example), three Gaussian approximations
 in the model's unconstrained space are compared with the reference posterior (1,000 NUTS
 draws mapped to the unconstrained space):
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, write_results  # noqa: E402
-from numpyro_pc import posteriordb as pdb  # noqa: E402
+from numpyro_pc.posteriordb import reference as pdb  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 

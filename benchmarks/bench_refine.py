@@ -187,7 +187,7 @@ def run_reference(X, y, tol, max_iters):
 def count_site_computations(fn):
     """Run ``fn()`` (untimed) counting the solver's site computations (accepted and rejected
     trials) by wrapping ``SiteProblem.sites`` for the duration of the call."""
-    from numpyro_pc import site_problem
+    from numpyro_pc.solvers import site_problem
 
     original = site_problem.SiteProblem.sites
     count = [0]
@@ -220,9 +220,9 @@ def run_fit(X, y, ref, tol, reps):
 
 def setup_breakdown(X, y, reps):
     """Steady-state cost of the pieces ``pc.fit`` runs before its first iteration."""
-    from numpyro_pc.expectations import get_rule, prepare_rule
-    from numpyro_pc.likelihood import prior_loss
-    from numpyro_pc.sites import compute_sites
+    from numpyro_pc.sites.expectations import get_rule, prepare_rule
+    from numpyro_pc.model.likelihood import prior_loss
+    from numpyro_pc.sites.gaussian import compute_sites
 
     spec, data = pc.bind_model(logistic_model, (X, y))
     fam = pc.get_family("full")

@@ -14,7 +14,7 @@ in two ways that solve the same corrected problem (docs/adapting.md, "Adding dat
 
 * **host** — ``post.update(X_t, y_t, correction="memory", memory=ids)`` (resp. ``"exact"``)
   in a Python loop: what a user writes today;
-* **scan** — :func:`numpyro_pc.site_table.correct_step` over all batches in one jitted
+* **scan** — :func:`numpyro_pc.kernels.site_table.correct_step` over all batches in one jitted
   ``jax.lax.scan`` (the memories drawn inside the trace by ``random_memory``; the host loop
   replays the same ids). Reported cold (first call: tracing and compilation) and warm (a
   second call on the same shapes: a user's next stream).
@@ -52,9 +52,9 @@ sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
 from bench_small_batches import demo_model  # noqa: E402
-from numpyro_pc.datasets import load_breast_cancer  # noqa: E402
-from numpyro_pc.likelihood import ModelData, bind_model  # noqa: E402
-from numpyro_pc.site_table import correct_step, from_posterior, random_memory, to_posterior  # noqa: E402
+from numpyro_pc.datasets.loaders import load_breast_cancer  # noqa: E402
+from numpyro_pc.model.likelihood import ModelData, bind_model  # noqa: E402
+from numpyro_pc.kernels.site_table import correct_step, from_posterior, random_memory, to_posterior  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 FIRST = 50

@@ -171,8 +171,8 @@ def worker_config(cfg):
     import numpy as np
 
     import numpyro_pc as pc
-    from numpyro_pc.expectations import get_rule, prepare_rule
-    from numpyro_pc.sites import compute_sites
+    from numpyro_pc.sites.expectations import get_rule, prepare_rule
+    from numpyro_pc.sites.gaussian import compute_sites
 
     n, d, reps = cfg["N"], cfg["d"], cfg["reps"]
     fam_name, storage, curvature = STORAGES[cfg["storage"]]
@@ -232,9 +232,9 @@ def worker_profile(cfg):
     from jax.scipy.linalg import solve_triangular
 
     import numpyro_pc as pc
-    from numpyro_pc.curvature import Factor
-    from numpyro_pc.expectations import get_rule, hermite_nodes, prepare_rule
-    from numpyro_pc.sites import compute_sites, default_chunk_size
+    from numpyro_pc.curvature.stores import Factor
+    from numpyro_pc.sites.expectations import get_rule, hermite_nodes, prepare_rule
+    from numpyro_pc.sites.gaussian import compute_sites, default_chunk_size
 
     n, d, reps = cfg["N"], cfg["d"], cfg["reps"]
     Xn, yn = make_data(n, d)

@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import numpyro_pc as pc  # noqa: E402
 from _common import machine_info, quiet, write_results  # noqa: E402
-from numpyro_pc.datasets import load_breast_cancer  # noqa: E402
-from numpyro_pc.diagnostics import count_compilations  # noqa: E402
+from numpyro_pc.datasets.loaders import load_breast_cancer  # noqa: E402
+from numpyro_pc.ops.diagnostics import count_compilations  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 POLICIES = ("none", "exact")

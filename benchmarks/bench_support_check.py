@@ -3,7 +3,7 @@
 What is measured
 ----------------
 Every path that takes data tests each observed value with its distribution's support
-(:func:`numpyro_pc.data_support.check_support`: one compiled pass over all rows). For a
+(:func:`numpyro_pc.model.data_support.check_support`: one compiled pass over all rows). For a
 Bernoulli logistic regression and a Poisson regression (``d`` covariates, default 10,
 synthetic, seed 0, float64), a posterior is fitted on 2,000 rows; then, warm (after one
 call of each has compiled):
@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import numpyro_pc as pc  # noqa: E402
-from numpyro_pc.batches import bind_batch  # noqa: E402
-from numpyro_pc.data_support import check_support  # noqa: E402
+from numpyro_pc.model.batches import bind_batch  # noqa: E402
+from numpyro_pc.model.data_support import check_support  # noqa: E402
 
 from _common import machine_info, write_results  # noqa: E402
 

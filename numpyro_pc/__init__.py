@@ -7,10 +7,16 @@ The package never enables 64-bit mode globally; use ``jax.config.update("jax_ena
 True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
 """
 
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
+import sys as _sys
+import warnings as _warnings
 from importlib import metadata as _metadata
 
-from . import diagnostics, errors, families, guides, handlers, lowrank
-from .errors import (
+from numpyro_pc import errors, families, guides
+from numpyro_pc.dual.expfam import EFPosterior
+from numpyro_pc.errors import (
     ConvergenceError,
     DataShapeError,
     DataSupportError,
@@ -24,20 +30,22 @@ from .errors import (
     PersistenceError,
     PosteriorCorrectionError,
     SiteStorageError,
-    UnsupportedGuideError,
     UnknownExampleError,
+    UnsupportedGuideError,
     UnsupportedModelError,
 )
-from .expectations import ExpectationRule
-from .families import DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian, get_family
-from .likelihood import bind_model
-from .ef_posterior import EFPosterior
-from .ef_product import register_factor
-from .lowrank import LowRankGaussian
-from .posterior import DualPosterior, Posterior, dual_form, fit, load
-from .io import save
-from .sites import Sites, compute_sites
-from .diagnostics import correction_magnitude, information_gain, kl
+from numpyro_pc.families import lowrank
+from numpyro_pc.families.lowrank import LowRankGaussian
+from numpyro_pc.families.product import register_factor
+from numpyro_pc.families.registry import (DiagonalGaussian, FullGaussian, Gaussian, GaussianNatural, IsotropicGaussian,
+                                          get_family)
+from numpyro_pc.io.save_load import save
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.ops import diagnostics, handlers
+from numpyro_pc.ops.diagnostics import correction_magnitude, information_gain, kl
+from numpyro_pc.posterior import DualPosterior, Posterior, dual_form, fit, load
+from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.sites.gaussian import Sites, compute_sites
 
 try:  # the installed distribution's version, so the two cannot disagree
     __version__ = _metadata.version("numpyro-pc")
@@ -56,21 +64,116 @@ __all__ = [
     "PersistenceError",
 ]
 
-from . import federated, merging  # noqa: E402
-from .errors import ClientMessageError, IncompatiblePosteriorsError, PrivacyError, TooFewClientsError  # noqa: E402
-from .merging import merge  # noqa: E402
+from numpyro_pc import federated  # noqa: E402
+from numpyro_pc.ops import merging  # noqa: E402
+from numpyro_pc.errors import ClientMessageError, IncompatiblePosteriorsError, PrivacyError, TooFewClientsError  # noqa: E402
+from numpyro_pc.ops.merging import merge  # noqa: E402
 
 __all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "PrivacyError", "TooFewClientsError"]
 
-from . import criticism  # noqa: E402
-from .criticism import influence, lfo, loo  # noqa: E402
+from numpyro_pc import criticism  # noqa: E402
+from numpyro_pc.criticism import influence, lfo, loo  # noqa: E402
 
 __all__ += ["criticism", "loo", "lfo", "influence"]
 
-from .compilation_cache import (compilation_cache_dir, disable_compilation_cache,  # noqa: E402
-                                enable_compilation_cache)
-from .compilation_cache import enable_by_default as _enable_compilation_cache_by_default  # noqa: E402
+from numpyro_pc.compilation_cache import (compilation_cache_dir, disable_compilation_cache,  # noqa: E402
+                                          enable_compilation_cache)
+from numpyro_pc.compilation_cache import enable_by_default as _enable_compilation_cache_by_default  # noqa: E402
 
 __all__ += ["enable_compilation_cache", "disable_compilation_cache", "compilation_cache_dir"]
 
 _enable_compilation_cache_by_default()  # JAX's persistent cache in a per-user folder (numpyro_pc.compilation_cache)
+
+
+#: modules of the flat layout (release 0.1) and where they live now; the old names import for one
+#: release with a FutureWarning (the packages that took a module's name re-export its API instead)
+MOVED_MODULES = {
+    "numpyro_pc.archive": "numpyro_pc.io.archive",
+    "numpyro_pc.batches": "numpyro_pc.model.batches",
+    "numpyro_pc.boundary": "numpyro_pc.solvers.boundary",
+    "numpyro_pc.cached_sites": "numpyro_pc.sites.cached",
+    "numpyro_pc.capabilities": "numpyro_pc.protocols.capabilities",
+    "numpyro_pc.correction": "numpyro_pc.ops.correction",
+    "numpyro_pc.curvature_sparse": "numpyro_pc.curvature.sparse",
+    "numpyro_pc.data_support": "numpyro_pc.model.data_support",
+    "numpyro_pc.diagnostics": "numpyro_pc.ops.diagnostics",
+    "numpyro_pc.dual_build": "numpyro_pc.dual.build",
+    "numpyro_pc.ef_adapt": "numpyro_pc.dual.expfam_adapt",
+    "numpyro_pc.ef_demo": "numpyro_pc.demos.expfam",
+    "numpyro_pc.ef_discrete": "numpyro_pc.families.discrete",
+    "numpyro_pc.ef_eval": "numpyro_pc.sites.expfam_eval",
+    "numpyro_pc.ef_families": "numpyro_pc.families.expfam",
+    "numpyro_pc.ef_fit": "numpyro_pc.dual.expfam_fit",
+    "numpyro_pc.ef_gaussian": "numpyro_pc.families.expfam_gaussian",
+    "numpyro_pc.ef_guides": "numpyro_pc.guides.expfam",
+    "numpyro_pc.ef_handlers": "numpyro_pc.ops.expfam_handlers",
+    "numpyro_pc.ef_io": "numpyro_pc.io.expfam",
+    "numpyro_pc.ef_posterior": "numpyro_pc.dual.expfam",
+    "numpyro_pc.ef_product": "numpyro_pc.families.product",
+    "numpyro_pc.ef_rules": "numpyro_pc.families.point_sets",
+    "numpyro_pc.ef_site_table": "numpyro_pc.sites.expfam_table",
+    "numpyro_pc.ef_sites": "numpyro_pc.sites.expfam",
+    "numpyro_pc.ef_solve": "numpyro_pc.solvers.expfam",
+    "numpyro_pc.expectations": "numpyro_pc.sites.expectations",
+    "numpyro_pc.family_protocol": "numpyro_pc.protocols.family",
+    "numpyro_pc.file_format": "numpyro_pc.io.file_format",
+    "numpyro_pc.fingerprint": "numpyro_pc.io.fingerprint",
+    "numpyro_pc.fixed_point": "numpyro_pc.solvers.fixed_point",
+    "numpyro_pc.gaussians": "numpyro_pc.families.gaussians",
+    "numpyro_pc.handlers": "numpyro_pc.ops.handlers",
+    "numpyro_pc.hierarchical": "numpyro_pc.posteriordb.suite",
+    "numpyro_pc.latent": "numpyro_pc.model.latent",
+    "numpyro_pc.likelihood": "numpyro_pc.model.likelihood",
+    "numpyro_pc.lowrank": "numpyro_pc.families.lowrank",
+    "numpyro_pc.lowrank_algebra": "numpyro_pc.families.lowrank_algebra",
+    "numpyro_pc.memory": "numpyro_pc.curvature.memory",
+    "numpyro_pc.memory_sets": "numpyro_pc.sites.memory_sets",
+    "numpyro_pc.merging": "numpyro_pc.ops.merging",
+    "numpyro_pc.model_terms": "numpyro_pc.model.terms",
+    "numpyro_pc.newton_polish": "numpyro_pc.solvers.newton_polish",
+    "numpyro_pc.plotting": "numpyro_pc.demos.plotting",
+    "numpyro_pc.posterior_protocol": "numpyro_pc.protocols.posterior",
+    "numpyro_pc.posterior_state": "numpyro_pc.dual.state",
+    "numpyro_pc.posteriordb_base": "numpyro_pc.posteriordb.base",
+    "numpyro_pc.posteriordb_hierarchical": "numpyro_pc.posteriordb.hierarchical",
+    "numpyro_pc.prior_site": "numpyro_pc.sites.prior",
+    "numpyro_pc.rowops": "numpyro_pc.model.rowops",
+    "numpyro_pc.rows": "numpyro_pc.model.rows",
+    "numpyro_pc.saved_model": "numpyro_pc.io.saved_model",
+    "numpyro_pc.site_problem": "numpyro_pc.solvers.site_problem",
+    "numpyro_pc.site_protocol": "numpyro_pc.protocols.sites",
+    "numpyro_pc.site_storage": "numpyro_pc.curvature.storage",
+    "numpyro_pc.site_table": "numpyro_pc.kernels.site_table",
+    "numpyro_pc.site_table_sag": "numpyro_pc.kernels.site_table_sag",
+    "numpyro_pc.start": "numpyro_pc.solvers.start",
+    "numpyro_pc.stochastic": "numpyro_pc.ops.stochastic",
+    "numpyro_pc.stream_state": "numpyro_pc.kernels.stream_state",
+    "numpyro_pc.streaming": "numpyro_pc.ops.streaming",
+    "numpyro_pc.unlearning": "numpyro_pc.ops.unlearning",
+    "numpyro_pc.validation": "numpyro_pc.io.validation",
+}
+
+
+class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """Imports a module of the flat layout under its old name: the same module object (so that
+    patching either name patches both), with a ``FutureWarning`` that names the new one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED_MODULES:
+            return None
+        return _importlib_util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        new = MOVED_MODULES[spec.name]
+        _warnings.warn(f"{spec.name} moved to {new}; the old name will be removed in the next release",
+                       FutureWarning, stacklevel=2)
+        module = _importlib.import_module(new)
+        self._spec = module.__spec__
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = self._spec  # the import machinery set the alias's spec on the real module
+
+
+if not any(isinstance(finder, _MovedModuleFinder) for finder in _sys.meta_path):
+    _sys.meta_path.append(_MovedModuleFinder())

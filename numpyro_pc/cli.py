@@ -14,7 +14,7 @@ import numpyro.distributions as dist
 import numpyro_pc as pc
 
 from .errors import InvalidOptionError
-from .plotting import save_figure
+from numpyro_pc.demos.plotting import save_figure
 
 __all__ = ["main", "demo", "SECTIONS"]
 
@@ -66,7 +66,7 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from numpyro_pc.datasets import load_breast_cancer
+    from numpyro_pc.datasets.loaders import load_breast_cancer
 
     chosen = SECTIONS if sections is None else tuple(sections)
     unknown = sorted(set(chosen) - set(SECTIONS))
@@ -100,7 +100,7 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
 
             result["merging_federated"] = demo_merging_federated(_logistic_model, X, y, out, plt, fast, joint=scratch)
         if "expfam" in chosen:
-            from .ef_demo import demo_expfam
+            from numpyro_pc.demos.expfam import demo_expfam
 
             result["expfam"] = demo_expfam(out, plt, fast)
         if "streaming_gp" in chosen:
@@ -276,7 +276,7 @@ def _demo_hierarchical():
     """A centred hierarchy (eight schools, embedded): the start that is not the MAP, and an exact update."""
     import jax
 
-    from .hierarchical import eight_schools
+    from numpyro_pc.posteriordb.suite import eight_schools
 
     problem = eight_schools(centred=True)
     print("\nA hierarchical model: eight schools, centred (theta_j ~ N(mu, tau), tau ~ HalfCauchy(5))")

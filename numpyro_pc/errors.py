@@ -31,7 +31,7 @@ class UnsupportedModelError(PosteriorCorrectionError, ValueError):
 
 class MissingCapabilityError(UnsupportedGuideError, UnsupportedModelError):
     """The operation needs something of the variational family that the family does not have
-    (:mod:`numpyro_pc.capabilities`): e.g. dividing sites out of a low-rank posterior, whose
+    (:mod:`numpyro_pc.protocols.capabilities`): e.g. dividing sites out of a low-rank posterior, whose
     precision is a projection of the site sum. The message names the operation, what it needs
     and, in mathematical terms, why the family lacks it. Caught as either of its bases."""
 
@@ -152,7 +152,7 @@ class MonteCarloErrorWarning(UserWarning):
 class BoundaryOptimumWarning(UserWarning):
     """A converged dual form at a collapsed scale (a constrained latent far beyond its prior's
     range) that the default start of :func:`numpyro_pc.fit` beats on the variational objective:
-    a local optimum, not the family's best (:mod:`numpyro_pc.boundary`)."""
+    a local optimum, not the family's best (:mod:`numpyro_pc.solvers.boundary`)."""
 
 
 class PointEstimateWarning(UserWarning):
@@ -161,7 +161,7 @@ class PointEstimateWarning(UserWarning):
 
 
 class ModelMismatchError(PosteriorCorrectionError, ValueError):
-    """A model differs from the one a posterior was built with (see :mod:`numpyro_pc.fingerprint`).
+    """A model differs from the one a posterior was built with (see :mod:`numpyro_pc.io.fingerprint`).
 
     :ivar differences: human-readable list of what differs.
     """
@@ -205,7 +205,7 @@ class DtypeMismatchError(PersistenceError):
 
 
 class SavedModelMismatchError(PersistenceError, ModelMismatchError):
-    """The model given to :func:`numpyro_pc.io.load` is not the one the posterior was saved with."""
+    """The model given to :func:`numpyro_pc.io.save_load.load` is not the one the posterior was saved with."""
 
 
 class ClientMessageError(PosteriorCorrectionError, ValueError):

@@ -20,24 +20,24 @@ from collections.abc import Callable, Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from .capabilities import FixedPrecision, capability
-from . import ef_guides as _ef_guides
-from .boundary import check_boundary, warn_if_worse_optimum
-from . import guides as _guides
-from .ef_fit import dual_form_ef, fit_ef
-from .ef_posterior import EFPosterior
-from .dual import DualPosteriorBase, by_posterior_kind, in_own_precision
-from .dual_build import build_posterior
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.guides import expfam as _ef_guides
+from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
+from numpyro_pc.guides import gaussian as _guides
+from numpyro_pc.dual.expfam_fit import dual_form_ef, fit_ef
+from numpyro_pc.dual.expfam import EFPosterior
+from numpyro_pc.dual.base import DualPosteriorBase, by_posterior_kind, in_own_precision
+from numpyro_pc.dual.build import build_posterior
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
-from .expectations import get_rule
-from .families import ExponentialFamily, get_family
-from .io import load as _load
-from .likelihood import bind_model
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.families.registry import ExponentialFamily, get_family
+from numpyro_pc.io.save_load import load as _load
+from numpyro_pc.model.likelihood import bind_model
 from .options import MAX_SEED, check_count, check_flag, check_solver_options
-from .posterior_protocol import Posterior
-from .start import default_start
-from .streaming import update as _update
-from .unlearning import delete as _delete
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.solvers.start import default_start
+from numpyro_pc.ops.streaming import update as _update
+from numpyro_pc.ops.unlearning import delete as _delete
 
 __all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 
@@ -47,11 +47,11 @@ class DualPosterior(DualPosteriorBase):
 
     Instances are immutable: :meth:`refine` returns a new object.
 
-    :ivar spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
-    :ivar data: the bound data (:class:`~numpyro_pc.likelihood.ModelData`).
-    :ivar family: the :class:`~numpyro_pc.families.ExponentialFamily`.
-    :ivar state: the :class:`~numpyro_pc.families.Gaussian` ``(mean, precision)``.
-    :ivar sites: the :class:`~numpyro_pc.sites.Sites` at ``state``.
+    :ivar spec: the model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`).
+    :ivar data: the bound data (:class:`~numpyro_pc.model.likelihood.ModelData`).
+    :ivar family: the :class:`~numpyro_pc.families.registry.ExponentialFamily`.
+    :ivar state: the :class:`~numpyro_pc.families.registry.Gaussian` ``(mean, precision)``.
+    :ivar sites: the :class:`~numpyro_pc.sites.gaussian.Sites` at ``state``.
     :ivar rule: the expectation rule used for the sites and the refinement.
     :ivar history: the refinement record (list of dicts).
     :ivar offset: natural parameters not attributed to any single site (left by weighted
@@ -62,7 +62,7 @@ class DualPosterior(DualPosteriorBase):
 
     @classmethod
     def adopt(cls, posterior: DualPosteriorBase) -> DualPosterior:
-        """``posterior`` (a :class:`~numpyro_pc.dual.DualPosteriorBase`) as a :class:`DualPosterior`."""
+        """``posterior`` (a :class:`~numpyro_pc.dual.base.DualPosteriorBase`) as a :class:`DualPosterior`."""
         return posterior if isinstance(posterior, cls) else cls(**posterior.constructor_fields())
 
     # ------------------------------------------------------------------ adaptation
@@ -77,7 +77,7 @@ class DualPosterior(DualPosteriorBase):
         ``"exact"`` (every retained example: the batch posterior), ``"memory"`` (``memory``
         is a list of ids, or a size — an integer count, or a fraction in ``(0, 1]`` of the retained
         examples, ``1.0`` being all of them — chosen by ``selection`` in ``"random"``,
-        ``"residual"``, ``"curvature"``, ``"leverage"``: :mod:`numpyro_pc.memory_sets`, the same
+        ``"residual"``, ``"curvature"``, ``"leverage"``: :mod:`numpyro_pc.sites.memory_sets`, the same
         rules for every family), ``"weighted"`` (the memory scaled
         to stand for all retained data, falling back to ``"memory"`` if that loses positive
         definiteness) or ``"stochastic"`` (the exact correction from a random
@@ -99,7 +99,7 @@ class DualPosterior(DualPosteriorBase):
     @in_own_precision
     def delete(self, ids: Iterable[int], method: str = "remove_site", damping: bool = False, tol: float | None = None,
                max_iters: int | None = None, raise_on_failure: bool = True) -> DualPosterior:
-        """Remove examples from the posterior (unlearning); see :mod:`numpyro_pc.unlearning`.
+        """Remove examples from the posterior (unlearning); see :mod:`numpyro_pc.ops.unlearning`.
 
         :param ids: example ids to delete (any number).
         :param str method: ``"remove_site"`` (memory-perturbation equation, default),
@@ -116,9 +116,9 @@ class DualPosterior(DualPosteriorBase):
 
 
 def load(path: str | os.PathLike, model: Callable, key: bytes | str | None = None) -> DualPosterior | EFPosterior:
-    """Load a posterior saved with :meth:`DualPosterior.save` or :func:`numpyro_pc.io.save`; see
-    :func:`numpyro_pc.io.load`, which checks the file and the model, for the parameters and the
-    errors raised. A file saved from an :class:`~numpyro_pc.ef_posterior.EFPosterior` loads as one."""
+    """Load a posterior saved with :meth:`DualPosterior.save` or :func:`numpyro_pc.io.save_load.save`; see
+    :func:`numpyro_pc.io.save_load.load`, which checks the file and the model, for the parameters and the
+    errors raised. A file saved from an :class:`~numpyro_pc.dual.expfam.EFPosterior` loads as one."""
     return _as_held(_load(path, model, key=key))
 
 
@@ -138,9 +138,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     A hand-written guide (a plain function, not an autoguide) or an ``AutoGuideList`` whose
     every sample site is a Beta, Gamma, Dirichlet, Normal/LogNormal, MultivariateNormal,
     Bernoulli or Categorical distribution with ``numpyro.param`` arguments (or an AutoNormal
-    part) gives an :class:`~numpyro_pc.ef_posterior.EFPosterior` in those families instead
-    (:func:`numpyro_pc.ef_fit.dual_form_ef`; ``expectation`` is then ``"auto"``,
-    ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"`` — :meth:`numpyro_pc.ef_sites.EFConfig.make` —,
+    part) gives an :class:`~numpyro_pc.dual.expfam.EFPosterior` in those families instead
+    (:func:`numpyro_pc.dual.expfam_fit.dual_form_ef`; ``expectation`` is then ``"auto"``,
+    ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"`` — :meth:`numpyro_pc.sites.expfam.EFConfig.make` —,
     ``num_nodes`` the Gauss nodes per site, default 32, and ``num_samples`` the draws of ``"mc"``,
     default 2048, or of the vector sites of ``"mixed"``, default 64).
 
@@ -148,19 +148,19 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     prior's 1–99 % range) gives a genuine fixed point that is still a local optimum; when the
     default start of :func:`fit` scores better on the variational objective,
     :class:`~numpyro_pc.errors.BoundaryOptimumWarning` says so with both scores, and
-    ``record["boundary"]`` keeps what was flagged (:func:`numpyro_pc.boundary.check_boundary`;
+    ``record["boundary"]`` keeps what was flagged (:func:`numpyro_pc.solvers.boundary.check_boundary`;
     like the rest of ``record``, it describes this call and is not saved or carried by ``update``).
     The check runs after a converged refinement, not with ``refine=False`` or the delta rule.
 
     :param model: the NumPyro model the guide was fitted to.
-    :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.SUPPORTED_GUIDES`).
+    :param guide: the fitted autoguide (see :data:`numpyro_pc.guides.gaussian.SUPPORTED_GUIDES`).
     :param dict params: the guide's parameters, e.g. ``SVI(...).run(...).params``.
     :param args: the model's positional arguments (the data).
     :param str expectation: ``"delta"``, ``"mc"``, ``"gh"`` or an
-        :class:`~numpyro_pc.expectations.ExpectationRule` (default per guide, see
-        :func:`numpyro_pc.guides.default_expectation`).
+        :class:`~numpyro_pc.sites.expectations.ExpectationRule` (default per guide, see
+        :func:`numpyro_pc.guides.gaussian.default_expectation`).
     :param str curvature: ``"hessian"`` or ``"ggn"``.
-    :param str storage: per-example curvature storage, see :mod:`numpyro_pc.sites`.
+    :param str storage: per-example curvature storage, see :mod:`numpyro_pc.sites.gaussian`.
     :param bool refine: run natural-gradient steps to the dual-form fixed point. If they fail
         from the guide (a guide far from the optimum), they restart from the MAP/Laplace
         start of :func:`fit` and ``record["start"]`` says why.
@@ -168,7 +168,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param bool raise_on_failure: raise if the refinement misses ``tol`` (else warn).
     :param float tol: residual tolerance of the refinement.
     :param int max_iters: refinement iterations (default: 100, extended while the run converges linearly; see
-        :func:`~numpyro_pc.solvers.solve`).
+        :func:`~numpyro_pc.solvers.gaussian.solve`).
     :param int num_samples: Monte Carlo draws (``"mc"``; default 64).
     :param int seed: seed of the fixed Monte Carlo noise.
     :param int num_nodes: Gauss–Hermite nodes (``"gh"``; default 64).
@@ -176,7 +176,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     :param str data_plate: the plate indexing examples when ambiguous. A model with no plate
         around its observed sites gets an implicit one over their leading batch dimension when
         that equals the per-example arguments' length (the rule of
-        :func:`~numpyro_pc.likelihood.bind_model`, docs/models.md).
+        :func:`~numpyro_pc.model.likelihood.bind_model`, docs/models.md).
     :param tuple shared: names of array arguments that are not per-example.
     :param kwargs: the model's keyword arguments.
     """
@@ -229,7 +229,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     unconstrained space, with the Laplace precision there. When that search does not converge —
     a centred hierarchy has no MAP: its density grows without bound as a group scale goes to 0 —
     a mean-field Gaussian is also fitted by deterministic ADVI on fixed draws
-    (:func:`numpyro_pc.start.mean_field_elbo`), both are scored on the same variational objective
+    (:func:`numpyro_pc.solvers.start.mean_field_elbo`), both are scored on the same variational objective
     and the better one starts the solver; ``record["start"]`` says which (``kind``) and, when
     compared, both scores (``candidates``). ``init="prior"`` starts from ``m = 0`` with the prior's
     curvature as precision. The data are
@@ -239,20 +239,20 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
 
     :param family: ``"full"``, ``"diagonal"``, ``"isotropic"`` (the isotropic family with
         the delta rule is MAP / ERM) or ``"lowrank"`` with ``rank`` (precision
-        ``diag(D) + UUᵀ``, :class:`~numpyro_pc.lowrank.LowRankGaussian`); or a dict
+        ``diag(D) + UUᵀ``, :class:`~numpyro_pc.families.lowrank.LowRankGaussian`); or a dict
         ``{latent site: "beta" | "gamma" | "dirichlet"}`` naming every latent site: a
         mean-field product of those families over the constrained values, fitted by the BLR
-        in natural parameters (:func:`numpyro_pc.ef_fit.fit_ef`, docs/expfam.md),
-        returning an :class:`~numpyro_pc.ef_posterior.EFPosterior`.
+        in natural parameters (:func:`numpyro_pc.dual.expfam_fit.fit_ef`, docs/expfam.md),
+        returning an :class:`~numpyro_pc.dual.expfam.EFPosterior`.
     :param int rank: the number of columns of ``U`` for ``family="lowrank"`` (``1 ≤ rank ≤ d``);
         a family that takes no rank refuses one.
     :param expectation: default ``"auto"``: Gauss–Hermite over each example's dependence
         subspace where the model has one of at most three dimensions (GLMs, regressions with a
         learned scale, hierarchical examples), else Monte Carlo with its error estimated
-        (``"delta"`` for the isotropic family); see :mod:`numpyro_pc.expectations`.
+        (``"delta"`` for the isotropic family); see :mod:`numpyro_pc.sites.expectations`.
     :param init: ``"map"`` (default): L-BFGS on the negative log joint from ``0`` and the
         Laplace precision at its minimum, or the mean-field ELBO start where that search fails
-        (:mod:`numpyro_pc.start`); ``"prior"``: mean ``0`` with the prior's curvature as
+        (:mod:`numpyro_pc.solvers.start`); ``"prior"``: mean ``0`` with the prior's curvature as
         precision; an array: the MAP search (and the ELBO start's mean) starts there.
 
     See :func:`dual_form` for the other options.

@@ -119,8 +119,8 @@ def vb_optimality_gap(model, args, post, nodes=30, kwargs=None):
     quadrature over all of ``z`` — an oracle independent of the package's expectation rules,
     for models with ``d ≤ 3``. Returns ``(mean_gap, precision_gap)``.
     """
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.start import negative_log_joint
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.solvers.start import negative_log_joint
 
     spec, data = bind_model(model, args, kwargs or {})
     d = spec.latent.dim

@@ -1,4 +1,4 @@
-"""Binding a new batch to a fitted posterior (numpyro_pc.batches): what a batch may and may not change."""
+"""Binding a new batch to a fitted posterior (numpyro_pc.model.batches): what a batch may and may not change."""
 
 import numpy as np
 import numpyro

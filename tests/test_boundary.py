@@ -1,4 +1,4 @@
-"""A dual form at a collapsed scale (numpyro_pc.boundary, issue 32 item 5b).
+"""A dual form at a collapsed scale (numpyro_pc.solvers.boundary, issue 32 item 5b).
 
 Oracles: the variational objective itself (a posterior that the default start of pc.fit beats
 by 100+ nats is not the family's optimum, and pc.fit's own answer beats it too) and a model
@@ -16,10 +16,11 @@ import pytest
 from numpyro.infer import SVI, Trace_ELBO, autoguide
 
 import numpyro_pc as pc
-from numpyro_pc import boundary, start
+from numpyro_pc.solvers import boundary
+from numpyro_pc.solvers import start
 from numpyro_pc.errors import BoundaryOptimumWarning
-from numpyro_pc.hierarchical import correlated_admissions
-from numpyro_pc.likelihood import bind_model
+from numpyro_pc.posteriordb.suite import correlated_admissions
+from numpyro_pc.model.likelihood import bind_model
 
 
 def tiny_noise(y=None):

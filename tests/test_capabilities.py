@@ -17,10 +17,10 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import errors
-from numpyro_pc.capabilities import (FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum, capability,
+from numpyro_pc.protocols.capabilities import (FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum, capability,
                                      require)
-from numpyro_pc.families import FullGaussian, IsotropicGaussian, get_family
-from numpyro_pc.lowrank import LowRankGaussian
+from numpyro_pc.families.registry import FullGaussian, IsotropicGaussian, get_family
+from numpyro_pc.families.lowrank import LowRankGaussian
 
 from conftest import linear_model, make_linear
 from test_ef_adapt import beta_bernoulli
@@ -132,7 +132,7 @@ def test_old_flags_are_bridged_to_capabilities_with_a_deprecation_warning():
 
 def test_a_registered_family_without_gaussian_sites_does_not_break_loading_gaussian_files(x64, tmp_path):
     # the storage a Gaussian file may hold is looked up for every registered family when a file is read
-    from numpyro_pc.families import _FAMILIES, register_family
+    from numpyro_pc.families.registry import _FAMILIES, register_family
 
     @dataclass(frozen=True, repr=False)
     class NoSites(FullGaussian):

@@ -118,7 +118,7 @@ def test_all_n_removals_equal_one_by_one_deletions(x64, family):
 
 
 def test_monte_carlo_and_delta_rules_score_with_their_own_expectations(x64):
-    from numpyro_pc.expectations import mc_noise
+    from numpyro_pc.sites.expectations import mc_noise
 
     X, y = make_linear(40, 2, seed=5)
     Xn, yn = np.asarray(X), np.asarray(y)

@@ -19,7 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import numpyro_pc as pc
-from numpyro_pc import archive, data_support, errors, federated, io, likelihood
+from numpyro_pc import errors, federated
+from numpyro_pc.io import archive
+from numpyro_pc.model import data_support
+from numpyro_pc.io import save_load as io
+from numpyro_pc.model import likelihood
 
 from conftest import logistic_model, make_logistic
 

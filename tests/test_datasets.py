@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from numpyro_pc import datasets
+from numpyro_pc.datasets import loaders as datasets
 
 SHARED = datasets.data_dir()
 needs_data = pytest.mark.skipif(SHARED is None or not (SHARED / "a7a").is_dir(),

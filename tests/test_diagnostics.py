@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import diagnostics
+from numpyro_pc.ops import diagnostics
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
@@ -66,7 +66,7 @@ def test_correction_magnitude_finds_interfering_examples(x64):
 @pytest.mark.parametrize("shared_jacobian", [False, True])
 @pytest.mark.parametrize("family", ["full", "diagonal"])
 def test_factorised_mismatch_equals_the_dense_formula(x64, family, shared_jacobian):
-    from numpyro_pc.diagnostics import site_mismatch
+    from numpyro_pc.ops.diagnostics import site_mismatch
 
     X, y = make_logistic(60, 3, seed=24)
     post = pc.fit(logistic_model, X[:40], y[:40], family=family)

@@ -21,8 +21,10 @@ from numpyro.distributions import constraints
 from scipy import special
 
 import numpyro_pc as pc
-from numpyro_pc import archive, errors, io
-from numpyro_pc.ef_posterior import merge_ef
+from numpyro_pc import errors
+from numpyro_pc.io import archive
+from numpyro_pc.io import save_load as io
+from numpyro_pc.dual.expfam import merge_ef
 
 from conftest import logistic_model, make_logistic
 
@@ -487,7 +489,7 @@ def test_update_options_read_as_on_gaussian_posteriors(x64):
 def test_site_removal_with_damping_stops_inside_the_domain(x64):
     # a stale posterior (its natural parameters put back at the prior's) whose three y = 1 sites (1, 0)
     # cannot all be removed: a - 1 = A0 - 1 - 3α stays above -1 only for α < A0 / 3
-    from numpyro_pc.ef_posterior import EFState
+    from numpyro_pc.dual.expfam import EFState
 
     post = pc.fit(beta_bernoulli, y=jnp.ones(10), family={"p": "beta"})
     stale = post.evolve(state=EFState(jnp.asarray([A0 - 1.0, B0 - 1.0]), post.sites), stale_sites=True)

@@ -22,8 +22,8 @@ from numpyro.distributions import constraints
 from scipy import stats
 
 import numpyro_pc as pc
-from numpyro_pc.ef_families import Factor
-from numpyro_pc.ef_rules import gamma_rule
+from numpyro_pc.families.expfam import Factor
+from numpyro_pc.families.point_sets import gamma_rule
 from numpyro_pc.errors import InvalidOptionError, SavedModelMismatchError
 
 A0, B0 = 3.0, 2.0
@@ -144,7 +144,7 @@ def test_registered_family_saves_and_loads(x64, data, tmp_path, monkeypatch):
     np.testing.assert_allclose(_args(back.update(y=y[:5] + 1.0)), _posterior(np.concatenate([data, data[:5] + 1.0])),
                                rtol=1e-10)
 
-    from numpyro_pc import ef_product
+    from numpyro_pc.families import product as ef_product
 
     monkeypatch.delitem(ef_product.EF_FAMILIES, "invgamma")  # a session that has not registered the factor
     monkeypatch.delitem(ef_product._REGISTERED, dist.InverseGamma)
@@ -153,7 +153,7 @@ def test_registered_family_saves_and_loads(x64, data, tmp_path, monkeypatch):
 
 
 def test_register_factor_refuses_what_it_cannot_use():
-    with pytest.raises(InvalidOptionError, match="subclass of numpyro_pc.ef_families.Factor"):
+    with pytest.raises(InvalidOptionError, match="subclass of numpyro_pc.families.expfam.Factor"):
         pc.register_factor(dist.InverseGamma)
 
     @dataclass(frozen=True)

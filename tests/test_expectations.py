@@ -17,8 +17,8 @@ import pytest
 import numpyro_pc as pc
 from conftest import linear_model, make_linear, vb_optimality_gap
 from numpyro_pc.errors import ExpectationRuleError, InvalidOptionError, MonteCarloErrorWarning
-from numpyro_pc.expectations import ExpectationRule, dependence_subspace_dim, mc_noise
-from numpyro_pc.likelihood import bind_model, example_loss, prior_loss
+from numpyro_pc.sites.expectations import ExpectationRule, dependence_subspace_dim, mc_noise
+from numpyro_pc.model.likelihood import bind_model, example_loss, prior_loss
 
 
 def unknown_noise_model(x, y=None):
@@ -91,7 +91,7 @@ def test_dependence_subspace_dimensions_of_typical_models(x64):
 
 
 def test_auto_falls_back_to_monte_carlo_and_explicit_gh_refuses_a_network(x64):
-    from numpyro_pc.expectations import get_rule, prepare_rule
+    from numpyro_pc.sites.expectations import get_rule, prepare_rule
 
     X = jnp.asarray(np.random.default_rng(2).normal(size=(30, 2)))
     spec, data = bind_model(tanh_net, (X, jnp.zeros(30)))
@@ -107,7 +107,7 @@ def test_eight_schools_default_rule_matches_brute_force_moments_of_its_sites(x64
     # rule spends 7 nodes per axis (343 points) at r = 3; its error on this integrand (which
     # contains τ = exp(log τ)) measures 2.4e-5 relative, so the tolerance is 1e-4 — still
     # ~100× below the error of 64 Monte Carlo draws.
-    from numpyro_pc.likelihood import example_loss
+    from numpyro_pc.model.likelihood import example_loss
 
     idx, s, ys = np.arange(8), np.array([15., 10, 16, 11, 9, 11, 10, 18]), np.array([28., 8, -3, 7, -1, 1, 18, 12])
     post = pc.fit(noncentred_schools, idx, s, ys)
@@ -182,8 +182,8 @@ def test_reparam_precision_makes_the_fixed_point_stationary_for_the_fixed_draw_o
 
 
 def test_positive_definite_step_for_an_indefinite_target(x64):
-    from numpyro_pc.families import Gaussian
-    from numpyro_pc.solvers import _damped_trial
+    from numpyro_pc.families.registry import Gaussian
+    from numpyro_pc.solvers.gaussian import _damped_trial
 
     rng = np.random.default_rng(0)
     a = rng.normal(size=(5, 5))

@@ -18,11 +18,11 @@ from numpyro.distributions import constraints
 from scipy import special, stats
 
 import numpyro_pc as pc
-from numpyro_pc.ef_families import BetaFactor, DirichletFactor, GammaFactor
-from numpyro_pc.ef_product import ProductFamily
-from numpyro_pc.ef_rules import beta_rule, gamma_rule
-from numpyro_pc.ef_posterior import EFPosterior
-from numpyro_pc.ef_solve import blr_solve
+from numpyro_pc.families.expfam import BetaFactor, DirichletFactor, GammaFactor
+from numpyro_pc.families.product import ProductFamily
+from numpyro_pc.families.point_sets import beta_rule, gamma_rule
+from numpyro_pc.dual.expfam import EFPosterior
+from numpyro_pc.solvers.expfam import blr_solve
 from numpyro_pc.errors import (ConvergenceError, GuideParamsError, NonFiniteResultError, OutOfDomainError,
                                UnsupportedGuideError, UnsupportedModelError)
 
@@ -423,7 +423,7 @@ def test_dual_form_of_dirichlet_guide(x64):
 
 
 def test_rule_choice():
-    from numpyro_pc.ef_sites import EFConfig
+    from numpyro_pc.sites.expfam import EFConfig
     from numpyro_pc.errors import InvalidOptionError
 
     scalars = ProductFamily(tuple(BetaFactor(f"p{k}", ()) for k in range(3)))

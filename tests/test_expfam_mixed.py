@@ -27,9 +27,9 @@ from numpyro.infer.autoguide import AutoGuideList, AutoNormal
 from scipy import special, stats
 
 import numpyro_pc as pc
-from numpyro_pc.ef_discrete import BernoulliFactor, CategoricalFactor
-from numpyro_pc.ef_gaussian import FullGaussianFactor, NormalFactor
-from numpyro_pc.ef_product import ProductFamily
+from numpyro_pc.families.discrete import BernoulliFactor, CategoricalFactor
+from numpyro_pc.families.expfam_gaussian import FullGaussianFactor, NormalFactor
+from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.errors import InvalidOptionError, MonteCarloErrorWarning, UnsupportedModelError
 
 RELEASE_PROGRAMS_EACH_TEST = True  # large programs, rarely shared: keeps a worker's memory bounded (conftest)
@@ -183,7 +183,7 @@ def test_regression_with_unknown_precision_full_block(x64):
 
 
 def test_symmetric_cubature_is_a_degree_three_rule(x64):
-    from numpyro_pc.ef_rules import symmetric_cubature
+    from numpyro_pc.families.point_sets import symmetric_cubature
 
     dim = 4
     points, weights = (np.asarray(a) for a in symmetric_cubature(jax.random.PRNGKey(3), dim, jnp.float64))
@@ -214,7 +214,7 @@ def test_cubature_sites_of_two_blocks_in_one_loss(x64):
     jointly: the expected Hessian comes from Hessians at the points (degree 2 in v: exact), not from
     Stein's identity (degree 4: wrong, even indefinite). Oracle: the closed-form site of u,
     E[∇ᵤℓ] = E[τ](−y m_v + E[vvᵀ] m_u), E[∇²ᵤℓ] = E[τ] E[vvᵀ], at 1e-10."""
-    from numpyro_pc.ef_sites import compute_sites
+    from numpyro_pc.sites.expfam import compute_sites
 
     y = jnp.asarray(np.random.default_rng(4).normal(1.0, 0.5, 12))
     family = {"tau": "gamma", "u": "full", "v": "full"}
@@ -467,7 +467,7 @@ def test_save_load_arviz_and_prior_handler_with_gaussian_and_discrete_factors(x6
 
 
 def test_batches_of_other_sizes_reuse_the_compiled_sites(x64):
-    from numpyro_pc.diagnostics import count_compilations
+    from numpyro_pc.ops.diagnostics import count_compilations
 
     y = np.random.default_rng(8).normal(1.0, 0.8, 40)
     family = {"tau": "gamma", "mu": "normal"}

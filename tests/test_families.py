@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from numpyro_pc.families import (DiagonalGaussian, FullGaussian, Gaussian, IsotropicGaussian, add_site,
+from numpyro_pc.families.registry import (DiagonalGaussian, FullGaussian, Gaussian, IsotropicGaussian, add_site,
                                  get_family, remove_site, scale_site)
 
 D = 4
@@ -115,7 +115,7 @@ def test_a_family_is_added_by_registering_it(x64, monkeypatch, tmp_path):
     from dataclasses import dataclass
 
     import numpyro_pc as pc
-    from numpyro_pc import families
+    from numpyro_pc.families import registry as families
     from numpyro_pc.errors import InvalidOptionError
 
     from conftest import logistic_model, make_logistic

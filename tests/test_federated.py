@@ -9,7 +9,7 @@ import pytest
 
 import numpyro_pc as pc
 from numpyro_pc import federated
-from numpyro_pc.datasets import load_breast_cancer
+from numpyro_pc.datasets.loaders import load_breast_cancer
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 

@@ -13,7 +13,7 @@ from numpyro_pc import federated
 from numpyro_pc.federated.core import LocalConfig, bind_clients, client_site, clipped_site, local_update
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
 from numpyro_pc.federated.privacy import GaussianMechanism, add_noise, clip_factors, clip_rows, finite_rows
-from numpyro_pc.families import Gaussian, GaussianNatural
+from numpyro_pc.families.registry import Gaussian, GaussianNatural
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear
 

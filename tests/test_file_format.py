@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import errors, file_format
+from numpyro_pc import errors
+from numpyro_pc.io import file_format
 
 from test_ef_adapt import beta_bernoulli
 from test_saved_files import FIXTURES, KEY, MODELS
@@ -373,9 +374,9 @@ def test_a_damaged_list_of_deleted_ids_is_refused_with_its_typed_error(name, edi
 
 # --------------------------------------------------------------------------- the former names of the checks
 
-_FORMER = [("numpyro_pc.validation", "check_manifest", "numpyro_pc.file_format.check_manifest"),
-           ("numpyro_pc.ef_io", "check_ef_manifest", "numpyro_pc.file_format.check_manifest"),
-           ("numpyro_pc.ef_io", "check_ef_contents", "numpyro_pc.validation.check_ef_contents")]
+_FORMER = [("numpyro_pc.io.validation", "check_manifest", "numpyro_pc.io.file_format.check_manifest"),
+           ("numpyro_pc.io.expfam", "check_ef_manifest", "numpyro_pc.io.file_format.check_manifest"),
+           ("numpyro_pc.io.expfam", "check_ef_contents", "numpyro_pc.io.validation.check_ef_contents")]
 
 
 @pytest.mark.parametrize("module, name, new", _FORMER, ids=[n for _, n, _ in _FORMER])
@@ -408,7 +409,7 @@ def test_a_signed_file_is_verified_before_its_family_name_is_interpreted(tmp_pat
     """A parametrised family name is built and registered when the manifest is checked; with a key, the
     signature is verified first, so an altered name registers nothing (the process's family registry is
     not for the file's author to extend)."""
-    from numpyro_pc.families import registered_families
+    from numpyro_pc.families.registry import registered_families
     assert "lowrank-37" not in registered_families()
     path = _edit(FIXTURES / "gaussian_full_signed.npz", tmp_path / "f", lambda m: m.update(family="lowrank-37"))
     with pytest.raises(errors.IntegrityError, match="does not match"):
@@ -423,7 +424,7 @@ def test_the_manifest_allowance_of_a_tombstones_member_is_for_manifests_that_lis
     """Only files that list their deleted ids in the manifest (written before the member held them alone)
     need more than MAX_MANIFEST bytes of manifest; another manifest using the allowance that any
     ``tombstones.npy`` grants before the kind is known is refused once parsed."""
-    from numpyro_pc import archive
+    from numpyro_pc.io import archive
     listed = FIXTURES / "gaussian_full_v2_listed.npz"
     current = _with_member(v2_files["gaussian_full"], tmp_path / "f", "tombstones", np.arange(0))
     for path in (listed, current):

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpyro
 import numpyro.distributions as dist
 
-from numpyro_pc.fingerprint import compare_fingerprints, model_fingerprint
-from numpyro_pc.likelihood import bind_model
+from numpyro_pc.io.fingerprint import compare_fingerprints, model_fingerprint
+from numpyro_pc.model.likelihood import bind_model
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
@@ -75,7 +75,7 @@ def test_a_different_version_is_one_difference():
 def test_fingerprint_is_deterministic_across_processes():
     """NumPyro flattens distribution fields in set order (hash-seed dependent); the fingerprint must not."""
     code = ("import sys, json, jax; sys.path.insert(0, 'tests'); from conftest import logistic_model, make_logistic;"
-            "from numpyro_pc.likelihood import bind_model; from numpyro_pc.fingerprint import model_fingerprint;"
+            "from numpyro_pc.model.likelihood import bind_model; from numpyro_pc.io.fingerprint import model_fingerprint;"
             "X, y = make_logistic(10, 1, seed=3);"
             "print(json.dumps(model_fingerprint(*bind_model(logistic_model, (X, y))), sort_keys=True))")
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,10 +1,10 @@
-"""The one fixed-point engine (numpyro_pc.fixed_point): Anderson, damping, the natural-parameter
+"""The one fixed-point engine (numpyro_pc.solvers.fixed_point): Anderson, damping, the natural-parameter
 iteration's host and traced drivers, stagnation and the tolerance rule.
 
 Oracles: the fixed point of an affine map in closed form, ``(I − A)⁻¹ b``; Anderson type II
 with a full history is GMRES on an affine map, so it must land on it in at most ``n + 1``
 steps while the plain iteration needs hundreds (the spectral radius is 0.95); the host driver
-(:func:`numpyro_pc.ef_solve.blr_solve`) and the traced one (:func:`natural_solve`) run the same
+(:func:`numpyro_pc.solvers.expfam.blr_solve`) and the traced one (:func:`natural_solve`) run the same
 pieces, so their iterates agree to rounding. All in float64.
 """
 
@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import ef_posterior, ef_solve, fixed_point, solvers
+from numpyro_pc.dual import expfam as ef_posterior
+from numpyro_pc.solvers import expfam as ef_solve
+from numpyro_pc.solvers import fixed_point
+from numpyro_pc.solvers import gaussian as solvers
 from numpyro_pc.errors import ConvergenceError, OutOfDomainError, StagnationError
 from conftest import logistic_model, make_logistic
-from numpyro_pc.fixed_point import (anderson_init, anderson_mix, anderson_push, anderson_restart, damping_init,
+from numpyro_pc.solvers.fixed_point import (anderson_init, anderson_mix, anderson_push, anderson_restart, damping_init,
                                     damping_observe, natural_solve)
 
 
@@ -157,10 +160,10 @@ def test_backtrack_returns_the_longest_accepted_halving():
 
 def _logistic_problem(n=60, d=3):
 
-    from numpyro_pc.expectations import ExpectationRule
-    from numpyro_pc.families import get_family
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.site_problem import SiteProblem
+    from numpyro_pc.sites.expectations import ExpectationRule
+    from numpyro_pc.families.registry import get_family
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.solvers.site_problem import SiteProblem
 
     X, y = make_logistic(n, d)
     spec, data = bind_model(logistic_model, (X, y))
@@ -176,7 +179,7 @@ def test_gaussian_host_solve_is_its_init_and_step(x64):
     # the MAP, so the mean equals pc.fit's MAP/Laplace posterior on the same data to 1e-8.
     import numpyro_pc as pc
 
-    from numpyro_pc.families import Gaussian
+    from numpyro_pc.families.registry import Gaussian
 
     problem, (X, y) = _logistic_problem()
     start = Gaussian(jnp.zeros(4), jnp.eye(4))  # the intercept and three weights
@@ -199,8 +202,8 @@ def test_traced_gaussian_iterate_is_its_init_and_step(x64):
     # may reorder sums), and the end point is pc.fit's fixed point on all the data (KL-level 1e-8).
     import numpyro_pc as pc
 
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.stream_state import from_posterior, iterate, iterate_init, iterate_step
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.kernels.stream_state import from_posterior, iterate, iterate_init, iterate_step
 
     X, y = make_logistic(60, 3)
     post = pc.fit(logistic_model, X[:20], y[:20])

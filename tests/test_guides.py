@@ -14,8 +14,8 @@ from numpyro.infer.autoguide import (AutoBNAFNormal, AutoDAIS, AutoDelta, AutoDi
 
 import numpyro_pc as pc
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.guides import from_guide, to_guide_params
-from numpyro_pc.likelihood import bind_model, constrain
+from numpyro_pc.guides.gaussian import from_guide, to_guide_params
+from numpyro_pc.model.likelihood import bind_model, constrain
 
 from conftest import logistic_model, make_logistic
 
@@ -131,8 +131,8 @@ def test_singular_covariance_is_not_positive_definite(logistic_data):
 
 
 def test_a_guide_is_added_by_registering_an_adapter(x64, monkeypatch):
-    from numpyro_pc import guides
-    from numpyro_pc.families import Gaussian
+    from numpyro_pc.guides import gaussian as guides
+    from numpyro_pc.families.registry import Gaussian
 
     monkeypatch.setattr(guides, "_REGISTRY", dict(guides._REGISTRY))  # registration is undone after the test
 

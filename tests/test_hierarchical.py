@@ -19,10 +19,10 @@ import pytest
 import numpyro_pc as pc
 from conftest import linear_model
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.families import get_family
-from numpyro_pc.hierarchical import eight_schools, suite, varying_regression
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.start import map_laplace, mean_field_elbo, negative_log_joint
+from numpyro_pc.families.registry import get_family
+from numpyro_pc.posteriordb.suite import eight_schools, suite, varying_regression
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.solvers.start import map_laplace, mean_field_elbo, negative_log_joint
 
 
 def _halves(problem):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import archive, io
+from numpyro_pc.io import archive
+from numpyro_pc.io import save_load as io
 from numpyro_pc.errors import PersistenceError
 
 from conftest import logistic_model, make_logistic, scale_model, make_linear

@@ -24,7 +24,9 @@ import pytest
 from jax.scipy.stats import norm
 
 import numpyro_pc as pc
-from numpyro_pc import archive, errors, io
+from numpyro_pc import errors
+from numpyro_pc.io import archive
+from numpyro_pc.io import save_load as io
 
 from conftest import logistic_model, make_logistic
 

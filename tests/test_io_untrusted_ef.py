@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import numpyro_pc as pc
-from numpyro_pc import archive, errors
+from numpyro_pc import errors
+from numpyro_pc.io import archive
 
 from test_ef_adapt import _bern, beta_bernoulli
 

@@ -9,7 +9,7 @@ from numpyro import handlers
 from numpyro.infer.util import log_density, potential_energy
 
 import numpyro_pc as pc
-from numpyro_pc.likelihood import IMPLICIT_PLATE, bind_model, losses, prior_loss
+from numpyro_pc.model.likelihood import IMPLICIT_PLATE, bind_model, losses, prior_loss
 
 from conftest import logistic_model, make_linear, scale_model
 

@@ -1,4 +1,4 @@
-"""The low-rank-plus-diagonal family (numpyro_pc.lowrank) against dense algebra and the other families."""
+"""The low-rank-plus-diagonal family (numpyro_pc.families.lowrank) against dense algebra and the other families."""
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +10,13 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoLowRankMultivariateNormal
 
 import numpyro_pc as pc
-from numpyro_pc.curvature import Factor
-from numpyro_pc.datasets import load_breast_cancer
+from numpyro_pc.curvature.stores import Factor
+from numpyro_pc.datasets.loaders import load_breast_cancer
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
-from numpyro_pc.families import Gaussian, get_family
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.lowrank import LowRankGaussian, lowrank_from_covariance
-from numpyro_pc.sites import compute_sites
+from numpyro_pc.families.registry import Gaussian, get_family
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.families.lowrank import LowRankGaussian, lowrank_from_covariance
+from numpyro_pc.sites.gaussian import compute_sites
 
 from conftest import logistic_model, make_logistic
 

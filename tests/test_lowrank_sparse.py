@@ -15,13 +15,14 @@ import pytest
 from jax.extend.core import jaxprs_in_params
 
 import numpyro_pc as pc
-from numpyro_pc import sites as site_module
-from numpyro_pc import curvature_sparse, site_problem
-from numpyro_pc.curvature_sparse import SparseFactor
-from numpyro_pc.diagnostics import site_mismatch
-from numpyro_pc.expectations import prepare_rule, get_rule
-from numpyro_pc.families import get_family
-from numpyro_pc.likelihood import bind_model
+from numpyro_pc.sites import gaussian as site_module
+from numpyro_pc.curvature import sparse as curvature_sparse
+from numpyro_pc.solvers import site_problem
+from numpyro_pc.curvature.sparse import SparseFactor
+from numpyro_pc.ops.diagnostics import site_mismatch
+from numpyro_pc.sites.expectations import prepare_rule, get_rule
+from numpyro_pc.families.registry import get_family
+from numpyro_pc.model.likelihood import bind_model
 
 TOL = 1e-11
 WIDE = 24  # columns of the design arrays; the fit's rows use at most 10 of them, the update's all 24
@@ -173,7 +174,7 @@ def test_no_d_by_d_and_no_n_by_d_array_on_the_path(storage, monkeypatch):
         for name, shapes in found.items():
             assert not _offending(shapes, n, d), f"{name} forms {_offending(shapes, n, d)}"
         assert not _offending(stored, n, d)
-        from numpyro_pc.expectations import _prior_hvps
+        from numpyro_pc.sites.expectations import _prior_hvps
         probe = jnp.ones((4, d), jnp.float32)
         first = tuple(x[:1] for x in data.per_example)
         hvps = _shapes(lambda p: _prior_hvps(replace(spec, num_examples=1), p, first, data.shared, probe),

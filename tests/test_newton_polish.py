@@ -8,9 +8,9 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import newton_polish
+from numpyro_pc.solvers import newton_polish
 from numpyro_pc.errors import ConvergenceError
-from numpyro_pc.likelihood import bind_model, losses, prior_loss
+from numpyro_pc.model.likelihood import bind_model, losses, prior_loss
 
 HIDDEN = 6
 

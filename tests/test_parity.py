@@ -32,8 +32,8 @@ import numpyro_pc as pc
 from numpyro_pc import errors, federated
 from numpyro_pc.federated.ef import global_natural
 from numpyro_pc.federated.privacy import GaussianMechanism
-from numpyro_pc.memory_sets import select_memory, selection_scores
-from numpyro_pc.rows import positions
+from numpyro_pc.sites.memory_sets import select_memory, selection_scores
+from numpyro_pc.model.rows import positions
 
 from conftest import linear_model, make_linear
 from test_ef_adapt import A0, B0, _bern, _pois, beta_bernoulli, lognormal_poisson

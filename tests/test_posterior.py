@@ -14,10 +14,10 @@ from numpyro.infer.autoguide import AutoMultivariateNormal, AutoNormal
 from scipy.optimize import minimize
 
 import numpyro_pc as pc
-from numpyro_pc.families import FullGaussian, Gaussian
-from numpyro_pc.expectations import get_rule
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.sites import compute_sites
+from numpyro_pc.families.registry import FullGaussian, Gaussian
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.sites.gaussian import compute_sites
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic, scale_model
 
@@ -251,7 +251,7 @@ def robust_model(x, t=None):
 
 def test_non_log_concave_fit_converges_from_the_default_start(x64):
     """Far from the optimum only objective decreases are accepted, so the solver does not run away."""
-    from numpyro_pc.datasets import load_breast_cancer
+    from numpyro_pc.datasets.loaders import load_breast_cancer
 
     X, _, names = load_breast_cancer()
     x = jnp.asarray(X[:, [names.index("mean radius")]])
@@ -267,7 +267,7 @@ def test_fits_at_sizes_in_one_bucket_reuse_the_compiled_site_computation(x64):
     # fit and refine pad the data to a bucket with weight-0 copies: cross-validation folds or
     # refits of growing data do not recompile the site computation for every N, and the
     # padding never reaches the posterior (N sites, ids 0..N-1, the same fixed point).
-    from numpyro_pc.sites import trace_count
+    from numpyro_pc.sites.gaussian import trace_count
 
     X, y = (np.asarray(a) for a in make_logistic(130, 3, seed=41))
     pc.fit(logistic_model, X[:100], y[:100], family="full")  # bucket 128

@@ -3,7 +3,7 @@
 For each supported posterior, ``pc.fit`` with its defaults must converge (no error,
 residual ≤ tol) and, for every unconstrained coordinate whose reference marginal is close
 to Gaussian (|skewness| < 0.5 and |excess kurtosis| < 1 of the 1,000 unconstrained
-reference draws, :func:`numpyro_pc.posteriordb.compare`), match the reference mean within
+reference draws, :func:`numpyro_pc.posteriordb.reference.compare`), match the reference mean within
 0.1 reference sd and the sd within 20 %. Unsupported posteriors must raise their typed error.
 
 Of the eight nes data sets (same model, same structure) two are fitted here; the benchmark
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc import posteriordb as pdb
+from numpyro_pc.posteriordb import reference as pdb
 from numpyro_pc.errors import MonteCarloErrorWarning
 
 pytestmark = pytest.mark.skipif(pdb.posteriordb_dir() is None,

@@ -17,10 +17,10 @@ from numpyro.distributions import constraints
 from numpyro.infer.util import log_density
 
 import numpyro_pc as pc
-from numpyro_pc import posteriordb as pdb
+from numpyro_pc.posteriordb import reference as pdb
 from numpyro_pc.errors import UnsupportedModelError
-from numpyro_pc.posteriordb_base import load_data
-from numpyro_pc.posteriordb_hierarchical import HIERARCHICAL, UCBADMIT
+from numpyro_pc.posteriordb.base import load_data
+from numpyro_pc.posteriordb.hierarchical import HIERARCHICAL, UCBADMIT
 
 _NO_DATA = pdb.posteriordb_dir() is None
 needs_data = pytest.mark.skipif(_NO_DATA, reason="posteriordb data folder not found (set NUMPYRO_PC_DATA or "

@@ -23,7 +23,7 @@ import pytest
 from scipy import special
 
 import numpyro_pc as pc
-from numpyro_pc.likelihood import constrain
+from numpyro_pc.model.likelihood import constrain
 
 from test_site_protocol import _fit
 

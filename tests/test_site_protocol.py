@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc.cached_sites import Sites
-from numpyro_pc.capabilities import SiteDivision, SiteSum, capability
-from numpyro_pc.ef_site_table import EFSiteTable
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.protocols.capabilities import SiteDivision, SiteSum, capability
+from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.site_protocol import SiteTable
+from numpyro_pc.protocols.sites import SiteTable
 
 from conftest import logistic_model, make_logistic
 from test_ef_adapt import _bern, _pois, beta_bernoulli, lognormal_poisson

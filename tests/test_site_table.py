@@ -9,11 +9,11 @@ import pytest
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
 import numpyro_pc as pc
-from numpyro_pc.diagnostics import count_compilations
+from numpyro_pc.ops.diagnostics import count_compilations
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, UnsupportedModelError
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.site_table_sag import stochastic_step
-from numpyro_pc.site_table import (
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.kernels.site_table_sag import stochastic_step
+from numpyro_pc.kernels.site_table import (
     correct_step,
     forget_step,
     from_posterior,

@@ -13,10 +13,10 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc.expectations import get_rule, prepare_rule
-from numpyro_pc.families import DiagonalGaussian, FullGaussian, Gaussian
-from numpyro_pc.likelihood import bind_model, example_loss
-from numpyro_pc.sites import compute_sites, trace_count
+from numpyro_pc.sites.expectations import get_rule, prepare_rule
+from numpyro_pc.families.registry import DiagonalGaussian, FullGaussian, Gaussian
+from numpyro_pc.model.likelihood import bind_model, example_loss
+from numpyro_pc.sites.gaussian import compute_sites, trace_count
 
 from conftest import logistic_model, make_linear, make_logistic, scale_model
 
@@ -112,8 +112,8 @@ def test_diagonal_sites_form_no_dense_curvature_unless_its_sum_is_asked(x64):
     """The diag store takes diag(J_iᵀ Λ_i J_i) from the factors, so without the dense sum its
     default chunks are the factorised store's: one chunk here, no padded (N, d) copies (core v2
     sized them for a d × d curvature per example: 3 chunks, 2.35·N·d temporary numbers vs 1.04)."""
-    from numpyro_pc.curvature import Diagonal, Factor
-    from numpyro_pc.sites import default_chunk_size
+    from numpyro_pc.curvature.stores import Diagonal, Factor
+    from numpyro_pc.sites.gaussian import default_chunk_size
 
     X, y = make_logistic(2000, 99, seed=6)
     spec, data = bind_model(logistic_model, (X, y))
@@ -157,10 +157,10 @@ SHARD_SCRIPT = textwrap.dedent("""
     assert jax.local_device_count() == 2, jax.devices()
     import sys; sys.path.insert(0, {tests!r})
     from conftest import logistic_model, make_logistic
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.expectations import get_rule
-    from numpyro_pc.families import FullGaussian, Gaussian
-    from numpyro_pc.sites import compute_sites
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.sites.expectations import get_rule
+    from numpyro_pc.families.registry import FullGaussian, Gaussian
+    from numpyro_pc.sites.gaussian import compute_sites
     X, y = make_logistic(45, 3)
     spec, data = bind_model(logistic_model, (X, y))
     q = Gaussian(jnp.full(4, 0.1), 3.0 * jnp.eye(4))

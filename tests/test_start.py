@@ -2,7 +2,7 @@
 
 Each model here failed from the old start (mean 0 in unconstrained space, prior curvature as
 precision): "no step size made progress" with residuals 1e11–1e56, or a stall. The default
-MAP/Laplace start (numpyro_pc.start) must reach the dual-form tolerance; the answer is then
+MAP/Laplace start (numpyro_pc.solvers.start) must reach the dual-form tolerance; the answer is then
 checked against an oracle where one exists.
 """
 
@@ -155,9 +155,9 @@ def test_map_start_escapes_the_saddle_of_a_symmetric_network(x64):
     # z = 0 is a stationary point of a tanh network with zero-mean priors (every gradient
     # carries a factor w1 or w2); L-BFGS from 0 stops there at once. The start must be a
     # minimum: no Hessian eigenvalue below -1e-6 max|eig|, and a lower log joint than at 0.
-    from numpyro_pc.families import FullGaussian
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.start import _hessian, map_laplace, negative_log_joint
+    from numpyro_pc.families.registry import FullGaussian
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.solvers.start import _hessian, map_laplace, negative_log_joint
 
     rng = np.random.default_rng(0)
     X = rng.uniform(-2, 2, size=(60, 1))
@@ -190,8 +190,8 @@ def test_a_fixed_precision_fit_escapes_the_saddle_at_zero(x64, monkeypatch, matr
     # escape direction may be another vector of the degenerate lowest eigenspace: then another minimum.
     import jax
 
-    from numpyro_pc import start as start_module
-    from numpyro_pc.likelihood import bind_model, losses, prior_loss
+    from numpyro_pc.solvers import start as start_module
+    from numpyro_pc.model.likelihood import bind_model, losses, prior_loss
 
     if matrix_free:
         monkeypatch.setattr(start_module, "_DENSE_CURVATURE", 0)

@@ -11,12 +11,14 @@ import pytest
 from conftest import logistic_model, make_logistic
 
 import numpyro_pc as pc
-from numpyro_pc import memory, site_storage, sites
-from numpyro_pc.curvature import Dense, Diagonal, Factor
-from numpyro_pc.expectations import get_rule
-from numpyro_pc.families import FullGaussian
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.rows import bucket_size
+from numpyro_pc.curvature import memory
+from numpyro_pc.curvature import storage as site_storage
+from numpyro_pc.sites import gaussian as sites
+from numpyro_pc.curvature.stores import Dense, Diagonal, Factor
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.families.registry import FullGaussian
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.model.rows import bucket_size
 
 # the Monte Carlo rule's error estimate (64 fixed draws) is reported, and not what these tests check
 pytestmark = pytest.mark.filterwarnings("ignore::numpyro_pc.errors.MonteCarloErrorWarning")

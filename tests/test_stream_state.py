@@ -7,10 +7,10 @@ import pytest
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
 import numpyro_pc as pc
-from numpyro_pc.diagnostics import count_compilations
+from numpyro_pc.ops.diagnostics import count_compilations
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError
-from numpyro_pc.likelihood import bind_model
-from numpyro_pc.stream_state import (
+from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.kernels.stream_state import (
     delete_step,
     from_posterior,
     run_stream,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc.diagnostics import count_compilations
+from numpyro_pc.ops.diagnostics import count_compilations
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
 
@@ -49,7 +49,7 @@ def test_exact_update_reuses_sites_computed_at_the_current_posterior(x64):
 
 
 def test_buckets_pad_by_at_most_a_quarter_above_2048_with_four_sizes_per_octave():
-    from numpyro_pc.rowops import bucket_size
+    from numpyro_pc.model.rowops import bucket_size
 
     sizes = np.arange(1, 70000)
     buckets = np.array([bucket_size(n) for n in sizes])
@@ -169,7 +169,7 @@ def test_weighted_memory_beats_unweighted_and_keeps_a_dual_form(x64):
 
 
 def test_a_stream_of_random_batch_sizes_does_not_recompile_every_batch(x64):
-    from numpyro_pc.sites import trace_count
+    from numpyro_pc.sites.gaussian import trace_count
 
     X, y = make_logistic(700, 3, seed=23)
     post = pc.fit(logistic_model, X[:20], y[:20], family="full")
@@ -230,8 +230,8 @@ def test_stochastic_with_an_epoch_budget_stops_there_and_beats_vcl(x64):
 
 
 def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
-    from numpyro_pc.diagnostics import count_compilations
-    from numpyro_pc.stochastic import subset_bucket
+    from numpyro_pc.ops.diagnostics import count_compilations
+    from numpyro_pc.ops.stochastic import subset_bucket
 
     assert [subset_bucket(n) for n in (1, 8, 9, 10, 11, 13, 16, 17, 100, 129)] == [8, 8, 10, 10, 12, 14, 16, 20,
                                                                                    112, 160]
@@ -245,8 +245,8 @@ def test_stochastic_steps_reuse_compiled_shapes_across_a_stream(x64):
 
 
 def test_a_batch_shaped_like_the_fitted_data_binds_without_tracing_the_model(x64):
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.batches import bind_batch
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.model.batches import bind_batch
 
     X, y = make_logistic(60, 3, seed=32)
     post = pc.fit(logistic_model, X[:40], y[:40], family="full")

@@ -8,10 +8,10 @@ import pytest
 from test_storage_budget import grouped_data, noncentred
 
 import numpyro_pc as pc
-from numpyro_pc import validation
-from numpyro_pc.curvature import Dense, Factor
-from numpyro_pc.expectations import ExpectationRule
-from numpyro_pc.sites import compute_sites
+from numpyro_pc.io import validation
+from numpyro_pc.curvature.stores import Dense, Factor
+from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.sites.gaussian import compute_sites
 
 # both posteriors carry the same Monte Carlo error, and it is not what these tests compare
 pytestmark = pytest.mark.filterwarnings("ignore::numpyro_pc.errors.MonteCarloErrorWarning")

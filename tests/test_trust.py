@@ -84,11 +84,11 @@ def test_correctly_tied_model_binds_and_matches_the_closed_form(x64):
 # ---------------------------------------------------------------- 2. NaN is never converged
 
 def test_nan_residual_is_not_converged(x64):
-    from numpyro_pc.families import Gaussian, get_family
-    from numpyro_pc.expectations import ExpectationRule
-    from numpyro_pc.likelihood import bind_model
-    from numpyro_pc.site_problem import SiteProblem
-    from numpyro_pc.solvers import solve
+    from numpyro_pc.families.registry import Gaussian, get_family
+    from numpyro_pc.sites.expectations import ExpectationRule
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.solvers.site_problem import SiteProblem
+    from numpyro_pc.solvers.gaussian import solve
 
     X, y = make_linear(20, 2)
     spec, data = bind_model(linear_model, (X, y))
@@ -112,7 +112,7 @@ def test_update_of_a_posterior_with_non_finite_sites_is_refused(x64):
 # ---------------------------------------------------------------- 4. stagnation ends early
 
 def test_stagnation_ends_the_run_early_with_advice(x64):
-    from numpyro_pc import solvers
+    from numpyro_pc.solvers import gaussian as solvers
 
     history = [dict(residual=1.0, step=1.0)] + [dict(residual=0.9, step=1e-4) for _ in range(10)]
     assert "damped" in solvers._stagnation(history)

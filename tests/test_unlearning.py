@@ -9,7 +9,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
-from numpyro_pc.diagnostics import count_compilations
+from numpyro_pc.ops.diagnostics import count_compilations
 from numpyro_pc.errors import InvalidOptionError, NotFittedError
 
 from conftest import linear_model, logistic_model, make_linear, make_logistic
@@ -132,7 +132,7 @@ def test_deleting_one_example_at_a_time_compiles_nothing_once_warm(x64, method):
 
 def test_positions_finds_rows_in_unsorted_ids():
     from numpyro_pc.errors import UnknownExampleError
-    from numpyro_pc.rows import positions
+    from numpyro_pc.model.rows import positions
 
     ids = np.array([7, 2, 9, 4, 11])
     np.testing.assert_array_equal(positions(ids, [9, 7, 11]), [2, 0, 4])

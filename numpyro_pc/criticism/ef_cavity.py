@@ -2,7 +2,7 @@ r"""Leave-one-out cavities of an exponential-family product posterior, and LOO o
 
 In a minimal exponential family the site of example ``i`` is linear in the sufficient
 statistics, :math:`\hat\ell_i(x) = \langle g_i, T(x)\rangle`, and the posterior is
-:math:`\lambda = -g_0 - \sum_j g_j` (:mod:`numpyro_pc.ef_sites`). Removing the site leaves
+:math:`\lambda = -g_0 - \sum_j g_j` (:mod:`numpyro_pc.sites.expfam`). Removing the site leaves
 the cavity (paper §3.2, the memory-perturbation equation in natural parameters)
 
 .. math::
@@ -24,7 +24,7 @@ its ``k̂`` is 1.
 KL (:func:`~numpyro_pc.criticism.cavity.kl_shape`).
 
 **Predictive densities** :math:`\log E_{q_{\setminus i}}[p(y_i \mid x)]` use the
-posterior's own points (:func:`numpyro_pc.ef_sites.design`) placed at each cavity: the
+posterior's own points (:func:`numpyro_pc.sites.expfam.design`) placed at each cavity: the
 tensor Gauss rule of the factors that have one (exact for a likelihood polynomial in the
 factor's variable, e.g. Bernoulli under a Beta), the fixed draws of the others — also for
 Gaussian blocks whose sites use the degree-3 cubature (``"cubature"``), because a predictive
@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..ef_sites import design, model_point, point_losses
+from numpyro_pc.sites.expfam import design, model_point, point_losses
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
-from ..likelihood import ModelData, example_loss
+from numpyro_pc.model.likelihood import ModelData, example_loss
 from .cavity import kl_shape
 
 __all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",
@@ -61,7 +61,7 @@ class EFCavities(NamedTuple):
 
 
 def ef_cavities(post) -> EFCavities:
-    """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.ef_posterior.EFPosterior`."""
+    """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.dual.expfam.EFPosterior`."""
     return _cavities(post.family, post.natural, post.sites.grads)
 
 
@@ -260,7 +260,7 @@ def _losses_at(config, lam, per_example, shared):
 
 def ef_block_density(post, block) -> float:
     r""":math:`\log E_q[\prod_{j \in block} p(y_j \mid x)]` of examples ``block``
-    (:class:`~numpyro_pc.likelihood.ModelData`) not necessarily in ``post``, under the
+    (:class:`~numpyro_pc.model.likelihood.ModelData`) not necessarily in ``post``, under the
     posterior's own points (the joint density of a forecast horizon in
     :func:`numpyro_pc.criticism.lfo`)."""
     with jax.enable_x64(post.natural.dtype == jnp.float64):

@@ -1,7 +1,7 @@
 r"""Per-example influence: how the posterior mean (or a function of it) moves when one example goes.
 
 Three estimators of ``Δ_i = m_{∖i} − m`` for every example at once, the deletion methods
-of :mod:`numpyro_pc.unlearning` vectorised (paper §3.2):
+of :mod:`numpyro_pc.ops.unlearning` vectorised (paper §3.2):
 
 ``"remove_site"``
     the memory-perturbation equation ``Δ_i = (S − Ĥ_i)⁻¹ g_i`` (rank-``k`` downdates of
@@ -30,16 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import SiteSum, require
-from ..posterior_protocol import by_site_table
-from ..cached_sites import Sites
-from ..ef_site_table import EFSiteTable
+from numpyro_pc.protocols.capabilities import SiteSum, require
+from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expfam_table import EFSiteTable
 from ..errors import InvalidOptionError, NotPositiveDefiniteError
-from ..expectations import get_rule
-from ..families import FullGaussian, Gaussian
-from ..likelihood import constrain
-from ..rows import positions
-from ..sites import compute_sites
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.families.registry import FullGaussian, Gaussian
+from numpyro_pc.model.likelihood import constrain
+from numpyro_pc.model.rows import positions
+from numpyro_pc.sites.gaussian import compute_sites
 from .cavity import cavities, downdates, kl_shape
 from .ef_cavity import EF_ESTIMATORS, ef_influence
 
@@ -55,7 +55,7 @@ class InfluenceResult(NamedTuple):
     :ivar delta: ``{estimator: (N, d)}`` changes of the flat unconstrained mean.
     :ivar function: ``{estimator: (N, ...)}`` changes of ``fn``, or ``None`` without ``fn``.
     :ivar khat: ``(N,)`` reliability ``k̂_i`` of site removal (see :mod:`numpyro_pc.criticism.cavity`).
-    :ivar labels: names of the ``d`` coordinates (:meth:`~numpyro_pc.latent.LatentSpace.labels`).
+    :ivar labels: names of the ``d`` coordinates (:meth:`~numpyro_pc.model.latent.LatentSpace.labels`).
     """
 
     ids: np.ndarray

@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
-from ..posterior_protocol import by_site_table
-from ..cached_sites import Sites
-from ..ef_site_table import EFSiteTable
+from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expfam_table import EFSiteTable
 from ..errors import DataShapeError, InvalidOptionError
-from ..expectations import get_rule, mc_noise
-from ..likelihood import bind_model, example_loss, is_array
+from numpyro_pc.sites.expectations import get_rule, mc_noise
+from numpyro_pc.model.likelihood import bind_model, example_loss, is_array
 from ..posterior import fit
 from .cavity import refit_predictive, rule_nodes
 from .ef_cavity import ef_block_density, ef_num_points

@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import SiteDivision, require, site_curvature
+from numpyro_pc.protocols.capabilities import SiteDivision, require, site_curvature
 from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
 from ..options import check_finite, check_solver_options, is_choice
-from ..rows import positions, take_data
-from ..curvature import FULL
-from ..posterior_protocol import by_site_table
-from ..cached_sites import Sites
-from ..ef_site_table import EFSiteTable
-from ..posterior_protocol import Posterior
+from numpyro_pc.model.rows import positions, take_data
+from numpyro_pc.curvature.stores import FULL
+from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.protocols.posterior import Posterior
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
 
@@ -178,7 +178,7 @@ def loo(post, method="remove_site", where=None, good_k=GOOD_K, tol=None, max_ite
     :param float tol: residual tolerance of the refits (default ``1e-12`` in float64: the
         package default ``1e-8`` is relative to the whole posterior and would accept ``q``
         itself after removing a well-fitted example).
-    :param int max_iters: iterations per refit (default: automatic, see :func:`~numpyro_pc.solvers.solve`).
+    :param int max_iters: iterations per refit (default: automatic, see :func:`~numpyro_pc.solvers.gaussian.solve`).
     :return: a :class:`LooResult` (an ``arviz.ELPDData``); ``record``-like extras are the
         entries ``refitted`` and ``method``.
     :raises NotFittedError: the posterior has no example with retained data to leave out.

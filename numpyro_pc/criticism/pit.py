@@ -24,13 +24,13 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
-from ..posterior_protocol import by_site_table
-from ..cached_sites import Sites
-from ..ef_site_table import EFSiteTable
-from ..ef_sites import model_point
+from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.sites.expfam import model_point
 from ..errors import InvalidOptionError
-from ..likelihood import trace_at, constrain
-from ..rows import positions
+from numpyro_pc.model.likelihood import trace_at, constrain
+from numpyro_pc.model.rows import positions
 
 __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
 

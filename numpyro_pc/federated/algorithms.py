@@ -62,12 +62,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import FixedPrecision, SiteSum, capability, require
+from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
 from ..errors import ConvergenceError, InvalidOptionError, MissingCapabilityError
-from ..expectations import ExpectationRule
-from ..families import Gaussian, GaussianNatural, get_family
-from ..merging import gaussian_prior, prior_natural
-from ..dual_build import build_posterior
+from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
+from numpyro_pc.ops.merging import gaussian_prior, prior_natural
+from numpyro_pc.dual.build import build_posterior
 from ..posterior import DualPosterior
 from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
                    natural_nbytes, record_round, release_site)
@@ -79,14 +79,14 @@ __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
 ALGORITHMS = ("fedpc", "pvi", "ama", "admm")
 
-#: why the Gaussian mechanism needs :class:`~numpyro_pc.capabilities.SiteSum` (both families' paths)
+#: why the Gaussian mechanism needs :class:`~numpyro_pc.protocols.capabilities.SiteSum` (both families' paths)
 PRIVACY_NEEDS_SUM = ("Its sensitivity bound clips each example's term of a site and sums them, so a client's "
                      "message must be the sum of its examples' terms in the family's parameters. Use family='full', "
                      "'diagonal' or 'isotropic', or an exponential-family dict.")
 
 
 def refuse_ama(family) -> None:
-    """Refuse ``algorithm="ama"`` for a family without :class:`~numpyro_pc.capabilities.FixedPrecision`.
+    """Refuse ``algorithm="ama"`` for a family without :class:`~numpyro_pc.protocols.capabilities.FixedPrecision`.
 
     AMA is MAP estimation of the mean under a precision ``τI`` fixed by the prior (paper theorem "AMA as
     posterior correction"): the isotropic family with the delta rule. A family that learns its precision
@@ -201,7 +201,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         float64, ``1e-8`` in float32) *and* the residual is below ``residual_tol``
         (default ``1e-7`` / ``1e-4``).
     :param int seed: seed of the client sampling.
-    :param reference: a posterior (or :class:`~numpyro_pc.families.Gaussian`) to report
+    :param reference: a posterior (or :class:`~numpyro_pc.families.registry.Gaussian`) to report
         ``kl_to_reference = KL(q_t ‖ reference)`` against each round.
     :param bool keep_data: build ``result.posterior`` on the union of the shards.
     :param int local_iters: Newton iterations of each local update.

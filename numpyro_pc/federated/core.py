@@ -1,7 +1,7 @@
 r"""Pure building blocks of federated posterior correction (paper §3.4).
 
 A *client* ``k`` holds the loss ``ℓ_k = Σ_{j ∈ D_k} ℓ_j`` of its shard and a site with
-natural parameters ``η_k`` (family format, see :mod:`numpyro_pc.families`). The server
+natural parameters ``η_k`` (family format, see :mod:`numpyro_pc.families.registry`). The server
 keeps the prior ``λ_0`` and forms the global posterior (paper eq. ``global_update``)
 
 .. math:: \lambda_{jnt} = \lambda_0 + \textstyle\sum_k \eta_k .
@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from ..capabilities import FixedPrecision, capability
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from ..errors import (DataShapeError, DataSupportError, DataTypeError, ExpectationRuleError, InvalidOptionError,
                       NonFiniteDataError)
-from ..expectations import hermite_nodes
-from ..families import Gaussian, GaussianNatural
-from ..fixed_point import backtrack
-from ..likelihood import ModelData, bind_model, example_loss, example_params
+from numpyro_pc.sites.expectations import hermite_nodes
+from numpyro_pc.families.registry import Gaussian, GaussianNatural
+from numpyro_pc.solvers.fixed_point import backtrack
+from numpyro_pc.model.likelihood import ModelData, bind_model, example_loss, example_params
 from .privacy import add_noise, clip_factors
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
@@ -73,8 +73,8 @@ class ClientStack(NamedTuple):
 class LocalConfig:
     """Static configuration of a local update.
 
-    :ivar spec: the model's :class:`~numpyro_pc.likelihood.ModelSpec`.
-    :ivar family: the :class:`~numpyro_pc.families.ExponentialFamily`.
+    :ivar spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
+    :ivar family: the :class:`~numpyro_pc.families.registry.ExponentialFamily`.
     :ivar rule: ``"delta"`` or ``"gh"`` (Gauss–Hermite for GLM-type models).
     :ivar num_nodes: Gauss–Hermite nodes.
     :ivar max_iters: Newton iterations of the local problem.
@@ -125,7 +125,7 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), al
     :param bool allow_discrete: accept global discrete latents (exponential-family posteriors,
         :mod:`numpyro_pc.federated.ef`).
     :return: ``(spec, stack, datas)`` with the model spec of client 0, the padded
-        :class:`ClientStack` and the unpadded :class:`~numpyro_pc.likelihood.ModelData`
+        :class:`ClientStack` and the unpadded :class:`~numpyro_pc.model.likelihood.ModelData`
         of each client.
     :raises DataShapeError: clients whose shards do not fit the same model.
     """
@@ -337,7 +337,7 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
     ``(b, B) = λ_jnt − η_k/ρ``; the precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the
     isotropic family); a step that would leave an improper Gaussian is halved down to
-    ``2⁻²⁰`` (:func:`~numpyro_pc.fixed_point.backtrack`). Starting from ``q_jnt``, iterations
+    ``2⁻²⁰`` (:func:`~numpyro_pc.solvers.fixed_point.backtrack`). Starting from ``q_jnt``, iterations
     stop once the relative change is below ``cfg.tol`` or after ``cfg.max_iters``: each is a
     Newton step on a strongly convex problem (the cavity keeps it so, see :func:`safe_rho`), so
     the step length itself bounds the distance to the solution and no acceleration is needed.
@@ -443,7 +443,7 @@ class FederatedResult:
     :ivar posterior: the global posterior as a :class:`~numpyro_pc.posterior.DualPosterior`
         over the union of the shards (sites evaluated at the final global Gaussian), or
         ``None`` with ``keep_data=False``.
-    :ivar state: the final global :class:`~numpyro_pc.families.Gaussian`.
+    :ivar state: the final global :class:`~numpyro_pc.families.registry.Gaussian`.
     :ivar sites: the clients' site natural parameters, stacked on a leading axis.
     :ivar history: one dict per round: ``round``, ``kl_to_previous``, ``residual``
         (largest ``‖λ_k − λ_jnt‖ / ‖λ_jnt‖`` over the round's clients), ``participants``,

@@ -7,8 +7,8 @@ import warnings
 
 import numpy as np
 
-from .. import merging
-from ..plotting import save_figure
+from numpyro_pc.ops import merging
+from numpyro_pc.demos.plotting import save_figure
 from ..posterior import fit
 from .algorithms import run
 

@@ -1,7 +1,7 @@
 r"""Federated posterior correction for exponential-family product posteriors (paper §3.4).
 
 The posterior is a mean-field product of Beta, Gamma, Dirichlet, Gaussian-block and
-discrete factors (:mod:`numpyro_pc.ef_posterior`). Client ``k`` holds the shard ``D_k`` and
+discrete factors (:mod:`numpyro_pc.dual.expfam`). Client ``k`` holds the shard ``D_k`` and
 a site ``η_k`` of ``P`` natural parameters standing for ``−Σ_{i∈D_k} g_i``; the server keeps
 ``λ_0`` and forms (eq. ``global_update``)
 
@@ -15,14 +15,14 @@ g_i(\lambda)` the client's site at :math:`\lambda`, the stationarity condition o
     \lambda_k = \lambda + \tfrac1\rho\big(\hat\eta_k(\lambda_k) - \eta_k\big)
     = \underbrace{\lambda - \eta_k/\rho}_{\rho\text{-cavity}} - \tfrac1\rho \textstyle\sum_{i\in D_k} g_i(\lambda_k),
 
-a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.fixed_point.natural_solve` (the
-iteration of :func:`~numpyro_pc.ef_solve.blr_solve` as a ``lax.while_loop``), so that clients are ``vmap``-ed (shards padded as
+a BLR fixed point solved from :math:`\lambda` by :func:`~numpyro_pc.solvers.fixed_point.natural_solve` (the
+iteration of :func:`~numpyro_pc.solvers.expfam.blr_solve` as a ``lax.while_loop``), so that clients are ``vmap``-ed (shards padded as
 in :mod:`numpyro_pc.federated.core`). The client sends
 :math:`\eta_k' = \hat\eta_k(\lambda_k)` (with ``ρ = 1``: :math:`\lambda_k - (\lambda - \eta_k)`,
 the local posterior over the cavity); PVI damping ``δ`` sends :math:`\eta_k + \delta(\eta_k'
 - \eta_k)`. At a fixed point :math:`\lambda_k = \lambda` for every client, so
 :math:`\lambda = \lambda_0 - \sum_i g_i(\lambda)`: the batch fixed point of
-:func:`~numpyro_pc.ef_fit.fit_ef`. A conjugate model's sites do not depend on
+:func:`~numpyro_pc.dual.expfam_fit.fit_ef`. A conjugate model's sites do not depend on
 :math:`\lambda`, so one round gives the batch posterior for any ``ρ``.
 
 **ρ.** In the linearised dynamics of equal shards with a scalar site Jacobian :math:`j`, one
@@ -63,7 +63,7 @@ round and the error :math:`\lambda_{jnt} - \lambda_\star` is then multiplied by
 paper theorem "AMA as posterior correction"); an exponential-family product learns all its
 natural parameters, so ``algorithm="ama"`` is refused with
 :class:`~numpyro_pc.errors.MissingCapabilityError` (the family lacks
-:class:`~numpyro_pc.capabilities.FixedPrecision`).
+:class:`~numpyro_pc.protocols.capabilities.FixedPrecision`).
 
 **Server checks** (:func:`~numpyro_pc.federated.ef_server.aggregate_ef`, host side, before anything is stored): a message
 must be a finite floating vector of size ``P`` in the run's dtype, below ``max_abs``, and the
@@ -85,14 +85,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import FixedPrecision, SiteSum, require
-from ..ef_posterior import EFPosterior, EFState, family_for_model
-from ..ef_site_table import EFSiteTable
-from ..fixed_point import natural_solve
-from ..ef_sites import EFConfig, compute_sites, conjugate_rtol, prior_form_residual
-from ..ef_solve import blr_solve
+from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, require
+from numpyro_pc.dual.expfam import EFPosterior, EFState, family_for_model
+from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.solvers.fixed_point import natural_solve
+from numpyro_pc.sites.expfam import EFConfig, compute_sites, conjugate_rtol, prior_form_residual
+from numpyro_pc.solvers.expfam import blr_solve
 from ..errors import ClientMessageError, ConvergenceError, InvalidOptionError, OutOfDomainError
-from ..likelihood import ModelData
+from numpyro_pc.model.likelihood import ModelData
 from .core import ClientStack, FederatedResult, bind_clients, concat_datas, record_round
 from .privacy import check_same_on_every_row
 # the server's side and the private and bounded sites live in ef_server and ef_robust; their names stay
@@ -109,9 +109,9 @@ __all__ = ["EFClients", "EFLocalResult", "bind_ef_clients", "check_prior_data_fr
 class EFClients(NamedTuple):
     """The clients' shards bound to the model (static across rounds).
 
-    :ivar config: :class:`~numpyro_pc.ef_sites.EFConfig` for the padded shard size.
+    :ivar config: :class:`~numpyro_pc.sites.expfam.EFConfig` for the padded shard size.
     :ivar stack: the padded :class:`~numpyro_pc.federated.core.ClientStack`.
-    :ivar datas: the unpadded :class:`~numpyro_pc.likelihood.ModelData` of each client.
+    :ivar datas: the unpadded :class:`~numpyro_pc.model.likelihood.ModelData` of each client.
     :ivar prior: :math:`\\lambda_0` ``(P,)``: the prior (conjugate-form) or its projection.
     :ivar conjugate: whether the prior term is conjugate-form.
     :ivar prior_weight: ``(K,)``: 1 for the client whose loss carries a non-conjugate prior's correction.
@@ -138,13 +138,13 @@ class EFLocalResult(NamedTuple):
 
 def bind_ef_clients(model, client_data, family, kwargs=None, data_plate=None, shared=(), expectation="auto",
                     num_nodes=32, num_samples=None, seed=0, prior_tol=None, prior_iters=200) -> EFClients:
-    """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.ef_fit.fit_ef`
+    """Bind each client's shard, build the family and the site rule (as :func:`~numpyro_pc.dual.expfam_fit.fit_ef`
     does for the union), and find :math:`\\lambda_0`.
 
     :param client_data: one tuple of model arguments per client.
-    :param dict family: ``{latent site: family name}`` (see :func:`~numpyro_pc.ef_fit.fit_ef`).
+    :param dict family: ``{latent site: family name}`` (see :func:`~numpyro_pc.dual.expfam_fit.fit_ef`).
     :param expectation, num_nodes, num_samples, seed: the site rule (:meth:`EFConfig.make
-        <numpyro_pc.ef_sites.EFConfig.make>`); Monte Carlo draws use the fixed ``seed``, the same
+        <numpyro_pc.sites.expfam.EFConfig.make>`); Monte Carlo draws use the fixed ``seed``, the same
         points on every client.
     :return: :class:`EFClients`.
     """
@@ -345,7 +345,7 @@ def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, loca
 
 
 def posterior_ef(clients, state, record=None) -> EFPosterior:
-    """The global :class:`~numpyro_pc.ef_posterior.EFPosterior` on the union of the shards (sites at the global
+    """The global :class:`~numpyro_pc.dual.expfam.EFPosterior` on the union of the shards (sites at the global
     :math:`\\lambda`; ``prior`` :math:`-\\lambda_0` for a conjugate-form prior, else the prior term at :math:`q`)."""
     data = concat_datas(clients.datas)
     num = int(data.per_example[0].shape[0])
@@ -380,7 +380,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     :param float tol: stop when ``KL(q_t ‖ q_{t−1})`` is below this (default ``1e-16`` / ``1e-8`` in float32),
         or below the KL's own rounding error (:func:`kl_rounding`, recorded per round as ``kl_rounding``),
         *and* the residual is below ``residual_tol`` (default ``1e-10`` / ``1e-5``).
-    :param reference: an :class:`~numpyro_pc.ef_posterior.EFPosterior` (or natural vector) to compare with.
+    :param reference: an :class:`~numpyro_pc.dual.expfam.EFPosterior` (or natural vector) to compare with.
     :param int local_iters: iterations of each local fixed point; ``local_tol`` its tolerance
         (default ``1e-12`` / ``1e-6``).
     :param str init: ``"zero"`` or ``"prior"`` (:func:`init_ef`).

@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..capabilities import FixedPrecision, SiteSum, require
-from ..ef_product import EF_FAMILIES, ProductFamily
+from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, require
+from numpyro_pc.families.product import EF_FAMILIES, ProductFamily
 from ..errors import ClientMessageError, InvalidOptionError, OutOfDomainError, PrivacyError, TooFewClientsError
 from .ef import bind_ef_clients, check_prior_data_free, kl_rounding, local_update_ef, safe_rho_ef
 from .ef_robust import release_ef
@@ -87,7 +87,7 @@ def family_json(family) -> str:
 
 
 def describe_family(family) -> str:
-    """JSON text naming each factor of a :class:`~numpyro_pc.ef_product.ProductFamily`: its ``family`` name and
+    """JSON text naming each factor of a :class:`~numpyro_pc.families.product.ProductFamily`: its ``family`` name and
     its fields (site, shape, number of categories); a Gaussian block's transform is left out — it maps values
     to the model's coordinates and plays no part in the natural parameters the server works with."""
     out = []
@@ -102,7 +102,7 @@ _MAX_DIM = 2**20  # largest dimension of one factor's shape
 
 
 def family_from_description(text) -> ProductFamily:
-    """The :class:`~numpyro_pc.ef_product.ProductFamily` of :func:`describe_family`'s text.
+    """The :class:`~numpyro_pc.families.product.ProductFamily` of :func:`describe_family`'s text.
 
     :raises ClientMessageError: text that does not describe a product of known factors.
     """

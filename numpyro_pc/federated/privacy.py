@@ -60,9 +60,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import InvalidOptionError, PrivacyError
-from ..families import GaussianNatural
-from ..likelihood import ModelData
-from ..merging import gaussian_prior
+from numpyro_pc.families.registry import GaussianNatural
+from numpyro_pc.model.likelihood import ModelData
+from numpyro_pc.ops.merging import gaussian_prior
 
 __all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural",
            "check_same_on_every_row", "check_gaussian_prior_data_free"]
@@ -173,7 +173,7 @@ def check_same_on_every_row(term, datas, what: str, sent: str) -> None:
     reveals nothing beyond them.
 
     :param term: ``ModelData`` of one row → an array.
-    :param datas: the clients' :class:`~numpyro_pc.likelihood.ModelData`.
+    :param datas: the clients' :class:`~numpyro_pc.model.likelihood.ModelData`.
     :param str what: the term, for the message (``"the prior term"``).
     :param str sent: what the run would send outside the mechanism, for the message.
     :raises PrivacyError: the term differs between two rows, naming them and the difference.
@@ -200,8 +200,8 @@ def check_gaussian_prior_data_free(spec, datas) -> None:
     :func:`~numpyro_pc.federated.ef.check_prior_data_free`): the prior ``(m_0, P_0)`` leaves outside the
     mechanism, and a prior written with the data (``Normal(mean(y), 1)``) would reveal it.
 
-    :param spec: the model binding (:class:`~numpyro_pc.likelihood.ModelSpec`).
-    :param datas: the clients' :class:`~numpyro_pc.likelihood.ModelData`.
+    :param spec: the model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`).
+    :param datas: the clients' :class:`~numpyro_pc.model.likelihood.ModelData`.
     :raises PrivacyError: the prior differs between two rows (:func:`check_same_on_every_row`).
     """
     one = replace(spec, num_examples=1)

@@ -38,7 +38,7 @@ from jax.scipy.linalg import solve_triangular
 
 from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
-from ..families import Gaussian, GaussianNatural
+from numpyro_pc.families.registry import Gaussian, GaussianNatural
 
 __all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds"]
 

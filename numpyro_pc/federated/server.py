@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
-from ..families import Gaussian, GaussianNatural, get_family
-from ..merging import prior_natural
+from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
+from numpyro_pc.ops.merging import prior_natural
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
 from .robust import aggregate_sites, robust_bounds, validate_site

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from ..plotting import save_figure
+from numpyro_pc.demos.plotting import save_figure
 from .model import StreamingSparseGP
 from .usage import enable_compilation_cache
 

@@ -94,7 +94,7 @@ def test_plot_and_predict_errors_are_typed():
 
 _SCRIPT = textwrap.dedent("""
     import jax, numpy as np, gpjax as gpx
-    from numpyro_pc.diagnostics import count_compilations
+    from numpyro_pc.ops.diagnostics import count_compilations
     from numpyro_pc.gp import StreamingSparseGP, enable_compilation_cache
     enable_compilation_cache()
     hits = []

@@ -1,0 +1,10 @@
+"""How the per-example site curvatures are held: dense, Gauss–Newton factors, sparse, diagonal, and the choice of
+storage from the machine's memory.
+
+The package namespace re-exports :mod:`numpyro_pc.curvature.stores`.
+"""
+
+from numpyro_pc.curvature import stores as _stores
+from numpyro_pc.curvature.stores import *  # noqa: F401,F403
+
+__all__ = list(_stores.__all__)

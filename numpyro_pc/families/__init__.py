@@ -1,0 +1,11 @@
+"""Exponential families over the latent ``z``: the Gaussian families (full, diagonal, isotropic, low-rank) and
+the constrained ones (Beta, Gamma, Dirichlet, discrete factors, products), one module per kind.
+
+A new family is one module here plus its registration (docs/architecture.md). The package namespace re-exports
+the Gaussian registry (:mod:`numpyro_pc.families.registry`).
+"""
+
+from numpyro_pc.families import registry as _registry
+from numpyro_pc.families.registry import *  # noqa: F401,F403
+
+__all__ = list(_registry.__all__)

@@ -1,0 +1,251 @@
+r"""Per-example losses of a NumPyro model over its data plate, as functions of ``z``.
+
+For a model with global latent variables and a plate over the data, this module gives
+the loss of each element ``i`` of the data plate and the prior term, both as functions
+of the flat unconstrained vector ``z`` (docs/notation.md, "Symbols"):
+
+.. math::
+
+    \ell_0(z) = -\log p_0(T(z)) - \log|\det J_T(z)|, \qquad
+    \ell_i(z) = -\log p(y_i \mid T(z)),
+
+so that ``ℓ_0(z) + Σ_i ℓ_i(z)`` equals ``numpyro.infer.util.potential_energy``.
+Several observed sites inside the plate add up per example; ``mask``/``obs_mask`` and
+``scale`` handlers are respected. Observed sites and factors outside the data plate
+belong to ``ℓ_0``. A model vectorised over the rows without a plate has an implicit data
+plate (:data:`IMPLICIT_PLATE`) holding every observed site; it is evaluated the same way.
+
+The binding is split in two: a hashable, static :class:`ModelSpec` (the model, its
+latent space, which arguments are per-example) and a :class:`ModelData` pytree of
+arrays, so jitted functions keyed on the spec do not retrace for new data of the same
+size. Example ``i`` is evaluated by running the model on the slice ``[i:i+1]`` of every
+per-example argument; evaluation over all examples is a ``vmap`` of that. Turning a model
+and its arguments into ``(spec, data)`` — and checking the binding — is
+:func:`numpyro_pc.model.likelihood.bind_model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions import constraints
+from numpyro.distributions.transforms import biject_to
+from numpyro.distributions.util import sum_rightmost
+import numpyro
+
+from .latent import LatentSpace
+
+__all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
+           "example_site_log_likelihoods", "losses", "constrain", "is_array", "output_dependence"]
+
+
+LOG_DET_PREFIX = "_pc_log_det_"
+IMPLICIT_PLATE = "_rows"
+"""Name of the data plate of a model whose observed sites are vectorised over the rows
+without a ``numpyro.plate`` (see :func:`numpyro_pc.model.likelihood.bind_model`)."""
+
+
+class ModelData(NamedTuple):
+    """Array arguments of the model: per-example (leading axis = data plate) and shared."""
+
+    per_example: tuple
+    shared: tuple
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Static description of a model bound to its arguments' structure.
+
+    :ivar model: the NumPyro model callable.
+    :ivar latent: the :class:`~numpyro_pc.model.latent.LatentSpace`.
+    :ivar plate: name of the data plate (:data:`IMPLICIT_PLATE` when the observed sites are
+        vectorised over the rows without a plate).
+    :ivar num_examples: size ``N`` of the data plate for the bound data.
+    :ivar observed: names of the observed sites inside the data plate (every observed site
+        for the implicit plate); their log-densities make up ``ℓ_i``.
+    :ivar param_leaves: per observed site, which float leaves of its distribution depend
+        on ``z`` (the distribution parameters ``θ_i`` used for Gauss–Newton and
+        Gauss–Hermite).
+    :ivar num_params: ``k``, the number of such parameters per example.
+    :ivar affine: whether ``θ_i(z)`` is affine in ``z`` (GLM-type model), so that the
+        Hessian equals the Gauss–Newton matrix and sites factorise exactly.
+    :ivar support_sites: the observed sites whose values are checked against their
+        distribution's support on every batch (:mod:`numpyro_pc.model.data_support`).
+    """
+
+    model: object
+    latent: LatentSpace
+    plate: str
+    num_examples: int
+    treedef: object
+    kinds: tuple
+    statics: tuple
+    observed: tuple
+    param_leaves: tuple = ()
+    num_params: int = 0
+    affine: bool = False
+    support_sites: tuple = ()
+    arg_names: tuple = field(default=(), compare=False, hash=False)
+
+    def build_args(self, per_example, shared):
+        """Rebuild ``(args, kwargs)`` from the array leaves."""
+        ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
+        leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def output_dependence(closed_jaxpr, inputs=None) -> list:
+    """Which outputs of a jaxpr depend on its inputs, or on the inputs at positions ``inputs``
+    (conservative through sub-calls)."""
+    jaxpr = closed_jaxpr.jaxpr
+    dependent = set(map(id, jaxpr.invars if inputs is None else [jaxpr.invars[i] for i in inputs]))
+    for eqn in jaxpr.eqns:
+        if any(id(v) in dependent for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)):
+            dependent.update(id(v) for v in eqn.outvars)
+    return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
+
+
+def is_array(x):
+    """Whether a model argument is an array (data) rather than a fixed, non-array value."""
+    return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _substitute_unconstrained(values, site):
+    """``substitute_fn`` placing unconstrained values and recording their log-det-Jacobian."""
+    name = site["name"]
+    if site["type"] != "sample" or site["is_observed"] or name not in values:
+        return None
+    u = values[name]
+    support = site["fn"].support
+    if support is constraints.real or (
+        isinstance(support, constraints.independent) and support.base_constraint is constraints.real
+    ):
+        return u
+    transform = biject_to(support)
+    value = transform(u)
+    log_det = transform.log_abs_det_jacobian(u, value)
+    log_det = sum_rightmost(log_det, jnp.ndim(log_det) - jnp.ndim(value) + len(site["fn"].event_shape))
+    if site["scale"] is not None:
+        log_det = site["scale"] * log_det
+    numpyro.factor(LOG_DET_PREFIX + name, log_det)
+    return value
+
+
+def trace_at(spec, z, per_example, shared, discrete=None):
+    """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
+    args, kwargs = spec.build_args(per_example, shared)
+    values = spec.latent.unravel(z)
+    discrete = discrete or {}
+
+    def sub(site):
+        if site["type"] == "sample" and not site["is_observed"] and site["name"] in discrete:
+            return discrete[site["name"]]
+        return _substitute_unconstrained(values, site)
+
+    model = handlers.substitute(handlers.seed(spec.model, 0), substitute_fn=sub)
+    with handlers.block():  # inner evaluations never leak sites to outer handlers
+        return handlers.trace(model).get_trace(*args, **kwargs)
+
+
+def _site_log_prob(site):
+    lp = site["fn"].log_prob(site["value"])
+    if site.get("mask") is not None:
+        lp = jnp.where(site["mask"], lp, 0.0)
+    if site.get("scale") is not None:
+        lp = site["scale"] * lp
+    return jnp.sum(lp)
+
+
+def in_plate(site, plate):
+    """Whether a trace site sits inside the plate named ``plate``."""
+    return any(f.name == plate for f in site["cond_indep_stack"])
+
+
+def prior_loss(spec, z, data, discrete=None):
+    """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
+    Jacobian of the constraining transforms) plus observed sites/factors outside the
+    data plate; ``discrete`` holds the values of discrete latents, if the binding has any."""
+    first = tuple(x[:1] for x in data.per_example)
+    trace = trace_at(spec, z, first, data.shared, discrete)
+    total = 0.0
+    for site in trace.values():
+        if site["type"] != "sample":
+            continue
+        if site["is_observed"] and (site["name"] in spec.observed or in_plate(site, spec.plate)):
+            continue
+        total = total + _site_log_prob(site)
+    return -total
+
+
+def example_args(example):
+    """One example's per-example arrays with a leading axis of size 1 (the model's view of it)."""
+    return tuple(x[None] for x in example)
+
+
+def example_loss(spec, z, example, shared, discrete=None):
+    """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
+    trace = trace_at(spec, z, example_args(example), shared, discrete)
+    return -sum(_site_log_prob(trace[name]) for name in spec.observed)
+
+
+def example_site_log_likelihoods(spec, z, example, shared, discrete=None):
+    """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
+    trace = trace_at(spec, z, example_args(example), shared, discrete)
+    return tuple(_site_log_prob(trace[name]) for name in spec.observed)
+
+
+def example_params(spec, z, example, shared):
+    """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
+
+    :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
+        of the example's observed distributions (flattened) and ``loss_fn(theta)`` the
+        negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``.
+    """
+    trace = trace_at(spec, z, example_args(example), shared)
+    pieces, rebuild = [], []
+    for name, mask in zip(spec.observed, spec.param_leaves):
+        site = trace[name]
+        leaves, treedef = jax.tree.flatten(site["fn"])
+        for leaf, dep in zip(leaves, mask):
+            if dep:
+                pieces.append(jnp.reshape(leaf, -1))
+        rebuild.append((site, leaves, treedef, mask))
+    theta = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), z.dtype)
+
+    def loss_fn(theta):
+        total, pos = 0.0, 0
+        for site, leaves, treedef, mask in rebuild:
+            new_leaves = []
+            for leaf, dep in zip(leaves, mask):
+                if dep:
+                    size = int(np.prod(jnp.shape(leaf)))
+                    new_leaves.append(jnp.reshape(theta[pos:pos + size], jnp.shape(leaf)))
+                    pos += size
+                else:
+                    new_leaves.append(leaf)
+            fn = jax.tree.unflatten(treedef, new_leaves)
+            total = total + _site_log_prob({**site, "fn": fn})
+        return -total
+
+    return theta, loss_fn
+
+
+def losses(spec, z, data):
+    """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
+    return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
+
+
+def constrain(spec, z, data):
+    """Constrained values of the latent sites at ``z`` (a dict in trace order).
+
+    The values do not depend on the examples (per-example latents are refused at binding),
+    so a posterior that keeps no data rows traces the model on one zero-valued row.
+    """
+    first = tuple(x[:1] if x.shape[0] else jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype) for x in data.per_example)
+    trace = trace_at(spec, z, first, data.shared)
+    return {name: trace[name]["value"] for name in spec.latent.names}

@@ -1,0 +1,151 @@
+r"""Streaming updates of a dual-form posterior with correction terms (paper §3.1; docs/adapting.md, "Adding data").
+
+Given ``q_t`` with its sites and a new batch, the corrected update is
+
+.. math::
+
+    q_{t+1} = \arg\min_q\; E_q[\ell_{new}] + KL(q \| q_t) + \sum_{i \in C} E_q[\ell_i - \hat\ell_{i|t}],
+
+which is the dual-form problem with the *cavity* ``q_t / Π_{i∈C} exp(−ℓ̂_{i|t})`` as a
+fixed Gaussian factor and the true losses of the new examples and of ``C`` as live terms
+(paper eq. ``postcorr``). The policy chooses ``C``:
+
+``"none"``
+    ``C = ∅`` — variational continual learning (VCL).
+``"prior"``
+    ``C = {0}`` — the prior site only.
+``"exact"``
+    every retained example and the prior — the batch posterior.
+``"memory"``
+    the prior and a memory of retained examples (ids, or a size and a selection rule:
+    ``random``, ``residual``, ``curvature``, ``leverage``).
+``"weighted"``
+    the memory's corrections scaled by ``n_retained / n_memory`` so that they stand for
+    all retained data; if that makes the problem unsolvable the update falls back to
+    ``"memory"`` and says so (``record["fallback"]``).
+``"stochastic"``
+    the exact correction from a fresh random subset of the retained data at every
+    iteration (stochastic average gradient, SAG): a table holds the latest site of every
+    retained example, only the subset's rows are recomputed, and each natural-gradient
+    step uses the table's sums — exact once every row is fresh, so the iteration
+    converges to the ``"exact"`` answer while touching one subset per step (full family).
+
+Sites of examples outside ``C`` stay as they were (stale); the result still satisfies
+``λ_{t+1} = Σ_i λ̂_i`` over all sites.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+
+import numpy as np
+
+from numpyro_pc.model.batches import bind_batch
+from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
+from .correction import solve_update
+from .diagnostics import site_mismatch
+from numpyro_pc.model.rowops import to_device
+from numpyro_pc.model.rows import concat_data, positions, take_data
+from numpyro_pc.solvers.gaussian import default_tol
+from .stochastic import stochastic_update
+from numpyro_pc.protocols.posterior import provides
+from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
+
+__all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
+
+def _reservoir(ids_old, ids_new, size, seen_before, seed):
+    """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
+    rng = np.random.default_rng(seed)
+    kept = list(np.asarray(ids_old)[:size])
+    for k, new in enumerate(np.asarray(ids_new)):
+        seen = seen_before + k + 1
+        if len(kept) < size:
+            kept.append(int(new))
+        else:
+            slot = rng.integers(0, seen)
+            if slot < size:
+                kept[slot] = int(new)
+    return np.asarray(sorted(kept), dtype=np.int64)
+
+
+@provides("update")
+def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
+           max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
+    """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
+    start = time.perf_counter()
+    residual = post.site_identity_residual  # the sites' own identity: an exact update recomputes stale ones
+    if not np.isfinite(residual):
+        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
+                                   "non-finite values, so no update can be trusted; refit the posterior.")
+    if residual > 100 * default_tol(post.state.mean.dtype):
+        warnings.warn(f"updating a posterior whose dual-form residual is {residual:.1e}; refine() it first "
+                      "so that its sites represent it", RuntimeWarning, stacklevel=3)
+    new_data = bind_batch(post, args, kwargs)
+    num_new = int(new_data.per_example[0].shape[0])
+    new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
+    corrected, correct_prior = corrected_ids(post, correction, memory, selection, seed)
+    check_stochastic_options(correction, epochs)
+    site_rows = positions(post.sites.ids, corrected)
+    weight = 1.0
+    if correction == "weighted":
+        weight = post.num_retained / max(corrected.size, 1)
+    solve_options = dict(tol=tol, max_iters=max_iters, progress=progress)
+    fallback = None
+    if correction == "stochastic":
+
+        q, fresh, history, touched = stochastic_update(post, new_data, new_ids, corrected, batch_fraction, seed,
+                                                       solve_options, raise_on_failure, epochs)
+        offset = post.offset
+    else:
+        stale = post.sites.take(site_rows)
+        try:
+            q, fresh, history, offset = solve_update(post, new_data, new_ids, corrected, correct_prior, weight,
+                                                      solve_options, raise_on_failure or weight != 1.0, stale)
+        except (ConvergenceError, NotPositiveDefiniteError) as err:
+            if weight == 1.0:
+                raise
+            fallback = f"weighted correction failed ({type(err).__name__}); fell back to the unweighted memory"
+            warnings.warn(fallback, RuntimeWarning, stacklevel=3)
+            q, fresh, history, offset = solve_update(post, new_data, new_ids, corrected, correct_prior, 1.0,
+                                                      solve_options, raise_on_failure, stale)
+        touched = corrected.size * (len(history) - 1)
+
+    stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
+    sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
+    data, data_ids = _retain(post, new_data, new_ids, keep, seed)
+    record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
+                  iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
+                  weight=weight, fallback=fallback, past_examples_touched=int(touched),
+                  reused_sites=int(history[0].get("reused_sites", 0)))
+    if "restart" in history[0]:
+        record["restart"] = history[0]["restart"]
+    if corrected.size and correction != "stochastic":
+
+        # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
+        magnitude = site_mismatch(stale.bucketed()[0], fresh.take(np.arange(corrected.size)).bucketed()[0], q,
+                                  post.family, post.spec.affine)[0]
+        magnitude = np.asarray(magnitude)[:corrected.size]
+        record["correction_magnitude"] = dict(ids=corrected, magnitude=magnitude, total=float(np.sum(magnitude)))
+    record["seconds"] = time.perf_counter() - start
+    return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
+                         data_ids=to_device(data_ids), state=q, sites=sites, history=history,
+                         next_id=post.next_id + num_new, record=record, offset=offset,
+                         # an exact correction recomputes every retained site; the others keep the stale ones stale
+                         stale_sites=post.stale_sites and correction != "exact")
+
+
+def _retain(post, new_data, new_ids, keep, seed):
+    if isinstance(keep, str) and keep == "all":
+        return concat_data(post.data, new_data), np.concatenate([np.asarray(post.data_ids), new_ids])
+    if isinstance(keep, str) and keep == "none":
+        empty = take_data(post.data, np.zeros(0, np.int64))
+        return empty, np.zeros(0, np.int64)
+    if isinstance(keep, (int, np.integer)) and not isinstance(keep, bool) and keep >= 0:
+        seen = int(post.next_id) - len(post.tombstones)
+        kept = _reservoir(post.data_ids, new_ids, int(keep), seen, seed)
+        both = concat_data(post.data, new_data)
+        rows = positions(np.concatenate([np.asarray(post.data_ids), new_ids]), kept)
+        return take_data(both, rows), kept
+    raise InvalidOptionError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")

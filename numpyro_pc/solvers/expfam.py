@@ -1,0 +1,206 @@
+r"""The exponential-family fixed point over a set of examples: the target and the solve.
+
+The natural-gradient iteration of :func:`~numpyro_pc.solvers.expfam.blr_solve` looks for
+:math:`\lambda = \tau(\lambda)` with :math:`\tau(\lambda) = c - \sum_i w_i g_i(\lambda) [- g_0(\lambda)]`
+(paper eq. ``qdualform`` in the natural parameters): ``c`` holds the sites that stay fixed, the
+sum runs over the active examples. :func:`bucketed_target` pads the active rows to a bucket so
+that batches of other sizes reuse one compiled site computation; :func:`solve_every_site` is
+the batch fixed point (fit, exact update, corrected deletion, refined merge) with the
+independent-points check of its Monte Carlo or cubature error.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
+from . import fixed_point
+from numpyro_pc.sites.expfam import EFConfig, compute_sites
+from numpyro_pc.errors import ConvergenceError, MonteCarloErrorWarning, NonFiniteResultError, OutOfDomainError
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.model.rows import pad_to_bucket
+
+__all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "solve_every_site"]
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _target(config, lam, data, prior_active, const, weights, seed):
+    """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
+    (``weights`` 0 on the rows that only pad the data to its bucket)."""
+    sites = compute_sites(config, lam, data, seed)
+    tau = const - weights @ sites.grads
+    if prior_active:
+        tau = tau - sites.prior
+    return tau, sites
+
+
+def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
+    """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.model.rows.bucket_size` rows
+    (repeats of the last row with weight 0), so that batches of other sizes reuse the same
+    compiled site computation; the sites returned are those of the real rows."""
+    num = int(data.per_example[0].shape[0])
+    padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
+    cfg = config_rows(config, int(weights.shape[0]))
+    seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
+
+    def target(lam: jax.Array) -> tuple[jax.Array, object]:
+        tau, sites = _target(cfg, lam, padded, prior_active, const, weights, seed)
+        return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
+
+    return target
+
+
+def config_rows(config: EFConfig, num: int) -> EFConfig:
+    """``config`` for ``num`` examples (the static size the site computation is compiled for)."""
+    return replace(config, spec=replace(config.spec, num_examples=num))
+
+
+def solve_every_site(post: Posterior, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
+                     rho=1.0) -> Posterior:
+    """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
+    natural parameters ``start``; the prior term is active unless conjugate-form."""
+    num = int(ids.shape[0])
+    cfg = config_rows(post.config, num)
+    tol = fixed_point.default_tol(start.dtype) if tol is None else tol
+    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
+    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
+                                 post.family.in_domain, start, tol, max_iters, rho=rho,
+                                 raise_on_failure=raise_on_failure, progress=progress)
+    prior = post.sites.prior if post.conjugate_prior else sites.prior
+    state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
+    record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
+    if cfg.rule != "quadrature" and info.converged:
+        record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
+    return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
+
+
+def _draw_error(config, data, prior_active, const, lam, tol):
+    """The fixed point's residual under an independent set of points (seed + 1): other draws,
+    or the cubature rotated by another orthogonal matrix.
+
+    The solver reaches the fixed point of the expectations under *its* points; the residual a
+    second set sees at that point estimates how far the answer is from the family's true
+    optimum (0 up to rounding for conjugate losses, whose sites are exact whatever the
+    points, and, under ``"cubature"``, for losses of degree at most 3 in the Gaussian blocks; the
+    second cubature has another rotation *and* radius, so that an error depending on the radius
+    alone shows too).
+    Warned about when well above the tolerance.
+    """
+    other, _ = bucketed_target(config, data, prior_active, const, config.seed + 1)(lam)
+    residual = relative_residual(lam, other)
+    cubature = config.rule == "cubature"
+    if not residual <= 100 * tol:  # a NaN residual warns too
+        if cubature:
+            what = (f"its own cubature points but {residual:.1e} for a rotated cubature: the loss is far from a "
+                    "polynomial of degree 3 in the Gaussian blocks over q, and the degree-3 rule's error shows; pass "
+                    "expectation='mixed' (num_samples draws) or 'mc'")
+        else:
+            what = (f"its own {config.num_samples} draws but {residual:.1e} for independent draws: the answer is "
+                    "only as accurate as the Monte Carlo error of the draws; raise num_samples (or give vector "
+                    "sites scalar factors with Gauss rules)")
+        warnings.warn(f"the fixed point's residual is below {tol:g} for {what}", MonteCarloErrorWarning, stacklevel=4)
+    if cubature:
+        return dict(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
+    return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
+
+
+# --------------------------------------------------------------------------- the BLR fixed point
+
+class SolveInfo(NamedTuple):
+    """What the solver did: ``iterations``, final ``residual``, ``converged``, last step ``rho``."""
+
+    iterations: int
+    residual: float
+    converged: bool
+    rho: float
+
+
+def relative_residual(lam, target) -> float:
+    """:math:`\\|\\lambda - \\tau\\| / (1 + \\|\\tau\\|)` as a float (:func:`numpyro_pc.solvers.fixed_point.relative_residual`)."""
+    return float(fixed_point.relative_residual(lam, target))
+
+
+EF_MAX_ITERS = 200  # natural-gradient steps of an exponential-family solve when max_iters is None
+
+
+def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, raise_on_failure=True,
+              memory=5, progress=False) -> tuple[jax.Array, object, SolveInfo]:
+    r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.solvers.fixed_point`).
+
+    Each step is :func:`numpyro_pc.solvers.fixed_point.natural_propose`: Anderson mixing over the last
+    ``memory`` iterates (type II; Walker & Ni, 2011) with :math:`f_k = \tau(\lambda_k) - \lambda_k`
+    and :math:`\gamma = \arg\min \|f_k - \Delta F\,\gamma\|`, the candidate
+    :math:`\lambda_k + \rho f_k - (\Delta\Lambda + \rho\,\Delta F)\gamma`, used only when it
+    lies inside the domain; otherwise the plain step halved until inside. The damping is
+    non-monotone (:func:`numpyro_pc.solvers.fixed_point.damping_observe`): a residual above the largest of
+    the last three clears the history and halves the step if the step that made it worse was a
+    plain one; a residual below the smallest of the last three doubles it again (up to ``rho``).
+    Simultaneous updates of the factors of a product oscillate on their way to the fixed point
+    (as coordinate-ascent VB updated in parallel does), which a monotone test would reject. A
+    conjugate model converges in one step (there is no history at the first step).
+    :func:`numpyro_pc.solvers.fixed_point.natural_solve` is the same iteration as one ``lax.while_loop``.
+
+    :param target_fn: ``λ -> (τ(λ), aux)``: the fixed-point target and what was computed
+        with it (the sites at ``λ``); jit it.
+    :param in_domain: ``λ -> bool`` (traceable).
+    :param lam: the start (inside the domain).
+    :param tol: relative residual tolerance (default :func:`numpyro_pc.solvers.fixed_point.default_tol`).
+    :param bool progress: show a progress bar of the iterations with the residual.
+    :return: ``(λ, aux, SolveInfo)`` where ``aux`` belongs to the returned ``λ``.
+    :raises OutOfDomainError: if the start is outside the domain, or no step keeps
+        the iterate inside.
+    :raises NonFiniteResultError: if the sites are not finite.
+    :raises ConvergenceError: if ``tol`` is not met in ``max_iters`` (with ``raise_on_failure``; without
+        it a ``RuntimeWarning`` says so and the last iterate is returned).
+    """
+    if not bool(in_domain(lam)):
+        raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
+                               f"parameter: {np.asarray(lam).tolist()}")
+    tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)
+    max_iters = EF_MAX_ITERS if max_iters is None else int(max_iters)
+
+    def evaluate(x, it):
+        target, aux = target_fn(x)
+        if not bool(jnp.all(jnp.isfinite(target))):
+            raise NonFiniteResultError(f"the sites at iteration {it} are not finite (natural parameter "
+                                       f"{np.asarray(x).tolist()})")
+        return target, aux
+
+    target, aux = evaluate(lam, 0)
+    state = fixed_point.natural_init(lam, target, rho, memory)
+    bar = fixed_point.progress_bar(progress, max_iters, "natural-gradient solve")
+    try:
+        while True:
+            res, it = float(state.residual), int(state.iteration)
+            if bar is not None:
+                bar.n = it
+                bar.set_postfix(residual=f"{res:.2e}")
+            if res < tol:
+                return state.lam, aux, SolveInfo(it, res, True, float(state.damping.step))
+            if it >= max_iters:
+                break
+            new, state = fixed_point.natural_propose_host(state, in_domain, rho)
+            if not bool(state.inside):
+                raise OutOfDomainError("no step of the natural-parameter iteration keeps every shape parameter "
+                                       f"positive (target {np.asarray(state.target).tolist()})")
+            target, aux = evaluate(new, it + 1)
+            state = fixed_point.natural_observe(state, new, target)
+    finally:
+        if bar is not None:
+            bar.close()
+    info = SolveInfo(max_iters, res, False, float(state.damping.step))
+    message = (f"the natural-parameter iteration did not reach tol={tol:g} in {max_iters} iterations (relative "
+               f"residual {res:.3g})")
+    if raise_on_failure:
+        raise ConvergenceError(message)
+    warnings.warn(message + "; the result is the last iterate (record['converged'] is False)", RuntimeWarning,
+                  stacklevel=3)
+    return state.lam, aux, info
