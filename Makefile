@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 # makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: help venv demo test lint unit notebooks notebooks-full docs bench clean distclean
+.PHONY: help venv demo test lint unit notebooks notebooks-full docs architecture bench clean distclean
 
 help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
@@ -25,6 +25,7 @@ help:
 	@echo "make notebooks  check that the committed outputs are current, then execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
 	@echo "make notebooks-full  full-size runs written back into notebooks/ with their outputs (commit them)"
 	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
+	@echo "make architecture  redraw docs/_static/architecture.{png,txt} from the import graph (commit them)"
 	@echo "make bench      run every benchmarks/bench_*.py"
 	@echo "make clean      remove build and run outputs (keeps $(VENV)); distclean also removes $(VENV)"
 
@@ -56,6 +57,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check numpyro_pc tests benchmarks scripts
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/architecture.py --check
 
 unit: venv
 	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 tests
@@ -66,6 +68,9 @@ notebooks: venv
 
 notebooks-full: venv
 	$(PY) scripts/run_notebooks.py notebooks --full --write-back
+
+architecture: venv
+	$(PY) scripts/architecture.py
 
 docs: venv
 	$(SPHINXBUILD) -W --keep-going -b html docs docs/_build/html

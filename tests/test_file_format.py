@@ -374,9 +374,10 @@ def test_a_damaged_list_of_deleted_ids_is_refused_with_its_typed_error(name, edi
 
 # --------------------------------------------------------------------------- the former names of the checks
 
-_FORMER = [("numpyro_pc.io.validation", "check_manifest", "numpyro_pc.io.file_format.check_manifest"),
-           ("numpyro_pc.io.expfam", "check_ef_manifest", "numpyro_pc.io.file_format.check_manifest"),
-           ("numpyro_pc.io.expfam", "check_ef_contents", "numpyro_pc.io.validation.check_ef_contents")]
+# under the module names of the flat layout, as users wrote them (the modules also warn that they moved)
+_FORMER = [("numpyro_pc.validation", "check_manifest", "numpyro_pc.io.file_format.check_manifest"),
+           ("numpyro_pc.ef_io", "check_ef_manifest", "numpyro_pc.io.file_format.check_manifest"),
+           ("numpyro_pc.ef_io", "check_ef_contents", "numpyro_pc.io.validation.check_ef_contents")]
 
 
 @pytest.mark.parametrize("module, name, new", _FORMER, ids=[n for _, n, _ in _FORMER])

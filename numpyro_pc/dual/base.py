@@ -39,17 +39,6 @@ from numpyro_pc.solvers.gaussian import solve, solve_init
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 
 
-def __getattr__(name: str):
-    """``build_posterior`` moved to :mod:`numpyro_pc.dual.build`; importing it from here still works
-    for one release, with a ``FutureWarning``."""
-    if name == "build_posterior":
-        from . import build as dual_build  # dual_build builds on this module
-        warnings.warn("numpyro_pc.dual.base.build_posterior moved to numpyro_pc.dual.build.build_posterior; the old "
-                      "location is removed in the next release", FutureWarning, stacklevel=2)
-        return dual_build.build_posterior
-    raise AttributeError(f"module 'numpyro_pc.dual.base' has no attribute {name!r}")
-
-
 def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Callable:
     """A :func:`functools.singledispatch` function over the class of its first argument, a posterior,
     anything else refused with ``error`` naming ``operation``: for the facade

@@ -42,20 +42,6 @@ from numpyro_pc.protocols.posterior import Posterior
 
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 
-_MOVED_TO_EF_FIT = ("fit_ef", "dual_form_ef")
-
-
-def __getattr__(name: str):
-    """``fit_ef`` and ``dual_form_ef`` moved to :mod:`numpyro_pc.dual.expfam_fit`; importing them from here
-    still works for one release, with a ``FutureWarning``."""
-    if name in _MOVED_TO_EF_FIT:
-        from . import expfam_fit as ef_fit  # ef_fit builds on this module
-        warnings.warn(f"numpyro_pc.dual.expfam.{name} moved to numpyro_pc.dual.expfam_fit.{name} (or call pc.fit / "
-                      "pc.dual_form); the old location is removed in the next release", FutureWarning, stacklevel=2)
-        return getattr(ef_fit, name)
-    raise AttributeError(f"module 'numpyro_pc.dual.expfam' has no attribute {name!r}")
-
-
 def _called(name):
     warnings.warn(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
                   f"post.{name}(); the call form will be removed in the next release", FutureWarning, stacklevel=3)

@@ -67,7 +67,7 @@ def __getattr__(name: str):
     release, with a ``FutureWarning`` naming the replacement."""
     if name in _REPLACED:
         new, value, what = _REPLACED[name]
-        warnings.warn(f"numpyro_pc.io.expfam.{name} was replaced by {new} (it checks {what}); the old name is removed "
+        warnings.warn(f"numpyro_pc.ef_io.{name} was replaced by {new} (it checks {what}); the old name is removed "
                       "in the next release", FutureWarning, stacklevel=2)
         return value
     raise AttributeError(f"module 'numpyro_pc.io.expfam' has no attribute {name!r}")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from typing import NoReturn
 
 import numpy as np
@@ -476,14 +475,3 @@ def tombstones_member(tombstones) -> np.ndarray:
     return np.asarray(tuple(int(t) for t in tombstones), np.int64).reshape(-1)
 
 
-def __getattr__(name: str):
-    """``check_manifest`` moved to :func:`numpyro_pc.io.file_format.check_manifest` (format version 2, one
-    schema for both kinds); importing it from here still works for one release, with a ``FutureWarning``."""
-    if name == "check_manifest":
-        from . import file_format  # file_format builds on this module
-        warnings.warn("numpyro_pc.io.validation.check_manifest was replaced by numpyro_pc.io.file_format.check_manifest, "
-                      "which checks a version-2 manifest of either kind (numpyro_pc.io.file_format.upgrade maps a "
-                      "version-1 manifest to it); the old name is removed in the next release", FutureWarning,
-                      stacklevel=2)
-        return file_format.check_manifest
-    raise AttributeError(f"module 'numpyro_pc.io.validation' has no attribute {name!r}")

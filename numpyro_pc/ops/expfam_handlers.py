@@ -35,7 +35,7 @@ _MOVED = {
 def __getattr__(name: str):
     if name in _MOVED:
         new, value = _MOVED[name]
-        warnings.warn(f"numpyro_pc.ops.expfam_handlers.{name} is deprecated: use {new} (one function for every family); "
-                      "numpyro_pc.ops.expfam_handlers is removed in the next release", FutureWarning, stacklevel=2)
+        warnings.warn(f"numpyro_pc.ef_handlers.{name} is deprecated: use {new} (one function for every family); "
+                      "numpyro_pc.ef_handlers is removed in the next release", FutureWarning, stacklevel=2)
         return value
     raise AttributeError(f"module 'numpyro_pc.ops.expfam_handlers' has no attribute {name!r}")
