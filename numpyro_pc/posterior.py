@@ -20,24 +20,25 @@ from collections.abc import Callable, Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability
-from numpyro_pc.guides import expfam as _ef_guides
-from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
-from numpyro_pc.guides import gaussian as _guides
-from numpyro_pc.dual.expfam_fit import dual_form_ef, fit_ef
-from numpyro_pc.dual.expfam import EFPosterior
 from numpyro_pc.dual.base import DualPosteriorBase, by_posterior_kind, in_own_precision
 from numpyro_pc.dual.build import build_posterior
-from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
-from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.dual.expfam import EFPosterior
+from numpyro_pc.dual.expfam_fit import dual_form_ef, fit_ef
 from numpyro_pc.families.registry import ExponentialFamily, get_family
+from numpyro_pc.guides import expfam as _ef_guides
+from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.io.save_load import load as _load
 from numpyro_pc.model.likelihood import bind_model
-from .options import MAX_SEED, check_count, check_flag, check_solver_options
-from numpyro_pc.protocols.posterior import Posterior
-from numpyro_pc.solvers.start import default_start
 from numpyro_pc.ops.streaming import update as _update
 from numpyro_pc.ops.unlearning import delete as _delete
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
+from numpyro_pc.solvers.start import default_start
+
+from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
+from .options import MAX_SEED, check_count, check_flag, check_solver_options
 
 __all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 

@@ -64,13 +64,14 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 from jax.scipy.special import logsumexp
 
-from numpyro_pc.protocols.capabilities import site_curvature
 from numpyro_pc.curvature.stores import FULL
-from ..errors import InvalidOptionError
-from numpyro_pc.sites.expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from numpyro_pc.families.registry import Gaussian, GaussianNatural
 from numpyro_pc.model.likelihood import ModelData, example_loss, example_params
+from numpyro_pc.protocols.capabilities import site_curvature
+from numpyro_pc.sites.expectations import hermite_nodes, mc_noise, subspace_basis, tensor_hermite_nodes
 from numpyro_pc.sites.gaussian import compute_sites
+
+from ..errors import InvalidOptionError
 
 __all__ = ["Cavities", "cavities", "downdates", "kl_shape", "log_predictive", "refit_predictive", "rule_nodes",
            "taylor_cavities"]

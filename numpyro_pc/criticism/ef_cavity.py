@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.sites.expfam import design, model_point, point_losses
-from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
 from numpyro_pc.model.likelihood import ModelData, example_loss
+from numpyro_pc.sites.expfam import design, model_point, point_losses
+
+from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
 from .cavity import kl_shape
 
 __all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",

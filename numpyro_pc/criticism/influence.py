@@ -30,16 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteSum, require
-from numpyro_pc.protocols.posterior import by_site_table
-from numpyro_pc.sites.cached import Sites
-from numpyro_pc.sites.expfam_table import EFSiteTable
-from ..errors import InvalidOptionError, NotPositiveDefiniteError
-from numpyro_pc.sites.expectations import get_rule
 from numpyro_pc.families.registry import FullGaussian, Gaussian
 from numpyro_pc.model.likelihood import constrain
 from numpyro_pc.model.rows import positions
+from numpyro_pc.protocols.capabilities import SiteSum, require
+from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.sites.gaussian import compute_sites
+
+from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from .cavity import cavities, downdates, kl_shape
 from .ef_cavity import EF_ESTIMATORS, ef_influence
 

@@ -35,17 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 
+from numpyro_pc.model.likelihood import bind_model, example_loss, is_array
 from numpyro_pc.protocols.posterior import by_site_table
 from numpyro_pc.sites.cached import Sites
-from numpyro_pc.sites.expfam_table import EFSiteTable
-from ..errors import DataShapeError, InvalidOptionError
 from numpyro_pc.sites.expectations import get_rule, mc_noise
-from numpyro_pc.model.likelihood import bind_model, example_loss, is_array
+from numpyro_pc.sites.expfam_table import EFSiteTable
+
+from ..errors import DataShapeError, InvalidOptionError
+from ..options import is_choice
 from ..posterior import fit
 from .cavity import refit_predictive, rule_nodes
 from .ef_cavity import ef_block_density, ef_num_points
 from .loo import elpd_data
-from ..options import is_choice
 
 __all__ = ["lfo", "METHODS"]
 

@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteDivision, require, site_curvature
-from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
-from ..options import check_finite, check_solver_options, is_choice
-from numpyro_pc.model.rows import positions, take_data
 from numpyro_pc.curvature.stores import FULL
-from numpyro_pc.protocols.posterior import by_site_table
+from numpyro_pc.model.rows import positions, take_data
+from numpyro_pc.protocols.capabilities import SiteDivision, require, site_curvature
+from numpyro_pc.protocols.posterior import Posterior, by_site_table
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.expfam_table import EFSiteTable
-from numpyro_pc.protocols.posterior import Posterior
+
+from ..errors import InvalidOptionError, NotFittedError, NotPositiveDefiniteError, UnsupportedGuideError
+from ..options import check_finite, check_solver_options, is_choice
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
 

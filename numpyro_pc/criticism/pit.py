@@ -24,13 +24,14 @@ from jax.scipy.special import logsumexp
 from numpyro import handlers
 from numpyro.primitives import Messenger
 
+from numpyro_pc.model.likelihood import constrain, trace_at
+from numpyro_pc.model.rows import positions
 from numpyro_pc.protocols.posterior import by_site_table
 from numpyro_pc.sites.cached import Sites
-from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.sites.expfam import model_point
+from numpyro_pc.sites.expfam_table import EFSiteTable
+
 from ..errors import InvalidOptionError
-from numpyro_pc.model.likelihood import trace_at, constrain
-from numpyro_pc.model.rows import positions
 
 __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
 

@@ -14,9 +14,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from .stores import FULL, CurvatureStore, Factor, register_store
 from numpyro_pc.errors import SiteStorageError
 from numpyro_pc.model.rowops import join_rows
+
+from .stores import FULL, CurvatureStore, Factor, register_store
 
 __all__ = ["SparseFactor"]
 

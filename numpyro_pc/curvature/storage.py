@@ -17,11 +17,12 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import site_curvature
-from .stores import Dense, Factor, get_store
-from .sparse import SparseFactor
 from numpyro_pc.errors import SiteStorageError
+from numpyro_pc.protocols.capabilities import site_curvature
+
 from .memory import dense_auto_budget, format_bytes, machine_memory
+from .sparse import SparseFactor
+from .stores import Dense, Factor, get_store
 
 __all__ = ["SiteConfig", "resolve_storage", "mc_along_subspace", "default_chunk_size", "uses_params"]
 

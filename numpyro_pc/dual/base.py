@@ -22,19 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability
-from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
 from numpyro_pc.families.registry import add_site
+from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from numpyro_pc.model.rowops import to_device
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions
-from numpyro_pc.protocols.posterior import Posterior
-from .state import PosteriorConfig, PosteriorState
-from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
-from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.gaussian import solve, solve_init
+from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
+
+from .state import PosteriorConfig, PosteriorState
 
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 

@@ -14,15 +14,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import gaussian_solver
-from .base import DualPosteriorBase
 from numpyro_pc.errors import MonteCarloErrorWarning
-from numpyro_pc.sites.expectations import prepare_rule
 from numpyro_pc.model.rowops import to_device
 from numpyro_pc.model.rows import pad_to_bucket
-from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
+from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.sites.expectations import prepare_rule
 from numpyro_pc.sites.gaussian import mc_along_subspace
 from numpyro_pc.solvers.gaussian import default_tol
+from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
+
+from .base import DualPosteriorBase
 
 __all__ = ["build_posterior"]
 

@@ -28,17 +28,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.families.product import (ProductFamily, family_for_model, site_names)  # noqa: F401  (importable from here, as before)
-from numpyro_pc.sites.expfam_eval import inference_data
-from numpyro_pc.guides.expfam import read_guide, write_params
-from numpyro_pc.solvers.fixed_point import default_tol
-from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
-from numpyro_pc.solvers.expfam import blr_solve, relative_residual  # noqa: F401  (blr_solve: as before)
-from .expfam_adapt import delete_ef, refine_ef, update_ef
-from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
-from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site  # noqa: F401  (importable from here, as before)
 from numpyro_pc.errors import InvalidOptionError
+from numpyro_pc.families.product import (  # noqa: F401  (importable from here, as before)
+    ProductFamily,
+    family_for_model,
+    site_names,
+)
+from numpyro_pc.guides.expfam import read_guide, write_params
 from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
+from numpyro_pc.sites.expfam_eval import inference_data
+from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
+from numpyro_pc.solvers.expfam import (  # noqa: F401  (blr_solve: as before)  # noqa: F401  (importable from here, as before)
+    blr_solve,
+    bucketed_target,
+    relative_residual,
+    solve_every_site,
+)
+from numpyro_pc.solvers.fixed_point import default_tol
+
+from .expfam_adapt import delete_ef, refine_ef, update_ef
 
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 

@@ -20,17 +20,24 @@ from dataclasses import replace
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
-from numpyro_pc.solvers.expfam import blr_solve, bucketed_target, config_rows, solve_every_site
-from numpyro_pc.errors import (ConvergenceError, DataShapeError, InvalidOptionError, MissingCapabilityError,
-                               NonFiniteResultError, OutOfDomainError, UnknownExampleError)
-from numpyro_pc.solvers.fixed_point import default_tol, largest_inside_fraction, progress_bar
+from numpyro_pc.errors import (
+    ConvergenceError,
+    DataShapeError,
+    InvalidOptionError,
+    MissingCapabilityError,
+    NonFiniteResultError,
+    OutOfDomainError,
+    UnknownExampleError,
+)
 from numpyro_pc.model.likelihood import ModelData, bind_model
-from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
-from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
-from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.model.rowops import as_ids, join_rows, take_rows
 from numpyro_pc.model.rows import concat_data, positions
+from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
+from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
+from numpyro_pc.solvers.expfam import blr_solve, bucketed_target, config_rows, solve_every_site
+from numpyro_pc.solvers.fixed_point import default_tol, largest_inside_fraction, progress_bar
 
 __all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "DELETE_METHODS"]
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from numpyro_pc.guides.expfam import read_guide
-from .expfam import EFPosterior, EFState
-from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
-from numpyro_pc.families.product import site_shape, site_supports, family_for_model, make_factor, site_names
-from numpyro_pc.sites.expfam_table import EFSiteTable
-from numpyro_pc.sites.expfam import EFConfig, conjugate_rtol, prior_form_residual
 from numpyro_pc.errors import InvalidOptionError, OutOfDomainError, UnsupportedGuideError
+from numpyro_pc.families.product import family_for_model, make_factor, site_names, site_shape, site_supports
+from numpyro_pc.guides.expfam import read_guide
 from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.sites.expfam import EFConfig, conjugate_rtol, prior_form_residual
+from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
+
+from .expfam import EFPosterior, EFState
 
 __all__ = ["fit_ef", "dual_form_ef"]
 

@@ -21,9 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.protocols.capabilities import (DIAGONAL_CURVATURE, FULL_CURVATURE, NO_CURVATURE, FixedPrecision,
-                                               GaussianSolver, SiteCurvature, SiteDivision, SiteSum)
 from numpyro_pc.errors import UnsupportedModelError
+from numpyro_pc.protocols.capabilities import (
+    DIAGONAL_CURVATURE,
+    FULL_CURVATURE,
+    NO_CURVATURE,
+    FixedPrecision,
+    GaussianSolver,
+    SiteCurvature,
+    SiteDivision,
+    SiteSum,
+)
 from numpyro_pc.protocols.family import ExponentialFamily, Gaussian, GaussianNatural
 
 __all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian"]

@@ -69,16 +69,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import (FULL_CURVATURE, FixedPrecision, GaussianSolver, SiteCurvature,
-                                               SiteDivision, SiteSum)
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
+from numpyro_pc.protocols.capabilities import (
+    FULL_CURVATURE,
+    FixedPrecision,
+    GaussianSolver,
+    SiteCurvature,
+    SiteDivision,
+    SiteSum,
+)
+
+from .lowrank_algebra import TargetOperator as _TargetOperator
+from .lowrank_algebra import apply_precision as _apply
+from .lowrank_algebra import compress_precision as _compress
+from .lowrank_algebra import cov_factor as _cov_factor
+from .lowrank_algebra import diff_fro2 as _diff_fro2
+from .lowrank_algebra import fro_inner as _fro_inner
+from .lowrank_algebra import join_precision as _join
+from .lowrank_algebra import logdet_precision as _logdet
+from .lowrank_algebra import lowrank_from_covariance, project_operator
+from .lowrank_algebra import newton_solve as _newton_solve
+from .lowrank_algebra import solve_precision as _solve
+from .lowrank_algebra import split_precision as _split
+from .lowrank_algebra import target_diagonal as _target_diagonal
+from .lowrank_algebra import target_matmat as _target_matmat
 from .registry import ExponentialFamily, Gaussian, GaussianNatural, register_family_factory
-from .lowrank_algebra import (TargetOperator as _TargetOperator, apply_precision as _apply,
-                              compress_precision as _compress, cov_factor as _cov_factor, diff_fro2 as _diff_fro2,
-                              fro_inner as _fro_inner, join_precision as _join, logdet_precision as _logdet,
-                              lowrank_from_covariance, newton_solve as _newton_solve, project_operator,
-                              solve_precision as _solve, split_precision as _split,
-                              target_diagonal as _target_diagonal, target_matmat as _target_matmat)
 
 __all__ = ["LowRankGaussian", "project_operator", "lowrank_from_covariance"]  # the last two: from lowrank_algebra
 

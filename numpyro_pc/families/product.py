@@ -30,13 +30,14 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import ExpTransform, IdentityTransform, IndependentTransform, biject_to
 
+from numpyro_pc.errors import InvalidOptionError, UnsupportedGuideError, UnsupportedModelError
+from numpyro_pc.model.likelihood import trace_at
 from numpyro_pc.protocols.capabilities import FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum
+
 from .discrete import BernoulliFactor, CategoricalFactor
 from .expfam import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .expfam_gaussian import FullGaussianFactor, NormalFactor
 from .point_sets import symmetric_cubature
-from numpyro_pc.errors import InvalidOptionError, UnsupportedGuideError, UnsupportedModelError
-from numpyro_pc.model.likelihood import trace_at
 
 __all__ = ["ProductFamily", "EF_FAMILIES", "register_factor", "make_factor", "factor_from_distribution",
            "unwrap_distribution", "family_for_model", "site_names", "site_supports", "site_shape"]

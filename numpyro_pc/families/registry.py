@@ -16,10 +16,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.protocols.family import (ExponentialFamily, Gaussian, GaussianNatural, add_site, regularised_chol,
-                                         remove_site, scale_site)
-from .gaussians import DiagonalGaussian, FullGaussian, IsotropicGaussian
 from numpyro_pc.options import is_choice
+from numpyro_pc.protocols.family import (
+    ExponentialFamily,
+    Gaussian,
+    GaussianNatural,
+    add_site,
+    regularised_chol,
+    remove_site,
+    scale_site,
+)
+
+from .gaussians import DiagonalGaussian, FullGaussian, IsotropicGaussian
 
 __all__ = [
     "Gaussian",

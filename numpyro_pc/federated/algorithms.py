@@ -62,18 +62,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
-from ..errors import ConvergenceError, InvalidOptionError, MissingCapabilityError
-from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import gaussian_prior, prior_natural
-from numpyro_pc.dual.build import build_posterior
+from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
+from numpyro_pc.sites.expectations import ExpectationRule
+
+from ..errors import ConvergenceError, InvalidOptionError, MissingCapabilityError
+from ..options import is_choice
 from ..posterior import DualPosterior
-from .core import (FederatedResult, LocalConfig, bind_clients, check_rule, concat_datas, global_state, joint_spec, local_update,
-                   natural_nbytes, record_round, release_site)
+from .core import (
+    FederatedResult,
+    LocalConfig,
+    bind_clients,
+    check_rule,
+    concat_datas,
+    global_state,
+    joint_spec,
+    local_update,
+    natural_nbytes,
+    record_round,
+    release_site,
+)
+from .ef import run_ef
 from .privacy import check_gaussian_prior_data_free
 from .robust import aggregate_sites, robust_bounds
-from ..options import is_choice
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
@@ -245,7 +258,6 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         if expectation in ("gh", "delta"):
             raise InvalidOptionError(f"expectation {expectation!r} is a rule of Gaussian posteriors' sites, not of an "
                                      "exponential-family family dict (see numpyro_pc.fit's expectation options)")
-        from .ef import run_ef  # ef builds on this module
         return run_ef(model, client_data, family, algorithm=algorithm, rho=rho, rounds=rounds, damping=damping,
                       fraction=fraction, tol=tol, residual_tol=residual_tol, seed=seed, reference=reference,
                       keep_data=keep_data, local_iters=local_iters, local_tol=local_tol,

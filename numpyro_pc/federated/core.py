@@ -34,13 +34,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability
-from ..errors import (DataShapeError, DataSupportError, DataTypeError, ExpectationRuleError, InvalidOptionError,
-                      NonFiniteDataError)
-from numpyro_pc.sites.expectations import hermite_nodes
 from numpyro_pc.families.registry import Gaussian, GaussianNatural
-from numpyro_pc.solvers.fixed_point import backtrack
 from numpyro_pc.model.likelihood import ModelData, bind_model, example_loss, example_params
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.sites.expectations import hermite_nodes
+from numpyro_pc.solvers.fixed_point import backtrack
+
+from ..errors import (
+    DataShapeError,
+    DataSupportError,
+    DataTypeError,
+    ExpectationRuleError,
+    InvalidOptionError,
+    NonFiniteDataError,
+)
 from .privacy import add_noise, clip_factors
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",

@@ -16,8 +16,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from numpyro_pc.sites.expfam import compute_sites
 from numpyro_pc.model.likelihood import ModelData
+from numpyro_pc.sites.expfam import compute_sites
+
 from .privacy import add_noise_natural, clip_rows, finite_rows
 from .robust import leave_one_out
 

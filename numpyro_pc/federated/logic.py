@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability
-from ..errors import InvalidOptionError, PrivacyError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural
 from numpyro_pc.ops.merging import gaussian_prior, prior_natural
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+
+from ..errors import InvalidOptionError, PrivacyError
 from .algorithms import check_settings
 from .core import LocalConfig, bind_clients, global_state, local_update, release_site
 from .ef_transport import EFClientLogic, EFServerLogic, is_ef_family, parse_family

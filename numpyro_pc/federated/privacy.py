@@ -59,10 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import InvalidOptionError, PrivacyError
 from numpyro_pc.families.registry import GaussianNatural
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.ops.merging import gaussian_prior
+
+from ..errors import InvalidOptionError, PrivacyError
 
 __all__ = ["GaussianMechanism", "add_noise", "clip_factors", "clip_rows", "finite_rows", "add_noise_natural",
            "check_same_on_every_row", "check_gaussian_prior_data_free"]

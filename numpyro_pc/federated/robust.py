@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from numpyro_pc.families.registry import Gaussian, GaussianNatural
+
 from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
-from numpyro_pc.families.registry import Gaussian, GaussianNatural
 
 __all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds"]
 

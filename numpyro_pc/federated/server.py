@@ -26,13 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import prior_natural
+
+from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
+from ..options import is_choice
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
 from .robust import aggregate_sites, robust_bounds, validate_site
-from ..options import is_choice
 
 __all__ = ["ServerLogic", "keep_majority"]
 

@@ -54,7 +54,6 @@ import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import InvalidOptionError
-
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
 
 __all__ = ["CollapsedFit", "OldTerms", "old_terms", "collapsed_fit", "collapsed_bound", "paper_bound"]

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import InvalidOptionError
 from ..options import is_choice
+from .datainit import input_scales
 
 __all__ = ["POLICIES", "initial_inducing", "next_inducing"]
 
@@ -71,8 +72,6 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
 
 
 def _spread(points):
-    from .datainit import input_scales
-
     return input_scales(points)
 
 

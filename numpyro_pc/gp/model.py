@@ -19,14 +19,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import (DataShapeError, InvalidOptionError, NonFiniteDataError, NonFiniteResultError, NotFittedError,
-                      NotPositiveDefiniteError)
+from ..errors import (
+    DataShapeError,
+    InvalidOptionError,
+    NonFiniteDataError,
+    NonFiniteResultError,
+    NotFittedError,
+    NotPositiveDefiniteError,
+)
 from . import core, corrected, datainit, inducing, uncollapsed
 from .core import noise_memory_term
 from .optim import minimize
-from .state import (Hyper, check_chol, chol, full_cov, gaussian_kl, handover, kernel_diag, kernel_matrix,
-                    kl_to_previous,
-                    predict_from_q, prior_state)
+from .state import (
+    Hyper,
+    check_chol,
+    chol,
+    full_cov,
+    gaussian_kl,
+    handover,
+    kernel_diag,
+    kernel_matrix,
+    kl_to_previous,
+    predict_from_q,
+    prior_state,
+)
 from .usage import plot_gp
 from .usage import progress as _progress
 

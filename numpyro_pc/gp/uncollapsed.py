@@ -27,9 +27,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpyro.distributions as npd
-from jax.scipy.linalg import cho_solve, solve_triangular
-
 from gpjax.likelihoods import AbstractLikelihood, inv_probit
+from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import UnsupportedModelError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance

@@ -28,8 +28,8 @@ import numpy as np
 from numpyro import handlers
 from numpyro.infer.autoguide import AutoGuide, AutoGuideList
 
-from numpyro_pc.families.product import ProductFamily, factor_from_distribution, unwrap_distribution
 from numpyro_pc.errors import GuideParamsError, UnsupportedGuideError
+from numpyro_pc.families.product import ProductFamily, factor_from_distribution, unwrap_distribution
 
 __all__ = ["GuideMap", "is_hand_written", "read_guide", "write_params"]
 

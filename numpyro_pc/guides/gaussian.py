@@ -40,8 +40,8 @@ from numpyro.infer.autoguide import (
 )
 
 from numpyro_pc.errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
-from numpyro_pc.families.registry import Gaussian, get_family
 from numpyro_pc.families.lowrank import lowrank_from_covariance, project_operator
+from numpyro_pc.families.registry import Gaussian, get_family
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]

@@ -45,8 +45,14 @@ from pathlib import Path
 
 import numpy as np
 
-from numpyro_pc.errors import (CorruptFileError, DtypeMismatchError, IntegrityError, MissingFileError,
-                               OversizedFileError, PersistenceError)
+from numpyro_pc.errors import (
+    CorruptFileError,
+    DtypeMismatchError,
+    IntegrityError,
+    MissingFileError,
+    OversizedFileError,
+    PersistenceError,
+)
 
 try:  # POSIX: temporaries of live writers are recognised by their lock
     import fcntl

@@ -34,16 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.sites.expfam_eval import factor_prior_loss
 from numpyro_pc.dual.expfam import EFConfig, EFPosterior, EFState, family_for_model
-from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.errors import InconsistentFileError, PosteriorCorrectionError, SavedModelMismatchError
+from numpyro_pc.model.likelihood import ModelData
+from numpyro_pc.model.rowops import to_device
+from numpyro_pc.sites.expfam_eval import factor_prior_loss
+from numpyro_pc.sites.expfam_table import EFSiteTable
+
 from .file_format import build_manifest, check_file
 from .file_format import check_manifest as _check_manifest
 from .fingerprint import model_fingerprint
 from .saved_model import bind_saved_model, binding_manifest, site_arrays, with_data_arrays, write_checked
-from numpyro_pc.model.likelihood import ModelData
-from numpyro_pc.model.rowops import to_device
 from .validation import DATA_DTYPES, TOMBSTONES, check_residual, read_tombstones, tombstones_member
 from .validation import check_ef_contents as _check_ef_contents
 

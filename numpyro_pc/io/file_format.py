@@ -42,11 +42,27 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from numpyro_pc.errors import (
+    CorruptFileError,
+    DtypeMismatchError,
+    FormatVersionError,
+    InconsistentFileError,
+    IntegrityError,
+)
+
 from .archive import read_archive
-from numpyro_pc.errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
-                               IntegrityError)
-from .validation import (EF_FIELDS, FLOAT_DTYPES, GAUSSIAN_FIELDS, TOMBSTONES, check_binding_fields, check_contents,
-                         check_ef_contents, check_ef_part, check_gaussian_part, fail_field)
+from .validation import (
+    EF_FIELDS,
+    FLOAT_DTYPES,
+    GAUSSIAN_FIELDS,
+    TOMBSTONES,
+    check_binding_fields,
+    check_contents,
+    check_ef_contents,
+    check_ef_part,
+    check_gaussian_part,
+    fail_field,
+)
 
 __all__ = ["FORMAT", "VERSION", "READ_VERSIONS", "COMMON_FIELDS", "build_manifest", "check_manifest", "check_file",
            "upgrade", "read_posterior_file", "check_read_archive"]

@@ -31,23 +31,41 @@ import jax
 
 from numpyro_pc.dual.base import DualPosteriorBase
 from numpyro_pc.dual.expfam import EFPosterior
-from numpyro_pc.sites.expfam_table import EFSiteTable
-from numpyro_pc.errors import (CorruptFileError, DtypeMismatchError, FormatVersionError, InconsistentFileError,
-                               IntegrityError, MissingFileError, ModelMismatchError, OversizedFileError,
-                               PersistenceError, PosteriorCorrectionError, SavedModelMismatchError)
-from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.errors import (
+    CorruptFileError,
+    DtypeMismatchError,
+    FormatVersionError,
+    InconsistentFileError,
+    IntegrityError,
+    MissingFileError,
+    ModelMismatchError,
+    OversizedFileError,
+    PersistenceError,
+    PosteriorCorrectionError,
+    SavedModelMismatchError,
+)
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
-from .fingerprint import model_fingerprint
-from numpyro_pc.options import check_path
 from numpyro_pc.model.rowops import to_device
+from numpyro_pc.options import check_path
+from numpyro_pc.protocols.posterior import by_site_table, provides
+from numpyro_pc.sites.expectations import ExpectationRule
+from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.sites.gaussian import Sites
 from numpyro_pc.solvers.site_problem import dual_residual
+
 from .expfam import load_ef, save_ef
 from .file_format import FORMAT, VERSION, build_manifest, check_file, check_read_archive, read_posterior_file
-from .saved_model import (argument_layout, bind_saved_model, binding_manifest, digest, site_arrays, with_data_arrays,
-                          write_checked)
+from .fingerprint import model_fingerprint
+from .saved_model import (
+    argument_layout,
+    bind_saved_model,
+    binding_manifest,
+    digest,
+    site_arrays,
+    with_data_arrays,
+    write_checked,
+)
 from .validation import DATA_DTYPES, TOMBSTONES, check_residual, read_tombstones, tombstones_member
-from numpyro_pc.protocols.posterior import by_site_table, provides
 
 __all__ = ["FORMAT", "VERSION", "PersistenceError", "MissingFileError", "CorruptFileError", "OversizedFileError",
            "InconsistentFileError", "IntegrityError", "FormatVersionError", "ModelMismatchError",

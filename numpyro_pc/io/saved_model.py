@@ -12,17 +12,18 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
-from .archive import manifest_limit, npy_bytes, write_atomic
-from numpyro_pc.model.data_support import check_support
 from numpyro_pc.errors import DataSupportError, InconsistentFileError, PersistenceError, SavedModelMismatchError
-from .fingerprint import compare_fingerprints, model_fingerprint
+from numpyro_pc.model.data_support import check_support
 from numpyro_pc.model.likelihood import ModelData, bind_model
 from numpyro_pc.model.rowops import to_device
+
+from .archive import manifest_limit, npy_bytes, write_atomic
+from .fingerprint import compare_fingerprints, model_fingerprint
 
 __all__ = ["argument_layout", "bind_saved_model", "digest", "with_data_arrays", "site_arrays", "binding_manifest",
            "write_checked"]

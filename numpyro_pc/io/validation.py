@@ -37,12 +37,12 @@ from typing import NoReturn
 
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteCurvature, capability
 from numpyro_pc.curvature.stores import STORES
-from numpyro_pc.sites.expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
 from numpyro_pc.errors import CorruptFileError, DtypeMismatchError, InconsistentFileError, InvalidOptionError
 from numpyro_pc.families.registry import get_family, registered_families
 from numpyro_pc.options import is_choice
+from numpyro_pc.protocols.capabilities import SiteCurvature, capability
+from numpyro_pc.sites.expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
 
 __all__ = ["GAUSSIAN_FIELDS", "EF_FIELDS", "SITE_ARRAYS", "FLOAT_DTYPES", "INT_DTYPES", "DATA_DTYPES", "MIN_EXAMPLE_BOUND",
            "check_gaussian_part", "check_binding_fields", "check_array_entries", "check_example_rows", "check_contents",

@@ -60,14 +60,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteSum, require
 from numpyro_pc.dual.base import PosteriorState
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.likelihood import ModelData
+from numpyro_pc.protocols.capabilities import SiteSum, require
 from numpyro_pc.sites.gaussian import Sites
 from numpyro_pc.solvers.fixed_point import default_tol
 from numpyro_pc.solvers.site_problem import live_totals
+
 from .stream_state import StepInfo, iterate
 
 __all__ = ["TableState", "TableConfig", "from_posterior", "correct_step", "remove_step",

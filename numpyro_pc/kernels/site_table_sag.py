@@ -11,13 +11,23 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 
-from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.families.registry import Gaussian, add_site, remove_site
 from numpyro_pc.model.likelihood import ModelData
-from .site_table import (TableConfig, TableState, choose, finish, gather, live_set, with_prior_site, write_sites,
-                         written_batch)
+from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.gaussian import compute_sites
+
+from .site_table import (
+    TableConfig,
+    TableState,
+    choose,
+    finish,
+    gather,
+    live_set,
+    with_prior_site,
+    write_sites,
+    written_batch,
+)
 from .stream_state import StepInfo
 
 __all__ = ["stochastic_step"]

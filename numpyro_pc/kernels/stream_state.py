@@ -40,14 +40,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.errors import ConvergenceError, DataShapeError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import ModelData
+from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.gaussian import compute_sites
-from numpyro_pc.solvers.fixed_point import anderson_init, anderson_mix, anderson_push, anderson_restart, backtrack
-from numpyro_pc.solvers.fixed_point import default_tol
+from numpyro_pc.solvers.fixed_point import (
+    anderson_init,
+    anderson_mix,
+    anderson_push,
+    anderson_restart,
+    backtrack,
+    default_tol,
+)
 from numpyro_pc.solvers.site_problem import live_totals
 
 __all__ = ["StreamState", "StreamConfig", "StepInfo", "from_posterior", "stream_step", "window_step", "delete_step",

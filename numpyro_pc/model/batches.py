@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .data_support import as_data_array, check_support
 from numpyro_pc.errors import DataShapeError, ModelMismatchError
+
+from .data_support import as_data_array, check_support
 from .likelihood import ModelData, bind_model, check_finite_argument, is_array
 from .rowops import to_device
 

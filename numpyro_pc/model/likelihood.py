@@ -18,15 +18,22 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 from numpyro import handlers
 from numpyro.distributions.transforms import biject_to
-import numpyro
+
+from numpyro_pc.errors import (
+    DataShapeError,
+    DataTypeError,
+    ModelBindingError,
+    NonFiniteDataError,
+    UnsupportedModelError,
+)
+from numpyro_pc.options import check_name, check_names
 
 from .data_support import as_data_array, check_support, latent_free_supports
-from numpyro_pc.errors import (DataShapeError, DataTypeError, ModelBindingError, NonFiniteDataError,
-                               UnsupportedModelError)
 from .latent import LatentSpace
-from numpyro_pc.options import check_name, check_names
+from .rowops import all_finite, take_rows, to_device
 from .terms import (  # noqa: F401  (re-exported: the package imports them from here)
     IMPLICIT_PLATE,
     LOG_DET_PREFIX,
@@ -44,7 +51,6 @@ from .terms import (  # noqa: F401  (re-exported: the package imports them from 
     prior_loss,
     trace_at,
 )
-from .rowops import all_finite, take_rows, to_device
 
 __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError, UnknownExampleError
+
 from .likelihood import ModelData
 from .rowops import as_ids, bucket_size, filled, is_every_row, join_rows, pad_last_row, take_rows
 

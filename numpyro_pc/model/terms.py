@@ -32,11 +32,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 from numpyro import handlers
 from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
-import numpyro
 
 from .latent import LatentSpace
 

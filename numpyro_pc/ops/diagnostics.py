@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteDivision, require
-from numpyro_pc.sites.cached import site_mismatch
 from numpyro_pc.errors import IncompatiblePosteriorsError, UnsupportedGuideError
-from numpyro_pc.protocols.posterior import Posterior, require_posterior
 from numpyro_pc.model.rows import positions
+from numpyro_pc.protocols.capabilities import SiteDivision, require
+from numpyro_pc.protocols.posterior import Posterior, require_posterior
+from numpyro_pc.sites.cached import site_mismatch
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]

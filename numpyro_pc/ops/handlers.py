@@ -32,13 +32,13 @@ import numpyro.distributions as dist
 from numpyro.distributions.transforms import biject_to
 from numpyro.primitives import Messenger
 
-from numpyro_pc.protocols.capabilities import SiteDivision, require
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
-from numpyro_pc.solvers.fixed_point import default_tol
 from numpyro_pc.model.likelihood import bind_model, example_loss, prior_loss
-from numpyro_pc.protocols.posterior import require_posterior
 from numpyro_pc.model.rowops import as_ids
 from numpyro_pc.model.rows import memory_ids, positions, take_data
+from numpyro_pc.protocols.capabilities import SiteDivision, require
+from numpyro_pc.protocols.posterior import require_posterior
+from numpyro_pc.solvers.fixed_point import default_tol
 
 __all__ = ["posterior_prior", "correction_factor", "update", "forget", "check_same_model", "require_fixed_point"]
 

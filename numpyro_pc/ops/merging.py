@@ -57,20 +57,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.dual.build import build_posterior
-from numpyro_pc.protocols.posterior import by_site_table
-from numpyro_pc.sites.cached import Sites
 from numpyro_pc.dual.expfam import EFState
-from numpyro_pc.sites.expfam_table import EFSiteTable
-from numpyro_pc.errors import (IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError,
-                               NotPositiveDefiniteError, OutOfDomainError, UnsupportedModelError)
+from numpyro_pc.errors import (
+    IncompatiblePosteriorsError,
+    InvalidOptionError,
+    NonFiniteResultError,
+    NotPositiveDefiniteError,
+    OutOfDomainError,
+    UnsupportedModelError,
+)
 from numpyro_pc.families.registry import Gaussian
-from numpyro_pc.solvers.fixed_point import default_tol
 from numpyro_pc.model.likelihood import example_loss, losses, prior_loss
 from numpyro_pc.model.rows import concat_data, positions, take_data
-from numpyro_pc.protocols.posterior import Posterior, provides
 from numpyro_pc.options import is_choice
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.protocols.posterior import Posterior, by_site_table, provides
+from numpyro_pc.sites.cached import Sites
+from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.solvers.fixed_point import default_tol
 
 __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 

@@ -42,16 +42,17 @@ from dataclasses import replace
 
 import numpy as np
 
-from numpyro_pc.model.batches import bind_batch
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
-from .correction import solve_update
-from .diagnostics import site_mismatch
+from numpyro_pc.model.batches import bind_batch
 from numpyro_pc.model.rowops import to_device
 from numpyro_pc.model.rows import concat_data, positions, take_data
-from numpyro_pc.solvers.gaussian import default_tol
-from .stochastic import stochastic_update
 from numpyro_pc.protocols.posterior import provides
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
+from numpyro_pc.solvers.gaussian import default_tol
+
+from .correction import solve_update
+from .diagnostics import site_mismatch
+from .stochastic import stochastic_update
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 

@@ -39,19 +39,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import SiteSum, capability, require
-from numpyro_pc.errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
-from numpyro_pc.sites.expectations import get_rule
-from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, add_site, remove_site
 from numpyro_pc.dual.base import DualPosteriorBase, RowSelection
+from numpyro_pc.errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
+from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, add_site, remove_site
 from numpyro_pc.model.rowops import as_ids, bucket_size, to_device
 from numpyro_pc.model.rows import pad_to_bucket, positions, take_data
-from numpyro_pc.sites.gaussian import compute_sites
-from numpyro_pc.solvers.site_problem import SiteProblem
-from numpyro_pc.solvers.gaussian import default_tol, solve
-from numpyro_pc.solvers.fixed_point import largest_inside_fraction
-from numpyro_pc.protocols.posterior import provides
 from numpyro_pc.options import is_choice
+from numpyro_pc.protocols.capabilities import SiteSum, capability, require
+from numpyro_pc.protocols.posterior import provides
+from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.sites.gaussian import compute_sites
+from numpyro_pc.solvers.fixed_point import largest_inside_fraction
+from numpyro_pc.solvers.gaussian import default_tol, solve
+from numpyro_pc.solvers.site_problem import SiteProblem
 
 __all__ = ["METHODS", "APPROXIMATE_METHODS", "delete"]
 

@@ -50,7 +50,8 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from numpyro_pc.errors import UnsupportedModelError
-from .base import Translation, flat_prior, stan_names, stack_draws, load_data
+
+from .base import Translation, flat_prior, load_data, stack_draws, stan_names
 
 __all__ = ["HIERARCHICAL", "translate_hierarchical", "ucbadmit", "UCBADMIT"]
 

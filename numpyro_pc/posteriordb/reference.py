@@ -43,8 +43,17 @@ from numpyro.distributions import constraints
 
 from numpyro_pc.datasets.loaders import DatasetError
 from numpyro_pc.errors import ModelBindingError, UnsupportedModelError
-from .base import (ReferencePosterior, Translation, flat_prior, load_data, posteriordb_dir, require_posteriordb_dir,
-                   stack_draws, stan_names)
+
+from .base import (
+    ReferencePosterior,
+    Translation,
+    flat_prior,
+    load_data,
+    posteriordb_dir,
+    require_posteriordb_dir,
+    stack_draws,
+    stan_names,
+)
 from .hierarchical import HIERARCHICAL, translate_hierarchical
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",

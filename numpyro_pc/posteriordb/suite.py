@@ -27,6 +27,7 @@ import numpyro
 import numpyro.distributions as dist
 
 from numpyro_pc.errors import InvalidOptionError
+
 from .hierarchical import UCBADMIT
 
 __all__ = ["HierarchicalProblem", "varying_regression", "eight_schools", "correlated_admissions", "suite",

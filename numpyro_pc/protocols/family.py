@@ -24,9 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from .capabilities import (SiteDivision, FixedPrecision, GaussianSolver, SiteCurvature, SiteSum,
-                           capabilities_from_flags, declares_flags, flag_values, refuse_unbridgeable_flags, require)
 from numpyro_pc.errors import NonFiniteResultError, NotPositiveDefiniteError
+
+from .capabilities import (
+    FixedPrecision,
+    GaussianSolver,
+    SiteCurvature,
+    SiteDivision,
+    SiteSum,
+    capabilities_from_flags,
+    declares_flags,
+    flag_values,
+    refuse_unbridgeable_flags,
+    require,
+)
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
            "scale_site", "require_site_product"]

@@ -25,8 +25,12 @@ from pathlib import Path
 
 import jax
 
-from numpyro_pc.errors import (IncompatiblePosteriorsError, MissingCapabilityError, PosteriorCorrectionError,
-                               UnsupportedGuideError)
+from numpyro_pc.errors import (
+    IncompatiblePosteriorsError,
+    MissingCapabilityError,
+    PosteriorCorrectionError,
+    UnsupportedGuideError,
+)
 
 __all__ = ["Posterior", "provides", "by_site_table", "require_posterior"]
 

@@ -21,9 +21,18 @@ import numpy as np
 
 from numpyro_pc.curvature.stores import CurvatureStore, get_store
 from numpyro_pc.families.registry import GaussianNatural, add_site
+from numpyro_pc.model.rowops import (
+    bucket_size,
+    filled,
+    is_every_row,
+    join_rows,
+    pad_last_row,
+    shifted,
+    take_rows,
+    to_device,
+)
+
 from .prior import prior_dense, prior_matvec
-from numpyro_pc.model.rowops import (bucket_size, filled, is_every_row, join_rows, pad_last_row, shifted, take_rows,
-                                     to_device)
 
 __all__ = ["Sites", "SiteSums", "site_mismatch"]
 

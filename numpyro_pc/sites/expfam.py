@@ -76,8 +76,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.errors import InvalidOptionError
+from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.model.likelihood import ModelSpec, example_loss, prior_loss
 
 __all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol"]

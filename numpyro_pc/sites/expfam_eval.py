@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .expfam import model_point
 from numpyro_pc.model.likelihood import example_site_log_likelihoods, prior_loss, trace_at
+
+from .expfam import model_point
 
 __all__ = ["factor_prior_loss", "log_likelihood", "inference_data"]
 

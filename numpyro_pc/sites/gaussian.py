@@ -28,16 +28,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from numpyro_pc.protocols.capabilities import gaussian_solver, site_curvature
+from numpyro_pc.curvature.storage import SiteConfig, default_chunk_size, mc_along_subspace, resolve_storage, uses_params
 from numpyro_pc.curvature.stores import FULL, Dense
 from numpyro_pc.errors import DataShapeError, ExpectationRuleError, InvalidOptionError
-from .expectations import (hermite_nodes, mc_noise, prior_is_separable, subspace_basis, subspace_excess,
-                           subspace_tolerance, tensor_hermite_nodes)
-from .cached import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from numpyro_pc.model.likelihood import example_loss, example_params
-from .prior import prior_terms, prior_terms_reparam, reparam_curvature
 from numpyro_pc.options import is_choice
-from numpyro_pc.curvature.storage import SiteConfig, default_chunk_size, mc_along_subspace, resolve_storage, uses_params
+from numpyro_pc.protocols.capabilities import gaussian_solver, site_curvature
+
+from .cached import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
+from .expectations import (
+    hermite_nodes,
+    mc_noise,
+    prior_is_separable,
+    subspace_basis,
+    subspace_excess,
+    subspace_tolerance,
+    tensor_hermite_nodes,
+)
+from .prior import prior_terms, prior_terms_reparam, reparam_curvature
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
            "trace_count"]  # Sites, SiteSums: re-exported

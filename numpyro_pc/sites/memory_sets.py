@@ -31,13 +31,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.protocols.capabilities import NO_CURVATURE, site_curvature
-from .expfam_table import EFSiteTable
 from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
-from numpyro_pc.options import is_choice
-from numpyro_pc.protocols.posterior import by_site_table
 from numpyro_pc.model.rowops import as_ids
 from numpyro_pc.model.rows import positions
+from numpyro_pc.options import is_choice
+from numpyro_pc.protocols.capabilities import NO_CURVATURE, site_curvature
+from numpyro_pc.protocols.posterior import by_site_table
+
+from .expfam_table import EFSiteTable
 from .gaussian import Sites
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "MEMORY_CORRECTIONS", "memory_size", "selection_scores", "select_memory",

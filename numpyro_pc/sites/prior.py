@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .expectations import hermite_nodes
 from numpyro_pc.model.likelihood import prior_loss
+
+from .expectations import hermite_nodes
 
 __all__ = ["prior_terms", "prior_terms_reparam", "reparam_curvature", "prior_matvec", "prior_diagonal",
            "prior_dense", "prior_diagonal_at"]

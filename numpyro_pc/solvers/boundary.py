@@ -41,6 +41,7 @@ from numpyro import handlers
 from numpyro.distributions.transforms import IdentityTransform, IndependentTransform, biject_to
 
 from numpyro_pc.errors import BoundaryOptimumWarning, PosteriorCorrectionError
+
 from .start import default_start, fixed_draw_objective
 
 __all__ = ["BoundaryCheck", "check_boundary", "flag_boundary_coordinates", "warn_if_worse_optimum",

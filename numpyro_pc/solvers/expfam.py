@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
-from . import fixed_point
-from numpyro_pc.sites.expfam import EFConfig, compute_sites
 from numpyro_pc.errors import ConvergenceError, MonteCarloErrorWarning, NonFiniteResultError, OutOfDomainError
-from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.model.rows import pad_to_bucket
+from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.sites.expfam import EFConfig, compute_sites
+from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
+
+from . import fixed_point
 
 __all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "solve_every_site"]
 

@@ -42,13 +42,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve
 
-from numpyro_pc.protocols.capabilities import gaussian_solver
-from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from numpyro_pc.curvature.stores import FULL, NONE
-from . import newton_polish
-from .fixed_point import (BASE_ITERATIONS, anderson_init, anderson_mix, anderson_push, anderson_restart, default_tol,
-                          iteration_budget, progress_bar, stagnation)
+from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from numpyro_pc.families.registry import Gaussian
+from numpyro_pc.protocols.capabilities import gaussian_solver
+
+from . import newton_polish
+from .fixed_point import (
+    BASE_ITERATIONS,
+    anderson_init,
+    anderson_mix,
+    anderson_push,
+    anderson_restart,
+    default_tol,
+    iteration_budget,
+    progress_bar,
+    stagnation,
+)
 from .site_problem import check_finite_sites, evaluate, fixed_point_map
 
 __all__ = ["SolveState", "SolveOptions", "solve", "solve_init", "solve_step", "solve_converged", "default_tol"]

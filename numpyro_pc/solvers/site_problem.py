@@ -17,10 +17,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.errors import NonFiniteResultError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.rowops import all_finite
+from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.gaussian import compute_sites
 
 __all__ = ["SiteProblem", "live_totals", "dual_residual", "problem_totals", "residual_from_totals", "Point",

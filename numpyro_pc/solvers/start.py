@@ -32,13 +32,13 @@ import numpy as np
 import scipy.optimize
 import scipy.sparse.linalg
 
-from numpyro_pc.protocols.capabilities import FixedPrecision, capability, site_curvature
 from numpyro_pc.errors import DataShapeError, InvalidOptionError
-from numpyro_pc.sites.expectations import prior_is_separable, prior_structure
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import example_loss, prior_loss
-from numpyro_pc.sites.prior import prior_diagonal_at
 from numpyro_pc.model.rows import pad_to_bucket
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability, site_curvature
+from numpyro_pc.sites.expectations import prior_is_separable, prior_structure
+from numpyro_pc.sites.prior import prior_diagonal_at
 
 __all__ = ["MapResult", "map_laplace", "mean_field_elbo", "fixed_draw_objective", "negative_log_joint", "StartChoice",
            "default_start"]

@@ -7,10 +7,10 @@ import warnings
 
 import numpy as np
 
-from numpyro_pc.ops import merging
 from numpyro_pc.demos.plotting import save_figure
-from ..posterior import fit
-from .algorithms import run
+from numpyro_pc.federated.algorithms import run
+from numpyro_pc.ops import merging
+from numpyro_pc.posterior import fit
 
 __all__ = ["demo_merging_federated"]
 

@@ -7,8 +7,8 @@ import time
 import numpy as np
 
 from numpyro_pc.demos.plotting import save_figure
-from .model import StreamingSparseGP
-from .usage import enable_compilation_cache
+from numpyro_pc.gp.model import StreamingSparseGP
+from numpyro_pc.gp.usage import enable_compilation_cache
 
 __all__ = ["demo_streaming_gp"]
 
