@@ -139,7 +139,7 @@ MOVED_MODULES = {
     "numpyro_pc.posteriordb_base": "numpyro_pc.posteriordb.base",
     "numpyro_pc.posteriordb_hierarchical": "numpyro_pc.posteriordb.hierarchical",
     "numpyro_pc.prior_site": "numpyro_pc.sites.prior",
-    "numpyro_pc.rowops": "numpyro_pc.model.rowops",
+    "numpyro_pc.rowops": "numpyro_pc.model.rows",
     "numpyro_pc.rows": "numpyro_pc.model.rows",
     "numpyro_pc.saved_model": "numpyro_pc.io.saved_model",
     "numpyro_pc.site_problem": "numpyro_pc.solvers.site_problem",

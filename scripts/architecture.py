@@ -4,7 +4,8 @@ The layers are the import-linter contract in ``pyproject.toml`` (top to bottom);
 the imports between folders that exist in the code now (``grimp``, the graph import-linter
 checks). ``make architecture`` rewrites both files; ``--check`` (run by ``make lint``) fails when
 the committed edge list is not the current graph, so the picture in docs/architecture.md cannot
-go stale without CI saying so.
+go stale without CI saying so, and when two modules import each other (directly or through others,
+imports inside functions included).
 
     python scripts/architecture.py            # write docs/_static/architecture.{png,txt}
     python scripts/architecture.py --check    # exit 1 when the committed edge list is stale
@@ -45,6 +46,48 @@ def folder_edges(layers: list[list[str]]) -> list[tuple[str, str]]:
             if a != b and graph.direct_import_exists(importer=a, imported=b, as_packages=True):
                 edges.append((a, b))
     return sorted(edges)
+
+
+def module_cycles() -> list[list[str]]:
+    """Groups of modules that import each other, directly or through others (strongly connected
+    components of the module graph, function-level imports included): the layers contract allows them
+    inside a folder, the package wants none."""
+    graph = grimp.build_graph(PACKAGE)
+    succ = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i != PACKAGE) for m in graph.modules}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+    for root in sorted(succ):
+        if root in index:
+            continue
+        work = [(root, iter(succ[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(succ.get(child, ()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
 
 
 def edge_list_text(layers, edges) -> str:
@@ -121,6 +164,11 @@ def main(argv=None) -> int:
     layers = contract_layers()
     text = edge_list_text(layers, folder_edges(layers))
     if args.check:
+        cycles = module_cycles()
+        if cycles:
+            print("modules that import each other (a cycle): " + "; ".join(" <-> ".join(c) for c in cycles),
+                  file=sys.stderr)
+            return 1
         committed = EDGES.read_text() if EDGES.exists() else ""
         if committed != text:
             print(f"{EDGES.relative_to(ROOT)} is stale: the import graph or the layers changed; run `make architecture` "

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pc.errors import SiteStorageError
-from numpyro_pc.model.rowops import join_rows
+from numpyro_pc.model.rows import join_rows
 
 from .stores import FULL, CurvatureStore, Factor, register_store
 

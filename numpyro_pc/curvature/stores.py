@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pc.errors import InvalidOptionError, SiteStorageError
-from numpyro_pc.model.rowops import join_rows, pad_last_row, take_rows
+from numpyro_pc.model.rows import join_rows, pad_last_row, take_rows
 from numpyro_pc.options import is_choice
 
 __all__ = ["CurvatureStore", "Factor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store", "register_store"]

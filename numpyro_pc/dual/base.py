@@ -26,8 +26,7 @@ from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimat
 from numpyro_pc.families.registry import add_site
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
-from numpyro_pc.model.rowops import to_device
-from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions
+from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior

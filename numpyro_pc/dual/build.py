@@ -15,8 +15,7 @@ from dataclasses import replace
 import numpy as np
 
 from numpyro_pc.errors import MonteCarloErrorWarning
-from numpyro_pc.model.rowops import to_device
-from numpyro_pc.model.rows import pad_to_bucket
+from numpyro_pc.model.rows import pad_to_bucket, to_device
 from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.expectations import prepare_rule
 from numpyro_pc.sites.gaussian import mc_along_subspace

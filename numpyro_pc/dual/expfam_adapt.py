@@ -30,8 +30,7 @@ from numpyro_pc.errors import (
     UnknownExampleError,
 )
 from numpyro_pc.model.likelihood import ModelData, bind_model
-from numpyro_pc.model.rowops import as_ids, join_rows, take_rows
-from numpyro_pc.model.rows import concat_data, positions
+from numpyro_pc.model.rows import as_ids, concat_data, join_rows, positions, take_rows
 from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState

@@ -37,7 +37,7 @@ import numpy as np
 from numpyro_pc.dual.expfam import EFConfig, EFPosterior, EFState, family_for_model
 from numpyro_pc.errors import InconsistentFileError, PosteriorCorrectionError, SavedModelMismatchError
 from numpyro_pc.model.likelihood import ModelData
-from numpyro_pc.model.rowops import to_device
+from numpyro_pc.model.rows import to_device
 from numpyro_pc.sites.expfam_eval import factor_prior_loss
 from numpyro_pc.sites.expfam_table import EFSiteTable
 

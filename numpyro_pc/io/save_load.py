@@ -45,7 +45,7 @@ from numpyro_pc.errors import (
     SavedModelMismatchError,
 )
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
-from numpyro_pc.model.rowops import to_device
+from numpyro_pc.model.rows import to_device
 from numpyro_pc.options import check_path
 from numpyro_pc.protocols.posterior import by_site_table, provides
 from numpyro_pc.sites.expectations import ExpectationRule

@@ -20,7 +20,7 @@ import numpy as np
 from numpyro_pc.errors import DataSupportError, InconsistentFileError, PersistenceError, SavedModelMismatchError
 from numpyro_pc.model.data_support import check_support
 from numpyro_pc.model.likelihood import ModelData, bind_model
-from numpyro_pc.model.rowops import to_device
+from numpyro_pc.model.rows import to_device
 
 from .archive import manifest_limit, npy_bytes, write_atomic
 from .fingerprint import compare_fingerprints, model_fingerprint

@@ -15,7 +15,7 @@ from numpyro_pc.errors import DataShapeError, ModelMismatchError
 
 from .data_support import as_data_array, check_support
 from .likelihood import ModelData, bind_model, check_finite_argument, is_array
-from .rowops import to_device
+from .rows import to_device
 
 __all__ = ["bind_batch"]
 

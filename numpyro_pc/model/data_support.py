@@ -31,7 +31,7 @@ from numpyro.distributions.distribution import ExpandedDistribution, Independent
 
 from numpyro_pc.errors import DataSupportError, DataTypeError
 
-from .rowops import take_rows
+from .rows import take_rows
 from .terms import ModelData, ModelSpec, example_args, is_array, output_dependence, trace_at
 
 __all__ = ["as_data_array", "latent_free_supports", "check_support", "support_table", "MAX_REPORTED_ROWS"]

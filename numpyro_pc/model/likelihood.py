@@ -33,7 +33,7 @@ from numpyro_pc.options import check_name, check_names
 
 from .data_support import as_data_array, check_support, latent_free_supports
 from .latent import LatentSpace
-from .rowops import all_finite, take_rows, to_device
+from .rows import all_finite, take_rows, to_device
 from .terms import (  # noqa: F401  (re-exported: the package imports them from here)
     IMPLICIT_PLATE,
     LOG_DET_PREFIX,

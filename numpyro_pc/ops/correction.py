@@ -15,8 +15,7 @@ import numpy as np
 from numpyro_pc.curvature.stores import FULL
 from numpyro_pc.errors import ConvergenceError
 from numpyro_pc.families.registry import add_site, remove_site, scale_site
-from numpyro_pc.model.rowops import filled
-from numpyro_pc.model.rows import concat_data, pad_to_bucket, positions, take_data
+from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, take_data
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
 from numpyro_pc.sites.gaussian import SiteSums, compute_sites
 from numpyro_pc.solvers.gaussian import solve

@@ -34,8 +34,7 @@ from numpyro.primitives import Messenger
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from numpyro_pc.model.likelihood import bind_model, example_loss, prior_loss
-from numpyro_pc.model.rowops import as_ids
-from numpyro_pc.model.rows import memory_ids, positions, take_data
+from numpyro_pc.model.rows import as_ids, memory_ids, positions, take_data
 from numpyro_pc.protocols.capabilities import SiteDivision, require
 from numpyro_pc.protocols.posterior import require_posterior
 from numpyro_pc.solvers.fixed_point import default_tol

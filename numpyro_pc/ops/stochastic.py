@@ -42,8 +42,7 @@ import numpy as np
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NotPositiveDefiniteError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site
-from numpyro_pc.model.rowops import bucket_size, join_rows, to_device
-from numpyro_pc.model.rows import concat_data, pad_to_bucket, positions, take_data
+from numpyro_pc.model.rows import bucket_size, concat_data, join_rows, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
 from numpyro_pc.sites.gaussian import compute_sites
 from numpyro_pc.solvers.gaussian import default_tol

@@ -44,8 +44,7 @@ import numpy as np
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
 from numpyro_pc.model.batches import bind_batch
-from numpyro_pc.model.rowops import to_device
-from numpyro_pc.model.rows import concat_data, positions, take_data
+from numpyro_pc.model.rows import concat_data, positions, take_data, to_device
 from numpyro_pc.protocols.posterior import provides
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
 from numpyro_pc.solvers.gaussian import default_tol

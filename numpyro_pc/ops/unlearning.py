@@ -42,8 +42,7 @@ import numpy as np
 from numpyro_pc.dual.base import DualPosteriorBase, RowSelection
 from numpyro_pc.errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
 from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, add_site, remove_site
-from numpyro_pc.model.rowops import as_ids, bucket_size, to_device
-from numpyro_pc.model.rows import pad_to_bucket, positions, take_data
+from numpyro_pc.model.rows import as_ids, bucket_size, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import SiteSum, capability, require
 from numpyro_pc.protocols.posterior import provides
@@ -92,7 +91,7 @@ def _selected_natural_sum(family, sites, rows, weights):
 def _removed_natural(post, rows):
     """``Σ_{j ∈ rows} λ̂_j`` gathered from the (possibly deferred) sites inside one jitted call.
 
-    ``rows`` is padded to a bucket (:func:`~numpyro_pc.model.rowops.bucket_size`) with zero
+    ``rows`` is padded to a bucket (:func:`~numpyro_pc.model.rows.bucket_size`) with zero
     weights so that deleting different numbers of examples reuses a few compiled shapes.
     """
     raw = post.raw_sites

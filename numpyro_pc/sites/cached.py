@@ -21,7 +21,7 @@ import numpy as np
 
 from numpyro_pc.curvature.stores import CurvatureStore, get_store
 from numpyro_pc.families.registry import GaussianNatural, add_site
-from numpyro_pc.model.rowops import (
+from numpyro_pc.model.rows import (
     bucket_size,
     filled,
     is_every_row,
@@ -203,7 +203,7 @@ class Sites:
         return replace(self, grad=alpha * self.grad, curv=self.curv.scaled(alpha), loss=alpha * self.loss)
 
     def bucketed(self, weights=None):
-        """``(sites, weights)`` padded to :func:`~numpyro_pc.model.rowops.bucket_size` rows (and reference
+        """``(sites, weights)`` padded to :func:`~numpyro_pc.model.rows.bucket_size` rows (and reference
         rows), the copies weighted 0 (``weights=None``: 1 for every real site).
 
         Compiled sums over the result see a few bucket shapes instead of one per stream length.
@@ -247,7 +247,7 @@ class Sites:
 
     def compacted(self) -> Sites:
         """The sites with ``ref_means`` cut to the rows some site refers to, when it holds more rows
-        than their :func:`~numpyro_pc.model.rowops.bucket_size` (host arrays only; the sites are unchanged).
+        than their :func:`~numpyro_pc.model.rows.bucket_size` (host arrays only; the sites are unchanged).
 
         :meth:`take` keeps every reference row and :meth:`concat` appends the other's, so without
         this a stream that adds and removes sites (an exact update, then a site removal, repeated)

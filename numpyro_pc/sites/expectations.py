@@ -56,7 +56,7 @@ import numpy as np
 
 from numpyro_pc.errors import ExpectationRuleError, InvalidOptionError
 from numpyro_pc.model.likelihood import ModelData, example_params, prior_loss
-from numpyro_pc.model.rowops import take_rows
+from numpyro_pc.model.rows import take_rows
 from numpyro_pc.options import is_choice
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.model.rowops import is_every_row, join_rows, take_rows
+from numpyro_pc.model.rows import is_every_row, join_rows, take_rows
 
 __all__ = ["EFSiteTable", "EFState"]
 

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
-from numpyro_pc.model.rowops import as_ids
-from numpyro_pc.model.rows import positions
+from numpyro_pc.model.rows import as_ids, positions
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import NO_CURVATURE, site_curvature
 from numpyro_pc.protocols.posterior import by_site_table

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from numpyro_pc.errors import NonFiniteResultError
 from numpyro_pc.families.registry import Gaussian
-from numpyro_pc.model.rowops import all_finite
+from numpyro_pc.model.rows import all_finite
 from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.gaussian import compute_sites
 
