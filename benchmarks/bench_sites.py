@@ -232,7 +232,7 @@ def worker_profile(cfg):
     from jax.scipy.linalg import solve_triangular
 
     import numpyro_pc as pc
-    from numpyro_pc.curvature.stores import Factor
+    from numpyro_pc.curvature.stores import JacobianFactor
     from numpyro_pc.sites.expectations import get_rule, hermite_nodes, prepare_rule
     from numpyro_pc.sites.gaussian import compute_sites, default_chunk_size
 
@@ -246,7 +246,7 @@ def worker_profile(cfg):
     delta = get_rule("delta")
     gh = prepare_rule(get_rule("gh"), spec, data, w0)
     grad_plain, _ = _baselines(jax, X, y)
-    default_chunk = default_chunk_size(spec, Factor, "ggn", n)
+    default_chunk = default_chunk_size(spec, JacobianFactor, "ggn", n)
     # the largest chunk <= default that divides N (no padding), for the padding test
     divisor = max(c for c in range(1, default_chunk + 1) if n % c == 0)
 

@@ -10,7 +10,7 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoLowRankMultivariateNormal
 
 import numpyro_pc as pc
-from numpyro_pc.curvature.stores import Factor
+from numpyro_pc.curvature.stores import JacobianFactor
 from numpyro_pc.datasets.loaders import load_breast_cancer
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 from numpyro_pc.families.registry import Gaussian, get_family
@@ -298,7 +298,7 @@ def test_no_d_by_d_array_on_the_solver_path():
     rng = np.random.default_rng(0)
     q = Gaussian(jnp.asarray(rng.normal(size=d), jnp.float32),
                  jnp.asarray(np.concatenate([np.ones((d, 1)), 0.1 * rng.normal(size=(d, r))], 1), jnp.float32))
-    store = Factor(jac=jnp.asarray(rng.normal(size=(n, 1, d)), jnp.float32), lam=jnp.ones((n, 1, 1), jnp.float32))
+    store = JacobianFactor(jac=jnp.asarray(rng.normal(size=(n, 1, d)), jnp.float32), lam=jnp.ones((n, 1, 1), jnp.float32))
     weights = jnp.ones(n, jnp.float32)
     grad = q.mean
     calls = {

@@ -112,13 +112,13 @@ def test_diagonal_sites_form_no_dense_curvature_unless_its_sum_is_asked(x64):
     """The diag store takes diag(J_iᵀ Λ_i J_i) from the factors, so without the dense sum its
     default chunks are the factorised store's: one chunk here, no padded (N, d) copies (core v2
     sized them for a d × d curvature per example: 3 chunks, 2.35·N·d temporary numbers vs 1.04)."""
-    from numpyro_pc.curvature.stores import Diagonal, Factor
+    from numpyro_pc.curvature.stores import Diagonal, JacobianFactor
     from numpyro_pc.sites.gaussian import default_chunk_size
 
     X, y = make_logistic(2000, 99, seed=6)
     spec, data = bind_model(logistic_model, (X, y))
     n, d = X.shape[0], X.shape[1] + 1
-    one_chunk = default_chunk_size(spec, Factor, "hessian", n)
+    one_chunk = default_chunk_size(spec, JacobianFactor, "hessian", n)
     assert one_chunk == n
     assert default_chunk_size(spec, Diagonal, "hessian", n, need_hessian_sum=False) == one_chunk
     assert default_chunk_size(spec, Diagonal, "hessian", n, need_hessian_sum=True) < n  # d × d each: budgeted

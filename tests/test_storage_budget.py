@@ -14,7 +14,7 @@ import numpyro_pc as pc
 from numpyro_pc.curvature import memory
 from numpyro_pc.curvature import storage as site_storage
 from numpyro_pc.sites import gaussian as sites
-from numpyro_pc.curvature.stores import Dense, Diagonal, Factor
+from numpyro_pc.curvature.stores import Dense, Diagonal, JacobianFactor
 from numpyro_pc.sites.expectations import get_rule
 from numpyro_pc.families.registry import FullGaussian
 from numpyro_pc.model.likelihood import bind_model
@@ -92,7 +92,7 @@ def test_budget_counts_bytes_of_the_dtype(monkeypatch):
     with pytest.raises(pc.SiteStorageError) as err:
         sites.resolve_storage("auto", FullGaussian(), spec, get_rule("delta"), "hessian", jnp.float64)
     assert err.value.remedies[0] == {"curvature": "ggn"}
-    assert sites.resolve_storage("auto", FullGaussian(), spec, get_rule("delta"), "ggn", jnp.float64) is Factor
+    assert sites.resolve_storage("auto", FullGaussian(), spec, get_rule("delta"), "ggn", jnp.float64) is JacobianFactor
 
 
 def _raised(call):
@@ -118,7 +118,7 @@ def test_advice_of_a_too_large_auto_storage_works(x64, monkeypatch):
     remedies = _raised(lambda: pc.fit(noncentred, *args, expectation="mc"))
     assert remedies == ({"expectation": "delta", "curvature": "ggn"}, {"family": "diagonal"}, {"storage": "dense"})
     fits = {i: _fit(noncentred, args, **{"expectation": "mc", **r}) for i, r in enumerate(remedies)}
-    assert isinstance(fits[0].sites.curv, Factor) and isinstance(fits[1].sites.curv, Diagonal)
+    assert isinstance(fits[0].sites.curv, JacobianFactor) and isinstance(fits[1].sites.curv, Diagonal)
     np.testing.assert_allclose(fits[2].mean, dense.mean, rtol=0, atol=1e-8)
     # the factorised Laplace–Gauss–Newton posterior is the one dense storage gives
     ggn_dense = _fit(noncentred, args, expectation="delta", curvature="ggn", storage="dense")
@@ -138,7 +138,7 @@ def test_advice_of_a_store_too_small_for_the_family_works(x64):
     X, y = make_logistic(30, 3)
     remedies = _raised(lambda: pc.fit(logistic_model, X, y, storage="diag"))
     assert remedies == ({"storage": "auto"},)
-    assert isinstance(_fit(logistic_model, (X, y), **remedies[0]).sites.curv, Factor)
+    assert isinstance(_fit(logistic_model, (X, y), **remedies[0]).sites.curv, JacobianFactor)
 
 
 def _forty_groups():
@@ -164,5 +164,5 @@ def test_a_forty_group_noncentred_regression_fits_with_the_defaults(x64):
     # r = 6 of d = 85 (μ_a + x μ_b, log s_a, ã_g, log s_b, b̃_g, log σ): the Monte Carlo sites are differentiated
     # along that subspace and stored factorised (bench_hierarchical.py: 124 / 107 s → 32 / 12 s cold / warm)
     post = _fit(noncentred, _forty_groups(), num_groups=40)
-    assert isinstance(post.sites.curv, Factor) and post.rule.kind == "mc" and post.rule.subspace_dim == 6
+    assert isinstance(post.sites.curv, JacobianFactor) and post.rule.kind == "mc" and post.rule.subspace_dim == 6
 

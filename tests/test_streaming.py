@@ -49,7 +49,7 @@ def test_exact_update_reuses_sites_computed_at_the_current_posterior(x64):
 
 
 def test_buckets_pad_by_at_most_a_quarter_above_2048_with_four_sizes_per_octave():
-    from numpyro_pc.model.rowops import bucket_size
+    from numpyro_pc.model.rows import bucket_size
 
     sizes = np.arange(1, 70000)
     buckets = np.array([bucket_size(n) for n in sizes])

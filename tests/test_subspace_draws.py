@@ -9,7 +9,7 @@ from test_storage_budget import grouped_data, noncentred
 
 import numpyro_pc as pc
 from numpyro_pc.io import validation
-from numpyro_pc.curvature.stores import Dense, Factor
+from numpyro_pc.curvature.stores import Dense, JacobianFactor
 from numpyro_pc.sites.expectations import ExpectationRule
 from numpyro_pc.sites.gaussian import compute_sites
 
@@ -37,7 +37,7 @@ def _close(a, b, scale=1.0):
 def test_the_default_rule_is_the_subspace_one_with_the_dense_numbers(pair, x64):
     posts, _ = pair
     dense, along = posts["dense"], posts["along"]
-    assert isinstance(dense.sites.curv, Dense) and isinstance(along.sites.curv, Factor)
+    assert isinstance(dense.sites.curv, Dense) and isinstance(along.sites.curv, JacobianFactor)
     assert (along.rule.kind, along.rule.subspace_dim) == ("mc", 6) and dense.rule.subspace_dim == 0
     assert along.sites.curv.stored_numbers() < dense.sites.curv.stored_numbers() / 2
     np.testing.assert_allclose(along.mean, dense.mean, rtol=0, atol=1e-8)
@@ -81,7 +81,7 @@ def test_a_saved_subspace_posterior_loads_and_updates(pair, x64, tmp_path):
     posts, new = pair
     path = posts["along"].save(tmp_path / "along.npz")
     back = pc.load(path, noncentred)
-    assert back.rule == posts["along"].rule and isinstance(back.sites.curv, Factor)
+    assert back.rule == posts["along"].rule and isinstance(back.sites.curv, JacobianFactor)
     np.testing.assert_array_equal(np.asarray(back.mean), np.asarray(posts["along"].mean))
     assert float(back.update(*new).kl(posts["along"].update(*new))) < 1e-12
 

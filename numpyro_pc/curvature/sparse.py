@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from numpyro_pc.errors import SiteStorageError
 from numpyro_pc.model.rows import join_rows
 
-from .stores import FULL, CurvatureStore, Factor, register_store
+from .stores import FULL, CurvatureStore, JacobianFactor, register_store
 
 __all__ = ["SparseFactor"]
 
@@ -34,7 +34,7 @@ class SparseFactor(CurvatureStore):
     ``index`` ``(N, s)`` lists the columns where some row of ``J_i`` is nonzero (ascending,
     padded with column 0 and zero values), ``jac`` ``(N, k, s)`` their values, ``lam``
     ``(N, k, k)``, ``nnz`` ``(N,)`` the number of real columns; ``dim`` is ``d``. ``O(N·k·s)``
-    numbers instead of :class:`Factor`'s ``O(N·k·d)``: for a design with ``s ≪ d`` nonzeros per
+    numbers instead of :class:`JacobianFactor`'s ``O(N·k·d)``: for a design with ``s ≪ d`` nonzeros per
     row (a sparse GLM: ``s = 10`` at ``d = 100,000``) the ``(N, d)`` arrays are never stored.
     The site gradients ``ĝ_i = J_iᵀ γ_i`` lie in the same columns, so the sites hold them
     as ``(N, s)`` values on ``index`` too (:attr:`sparse_rows`).
@@ -148,7 +148,7 @@ class SparseFactor(CurvatureStore):
         return self.dense_jac(), self.lam
 
     def weighted_dense(self, weights):
-        return Factor(self.dense_jac(), self.lam).weighted_dense(weights)
+        return JacobianFactor(self.dense_jac(), self.lam).weighted_dense(weights)
 
     def weighted_diagonal(self, weights):
         return self.scatter(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac), weights)
@@ -159,7 +159,7 @@ class SparseFactor(CurvatureStore):
         return self.scatter(back)
 
     def dense(self):
-        return Factor(self.dense_jac(), self.lam).dense()
+        return JacobianFactor(self.dense_jac(), self.lam).dense()
 
     def diagonals(self):
         return self.dense_rows(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac))
@@ -172,7 +172,7 @@ class SparseFactor(CurvatureStore):
         return self.dense_rows(self.curvature_values(picked))
 
     def trace_quad(self, cov, diff):
-        return Factor(self.dense_jac(), self.lam).trace_quad(cov, diff)
+        return JacobianFactor(self.dense_jac(), self.lam).trace_quad(cov, diff)
 
     def row_quad(self, values, cov_rows):
         r"""``xᵢᵀ Σ xᵢ`` for rows given by values on the index ``(N, s)``, densified in batches."""
@@ -183,12 +183,12 @@ class SparseFactor(CurvatureStore):
         return jax.lax.map(lambda a: one(*a), (self.index, values), batch_size=self._batch())
 
     def mismatch(self, stale, cov_rows, shared_jacobian):
-        """:meth:`Factor.mismatch` on the Jacobians densified in batches (no ``(N, d)`` array)."""
+        """:meth:`JacobianFactor.mismatch` on the Jacobians densified in batches (no ``(N, d)`` array)."""
         if not isinstance(stale, SparseFactor):
             return super().mismatch(stale, cov_rows, shared_jacobian)
 
         def one(fresh, old):
-            dense = lambda s: Factor(s.dense_jac(), s.lam)  # noqa: E731
+            dense = lambda s: JacobianFactor(s.dense_jac(), s.lam)  # noqa: E731
             expand = lambda x: jax.tree.map(lambda a: a[None], x)  # noqa: E731
             return dense(expand(fresh)).mismatch(dense(expand(old)), cov_rows, shared_jacobian)[0]
 

@@ -22,7 +22,7 @@ from numpyro_pc.protocols.capabilities import site_curvature
 
 from .memory import dense_auto_budget, format_bytes, machine_memory
 from .sparse import SparseFactor
-from .stores import Dense, Factor, get_store
+from .stores import Dense, JacobianFactor, get_store
 
 __all__ = ["SiteConfig", "resolve_storage", "mc_along_subspace", "default_chunk_size", "uses_params"]
 
@@ -35,7 +35,7 @@ class SiteConfig:
 
     rule: object
     curvature: str = "hessian"
-    storage: type = Factor
+    storage: type = JacobianFactor
     chunk_size: int = 256
     num_devices: int = 1
     need_hessian_sum: bool = False
@@ -71,7 +71,7 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
         if needs.default_storage is not None:
             return get_store(needs.default_storage)
         if factorisable:
-            return SparseFactor if needs.matrix_free else Factor
+            return SparseFactor if needs.matrix_free else JacobianFactor
         size = n * d * d * np.dtype(jnp.result_type(float) if dtype is None else dtype).itemsize
         if size <= _DENSE_AUTO_LIMIT:
             return Dense

@@ -4,7 +4,7 @@ Every kind is a pytree whose leaves all have the examples on their leading axis,
 operations (take, pad, join) are the same for all of them, and every kind answers the
 questions the solver, the diagnostics and the files ask of the curvature:
 
-* :class:`Factor` (``"factor"``): ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J`` ``(N, k, d)`` and
+* :class:`JacobianFactor` (``"factor"``): ``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J`` ``(N, k, d)`` and
   ``Λ`` ``(N, k, k)``; gives dense and diagonal sums.
 * :class:`~numpyro_pc.curvature.sparse.SparseFactor` (``"sparse"``, its own module): the
   same with each ``J_i`` held by its ``s`` nonzero columns, ``(N, k, s)`` values and
@@ -14,7 +14,7 @@ questions the solver, the diagnostics and the files ask of the curvature:
 * :class:`Diagonal` (``"diag"``): ``(N, d)`` diagonals; gives diagonal sums.
 * :class:`NoCurvature` (``"none"``): nothing (an ``(N, 0)`` placeholder); gives no sums.
 
-``Factor`` is exact for GLM-type models (distribution parameters ``θ_i`` affine in ``z``)
+``JacobianFactor`` is exact for GLM-type models (distribution parameters ``θ_i`` affine in ``z``)
 and the Gauss–Newton approximation otherwise, at ``O(N·k·d)`` numbers; see docs/notation.md,
 "Sites". A family chooses which sum it needs (:meth:`~numpyro_pc.families.registry.ExponentialFamily.curvature_sum`);
 a store that cannot give it raises :class:`~numpyro_pc.errors.SiteStorageError`.
@@ -24,6 +24,7 @@ Adding a storage kind is one class with these methods, registered with :func:`re
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
@@ -35,7 +36,8 @@ from numpyro_pc.errors import InvalidOptionError, SiteStorageError
 from numpyro_pc.model.rows import join_rows, pad_last_row, take_rows
 from numpyro_pc.options import is_choice
 
-__all__ = ["CurvatureStore", "Factor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store", "register_store"]
+__all__ = ["CurvatureStore", "JacobianFactor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store",
+           "register_store"]
 
 # what a store can give: 0 nothing, 1 diagonals, 2 full matrices (a family needs at least its own level)
 NONE, DIAGONAL, FULL = 0, 1, 2
@@ -185,7 +187,7 @@ def _register(cls):
 
 @_register
 @dataclass(frozen=True)
-class Factor(CurvatureStore):
+class JacobianFactor(CurvatureStore):
     """``Ĥ_i = J_iᵀ Λ_i J_i`` with ``J`` ``(N, k, d)`` the parameter Jacobians and ``Λ`` ``(N, k, k)``."""
 
     jac: jax.Array
@@ -243,7 +245,7 @@ class Factor(CurvatureStore):
     def mismatch(self, stale, cov_rows, shared_jacobian):
         r"""``tr((C G)²)/2`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and ``G = U Σ Uᵀ``:
         no ``d × d`` matrix (``shared_jacobian``: ``U = J``, ``C = Λ − Λ^{stale}``)."""
-        if not isinstance(stale, Factor):
+        if not isinstance(stale, JacobianFactor):
             return super().mismatch(stale, cov_rows, shared_jacobian)
         if shared_jacobian:
             stacked, signed = self.jac, self.lam - stale.lam
@@ -409,7 +411,7 @@ class NoCurvature(CurvatureStore):
         return jnp.zeros(self.rows.shape[0], self.rows.dtype)
 
 
-STORES = {cls.name: cls for cls in (Factor, Dense, Diagonal, NoCurvature)}
+STORES = {cls.name: cls for cls in (JacobianFactor, Dense, Diagonal, NoCurvature)}
 
 
 def register_store(cls):
@@ -427,3 +429,11 @@ def get_store(name):
         raise InvalidOptionError(f"unknown storage {name!r}; expected 'auto' or one of {sorted(STORES)}")
     return STORES[name]
 
+
+def __getattr__(name: str):
+    if name == "Factor":  # renamed: numpyro_pc.families.expfam.Factor is an exponential-family factor
+        warnings.warn("numpyro_pc.curvature.Factor is now JacobianFactor (the store of H_i = J_i^T Lambda_i J_i; "
+                      "Factor is the exponential-family factor of numpyro_pc.families.expfam); the old name will be "
+                      "removed in the next release", FutureWarning, stacklevel=2)
+        return JacobianFactor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
