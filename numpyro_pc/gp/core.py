@@ -20,6 +20,7 @@ random rows of the batch). Nothing here raises on non-finite values (it cannot, 
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import equinox as eqx
@@ -31,13 +32,13 @@ from .datainit import from_search, to_search
 from .optim import minimize
 from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q
 
-__all__ = ["StreamConfig", "MemoryState", "StreamingGPState", "init_state", "fit_batch", "step", "keep_inducing",
+__all__ = ["GPStreamConfig", "MemoryState", "StreamingGPState", "init_state", "fit_batch", "step", "keep_inducing",
            "reservoir_update", "noise_memory_term"]
 
 _LOG2PI = 1.8378770664093453
 
 
-class StreamConfig(NamedTuple):
+class GPStreamConfig(NamedTuple):
     """Static configuration of a stream (hashable; changing it recompiles).
 
     :ivar learn_hyperparameters: optimise θ and the noise.
@@ -242,3 +243,12 @@ def step(config, state, X, y, mask):
     Z0 = keep_inducing(k_z, state.gp.Z, X, mask, config.keep_fraction)
     Z0 = jnp.where(first, state.gp.Z, Z0)            # the first batch keeps the initial Z (no old posterior yet)
     return fit_batch(config, state._replace(key=key), Z0, X, y, mask)
+
+
+def __getattr__(name: str):
+    if name == "StreamConfig":  # renamed: numpyro_pc.kernels.stream_state.StreamConfig is the posterior stream's
+        warnings.warn("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
+                      "numpyro_pc.kernels.stream_state); the old name will be removed in the next release",
+                      FutureWarning, stacklevel=2)
+        return GPStreamConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

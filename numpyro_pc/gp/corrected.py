@@ -28,7 +28,7 @@ import numpy as np
 from .state import kernel_diag, kernel_matrix, mean_vector, noise_variance, predict_from_q
 from .uncollapsed import expected_log_lik, marginals
 
-__all__ = ["Memory", "Sites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "gaussian_sites",
+__all__ = ["Memory", "FunctionSites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "gaussian_sites",
            "correction_term"]
 
 _GH_T, _GH_W = np.polynomial.hermite_e.hermegauss(20)
@@ -60,7 +60,7 @@ class GaussianSites(NamedTuple):
     const: jnp.ndarray
 
 
-class Sites(NamedTuple):
+class FunctionSites(NamedTuple):
     """Function-space sites of the memory at the old posterior: ``g``, ``h``, ``m`` (each ``(C,)``)."""
 
     g: jnp.ndarray
@@ -118,7 +118,7 @@ def memory_sites(old, X, y):
     d2 = jax.vmap(jax.vmap(jax.grad(jax.grad(lambda ff, yy: _neg_log_lik(h, yy, ff))), (0, None)), (0, 0))
     g = d1(f, y) @ _GH_W
     hh = d2(f, y) @ _GH_W
-    return Sites(g, hh, m)
+    return FunctionSites(g, hh, m)
 
 
 def correction_term(hyper, Lb, q, X, y, mask, sites):

@@ -271,7 +271,7 @@ class StreamingSparseGP:
         return X, np.where(obs, y, 0.0), obs
 
     def _config(self):
-        return core.StreamConfig(learn_hyperparameters=self.learn_hyperparameters, learn_inducing=self.learn_inducing,
+        return core.GPStreamConfig(learn_hyperparameters=self.learn_hyperparameters, learn_inducing=self.learn_inducing,
                                  noise_memory=self.noise_memory, method=self.optimizer, max_iters=self.max_iters,
                                  learning_rate=self.learning_rate, gtol=self.gtol, ftol=self.ftol,
                                  keep_fraction=self.keep_fraction, jitter=self.jitter, memory_size=self.memory_size,
@@ -348,7 +348,7 @@ class StreamingSparseGP:
                         self.memory_size, X.shape[1])
                     mem = tuple(jnp.asarray(a) for a in memory[:3])
                     sites = corrected.memory_sites(old, mem[0], mem[1]) if self._state is not None else \
-                        corrected.Sites(*(jnp.zeros(self.memory_size),) * 3)
+                        corrected.FunctionSites(*(jnp.zeros(self.memory_size),) * 3)
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters, evals = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
                                                         self.optimizer, self.max_iters, self.learning_rate, self.gtol,

@@ -11,7 +11,7 @@ gpx = pytest.importorskip("gpjax")
 from gpjax.parameters import PositiveReal  # noqa: E402
 
 from numpyro_pc.gp import StreamingSparseGP  # noqa: E402
-from numpyro_pc.gp.core import StreamConfig, empty_memory_state, init_state, reservoir_update, step  # noqa: E402
+from numpyro_pc.gp.core import GPStreamConfig, empty_memory_state, init_state, reservoir_update, step  # noqa: E402
 from numpyro_pc.gp.state import Hyper, predict_from_q  # noqa: E402
 
 EPS = 1e-6
@@ -36,7 +36,7 @@ def test_stream_under_scan_equals_batch_sgpr(x64, memory_size):
     hyper = Hyper(kernel=gpx.kernels.RBF(lengthscale=jnp.array(0.9), variance=jnp.array(1.2)),
                   mean_function=gpx.mean_functions.Zero(), noise=PositiveReal(jnp.array(0.05)), likelihood=None,
                   Z=jnp.asarray(Z))
-    cfg = StreamConfig(learn_hyperparameters=False, learn_inducing=False, keep_fraction=1.0, jitter=EPS,
+    cfg = GPStreamConfig(learn_hyperparameters=False, learn_inducing=False, keep_fraction=1.0, jitter=EPS,
                        memory_size=memory_size)
     state = eqx.filter_jit(init_state)(hyper, jnp.asarray(Z), cfg, jax.random.PRNGKey(3))    # init is pure too
     batches = (jnp.asarray(X).reshape(4, 16, 1), jnp.asarray(y).reshape(4, 16), jnp.ones((4, 16)))
