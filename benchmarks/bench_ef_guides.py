@@ -20,7 +20,7 @@ initial params (one ``lax.scan`` under ``jit``). Times are wall seconds of the f
 the process (cold, compile included) and of a second identical call (warm), float64, on the
 CPU this runs on. Accuracy is ``KL(q ‖ q*)`` where ``q*`` is the
 closed-form posterior (conjugate) or pc's fixed point (non-conjugate; its own accuracy is
-checked against a scipy ELBO optimum in ``tests/test_expfam.py``). An exponentially decaying
+checked against a scipy ELBO optimum in ``tests/dual/test_expfam_fit.py``). An exponentially decaying
 step (0.05 → 5e-4) was tried and left SVI further away (KL 10–240), so the constant step stays.
 
 Usage::

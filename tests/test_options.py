@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import numpyro_pc as pc
 from numpyro_pc import errors, options
 
-from conftest import logistic_model, make_logistic
+from models import logistic_model, make_logistic
 
 _VALUES = st.one_of(st.sampled_from([None, "x", "", np.nan, np.inf, -np.inf, -1, 0, 1, 2.5, -2.5, 1e300, True,
                                      [1.5], [-1], (), {}, np.array([[1]]), np.array([1, 2]), b"x", 2**40, 2**70,

@@ -135,7 +135,7 @@ def register_factor(factor_class: type) -> type:
     :class:`~numpyro_pc.families.expfam.Factor` subclass on the site's constrained values —
     ``stats``, ``log_normalizer``, ``in_domain``, ``to_args``, ``from_args``, ``sample`` and,
     for a Gauss rule, ``has_rule``/``rule`` — plus this call; every operation of the
-    exponential-family posterior then applies (``tests/test_ef_registration.py`` registers an
+    exponential-family posterior then applies (``tests/families/test_product.py`` registers an
     inverse-Gamma).
 
     Registering a class of the same module and name again (a re-run notebook cell, a reloaded

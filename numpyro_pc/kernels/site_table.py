@@ -39,7 +39,7 @@ the positive-definite cone is halved), writes the fresh sites of the live rows i
 table, keeps the stale ones, and with ``w ≠ 1`` moves ``(w − 1)`` times the change of the
 corrected sites into the offset — exactly the host driver
 :func:`numpyro_pc.ops.streaming.update` does, to the solver's tolerance (tests:
-``tests/test_site_table.py``). When every row and the prior are corrected, the cavity is
+``tests/kernels/test_site_table.py``). When every row and the prior are corrected, the cavity is
 the offset itself rather than a difference of two large sums (as in
 :mod:`numpyro_pc.ops.correction`).
 
