@@ -70,7 +70,7 @@ NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 def __getattr__(name: str):
     if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
-        warnings.warn("numpyro_pc.posteriordb.reference.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
+        warnings.warn("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
                       "fitted dual-form posterior); the old name will be removed in the next release",
                       FutureWarning, stacklevel=2)
         return ReferencePosterior

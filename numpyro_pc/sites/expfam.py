@@ -93,7 +93,7 @@ class EFConfig:
     """Static configuration of the site computation.
 
     :ivar spec: the :class:`~numpyro_pc.model.likelihood.ModelSpec`.
-    :ivar family: the :class:`~numpyro_pc.families.expfam.ProductFamily` (trace order).
+    :ivar family: the :class:`~numpyro_pc.families.product.ProductFamily` (trace order).
     :ivar rule: ``"quadrature"``, ``"cubature"``, ``"mixed"`` or ``"mc"``.
     :ivar num_nodes: Gauss nodes per site (``"quadrature"``, ``"cubature"``, ``"mixed"``).
     :ivar num_samples: draws (``"mc"``, ``"mixed"``; under ``"cubature"`` those of the prior's
