@@ -36,9 +36,8 @@ def contract_layers() -> list[list[str]]:
     return [[name.strip() for name in re.split(r"[:|]", layer)] for layer in layers]
 
 
-def folder_edges(layers: list[list[str]]) -> list[tuple[str, str]]:
+def folder_edges(graph, layers: list[list[str]]) -> list[tuple[str, str]]:
     """``(importer, imported)`` for every pair of layer members with a direct import between them."""
-    graph = grimp.build_graph(PACKAGE)
     names = [name for layer in layers for name in layer]
     edges = []
     for a in names:
@@ -48,11 +47,10 @@ def folder_edges(layers: list[list[str]]) -> list[tuple[str, str]]:
     return sorted(edges)
 
 
-def module_cycles() -> list[list[str]]:
+def module_cycles(graph) -> list[list[str]]:
     """Groups of modules that import each other, directly or through others (strongly connected
     components of the module graph, function-level imports included): the layers contract allows them
     inside a folder, the package wants none."""
-    graph = grimp.build_graph(PACKAGE)
     succ = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i != PACKAGE) for m in graph.modules}
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []
     for root in sorted(succ):
@@ -162,9 +160,11 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="fail when the committed edge list is stale")
     args = parser.parse_args(argv)
     layers = contract_layers()
-    text = edge_list_text(layers, folder_edges(layers))
+    graph = grimp.build_graph(PACKAGE)
+    edges = folder_edges(graph, layers)
+    text = edge_list_text(layers, edges)
     if args.check:
-        cycles = module_cycles()
+        cycles = module_cycles(graph)
         if cycles:
             print("modules that import each other (a cycle): " + "; ".join(" <-> ".join(c) for c in cycles),
                   file=sys.stderr)
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         return 0
     STATIC.mkdir(parents=True, exist_ok=True)
     EDGES.write_text(text)
-    draw(layers, folder_edges(layers), PICTURE)
+    draw(layers, edges, PICTURE)
     print(f"wrote {EDGES.relative_to(ROOT)} and {PICTURE.relative_to(ROOT)}")
     return 0
 
