@@ -96,7 +96,6 @@ MOVED_MODULES = {
     "numpyro_pc.correction": "numpyro_pc.ops.correction",
     "numpyro_pc.curvature_sparse": "numpyro_pc.curvature.sparse",
     "numpyro_pc.data_support": "numpyro_pc.model.data_support",
-    "numpyro_pc.diagnostics": "numpyro_pc.ops.diagnostics",
     "numpyro_pc.dual_build": "numpyro_pc.dual.build",
     "numpyro_pc.ef_adapt": "numpyro_pc.dual.expfam_adapt",
     "numpyro_pc.ef_demo": "numpyro_pc.demos.expfam",
@@ -122,15 +121,12 @@ MOVED_MODULES = {
     "numpyro_pc.fixed_point": "numpyro_pc.solvers.fixed_point",
     "numpyro_pc.gaussians": "numpyro_pc.families.gaussians",
     "numpyro_pc.gp.demo": "numpyro_pc.demos.gp",
-    "numpyro_pc.handlers": "numpyro_pc.ops.handlers",
     "numpyro_pc.hierarchical": "numpyro_pc.posteriordb.suite",
     "numpyro_pc.latent": "numpyro_pc.model.latent",
     "numpyro_pc.likelihood": "numpyro_pc.model.likelihood",
-    "numpyro_pc.lowrank": "numpyro_pc.families.lowrank",
     "numpyro_pc.lowrank_algebra": "numpyro_pc.families.lowrank_algebra",
     "numpyro_pc.memory": "numpyro_pc.curvature.memory",
     "numpyro_pc.memory_sets": "numpyro_pc.sites.memory_sets",
-    "numpyro_pc.merging": "numpyro_pc.ops.merging",
     "numpyro_pc.model_terms": "numpyro_pc.model.terms",
     "numpyro_pc.newton_polish": "numpyro_pc.solvers.newton_polish",
     "numpyro_pc.plotting": "numpyro_pc.demos.plotting",
@@ -156,25 +152,46 @@ MOVED_MODULES = {
 }
 
 
+#: modules of the flat layout that stay public names of the package (``pc.handlers`` …): importing them
+#: under the old name is not deprecated
+KEPT_MODULE_NAMES = {
+    "numpyro_pc.diagnostics": "numpyro_pc.ops.diagnostics",
+    "numpyro_pc.handlers": "numpyro_pc.ops.handlers",
+    "numpyro_pc.lowrank": "numpyro_pc.families.lowrank",
+    "numpyro_pc.merging": "numpyro_pc.ops.merging",
+}
+
+
 class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
     """Imports a module of the flat layout under its old name: the same module object (so that
-    patching either name patches both), with a ``FutureWarning`` that names the new one."""
+    patching either name patches both), with a ``FutureWarning`` that names the new one (none for
+    :data:`KEPT_MODULE_NAMES`)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MOVED_MODULES:
+        if fullname not in MOVED_MODULES and fullname not in KEPT_MODULE_NAMES:
             return None
         return _importlib_util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
-        new = MOVED_MODULES[spec.name]
-        _warnings.warn(f"{spec.name} moved to {new}; the old name will be removed in the next release",
-                       FutureWarning, stacklevel=2)
+        new = MOVED_MODULES.get(spec.name) or KEPT_MODULE_NAMES[spec.name]
+        if spec.name in MOVED_MODULES:
+            _warnings.warn(f"{spec.name} moved to {new}; the old name will be removed in the next release",
+                           FutureWarning, stacklevel=2)
         module = _importlib.import_module(new)
-        self._spec = module.__spec__
+        spec.loader_state = module.__spec__  # per import, so that concurrent imports cannot swap them
         return module
 
     def exec_module(self, module):
-        module.__spec__ = self._spec  # the import machinery set the alias's spec on the real module
+        module.__spec__ = module.__spec__.loader_state  # the machinery set the alias's spec on the real module
+
+
+def __getattr__(name: str):
+    """``pc.<module of the flat layout>`` (``pc.likelihood``, ``pc.ef_sites`` …): the module, imported
+    under its old name (with the finder's ``FutureWarning``)."""
+    old = f"numpyro_pc.{name}"
+    if old in MOVED_MODULES:
+        return _importlib.import_module(old)
+    raise AttributeError(f"module 'numpyro_pc' has no attribute {name!r}")
 
 
 if not any(isinstance(finder, _MovedModuleFinder) for finder in _sys.meta_path):

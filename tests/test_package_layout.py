@@ -2,6 +2,7 @@
 module's name, and the size rules the layout keeps (docs/architecture.md, "Layers")."""
 
 import importlib
+import os
 import subprocess
 import sys
 import warnings
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import numpyro_pc
-from numpyro_pc import MOVED_MODULES
+from numpyro_pc import KEPT_MODULE_NAMES, MOVED_MODULES
 
 PACKAGE = Path(numpyro_pc.__file__).resolve().parent
 
@@ -32,18 +33,18 @@ def test_a_module_of_the_flat_layout_imports_under_its_old_name_with_a_warning(o
 
 def test_the_old_names_cover_every_module_that_moved():
     flat = {f"numpyro_pc.{name}" for name in _RENAMED_TO_PACKAGE}
-    moved = set(MOVED_MODULES) | flat
+    moved = set(MOVED_MODULES) | set(KEPT_MODULE_NAMES) | flat
     # every module of the new folders is reachable from an old name, except the ones that are new
     new_modules = {"numpyro_pc.demos.run", "numpyro_pc.demos.models", "numpyro_pc.demos.dual_form",
                    "numpyro_pc.demos.trust", "numpyro_pc.demos.hierarchical", "numpyro_pc.demos.streaming",
                    "numpyro_pc.demos.criticism"}
-    targets = set(MOVED_MODULES.values()) | {f"numpyro_pc.{p}.{m}" for p, m in _RENAMED_TO_PACKAGE.items()}
+    targets = set(MOVED_MODULES.values()) | set(KEPT_MODULE_NAMES.values()) | {f"numpyro_pc.{p}.{m}" for p, m in _RENAMED_TO_PACKAGE.items()}
     folders = ("protocols", "model", "families", "curvature", "sites", "solvers", "guides", "dual", "ops", "kernels",
                "io", "datasets", "posteriordb", "demos")
     on_disk = {f"numpyro_pc.{folder}.{path.stem}" for folder in folders for path in (PACKAGE / folder).glob("*.py")
                if path.stem != "__init__"}
     assert on_disk - targets == new_modules
-    assert len(moved) == len(MOVED_MODULES) + len(flat)
+    assert len(moved) == len(MOVED_MODULES) + len(KEPT_MODULE_NAMES) + len(flat)
 
 
 @pytest.mark.parametrize("package, module", sorted(_RENAMED_TO_PACKAGE.items()))
@@ -76,12 +77,47 @@ def test_the_top_level_holds_few_modules_and_no_module_is_long():
     assert long == {}
 
 
-def test_importing_the_package_imports_no_optional_extra():
+def test_importing_the_package_imports_no_optional_extra_and_uses_no_old_name():
     code = ("import sys, warnings; warnings.simplefilter('error', FutureWarning); import numpyro_pc; "
-            "print(sorted(m for m in ('gpjax', 'flwr', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"NUMPYRO_PC_NO_COMPILATION_CACHE": "1", "PATH": "/usr/bin:/bin"})
-    assert out.stdout.strip() == "[]"
+            "print(sorted(m for m in ('gpjax', 'flwr', 'matplotlib') if m in sys.modules)); import numpyro_pc.cli; "
+            "print(sorted(m for m in ('gpjax', 'flwr') if m in sys.modules))")
+    env = dict(os.environ, NUMPYRO_PC_NO_COMPILATION_CACHE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["[]", "[]"]  # and neither the package nor the command line touched an old name
+
+
+@pytest.mark.parametrize("name", ["ef_sites", "likelihood", "expectations"])
+def test_an_old_module_as_an_attribute_of_the_package_warns_and_is_the_module(name):
+    sys.modules.pop(f"numpyro_pc.{name}", None)
+    vars(numpyro_pc).pop(name, None)  # an import under the old name (another test) binds it on the package
+    with pytest.warns(FutureWarning, match=f"numpyro_pc.{name} moved to"):
+        module = getattr(numpyro_pc, name)
+    assert module is importlib.import_module(MOVED_MODULES[f"numpyro_pc.{name}"])
+    with pytest.raises(AttributeError, match="never_defined"):
+        numpyro_pc.never_defined
+
+
+@pytest.mark.parametrize("old, new", sorted(KEPT_MODULE_NAMES.items()))
+def test_a_module_that_stays_a_public_name_imports_under_it_without_a_warning(old, new):
+    sys.modules.pop(old, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        importlib.import_module("numpyro_pc.cli")  # the command line and the demos use no old name
+        assert importlib.import_module(old) is importlib.import_module(new)
+
+
+@pytest.mark.parametrize("old_module, name, new", [
+    ("numpyro_pc.sites.expfam", "blr_solve", "numpyro_pc.solvers.expfam"),
+    ("numpyro_pc.sites.expfam", "SolveInfo", "numpyro_pc.solvers.expfam"),
+    ("numpyro_pc.curvature", "Factor", "numpyro_pc.curvature.stores"),
+    ("numpyro_pc.gp.corrected", "Sites", "numpyro_pc.gp.corrected"),
+    ("numpyro_pc.gp", "StreamConfig", "numpyro_pc.gp.core"),
+])
+def test_a_renamed_or_moved_name_answers_with_a_warning(old_module, name, new):
+    if old_module.startswith("numpyro_pc.gp"):
+        pytest.importorskip("gpjax", reason="the gp extra (GPJax) is not installed")
+    with pytest.warns(FutureWarning, match=name):
+        value = getattr(importlib.import_module(old_module), name)
+    renamed = {"Factor": "JacobianFactor", "Sites": "FunctionSites", "StreamConfig": "GPStreamConfig"}.get(name, name)
+    assert value is getattr(importlib.import_module(new), renamed)
+    with pytest.raises(AttributeError, match=f"module '{old_module}' has no attribute 'never_defined'"):
+        getattr(importlib.import_module(old_module), "never_defined")

@@ -6,6 +6,12 @@ The package namespace re-exports :mod:`numpyro_pc.curvature.stores`.
 
 from numpyro_pc.curvature import stores as _stores
 from numpyro_pc.curvature.stores import *  # noqa: F401,F403
-from numpyro_pc.curvature.stores import __getattr__  # noqa: F401  (names renamed, with a FutureWarning)
+from numpyro_pc.curvature.stores import __getattr__ as _stores_getattr
 
 __all__ = list(_stores.__all__)
+
+
+def __getattr__(name: str):
+    if name in ("Factor",):  # renamed, with a FutureWarning
+        return _stores_getattr(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,6 @@ __all__ = ["demo_dual_form", "plot_dual_form"]
 
 def demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed):
     """SVI, the dual form at its guide, refinement and ``pc.fit``; prints the table and the KLs."""
-
     steps = svi_steps or (500 if fast else 3000)
     timings = {}
     guide = AutoMultivariateNormal(logistic_model)

@@ -58,7 +58,6 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-
     chosen = SECTIONS if sections is None else tuple(sections)
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
@@ -87,10 +86,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
         if "criticism" in chosen:
             result["criticism"] = demo_criticism(post, X, y, out, plt, result["timings"]["fit"])
         if "merging_federated" in chosen:
-
             result["merging_federated"] = demo_merging_federated(logistic_model, X, y, out, plt, fast, joint=scratch)
         if "expfam" in chosen:
-
             result["expfam"] = demo_expfam(out, plt, fast)
         if "streaming_gp" in chosen:
             try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)

@@ -15,7 +15,7 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 
 from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
 from .core import GPStreamConfig, StreamingGPState
-from .core import __getattr__  # noqa: F401  (StreamConfig, renamed, with a FutureWarning)
+from .core import __getattr__ as _core_getattr
 from .model import StreamingSparseGP, bucket_size
 from .state import GPState, Hyper, handover, prior_state
 from .uncollapsed import BernoulliLogit, uncollapsed_bound
@@ -24,3 +24,9 @@ from .usage import enable_compilation_cache
 __all__ = ["StreamingSparseGP", "GPState", "Hyper", "handover", "prior_state", "collapsed_fit", "collapsed_bound",
            "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "bucket_size", "GPStreamConfig",
            "StreamingGPState", "enable_compilation_cache"]
+
+
+def __getattr__(name: str):
+    if name in ("StreamConfig",):  # renamed, with a FutureWarning
+        return _core_getattr(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

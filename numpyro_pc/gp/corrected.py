@@ -19,6 +19,8 @@ stream), padded and masked so that its shape never changes.
 
 from __future__ import annotations
 
+import warnings
+
 from typing import NamedTuple
 
 import jax
@@ -127,3 +129,11 @@ def correction_term(hyper, Lb, q, X, y, mask, sites):
     ell = expected_log_lik(hyper, y, mu, var)
     site = sites.g * mu + 0.5 * sites.h * ((mu - sites.m) ** 2 + var)
     return jnp.sum((ell + site) * mask)
+
+
+def __getattr__(name: str):
+    if name == "Sites":  # renamed: numpyro_pc.sites.cached.Sites are a dual-form posterior's sites
+        warnings.warn("numpyro_pc.gp.corrected.Sites is now FunctionSites (Sites are a dual-form posterior's, "
+                      "numpyro_pc.sites); the old name will be removed in the next release", FutureWarning, stacklevel=2)
+        return FunctionSites
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

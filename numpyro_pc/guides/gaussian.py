@@ -213,7 +213,7 @@ def _adapter(guide):
         names = ", ".join(c.__name__ for c in _REGISTRY)
         raise UnsupportedGuideError(
             f"{type(guide).__name__} is not an exponential-family guide numpyro_pc can turn into a dual form; "
-            f"supported guides: {names} (others can be added with numpyro_pc.guides.gaussian.register_guide)."
+            f"supported guides: {names} (others can be added with numpyro_pc.guides.register_guide)."
         )
     return adapter
 

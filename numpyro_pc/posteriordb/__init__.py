@@ -5,6 +5,12 @@ The package namespace re-exports :mod:`numpyro_pc.posteriordb.reference`.
 
 from numpyro_pc.posteriordb import reference as _reference
 from numpyro_pc.posteriordb.reference import *  # noqa: F401,F403
-from numpyro_pc.posteriordb.reference import __getattr__  # noqa: F401  (names moved or renamed, with a FutureWarning)
+from numpyro_pc.posteriordb.reference import __getattr__ as _reference_getattr
 
 __all__ = list(_reference.__all__)
+
+
+def __getattr__(name: str):
+    if name in ("Posterior",):  # renamed, with a FutureWarning
+        return _reference_getattr(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

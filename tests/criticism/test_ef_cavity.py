@@ -20,6 +20,7 @@ from scipy import special
 import numpyro_pc as pc
 from numpyro_pc import errors
 from numpyro_pc.criticism.ef_cavity import ef_predictive
+from numpyro_pc.sites.expfam import compute_sites as compute_ef_sites
 
 from models import A0, B0, _bern, _cat, _pois, beta_bernoulli, dirichlet_categorical, flat_beta_bernoulli, lognormal_poisson
 from models import misclassified
@@ -196,7 +197,7 @@ def test_correction_magnitude_is_the_spread_of_the_site_log_ratio(x64):
     out = pc.correction_magnitude(post, y=jnp.asarray(y[40:]))
     vcl = post.update(y=jnp.asarray(y[40:]), correction="none", tol=1e-12)
     fresh = pc.fit(misclassified, y=jnp.asarray(y[:40]), family={"p": "beta"}, tol=1e-12)  # only for its config
-    sites = pc.ef_sites.compute_sites(fresh.config, vcl.natural, post.data).grads
+    sites = compute_ef_sites(fresh.config, vcl.natural, post.data).grads
     draws = vcl.family.sample(jax.random.PRNGKey(0), vcl.natural, 400_000)
     log_ratio = vcl.family.stats(draws) @ (sites - post.state.grads).T  # ⟨δg_i, T(x)⟩ per draw
     # 4e5 draws: the standard deviation's relative standard error is about 0.1 %
