@@ -66,12 +66,12 @@ def _series_class():
         """ArviZ ``ELPDData`` with array views: ``pointwise``, ``khat``, ``flagged``, ``ids``, ``refitted``."""
 
         @property
-        def pointwise(self):
+        def pointwise(self) -> np.ndarray:
             """Per-example ``log p(y_i | y_{−i})`` (NumPy array)."""
             return np.asarray(self["loo_i"].values)
 
         @property
-        def khat(self):
+        def khat(self) -> np.ndarray:
             """Per-example reliability ``k̂_i`` (zeros for exact refits-only results such as LFO)."""
             return np.asarray(self["pareto_k"].values) if "pareto_k" in self else np.zeros(len(self.pointwise))
 
@@ -81,16 +81,16 @@ def _series_class():
             return self.khat > float(self["good_k"])
 
         @property
-        def ids(self):
+        def ids(self) -> np.ndarray:
             """Example ids (or, for LFO, the forecast origins) aligned with ``pointwise``."""
             return np.asarray(self["loo_i"].coords[self["loo_i"].dims[0]].values)
 
         @property
-        def refitted(self):
+        def refitted(self) -> np.ndarray:
             """Mask of examples whose value comes from an exact refit."""
             return np.asarray(self["refitted"]) if "refitted" in self else np.zeros(len(self.pointwise), bool)
 
-        def __str__(self):
+        def __str__(self) -> str:
             """ArviZ's summary, saying what the numbers of a dual-form LOO are: the rule's nodes
             are not posterior draws, and ``k̂`` is not PSIS's."""
             text = super().__str__()
@@ -261,7 +261,7 @@ def _gaussian_loo(post, method, where, good_k, tol, max_iters):
     return result
 
 
-def _refit_values(post, ids, chosen, tol, max_iters):
+def _refit_values(post, ids, chosen, tol, max_iters) -> tuple[np.ndarray, None]:
     """Exact LOO predictive of the examples at ``chosen``: one warm-started corrected deletion each."""
     tol = tol if tol is not None else (1e-12 if post.state.mean.dtype == jnp.float64 else None)
     means, precisions = [], []

@@ -18,6 +18,10 @@ from numpyro_pc.errors import SiteStorageError
 from numpyro_pc.model.rows import join_rows
 
 from .stores import FULL, CurvatureStore, JacobianFactor, register_store
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SparseFactor"]
 
@@ -59,11 +63,11 @@ class SparseFactor(CurvatureStore):
     sparse_rows: ClassVar[bool] = True
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[Any, None]:
         return curv, None
 
     @staticmethod
-    def compress(jac, grad, width):
+    def compress(jac, grad, width) -> tuple[tuple[Any, Any, jax.Array], Any]:
         nonzero = jnp.any(jac != 0, 0)
         count = jnp.sum(nonzero, dtype=jnp.int32)
         index = jnp.nonzero(nonzero, size=width, fill_value=0)[0].astype(jnp.int32)
@@ -71,23 +75,23 @@ class SparseFactor(CurvatureStore):
         return (index, jac[:, index] * real, count), grad[index] * real
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> SparseFactor:
         index, values, count = jac
         return cls(index=index, jac=values, lam=stored, nnz=count, dim=int(dim))
 
     @classmethod
-    def file_shapes(cls, num, k, dim, width=0):
+    def file_shapes(cls, num, k, dim, width=0) -> dict[str, Any]:
         return {"index": (num, width), "jac": (num, k, width), "lam": (num, k, k), "nnz": (num,)}
 
     @classmethod
-    def grad_shape(cls, num, dim, width=0):
+    def grad_shape(cls, num, dim, width=0) -> tuple[Any, Any]:
         return (num, width)
 
     @classmethod
-    def from_arrays(cls, arrays, num, dtype, dim=None):
+    def from_arrays(cls, arrays, num, dtype, dim=None) -> SparseFactor:
         return cls(dim=int(dim), **arrays)
 
-    def arrays(self):
+    def arrays(self) -> dict[str, Any]:
         return {"index": self.index, "jac": self.jac, "lam": self.lam, "nnz": self.nnz}
 
     def scaled(self, alpha) -> CurvatureStore:
@@ -112,14 +116,14 @@ class SparseFactor(CurvatureStore):
         return jax.tree.map(join_rows, self.widened(width), other.widened(width))
 
     # --- rows on the index ----------------------------------------------------------------
-    def scatter(self, values, weights=None):
+    def scatter(self, values, weights=None) -> jax.Array:
         """``Σ_i w_i`` of per-example values ``(N, s[, p])`` placed at their columns: ``(d[, p])``."""
         if weights is not None:
             values = values * jnp.reshape(weights, weights.shape + (1,) * (values.ndim - 1))
         out = jnp.zeros((self.dim,) + values.shape[2:], values.dtype)
         return out.at[self.index].add(values)
 
-    def dense_rows(self, values):
+    def dense_rows(self, values) -> jax.Array:
         """Per-example values ``(N, s)`` as dense ``(N, d)`` rows (small ``d``)."""
         rows = jnp.zeros((values.shape[0], self.dim), values.dtype)
         return rows.at[jnp.arange(values.shape[0])[:, None], self.index].add(values)
@@ -130,7 +134,7 @@ class SparseFactor(CurvatureStore):
         proj = jnp.einsum("nks,ns->nk", self.jac, shift)
         return values + jnp.einsum("nks,nkl,nl->ns", self.jac, self.lam, proj)
 
-    def curvature_values(self, points):
+    def curvature_values(self, points) -> jax.Array:
         """``Ĥ_i x_i`` on the index for per-example points ``x_i`` given on the index ``(N, s)``."""
         proj = jnp.einsum("nks,ns->nk", self.jac, points)
         return jnp.einsum("nks,nkl,nl->ns", self.jac, self.lam, proj)
@@ -144,16 +148,16 @@ class SparseFactor(CurvatureStore):
         return max(1, _SPARSE_BATCH // max(self.dim * max(self.jac.shape[1], 1), 1))
 
     # --- algebra ---------------------------------------------------------------------------
-    def low_rank_factors(self):
+    def low_rank_factors(self) -> tuple[Any, Any]:
         return self.dense_jac(), self.lam
 
     def weighted_dense(self, weights):
         return JacobianFactor(self.dense_jac(), self.lam).weighted_dense(weights)
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         return self.scatter(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac), weights)
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         proj = jnp.einsum("nks,nsp->nkp", self.jac, mat[self.index])  # J_i V, O(N k s p)
         back = jnp.einsum("nks,nkp->nsp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
         return self.scatter(back)
@@ -161,13 +165,13 @@ class SparseFactor(CurvatureStore):
     def dense(self):
         return JacobianFactor(self.dense_jac(), self.lam).dense()
 
-    def diagonals(self):
+    def diagonals(self) -> jax.Array:
         return self.dense_rows(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac))
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.einsum("nks,nkl,nls->n", self.jac, self.lam, self.jac)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         picked = jnp.take_along_axis(v, self.index, 1)
         return self.dense_rows(self.curvature_values(picked))
 
@@ -176,7 +180,7 @@ class SparseFactor(CurvatureStore):
 
     def row_quad(self, values, cov_rows):
         r"""``xᵢᵀ Σ xᵢ`` for rows given by values on the index ``(N, s)``, densified in batches."""
-        def one(idx, val):
+        def one(idx, val) -> jax.Array:
             row = jnp.zeros((1, self.dim), val.dtype).at[0, idx].add(val)
             return jnp.sum(cov_rows(row)[0, idx] * val)
 

@@ -106,7 +106,7 @@ def mc_along_subspace(rule, curvature) -> bool:
     return rule.kind == "mc" and rule.subspace_dim > 0 and curvature == "hessian" and rule.mc_precision == "hessian"
 
 
-def _why(spec, rule):
+def _why(spec, rule) -> str:
     if spec.num_params == 0:
         return "its likelihood has no distribution parameters that depend on z"
     if rule.kind == "delta":

@@ -35,6 +35,10 @@ import jax.numpy as jnp
 from numpyro_pc.errors import InvalidOptionError, SiteStorageError
 from numpyro_pc.model.rows import join_rows, pad_last_row, take_rows
 from numpyro_pc.options import is_choice
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["CurvatureStore", "JacobianFactor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store",
            "register_store"]
@@ -71,26 +75,26 @@ class CurvatureStore(ABC):
         """The store of ``num`` examples from the stacked ``from_point`` outputs (and Jacobians)."""
 
     @staticmethod
-    def compress(jac, grad, width):
+    def compress(jac, grad, width) -> tuple[Any, Any]:
         """What one example keeps of its Jacobian ``(k, d)`` and gradient ``(d,)`` (all of both by default)."""
         return jac, grad
 
     @classmethod
-    def file_shapes(cls, num, k, dim):
+    def file_shapes(cls, num, k, dim) -> dict[Any, Any]:
         """The arrays a saved posterior holds for this store: ``{field: shape}``."""
         return {}
 
     @classmethod
-    def from_arrays(cls, arrays, num, dtype, dim=None):
+    def from_arrays(cls, arrays, num, dtype, dim=None) -> CurvatureStore:
         """The store from a saved posterior's arrays (``{field: array}``)."""
         return cls(**arrays)
 
     @classmethod
-    def grad_shape(cls, num, dim, width=0):
+    def grad_shape(cls, num, dim, width=0) -> tuple[Any, Any]:
         """The shape of the sites' gradient array in a saved posterior."""
         return (num, dim)
 
-    def arrays(self):
+    def arrays(self) -> dict[Any, Any]:
         """``{field: array}`` to save (what :meth:`from_arrays` reads back)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
@@ -137,7 +141,7 @@ class CurvatureStore(ABC):
     def dense(self):
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
 
-    def diagonals(self):
+    def diagonals(self) -> jax.Array:
         """Per-example diagonals ``(N, d)``."""
         return jnp.diagonal(self.dense(), axis1=1, axis2=2)
 
@@ -161,7 +165,7 @@ class CurvatureStore(ABC):
         """``(J, Λ)`` with ``Ĥ_i = J_iᵀ Λ_i J_i`` when the store keeps them, else ``None``."""
         return None
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         """``½ tr((δH_i Σ)²)`` per example with ``δH_i = Ĥ_i − Ĥ_i^{stale}`` (aligned rows);
         ``cov_rows(M)`` is ``M Σ`` for an ``(m, d)`` matrix ``M`` (the family applies its covariance).
 
@@ -197,46 +201,46 @@ class JacobianFactor(CurvatureStore):
     keeps_jacobian: ClassVar[bool] = True
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[Any, None]:
         return curv, None
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> JacobianFactor:
         return cls(jac=jac, lam=stored)
 
     @classmethod
-    def file_shapes(cls, num, k, dim):
+    def file_shapes(cls, num, k, dim) -> dict[str, tuple[Any, Any, Any]]:
         return {"jac": (num, k, dim), "lam": (num, k, k)}
 
-    def low_rank_factors(self):
+    def low_rank_factors(self) -> tuple[Any, Any]:
         return self.jac, self.lam
 
     def scaled(self, alpha) -> CurvatureStore:
         return replace(self, lam=alpha * self.lam)
 
-    def weighted_dense(self, weights):
+    def weighted_dense(self, weights) -> jax.Array:
         return jnp.einsum("n,nkd,nkl,nle->de", weights, self.jac, self.lam, self.jac)
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         return jnp.einsum("n,nkd,nkl,nld->d", weights, self.jac, self.lam, self.jac)
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         proj = jnp.einsum("nkd,dp->nkp", self.jac, mat)  # O(N k d p), no d × d
         return jnp.einsum("nkd,nkp->dp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         return jnp.einsum("nkd,nkl,nle->nde", self.jac, self.lam, self.jac)
 
-    def diagonals(self):
+    def diagonals(self) -> jax.Array:
         return jnp.einsum("nkd,nkl,nld->nd", self.jac, self.lam, self.jac)
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.einsum("nkd,nkl,nld->n", self.jac, self.lam, self.jac)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         return jnp.einsum("nkd,nkl,nle,ne->nd", self.jac, self.lam, self.jac, v)
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         jsj = jnp.einsum("nkd,de,nle->nkl", self.jac, cov, self.jac)
         trace = jnp.einsum("nkl,nlk->n", self.lam, jsj)
         proj = jnp.einsum("nkd,nd->nk", self.jac, diff)
@@ -270,40 +274,40 @@ class Dense(CurvatureStore):
     detail: ClassVar[int] = FULL
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[Any, Any]:
         dense = curv if jac is None else jac.T @ curv @ jac
         return dense, dense
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> Dense:
         return cls(curvature=stored)
 
     @classmethod
-    def file_shapes(cls, num, k, dim):
+    def file_shapes(cls, num, k, dim) -> dict[str, tuple[Any, Any, Any]]:
         return {"curvature": (num, dim, dim)}
 
     def scaled(self, alpha) -> CurvatureStore:
         return replace(self, curvature=alpha * self.curvature)
 
-    def weighted_dense(self, weights):
+    def weighted_dense(self, weights) -> jax.Array:
         return jnp.einsum("n,nde->de", weights, self.curvature)
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         return weights @ jnp.diagonal(self.curvature, axis1=1, axis2=2)
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         return jnp.einsum("n,nde,ep->dp", weights, self.curvature, mat)
 
     def dense(self):
         return self.curvature
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.trace(self.curvature, axis1=1, axis2=2)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         return jnp.einsum("nde,ne->nd", self.curvature, v)
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return (jnp.einsum("nde,ed->n", self.curvature, cov), jnp.einsum("nd,nde,ne->n", diff, self.curvature, diff))
 
 
@@ -317,7 +321,7 @@ class Diagonal(CurvatureStore):
     detail: ClassVar[int] = DIAGONAL
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[jax.Array, Any]:
         if jac is None:
             return jnp.diag(curv), curv
         # diag(J_iᵀ Λ_i J_i) from the factors, O(k² d): the d × d product is only formed when the
@@ -325,11 +329,11 @@ class Diagonal(CurvatureStore):
         return jnp.einsum("kd,kl,ld->d", jac, curv, jac), jac.T @ curv @ jac
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> Diagonal:
         return cls(curvature=stored)
 
     @classmethod
-    def file_shapes(cls, num, k, dim):
+    def file_shapes(cls, num, k, dim) -> dict[str, tuple[Any, Any]]:
         return {"curvature": (num, dim)}
 
     def scaled(self, alpha) -> CurvatureStore:
@@ -347,13 +351,13 @@ class Diagonal(CurvatureStore):
     def diagonals(self):
         return self.curvature
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.sum(self.curvature, 1)
 
     def matvec(self, v):
         return self.curvature * v
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return self.curvature @ jnp.diag(cov), jnp.sum(self.curvature * diff**2, 1)
 
     def mismatch(self, stale, cov_rows, shared_jacobian):
@@ -376,19 +380,19 @@ class NoCurvature(CurvatureStore):
     detail: ClassVar[int] = NONE
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[None, Any]:
         # nothing is stored, but the solver still sums the dense curvature to precondition the mean
         return None, (curv if jac is None else jac.T @ curv @ jac)
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> NoCurvature:
         return cls(rows=jnp.zeros((num, 0), dtype))
 
     @classmethod
-    def from_arrays(cls, arrays, num, dtype, dim=None):
+    def from_arrays(cls, arrays, num, dtype, dim=None) -> NoCurvature:
         return cls(rows=jnp.zeros((num, 0), dtype))
 
-    def arrays(self):
+    def arrays(self) -> dict[Any, Any]:
         return {}
 
     def scaled(self, alpha) -> CurvatureStore:
@@ -397,17 +401,17 @@ class NoCurvature(CurvatureStore):
     def dense(self):
         raise SiteStorageError("isotropic sites carry no curvature")
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.zeros(self.rows.shape[0], self.rows.dtype)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         return jnp.zeros_like(v)
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         zero = jnp.zeros(self.rows.shape[0], diff.dtype)
         return zero, zero
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         return jnp.zeros(self.rows.shape[0], self.rows.dtype)
 
 

@@ -34,6 +34,10 @@ from numpyro.distributions.transforms import IdentityTransform, IndependentTrans
 
 from .expfam import Factor
 from .point_sets import hermite_rule, whitened_normal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["NormalFactor", "FullGaussianFactor"]
 
@@ -50,11 +54,11 @@ class _GaussianFactor(Factor):
     support = None
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def is_identity(self):
+    def is_identity(self) -> bool:
         """Whether the site is real, so the factor is a density of the site's value itself."""
         transform = self.transform
         while isinstance(transform, IndependentTransform):
@@ -64,7 +68,7 @@ class _GaussianFactor(Factor):
     def to_constrained(self, values):
         return self.transform(values)
 
-    def from_constrained(self, values):
+    def from_constrained(self, values) -> jax.Array:
         return jnp.reshape(self.transform.inv(values), self.shape)
 
     def _wrap(self, base):
@@ -73,7 +77,7 @@ class _GaussianFactor(Factor):
         event = self.transform.domain.event_dim - len(base.event_shape)
         return dist.TransformedDistribution(base.to_event(event) if event > 0 else base, self.transform)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         loc, _ = self._moments(lam)
         if self.is_identity:
             return jnp.reshape(loc, self.shape)
@@ -88,7 +92,7 @@ class _GaussianFactor(Factor):
         """A scalar site has the Gauss–Hermite rule."""
         return self.dim == 1
 
-    def rule(self, lam, num_nodes):
+    def rule(self, lam, num_nodes) -> tuple[jax.Array, Any] | None:
         if not self.has_rule:
             return None
         loc, scale = self.to_args(lam)  # (loc, scale) or (loc, scale_tril): both the sd when d = 1
@@ -110,7 +114,7 @@ class _GaussianFactor(Factor):
         """Moment-matched draws (:func:`numpyro_pc.families.point_sets.whitened_normal`) mapped by :meth:`from_whitened`."""
         return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))
 
-    def _flat_mean(self, lam):
+    def _flat_mean(self, lam) -> jax.Array:
         return jnp.reshape(self._moments(lam)[0], (-1,))
 
 
@@ -123,32 +127,32 @@ class NormalFactor(_GaussianFactor):
     dist_args = ("loc", "scale")
     dist_class = dist.Normal
 
-    def _pairs(self, lam):
+    def _pairs(self, lam) -> tuple[jax.Array, jax.Array]:
         pair = jnp.reshape(lam, self.shape + (2,))
         return pair[..., 0], pair[..., 1]
 
-    def _moments(self, lam):
+    def _moments(self, lam) -> tuple[Any, jax.Array]:
         eta1, eta2 = self._pairs(lam)
         return -eta1 / (2.0 * eta2), jnp.sqrt(-0.5 / eta2)
 
-    def _unit_scale(self, dtype):
+    def _unit_scale(self, dtype) -> tuple[jax.Array]:
         return (jnp.ones(self.shape, dtype),)
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         return jnp.reshape(jnp.stack([x, x * x], -1), x.shape[:x.ndim - len(self.shape)] + (-1,))
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         eta1, eta2 = self._pairs(lam)
         return jnp.sum(-eta1**2 / (4.0 * eta2) - 0.5 * jnp.log(-2.0 * eta2) + 0.5 * _LOG_2PI)
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         _, eta2 = self._pairs(lam)
         return jnp.all(jnp.isfinite(lam)) & jnp.all(eta2 < 0)
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[Any, jax.Array]:
         return self._moments(lam)
 
-    def from_args(self, loc, scale):
+    def from_args(self, loc, scale) -> jax.Array:
         loc, scale = jnp.broadcast_to(loc, self.shape), jnp.broadcast_to(scale, self.shape)
         prec = 1.0 / scale**2
         return jnp.reshape(jnp.stack([loc * prec, -0.5 * prec], -1), (-1,))
@@ -156,7 +160,7 @@ class NormalFactor(_GaussianFactor):
     def distribution(self, lam):
         return self._wrap(dist.Normal(*self._moments(lam)))
 
-    def site_from_moments(self, lam, grad_mean, hess_mean):
+    def site_from_moments(self, lam, grad_mean, hess_mean) -> jax.Array:
         r"""Sites in natural coordinates from :math:`E[\nabla\ell]` ``(..., d)`` and
         :math:`E[\nabla^2\ell]` ``(..., d, d)``: per element
         :math:`(\bar g_j - \bar H_{jj} m_j,\ \tfrac12 \bar H_{jj})` (only the diagonal of the
@@ -194,21 +198,21 @@ class FullGaussianFactor(_GaussianFactor):
     def _upper(self):
         return jnp.triu_indices(self.dim)
 
-    def precision(self, lam):
+    def precision(self, lam) -> jax.Array:
         """:math:`S` from the natural parameter."""
         d = self.dim
         upper = jnp.zeros((d, d), lam.dtype).at[self._upper()].set(lam[d:])
         return -(upper + upper.T)
 
-    def _moments(self, lam):
+    def _moments(self, lam) -> tuple[jax.Array, jax.Array]:
         chol = jnp.linalg.cholesky(self.precision(lam))
         loc = jax.scipy.linalg.cho_solve((chol, True), lam[:self.dim])
         return loc, chol
 
-    def _unit_scale(self, dtype):
+    def _unit_scale(self, dtype) -> tuple[jax.Array]:
         return (jnp.eye(self.dim, dtype=dtype),)
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         batch = x.shape[:x.ndim - len(self.shape)]
         flat = jnp.reshape(x, batch + (self.dim,))
         rows, cols = self._upper()
@@ -218,18 +222,18 @@ class FullGaussianFactor(_GaussianFactor):
         loc, chol = self._moments(lam)
         return 0.5 * jnp.dot(lam[:self.dim], loc) - jnp.sum(jnp.log(jnp.diag(chol))) + 0.5 * self.dim * _LOG_2PI
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         chol = jnp.linalg.cholesky(self.precision(lam))
         return jnp.all(jnp.isfinite(lam)) & jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[jax.Array, jax.Array]:
         """``(loc, scale_tril)`` of the covariance :math:`S^{-1}`."""
         loc, chol = self._moments(lam)
         eye = jnp.eye(self.dim, dtype=lam.dtype)
         cov = jax.scipy.linalg.cho_solve((chol, True), eye)
         return jnp.reshape(loc, self.shape), jnp.linalg.cholesky(0.5 * (cov + cov.T))
 
-    def from_args(self, loc, scale_tril):
+    def from_args(self, loc, scale_tril) -> jax.Array:
         eye = jnp.eye(self.dim, dtype=jnp.result_type(scale_tril))
         inv_tril = jax.scipy.linalg.solve_triangular(scale_tril, eye, lower=True)
         prec = inv_tril.T @ inv_tril
@@ -237,7 +241,7 @@ class FullGaussianFactor(_GaussianFactor):
         coef = jnp.where(rows == cols, -0.5, -1.0) * prec[rows, cols]
         return jnp.concatenate([prec @ jnp.reshape(loc, (-1,)), coef])
 
-    def site_from_moments(self, lam, grad_mean, hess_mean):
+    def site_from_moments(self, lam, grad_mean, hess_mean) -> jax.Array:
         r"""Sites in natural coordinates from :math:`E[\nabla\ell]` ``(..., d)`` and
         :math:`E[\nabla^2\ell]` ``(..., d, d)``: :math:`\bar g - \bar H m` on :math:`u`, then
         :math:`\tfrac12\bar H_{jj}` on :math:`u_j^2` and :math:`\bar H_{jk}` on :math:`u_j u_k`."""
@@ -259,6 +263,6 @@ class FullGaussianFactor(_GaussianFactor):
         num = eps.shape[0]
         return jnp.reshape(jnp.reshape(loc, (-1,)) + eps @ tril.T, (num,) + self.shape)
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         return self.from_whitened(lam, jax.random.normal(key, (num, self.dim), lam.dtype))
 

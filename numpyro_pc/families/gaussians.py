@@ -12,6 +12,8 @@ Each implements :class:`~numpyro_pc.protocols.family.ExponentialFamily`; they ar
 registered by name in :mod:`numpyro_pc.families.registry`.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -33,6 +35,10 @@ from numpyro_pc.protocols.capabilities import (
     SiteSum,
 )
 from numpyro_pc.protocols.family import ExponentialFamily, Gaussian, GaussianNatural
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian"]
 
@@ -45,23 +51,23 @@ class FullGaussian(ExponentialFamily):
 
     name: str = "full"
 
-    def natural(self, q):
+    def natural(self, q) -> GaussianNatural:
         return GaussianNatural(q.precision @ q.mean, q.precision)
 
-    def from_natural(self, natural):
+    def from_natural(self, natural) -> Gaussian:
         chol = jnp.linalg.cholesky(natural.precision)
         return Gaussian(cho_solve((chol, True), natural.linear), natural.precision)
 
-    def expectation(self, q):
+    def expectation(self, q) -> tuple[Any, Any]:
         cov = self.dense_covariance(q)
         return (q.mean, jnp.outer(q.mean, q.mean) + cov)
 
-    def from_expectation(self, mu):
+    def from_expectation(self, mu) -> Gaussian:
         mean, second = mu
         cov = second - jnp.outer(mean, mean)
         return Gaussian(mean, jnp.linalg.inv(cov))
 
-    def _chol(self, q):
+    def _chol(self, q) -> jax.Array:
         return jnp.linalg.cholesky(q.precision)
 
     def log_prob(self, q, z):
@@ -88,13 +94,13 @@ class FullGaussian(ExponentialFamily):
         # z = m + L⁻ᵀ ε has covariance (L Lᵀ)⁻¹ = S⁻¹
         return q.mean + solve_triangular(self._chol(q).T, noise.T, lower=False).T
 
-    def site_natural(self, grad, curvature, ref_mean):
+    def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         return GaussianNatural(curvature @ ref_mean - grad, curvature)
 
     def dense_precision(self, q):
         return q.precision
 
-    def dense_covariance(self, q):
+    def dense_covariance(self, q) -> jax.Array:
         chol = self._chol(q)
         inv_chol = solve_triangular(chol, jnp.eye(chol.shape[0], dtype=chol.dtype), lower=True)
         return inv_chol.T @ inv_chol
@@ -102,7 +108,7 @@ class FullGaussian(ExponentialFamily):
     def project_curvature(self, dense):
         return dense
 
-    def is_positive_definite(self, precision):
+    def is_positive_definite(self, precision) -> jax.Array:
         chol = jnp.linalg.cholesky(precision)
         return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
 
@@ -114,13 +120,13 @@ class FullGaussian(ExponentialFamily):
     def site_curvatures(self, store):
         return store.dense()
 
-    def fixed_point(self, q, target, dense):
+    def fixed_point(self, q, target, dense) -> tuple[Any, Any]:
         return target, target
 
-    def accepts_target(self, target):
+    def accepts_target(self, target) -> bool:
         return bool(self.is_positive_definite(target))
 
-    def covariance_operand(self, q):
+    def covariance_operand(self, q) -> jax.Array:
         return self.dense_covariance(q)
 
     def quad_form_cov(self, q, cov, a):
@@ -129,7 +135,7 @@ class FullGaussian(ExponentialFamily):
     def cov_times(self, q, cov, mat):
         return cov @ mat
 
-    def precision_shape(self, dim):
+    def precision_shape(self, dim) -> tuple[Any, Any]:
         return (dim, dim)
 
     def noisy_precision(self, precision, key, scale):
@@ -138,7 +144,7 @@ class FullGaussian(ExponentialFamily):
         projected = (v * jnp.maximum(w, 0.0)) @ v.T
         return 0.5 * (projected + projected.T)
 
-    def saved_precision_problem(self, precision):
+    def saved_precision_problem(self, precision) -> str | None:
         p = np.asarray(precision, np.float64)
         tol = 10 * np.sqrt(np.finfo(precision.dtype).eps) * max(float(np.max(np.abs(p), initial=0.0)), 1e-300)
         if p.size and np.max(np.abs(p - p.T)) > tol:
@@ -163,16 +169,16 @@ class DiagonalGaussian(ExponentialFamily):
 
     name: str = "diagonal"
 
-    def natural(self, q):
+    def natural(self, q) -> GaussianNatural:
         return GaussianNatural(q.precision * q.mean, q.precision)
 
-    def from_natural(self, natural):
+    def from_natural(self, natural) -> Gaussian:
         return Gaussian(natural.linear / natural.precision, natural.precision)
 
-    def expectation(self, q):
+    def expectation(self, q) -> tuple[Any, Any]:
         return (q.mean, q.mean**2 + 1.0 / q.precision)
 
-    def from_expectation(self, mu):
+    def from_expectation(self, mu) -> Gaussian:
         mean, second = mu
         return Gaussian(mean, 1.0 / (second - mean**2))
 
@@ -188,26 +194,26 @@ class DiagonalGaussian(ExponentialFamily):
         d = q.mean.shape[-1]
         return 0.5 * d * (1.0 + _LOG_2PI) - 0.5 * jnp.sum(jnp.log(q.precision))
 
-    def kl(self, q, p):
+    def kl(self, q, p) -> jax.Array:
         ratio = p.precision / q.precision
         return 0.5 * jnp.sum(ratio + p.precision * (p.mean - q.mean) ** 2 - 1.0 - jnp.log(ratio))
 
     def draws(self, q, noise):
         return q.mean + noise / jnp.sqrt(q.precision)
 
-    def site_natural(self, grad, curvature, ref_mean):
+    def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         return GaussianNatural(curvature * ref_mean - grad, curvature)
 
-    def dense_precision(self, q):
+    def dense_precision(self, q) -> jax.Array:
         return jnp.diag(q.precision)
 
-    def dense_covariance(self, q):
+    def dense_covariance(self, q) -> jax.Array:
         return jnp.diag(1.0 / q.precision)
 
-    def project_curvature(self, dense):
+    def project_curvature(self, dense) -> jax.Array:
         return jnp.diagonal(dense, axis1=-2, axis2=-1)
 
-    def is_positive_definite(self, precision):
+    def is_positive_definite(self, precision) -> jax.Array:
         return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
 
     capabilities = (SiteSum(), SiteDivision(), SiteCurvature(DIAGONAL_CURVATURE, "diag"), GaussianSolver())
@@ -228,10 +234,10 @@ class DiagonalGaussian(ExponentialFamily):
                                         "(a diagonal prior precision in unconstrained space)")
         return super().prior_natural(prior)
 
-    def precision_shape(self, dim):
+    def precision_shape(self, dim) -> tuple[Any]:
         return (dim,)
 
-    def noisy_precision(self, precision, key, scale):
+    def noisy_precision(self, precision, key, scale) -> jax.Array:
         return jnp.maximum(precision + scale * jax.random.normal(key, precision.shape, precision.dtype), 0.0)
 
 
@@ -249,16 +255,16 @@ class IsotropicGaussian(ExponentialFamily):
     lacks = MappingProxyType({SiteDivision: "the precision is a fixed base measure: its sites carry no curvature, "
                                             "so there is no precision to remove"})
 
-    def natural(self, q):
+    def natural(self, q) -> GaussianNatural:
         return GaussianNatural(q.precision * q.mean, q.precision)
 
-    def from_natural(self, natural):
+    def from_natural(self, natural) -> Gaussian:
         return Gaussian(natural.linear / natural.precision, natural.precision)
 
-    def expectation(self, q):
+    def expectation(self, q) -> tuple[Any]:
         return (q.mean,)
 
-    def from_expectation(self, mu, precision=1.0):
+    def from_expectation(self, mu, precision=1.0) -> Gaussian:
         (mean,) = mu
         return Gaussian(mean, jnp.asarray(precision, mean.dtype))
 
@@ -278,7 +284,7 @@ class IsotropicGaussian(ExponentialFamily):
     def draws(self, q, noise):
         return q.mean + noise / jnp.sqrt(q.precision)
 
-    def site_natural(self, grad, curvature, ref_mean):
+    def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         return GaussianNatural(-grad, jnp.zeros((), grad.dtype))
 
     def dense_precision(self, q):
@@ -289,43 +295,43 @@ class IsotropicGaussian(ExponentialFamily):
         d = q.mean.shape[-1]
         return jnp.eye(d, dtype=q.mean.dtype) / q.precision
 
-    def project_curvature(self, dense):
+    def project_curvature(self, dense) -> jax.Array:
         return jnp.zeros(jnp.shape(dense)[:-2], jnp.result_type(dense))
 
     def is_positive_definite(self, precision):
         return jnp.isfinite(precision) & (precision > 0)
 
-    def relative_eigenvalues(self, q, curvature):
+    def relative_eigenvalues(self, q, curvature) -> jax.Array:
         return jnp.zeros((1,), q.mean.dtype)
 
-    def curvature_sum(self, store, weights):
+    def curvature_sum(self, store, weights) -> jax.Array:
         return jnp.zeros((), weights.dtype)
 
-    def site_curvatures(self, store):
+    def site_curvatures(self, store) -> jax.Array:
         return jnp.zeros(store.num_examples, jax.tree.leaves(store)[0].dtype)
 
-    def precision_residual(self, precision, target):
+    def precision_residual(self, precision, target) -> jax.Array:
         return jnp.zeros((), jnp.result_type(precision))
 
-    def fixed_point(self, q, target, dense):
+    def fixed_point(self, q, target, dense) -> tuple[Any, Any]:
         return q.precision, dense
 
     def keep_fixed(self, current, new):
         return current
 
-    def prior_natural(self, prior, tau=None):
+    def prior_natural(self, prior, tau=None) -> GaussianNatural:
         tau = jnp.asarray(1.0 if tau is None else tau, prior.mean.dtype)
         return GaussianNatural(tau * prior.mean, tau)
 
-    def prior_tau(self, prior):
+    def prior_tau(self, prior) -> jax.Array:
         return jnp.mean(jnp.diag(prior.precision))
 
-    def precision_shape(self, dim):
+    def precision_shape(self, dim) -> tuple[()]:
         return ()
 
     def noisy_precision(self, precision, key, scale):
         return precision
 
-    def precision_spectrum(self, precision):
+    def precision_spectrum(self, precision) -> tuple[bool, None]:
         return True, None
 

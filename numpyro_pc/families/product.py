@@ -38,6 +38,10 @@ from .discrete import BernoulliFactor, CategoricalFactor
 from .expfam import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .expfam_gaussian import FullGaussianFactor, NormalFactor
 from .point_sets import symmetric_cubature
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ProductFamily", "EF_FAMILIES", "register_factor", "make_factor", "factor_from_distribution",
            "unwrap_distribution", "family_for_model", "site_names", "site_supports", "site_shape"]
@@ -95,7 +99,7 @@ def _base_constraint(c):
     return c
 
 
-def _same_support(a, b):
+def _same_support(a, b) -> bool:
     a, b = _base_constraint(a), _base_constraint(b)
     return type(a) is type(b) and str(a) == str(b)
 
@@ -106,7 +110,7 @@ def _base_transform(transform):
     return transform
 
 
-def unwrap_distribution(fn):
+def unwrap_distribution(fn) -> tuple[Any, Any]:
     """``(base distribution, transforms)`` under ``Independent`` and ``TransformedDistribution`` layers."""
     transforms = []
     while True:
@@ -254,7 +258,7 @@ class ProductFamily:
         return "product(" + ", ".join(type(f).family_name or type(f).__name__ for f in self.factors) + ")"
 
     @cached_property
-    def offsets(self):
+    def offsets(self) -> tuple[Any, ...]:
         out, pos = [], 0
         for f in self.factors:
             out.append(pos)
@@ -266,18 +270,18 @@ class ProductFamily:
         return sum(f.size for f in self.factors)
 
     @property
-    def names(self):
+    def names(self) -> tuple[Any, ...]:
         return tuple(f.site for f in self.factors)
 
     def factor(self, site):
         """The factor of latent ``site``."""
         return self.factors[self.names.index(site)]
 
-    def split(self, lam):
+    def split(self, lam) -> list[Any]:
         """The factors' natural parameters."""
         return [lam[..., o:o + f.size] for f, o in zip(self.factors, self.offsets)]
 
-    def stats(self, values):
+    def stats(self, values) -> jax.Array:
         """``T`` of a dict of site values with a leading batch axis → ``(S, P)``."""
         return jnp.concatenate([f.stats(values[f.site]) for f in self.factors], -1)
 
@@ -318,7 +322,7 @@ class ProductFamily:
         objective = lambda lam: self.log_normalizer(lam) - jnp.dot(lam, mu)  # noqa: E731
         steps = 0.5 ** jnp.arange(40, dtype=lam0.dtype)
 
-        def body(_, lam):
+        def body(_, lam) -> jax.Array:
             grad = self.expectation(lam) - mu
             direction = jnp.linalg.solve(self.fisher(lam), grad)
             cand = lam[None] - steps[:, None] * direction[None]
@@ -331,23 +335,23 @@ class ProductFamily:
 
         return jax.lax.fori_loop(0, num_iters, body, lam0)
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> dict[Any, Any]:
         """A dict of ``num`` draws per site, in the factors' coordinates."""
         keys = jax.random.split(key, len(self.factors))
         return {f.site: f.sample(k, p, num) for f, k, p in zip(self.factors, keys, self.split(lam))}
 
-    def to_constrained(self, values):
+    def to_constrained(self, values) -> dict[Any, Any]:
         """The model's site values of factor-coordinate ``values``."""
         return {f.site: f.to_constrained(values[f.site]) for f in self.factors}
 
-    def mean(self, lam):
+    def mean(self, lam) -> dict[Any, Any]:
         """:math:`E_q[x]` of each site's constrained value."""
         return {f.site: f.mean(p) for f, p in zip(self.factors, self.split(lam))}
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return jnp.concatenate([jnp.reshape(f.default_natural(dtype), (-1,)) for f in self.factors])
 
-    def has_rule(self):
+    def has_rule(self) -> bool:
         """Whether every factor has a deterministic rule (then the design is one tensor grid)."""
         return all(f.has_rule for f in self.factors)
 
@@ -376,7 +380,7 @@ class ProductFamily:
         """How many Gaussian blocks share the cubature (those without a rule)."""
         return sum(1 for f in self.factors if not f.has_rule)
 
-    def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False):
+    def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False) -> tuple[Any, Any]:
         """Points standing for ``q``: the tensor grid of the factors' rules (``use_rules``) times
         ``num_samples`` fixed draws of the other factors, or (``cubature``, where
         :meth:`admits_cubature`) times the ``2D + 1`` points of the symmetric cubature over the
@@ -410,7 +414,7 @@ class ProductFamily:
             weights = jnp.repeat(grid_w, reps) * jnp.tile(point_w, grid_w.shape[0])
         return values, weights
 
-    def describe(self, lam):
+    def describe(self, lam) -> dict[Any, tuple[Any, dict[Any, Any]]]:
         """Per site: the family and its distribution arguments (for messages and records)."""
         return {f.site: (f.family_name, {n: v for n, v in zip(f.dist_args, f.to_args(p))})
                 for f, p in zip(self.factors, self.split(lam))}
@@ -436,7 +440,7 @@ def site_shape(spec, name) -> tuple:
     return latent.discrete_shapes[latent.discrete_names.index(name)]
 
 
-def family_for_model(spec, data, family):
+def family_for_model(spec, data, family) -> ProductFamily:
     """The :class:`~numpyro_pc.families.product.ProductFamily` of a ``{site: family name}`` dict
     (names in :data:`~numpyro_pc.families.product.EF_FAMILIES`), in the posterior's site order.
 

@@ -55,6 +55,10 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import InvalidOptionError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["CollapsedFit", "OldTerms", "old_terms", "collapsed_fit", "collapsed_bound", "paper_bound"]
 
@@ -78,7 +82,7 @@ class CollapsedFit(NamedTuple):
     chol_Kbb: jnp.ndarray
 
 
-def _tri(L, B):
+def _tri(L, B) -> jax.Array:
     return solve_triangular(L, B, lower=True)
 
 
@@ -100,7 +104,7 @@ class OldTerms(NamedTuple):
     const: jnp.ndarray
 
 
-def old_terms(old, sites=None):
+def old_terms(old, sites=None) -> OldTerms:
     """:class:`OldTerms` of the old state ``old`` (and the memory's :class:`~numpyro_pc.gp.corrected.GaussianSites`)."""
     LS, LK = old.chol_cov, old.chol_Kzz
     eye = jnp.eye(LS.shape[0], dtype=LS.dtype)
@@ -114,7 +118,7 @@ def old_terms(old, sites=None):
     return OldTerms(G=0.5 * (G + G.T), h=h, const=const)
 
 
-def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
+def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None) -> CollapsedFit:
     """Collapsed online bound and optimal ``q(b)`` in the stable Cholesky form.
 
     With ``sites`` (the memory's Gaussian sites at the old state,

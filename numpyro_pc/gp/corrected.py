@@ -68,12 +68,12 @@ class FunctionSites(NamedTuple):
     m: jnp.ndarray
 
 
-def empty_memory(capacity, dim):
+def empty_memory(capacity, dim) -> Memory:
     """An empty memory of ``capacity`` rows."""
     return Memory(np.zeros((capacity, dim)), np.zeros(capacity), np.zeros(capacity), 0, np.zeros(capacity))
 
 
-def update_memory(memory, X, y, rng, ss=None):
+def update_memory(memory, X, y, rng, ss=None) -> Memory:
     """Reservoir sampling: every example seen so far is in the memory with equal probability.
 
     :param ss: optional per-row noise statistics of the new rows (stored beside them).
@@ -91,7 +91,7 @@ def update_memory(memory, X, y, rng, ss=None):
     return Memory(Xm, ym, mask, seen, ssm)
 
 
-def gaussian_sites(old, X, y, mask):
+def gaussian_sites(old, X, y, mask) -> GaussianSites:
     """:class:`GaussianSites` of the memory rows ``(X, y, mask)`` at the old state (old θ', ``Z_a``, ``K'_aa``)."""
     h = old.hyper
     s2 = noise_variance(h)
@@ -109,7 +109,7 @@ def _neg_log_lik(hyper, y, f):
         if hyper.noise is not None else -hyper.likelihood.link_function(f).log_prob(y)
 
 
-def memory_sites(old, X, y):
+def memory_sites(old, X, y) -> FunctionSites:
     """Sites ``(ĝ_i, ĥ_i, m_i)`` of the memory examples at the old posterior (module docstring)."""
     h = old.hyper
     m, v = predict_from_q(h, old.Z, old.mean, old.cov, old.chol_Kzz, X)
@@ -121,7 +121,7 @@ def memory_sites(old, X, y):
     return FunctionSites(g, hh, m)
 
 
-def correction_term(hyper, Lb, q, X, y, mask, sites):
+def correction_term(hyper, Lb, q, X, y, mask, sites) -> jax.Array:
     r"""``−Σ_{i∈C} E_q[ℓ_i − ℓ̂_i]`` (to be added to the bound being maximised)."""
     mu, var = marginals(hyper, Lb, q, X)
     ell = expected_log_lik(hyper, y, mu, var)

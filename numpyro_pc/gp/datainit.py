@@ -31,6 +31,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["input_scales", "init_from_data", "to_search", "from_search", "NOISE_RATIO", "MAX_PAIRS"]
 
@@ -128,7 +132,7 @@ def _kernel(kernel, X, variance, force, rng, path, done, left):
     return kernel
 
 
-def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=True, rng=None):
+def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=True, rng=None) -> tuple[Any, Any, Any]:
     """Starting values of a :class:`~numpyro_pc.gp.state.Hyper` read off one batch.
 
     :param hyper: the hyperparameters as the user built them.
@@ -173,7 +177,7 @@ def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=T
     return hyper, done, left
 
 
-def _positive(x):
+def _positive(x) -> bool:
     from gpjax.parameters import NonNegativeReal, PositiveReal
 
     return isinstance(x, (PositiveReal, NonNegativeReal))
@@ -209,7 +213,7 @@ def to_search(params, input_scale=None):
 
 def from_search(u, input_scale=None):
     """Inverse of :func:`to_search` (``softplus⁻¹(e^u) = e^u + log(−expm1(−e^u))``, stable for every ``u``)."""
-    def inv(t):
+    def inv(t) -> jax.Array:
         v = jnp.exp(t)
         return v + jnp.log(-jnp.expm1(-v))
 

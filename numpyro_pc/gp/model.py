@@ -45,6 +45,10 @@ from .state import (
 )
 from .usage import plot_gp
 from .usage import progress as _progress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 
@@ -69,7 +73,7 @@ _fit_batch = eqx.filter_jit(core.fit_batch)
 _init_state = eqx.filter_jit(core.init_state)       # one program instead of a dozen op-by-op compilations
 
 
-def _zs(input_scale):
+def _zs(input_scale) -> jax.Array | None:
     return None if input_scale is None else jnp.asarray(input_scale, jnp.float64)
 
 
@@ -78,13 +82,13 @@ def _q_from_raw(raw):
     return uncollapsed.WhitenedQ(mean, jnp.tril(P, -1) + jnp.diag(jax.nn.softplus(jnp.diag(P))))
 
 
-def _q_to_raw(q):
+def _q_to_raw(q) -> tuple[Any, jax.Array]:
     d = jnp.diag(q.chol)
     return q.mean, jnp.tril(q.chol, -1) + jnp.diag(jnp.log(jnp.expm1(jnp.maximum(d, 1e-12))))
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs):
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs) -> tuple[Any, Any, Any, Any, Any]:
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
     def objective(u, rq):
@@ -251,7 +255,7 @@ class StreamingSparseGP:
         return self._state.hyper if self._state is not None else self._hyper
 
     # ------------------------------------------------------------------ update
-    def _check(self, X, y, mask=None):
+    def _check(self, X, y, mask=None) -> tuple[Any, np.ndarray, Any]:
         X = np.asarray(X, float)
         y = np.asarray(y, float).reshape(-1)
         obs = np.ones(y.shape, bool) if mask is None else np.asarray(mask, bool).reshape(-1)
@@ -378,7 +382,7 @@ class StreamingSparseGP:
         return new
 
     # ------------------------------------------------------------------ prediction
-    def predict(self, Xs):
+    def predict(self, Xs) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
         if self._state is None:
             raise NotFittedError("predict needs at least one update() first")
@@ -406,7 +410,7 @@ class StreamingSparseGP:
                                      f"{int(np.flatnonzero(bad)[0])}): a prediction there would be NaN")
         return Xs
 
-    def predict_y(self, Xs):
+    def predict_y(self, Xs) -> tuple[np.ndarray, np.ndarray]:
         """Predictive mean and variance of ``y`` (noise added; class-1 probability for Bernoulli)."""
         mu, var = self.predict(Xs)
         with jax.enable_x64(True):
@@ -436,7 +440,7 @@ class StreamingSparseGP:
         (:func:`~numpyro_pc.gp.usage.plot_gp`); returns the Matplotlib axes."""
         return plot_gp(self, X, y, ax=ax, **kwargs)
 
-    def summary(self):
+    def summary(self) -> dict[Any, Any]:
         """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory,
         L-BFGS iterations and seconds per batch, and the running noise statistics of ``noise_memory`` (rows seen,
         sum of expected squared residuals; collapsed bound)."""
@@ -452,7 +456,7 @@ class StreamingSparseGP:
                         sum_sq=float(self._stream.noise_ss) if self._stream is not None else 0.0))
 
 
-def _check_finite(flags, batch):
+def _check_finite(flags, batch) -> None:
     """Typed errors for the flags of :func:`~numpyro_pc.gp.core.fit_batch` (outside traced code)."""
     flags = {k: bool(v) for k, v in flags.items()}
     if not flags["bound"]:

@@ -25,6 +25,10 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ..errors import InvalidOptionError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["OptimResult", "minimize"]
 
@@ -41,12 +45,12 @@ class OptimResult(NamedTuple):
     aux: object = None
 
 
-def _finite_tree(tree):
+def _finite_tree(tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
-def minimize(fun, params, method="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6, ftol=0.0, has_aux=False):
+def minimize(fun, params, method="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6, ftol=0.0, has_aux=False) -> OptimResult:
     """Minimise ``fun(params)`` (traced; no Python loop over iterations).
 
     :param callable fun: scalar objective of a pytree of float arrays.
@@ -97,7 +101,7 @@ def _two_loop(g, S, Y, head, pairs):
     sy = jnp.sum(S * Y, 1)
     rho = 1.0 / jnp.where(sy > 0, sy, 1.0)
 
-    def first(i, carry):
+    def first(i, carry) -> tuple[Any, jax.Array]:
         q, alpha = carry
         j = idx[i]
         a = jnp.where(valid[i], rho[j] * jnp.dot(S[j], q), 0.0)
@@ -108,7 +112,7 @@ def _two_loop(g, S, Y, head, pairs):
     gamma = jnp.where(pairs > 0, sy[newest] / jnp.maximum(jnp.dot(Y[newest], Y[newest]), 1e-300), 1.0)
     r = gamma * q
 
-    def second(k, r):
+    def second(k, r) -> jax.Array:
         i = m - 1 - k                                            # oldest → newest
         j = idx[i]
         b = rho[j] * jnp.dot(Y[j], r)
@@ -118,7 +122,7 @@ def _two_loop(g, S, Y, head, pairs):
 
 
 def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25, c1=1e-4, has_aux=False,
-           window=10):
+           window=10) -> OptimResult:
     """L-BFGS with an Armijo backtracking line search, written so that ``fun`` is evaluated at **one**
     place in the compiled program.
 
@@ -189,14 +193,14 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
     return OptimResult(unravel(c.x), c.f, c.it, c.evals, c.aux if has_aux else None)
 
 
-def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0):
+def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0) -> OptimResult:
     # optax's L-BFGS with its zoom line search (as in ``gpx.fit_lbfgs``): ``fun`` is inlined in the step
     # and in the line search
     opt = optax.lbfgs(linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=30,
                                                                  initial_guess_strategy="one"))
     value_and_grad = optax.value_and_grad_from_state(fun)
 
-    def step(carry):
+    def step(carry) -> tuple[Any, Any, Any, Any, Any, Any]:
         p, _, state, last, _, k = carry
         value, grad = value_and_grad(p, state=state)
         updates, state = opt.update(grad, state, p, value=value, grad=grad, value_fn=fun)
@@ -220,11 +224,11 @@ def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0):
     return OptimResult(p, jnp.where(good, final, value), k)
 
 
-def _adam(fun, params, max_iters, learning_rate):
+def _adam(fun, params, max_iters, learning_rate) -> OptimResult:
     opt = optax.adam(learning_rate)
     vg = jax.value_and_grad(fun)
 
-    def step(carry, _):
+    def step(carry, _) -> tuple[tuple[Any, Any, Any, Any], None]:
         p, state, best, best_value = carry
         value, grad = vg(p)
         better = jnp.isfinite(value) & (value < best_value)

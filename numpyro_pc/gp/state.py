@@ -21,6 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Hyper", "GPState", "kernel_matrix", "kernel_diag", "mean_vector", "noise_variance", "chol",
            "check_chol", "inducing_cross", "handover", "predict_from_q", "prior_state", "full_cov", "gaussian_kl",
@@ -76,7 +80,7 @@ def kernel_diag(kernel, X):
     return jax.vmap(lambda x: kernel(x, x))(X)
 
 
-def mean_vector(mean_function, X):
+def mean_vector(mean_function, X) -> jax.Array:
     """Prior mean at the rows of ``X`` as a vector ``(N,)``."""
     return jnp.reshape(mean_function(X), (X.shape[0],))
 
@@ -88,7 +92,7 @@ def noise_variance(hyper):
     return val(hyper.noise)
 
 
-def chol(A):
+def chol(A) -> jax.Array:
     """Lower Cholesky factor of a symmetric matrix (symmetrised first; no jitter added)."""
     return jnp.linalg.cholesky(0.5 * (A + A.T))
 
@@ -109,7 +113,7 @@ def check_chol(L, what):
     return L
 
 
-def handover(hyper, mean, cov, jitter):
+def handover(hyper, mean, cov, jitter) -> GPState:
     """Build the next batch's old state from a fitted ``q(b)`` (Bui et al. 2017, §3.1).
 
     :param Hyper hyper: hyperparameters and ``Z_b`` of the batch just fitted.
@@ -131,7 +135,7 @@ def handover(hyper, mean, cov, jitter):
                    hyper=hyper)
 
 
-def prior_state(hyper, jitter):
+def prior_state(hyper, jitter) -> GPState:
     """The state before any data: ``q(u) = p(u) = N(0, K_zz + εI)``.
 
     Used as the "old posterior" of the first batch; every old-posterior term of the
@@ -145,7 +149,7 @@ def prior_state(hyper, jitter):
                    jitter=jnp.asarray(jitter, Z.dtype), hyper=hyper)
 
 
-def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs):
+def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs) -> tuple[jax.Array, Any]:
     """Marginals of ``f(x*)`` under ``q(u)`` at ``Z`` with the hyperparameters ``hyper``.
 
     ``μ* = m(x*) + k_*Z K_ZZ⁻¹ m``, ``σ²* = k** − k_*Z K_ZZ⁻¹ k_Z* + k_*Z K_ZZ⁻¹ S K_ZZ⁻¹ k_Z*``.

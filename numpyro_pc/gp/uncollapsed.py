@@ -32,6 +32,10 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import UnsupportedModelError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_term", "uncollapsed_bound",
            "whiten", "unwhiten", "predict_y"]
@@ -57,20 +61,20 @@ class WhitenedQ(NamedTuple):
     chol: jnp.ndarray
 
 
-def whiten(Lb, mean, cov):
+def whiten(Lb, mean, cov) -> WhitenedQ:
     """Whitened form of ``q(b) = N(mean, cov)`` given ``L_b``."""
     mw = solve_triangular(Lb, mean, lower=True)
     Sw = solve_triangular(Lb, solve_triangular(Lb, cov, lower=True).T, lower=True)
     return WhitenedQ(mw, chol(Sw))
 
 
-def unwhiten(Lb, q):
+def unwhiten(Lb, q) -> tuple[Any, Any]:
     """``(mean, cov)`` of ``q(b)`` from its whitened form."""
     R = Lb @ q.chol
     return Lb @ q.mean, R @ R.T
 
 
-def marginals(hyper, Lb, q, X):
+def marginals(hyper, Lb, q, X) -> tuple[Any, jax.Array]:
     """Mean and variance of ``q(f(x_n))`` for every row of ``X``."""
     V = solve_triangular(Lb, kernel_matrix(hyper.kernel, hyper.Z, X), lower=True)
     mu = mean_vector(hyper.mean_function, X) + V.T @ q.mean
@@ -107,7 +111,7 @@ def predict_y(hyper, mu, var):
                     f"got {type(lik).__name__}")
 
 
-def old_term(hyper, old, Lb, q):
+def old_term(hyper, old, Lb, q) -> jax.Array:
     r"""``E_{q(a)}[log q_old(a) − log p(a|θ_old)]`` (zero for the prior state, exactly)."""
     eps = old.jitter
     Za = old.Z

@@ -51,6 +51,10 @@ from .terms import (  # noqa: F401  (re-exported: the package imports them from 
     prior_loss,
     trace_at,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
@@ -62,7 +66,7 @@ def _describe_leading_sizes(names, leaves):
     return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if is_array(x))
 
 
-def check_finite_argument(name, leaf):
+def check_finite_argument(name, leaf) -> None:
     """Raise :class:`NonFiniteDataError` if a floating array argument holds NaN or infinite values."""
     if is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
         if not all_finite(leaf):
@@ -71,7 +75,7 @@ def check_finite_argument(name, leaf):
                                      "clean or mask the data before fitting.")
 
 
-def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False):
+def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False) -> tuple[Any, ModelData]:
     """Inspect a model with its data and return ``(spec, data)``.
 
     **Models without a plate.** When no observed site lies inside a plate, the rows are an
@@ -229,7 +233,7 @@ def _prototype_value(site):
     return transform(jax.random.uniform(key, shape, minval=-2.0, maxval=2.0, dtype=jnp.result_type(float)))
 
 
-def _leaf_names(args, kwargs, names_by_position):
+def _leaf_names(args, kwargs, names_by_position) -> list[Any]:
     names = []
     for i, a in enumerate(args):
         base = names_by_position[i] if i < len(names_by_position) else f"args[{i}]"
@@ -286,7 +290,7 @@ def _base_name(leaf_name):
     return leaf_name.split("[")[0].split(".")[0]
 
 
-def _log_prob_shape(site):
+def _log_prob_shape(site) -> tuple[Any, ...]:
     """Shape of an observed site's log-density (batch shape broadcast with the value's and the mask's)."""
     fn, value = site["fn"], site["value"]
     value_batch = np.shape(value)[:max(np.ndim(value) - len(fn.event_shape), 0)]
@@ -370,7 +374,7 @@ def _analyse_params(spec, data, z0):
 _PROBE_ROWS = 6  # examples in the subset on which the identity is checked
 
 
-def verify_binding(spec, data, z0, num_probes=3):
+def verify_binding(spec, data, z0, num_probes=3) -> None:
     r"""Check that the per-example evaluation reproduces the model's log density.
 
     On the first few examples (the identity holds on any subset of the data plate) and at
@@ -417,7 +421,7 @@ def _identity_terms(spec, sub, probes):
     """NumPyro's potential energy on the subset, the prior term and the per-example losses at each probe."""
     args, kwargs = spec.build_args(sub.per_example, sub.shared)
 
-    def at(z):
+    def at(z) -> tuple[Any, Any, Any]:
         with handlers.block():
             full = numpyro.infer.util.potential_energy(handlers.seed(spec.model, 0), args, kwargs,
                                                        spec.latent.unravel(z))
@@ -427,7 +431,7 @@ def _identity_terms(spec, sub, probes):
     return jax.lax.map(at, probes)
 
 
-def _binding_diagnosis(spec, data, z0, finding):
+def _binding_diagnosis(spec, data, z0, finding) -> str:
     """A message that says which plate or argument is not tied to the data, and how to fix it."""
     example = tuple(take_rows(x, 0) for x in data.per_example)
     hint = ("Every example is evaluated by calling the model on its slice of the per-example arguments, so "
@@ -458,7 +462,7 @@ def _binding_diagnosis(spec, data, z0, finding):
     return f"{finding}. {hint}"
 
 
-def _static_values(spec):
+def _static_values(spec) -> list[Any]:
     statics = iter(spec.statics)
     return [next(statics) if k == "static" else None for k in spec.kinds]
 

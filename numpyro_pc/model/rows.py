@@ -46,7 +46,7 @@ def _representable(dtype):
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
-def _host_path(*arrays):
+def _host_path(*arrays) -> bool:
     return all(on_host(a) for a in arrays) and all(_representable(a.dtype) for a in arrays)
 
 
@@ -60,7 +60,7 @@ def to_device(x):
     return jnp.asarray(host)
 
 
-def all_finite(x):
+def all_finite(x) -> bool:
     """Whether every value of ``x`` is finite, checked with NumPy for host data (nothing compiled)."""
     if on_host(x) or not isinstance(x, jax.Array):
         return bool(np.all(np.isfinite(np.asarray(x))))
@@ -76,7 +76,7 @@ def take_rows(x, rows):
     return x[jnp.asarray(rows, jnp.int32)]
 
 
-def join_rows(*arrays):
+def join_rows(*arrays) -> jax.Array | None:
     """Concatenation along the first axis (``None`` if the first array is ``None``)."""
     if arrays[0] is None:
         return None
@@ -102,14 +102,14 @@ def shifted(x, by):
     return x + by
 
 
-def filled(parts, dtype):
+def filled(parts, dtype) -> jax.Array:
     """A vector made of ``(count, value)`` runs, e.g. ``[(3, 1.0), (2, 0.0)]`` → ``[1, 1, 1, 0, 0]``."""
     if _representable(dtype) and jax.default_backend() == "cpu":
         return jax.device_put(np.concatenate([np.full(int(n), v, dtype) for n, v in parts] or [np.zeros(0, dtype)]))
     return jnp.concatenate([jnp.full(int(n), v, dtype) for n, v in parts])
 
 
-def bucket_size(num, smallest=8, fine_from=2048):
+def bucket_size(num, smallest=8, fine_from=2048) -> int:
     """The size a set of ``num`` examples is padded to, so that varying sizes reuse a few compilations.
 
     Up to ``fine_from`` examples: the next power of two (≥ ``smallest``). Beyond it a
@@ -143,7 +143,7 @@ def is_every_row(rows, num):
 
 # --------------------------------------------------------------------------- examples of the model's data
 
-def concat_data(a, b):
+def concat_data(a, b) -> ModelData:
     """Examples of ``a`` followed by those of ``b`` (shared arguments from ``a``)."""
     return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
@@ -224,7 +224,7 @@ class RowSelection:
         self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
 
     @classmethod
-    def of(cls, current, rows):
+    def of(cls, current, rows) -> RowSelection:
         """``rows`` of ``current`` (a value or a selection; selections compose)."""
         if isinstance(current, RowSelection):
             return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])

@@ -39,6 +39,10 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 
 from .latent import LatentSpace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "output_dependence"]
@@ -110,7 +114,7 @@ def output_dependence(closed_jaxpr, inputs=None) -> list:
     return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
 
 
-def is_array(x):
+def is_array(x) -> bool:
     """Whether a model argument is an array (data) rather than a fixed, non-array value."""
     return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
@@ -152,7 +156,7 @@ def trace_at(spec, z, per_example, shared, discrete=None):
         return handlers.trace(model).get_trace(*args, **kwargs)
 
 
-def _site_log_prob(site):
+def _site_log_prob(site) -> jax.Array:
     lp = site["fn"].log_prob(site["value"])
     if site.get("mask") is not None:
         lp = jnp.where(site["mask"], lp, 0.0)
@@ -161,7 +165,7 @@ def _site_log_prob(site):
     return jnp.sum(lp)
 
 
-def in_plate(site, plate):
+def in_plate(site, plate) -> bool:
     """Whether a trace site sits inside the plate named ``plate``."""
     return any(f.name == plate for f in site["cond_indep_stack"])
 
@@ -182,7 +186,7 @@ def prior_loss(spec, z, data, discrete=None):
     return -total
 
 
-def example_args(example):
+def example_args(example) -> tuple[Any, ...]:
     """One example's per-example arrays with a leading axis of size 1 (the model's view of it)."""
     return tuple(x[None] for x in example)
 
@@ -193,13 +197,13 @@ def example_loss(spec, z, example, shared, discrete=None):
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
-def example_site_log_likelihoods(spec, z, example, shared, discrete=None):
+def example_site_log_likelihoods(spec, z, example, shared, discrete=None) -> tuple[Any, ...]:
     """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
 
-def example_params(spec, z, example, shared):
+def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
 
     :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
@@ -240,7 +244,7 @@ def losses(spec, z, data):
     return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
 
 
-def constrain(spec, z, data):
+def constrain(spec, z, data) -> dict[Any, Any]:
     """Constrained values of the latent sites at ``z`` (a dict in trace order).
 
     The values do not depend on the examples (per-example latents are refused at binding),

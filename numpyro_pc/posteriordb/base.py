@@ -14,6 +14,10 @@ import numpy as np
 import numpyro.distributions as dist
 
 from numpyro_pc.datasets.loaders import DatasetError, data_roots
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
            "stack_draws", "flat_prior"]
@@ -67,7 +71,7 @@ def require_posteriordb_dir(path=None):
     return folder
 
 
-def load_data(data_name, path=None):
+def load_data(data_name, path=None) -> dict[Any, np.ndarray]:
     """Read ``posteriordb/data/<data_name>.json`` as a dict of arrays (keys as in Stan's ``data`` block).
 
     :param str data_name: e.g. ``"radon_mn"``.
@@ -87,7 +91,7 @@ def stan_names(base, shape):
     return [f"{base}[{','.join(str(i + 1) for i in idx)}]" for idx in np.ndindex(*shape)]
 
 
-def stack_draws(draws, params, shapes):
+def stack_draws(draws, params, shapes) -> dict[Any, Any]:
     """Reference draws ``{stan_name: (K,)}`` stacked into ``{site: (K, *shape)}`` by ``params``' name lists."""
     return {site: np.stack([draws[n] for n in names], -1).reshape((-1,) + shapes[site])
             for site, names in params.items()}

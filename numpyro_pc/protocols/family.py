@@ -13,6 +13,8 @@ implements; the concrete families are in :mod:`numpyro_pc.families.gaussians` an
 :mod:`numpyro_pc.families.lowrank`, the registry in :mod:`numpyro_pc.families.registry`.
 """
 
+from __future__ import annotations
+
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -38,6 +40,10 @@ from .capabilities import (
     refuse_unbridgeable_flags,
     require,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
            "scale_site", "require_site_product"]
@@ -108,7 +114,7 @@ class ExponentialFamily(ABC):
     capabilities: ClassVar[tuple] = (SiteSum(), SiteDivision(), SiteCurvature(), GaussianSolver())
     lacks: ClassVar[Mapping] = MappingProxyType({FixedPrecision: "the precision is learned, not fixed by the prior"})
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         refuse_unbridgeable_flags(cls)
         if declares_flags(cls) and "capabilities" not in vars(cls):
@@ -195,11 +201,11 @@ class ExponentialFamily(ABC):
     def site_curvatures(self, store):
         """Per-example site precisions ``Ĥ_i`` in this family's format (leading axis ``N``)."""
 
-    def precision_residual(self, precision, target):
+    def precision_residual(self, precision, target) -> jax.Array:
         """Relative residual ``‖S − Σ Ĥ_i‖ / ‖S‖`` of the precision identity."""
         return jnp.linalg.norm(precision - target) / jnp.linalg.norm(precision)
 
-    def fixed_point(self, q, target, dense):
+    def fixed_point(self, q, target, dense) -> tuple[Any, Any]:
         """``(precision, mean preconditioner)`` of the undamped step to the target ``Σ Ĥ_i``.
 
         ``dense`` is the dense sum ``Σ E_q[∇²ℓ_i]``: a Newton step on ``E_q[Σ ℓ_i]`` (paper
@@ -213,7 +219,7 @@ class ExponentialFamily(ABC):
         dense sum (:class:`~numpyro_pc.protocols.capabilities.GaussianSolver` ``dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
         return None
 
-    def accepts_target(self, target):
+    def accepts_target(self, target) -> bool:
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True
 
@@ -231,7 +237,7 @@ class ExponentialFamily(ABC):
             curv = curv + base
         return curv
 
-    def precondition(self, pre, grad):
+    def precondition(self, pre, grad) -> jax.Array:
         """``P⁻¹ grad`` for the mean preconditioner ``P`` of :meth:`fixed_point` (a dense
         matrix here: Cholesky, with the smallest jitter in a geometric ladder that works)."""
         chol, _ = regularised_chol(pre)
@@ -244,7 +250,7 @@ class ExponentialFamily(ABC):
         chol, _ = regularised_chol(pre)
         return lambda v: cho_solve((chol, True), v)
 
-    def traced_precondition(self, pre, grad):
+    def traced_precondition(self, pre, grad) -> jax.Array:
         """``P⁻¹ grad`` inside a trace (the pure kernels of :mod:`numpyro_pc.kernels.stream_state`): no
         jitter ladder, so a preconditioner that is not positive definite gives non-finite values,
         which the kernels treat as a step to halve."""
@@ -261,19 +267,19 @@ class ExponentialFamily(ABC):
             total = jax.tree.map(lambda acc, x, b: acc + a * (x - b), total, lam, base)
         return total
 
-    def marginal_variance(self, q):
+    def marginal_variance(self, q) -> jax.Array:
         """The diagonal of the covariance ``Σ``, ``(d,)``."""
         return jnp.diag(self.dense_covariance(q))
 
-    def trace_with_covariance(self, q, precision):
+    def trace_with_covariance(self, q, precision) -> jax.Array:
         """``tr(B Σ_q)`` for a precision ``B`` in the family's format."""
         return jnp.sum(self.dense_precision(Gaussian(q.mean, precision)) * self.dense_covariance(q))
 
-    def trace_dense_with_covariance(self, q, dense):
+    def trace_dense_with_covariance(self, q, dense) -> jax.Array:
         """``tr(H Σ_q)`` for a dense ``(d, d)`` matrix ``H``."""
         return jnp.sum(dense * self.dense_covariance(q))
 
-    def relative_eigenvalues(self, q, curvature):
+    def relative_eigenvalues(self, q, curvature) -> jax.Array:
         """Eigenvalues of ``Σ^{1/2} H Σ^{1/2}`` for a curvature ``H`` in this family's format
         (``H``'s share of the precision, direction by direction; all below 1 iff ``S − H ≻ 0``)."""
         chol = jnp.linalg.cholesky(self.dense_precision(q))
@@ -285,7 +291,7 @@ class ExponentialFamily(ABC):
         """What :meth:`quad_form_cov` and :meth:`cov_times` take as ``cov`` (formed once per call)."""
         return None
 
-    def quad_form_cov(self, q, cov, a):
+    def quad_form_cov(self, q, cov, a) -> jax.Array:
         """``aᵀ Σ a`` for a vector ``a``."""
         return jnp.sum(a**2 / q.precision)
 
@@ -313,16 +319,16 @@ class ExponentialFamily(ABC):
     def noisy_precision(self, precision, key, scale):
         """``precision`` plus symmetric Gaussian noise of sd ``scale``, projected to positive semi-definite."""
 
-    def precision_spectrum(self, precision):
+    def precision_spectrum(self, precision) -> tuple[bool, np.ndarray]:
         """``(symmetric, eigenvalues)`` of a host-side precision (``eigenvalues`` ``None``: nothing to check)."""
         return True, np.sort(np.asarray(precision))
 
-    def saved_precision_problem(self, precision):
+    def saved_precision_problem(self, precision) -> str | None:
         """Host-side check of a precision read from a file: ``None`` if valid, else ``"asymmetric"``
         or ``"indefinite"`` (here: every entry must be positive)."""
         return None if np.all(np.asarray(precision, np.float64) > 0) else "indefinite"
 
-    def check_positive_definite(self, precision, what="precision"):
+    def check_positive_definite(self, precision, what="precision") -> None:
         """Raise :class:`NotPositiveDefiniteError` unless the precision is positive definite."""
         if not bool(self.is_positive_definite(precision)):
             raise NotPositiveDefiniteError(
@@ -330,7 +336,7 @@ class ExponentialFamily(ABC):
                 "(a Cholesky factorisation failed or a variance is not positive)."
             )
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
@@ -350,7 +356,7 @@ def regularised_chol(matrix):
     raise NonFiniteResultError("the expected Hessian could not be regularised to positive definiteness")
 
 
-def _chol_or_none(matrix):
+def _chol_or_none(matrix) -> jax.Array | None:
     chol = jnp.linalg.cholesky(matrix)
     return chol if bool(jnp.all(jnp.isfinite(chol))) else None
 

@@ -33,12 +33,16 @@ from numpyro_pc.model.rows import (
 )
 
 from .prior import prior_dense, prior_matvec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Sites", "SiteSums", "site_mismatch"]
 
 
 @partial(jax.jit, static_argnums=0)
-def _natural_sum(family, sites, weights):
+def _natural_sum(family, sites, weights) -> GaussianNatural:
     return GaussianNatural(sites.linear_sum(weights), sites.example_curvature_sum(family, weights))
 
 
@@ -164,11 +168,11 @@ class Sites:
             return self.curv.scatter(self.curv.curvature_values(refs) - self.grad, weights)
         return weights @ (self.curvature_matvec(self.refs()) - self.grad)
 
-    def natural(self, family):
+    def natural(self, family) -> GaussianNatural:
         """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
         return GaussianNatural(self.curvature_matvec(self.refs()) - self.dense_grad(), family.site_curvatures(self.curv))
 
-    def natural_sum(self, family, weights=None):
+    def natural_sum(self, family, weights=None) -> GaussianNatural:
         """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
 
         Computed on bucket-padded sites (copies weighted 0), so sums over a growing or
@@ -202,7 +206,7 @@ class Sites:
         at the same reference means, so its natural parameters are ``α λ̂_i``; the prior site is unchanged."""
         return replace(self, grad=alpha * self.grad, curv=self.curv.scaled(alpha), loss=alpha * self.loss)
 
-    def bucketed(self, weights=None):
+    def bucketed(self, weights=None) -> tuple[Any, Any]:
         """``(sites, weights)`` padded to :func:`~numpyro_pc.model.rows.bucket_size` rows (and reference
         rows), the copies weighted 0 (``weights=None``: 1 for every real site).
 
@@ -216,7 +220,7 @@ class Sites:
                    else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
         return self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights
 
-    def padded(self, num, num_refs):
+    def padded(self, num, num_refs) -> Sites:
         """The sites followed by copies of the last one up to ``num`` rows, and ``ref_means``
         extended the same way to ``num_refs`` rows.
 
@@ -337,7 +341,7 @@ class Sites:
         """How many numbers the per-example sites hold (gradients and curvature)."""
         return int(np.prod(self.grad.shape)) + self.curv.stored_numbers()
 
-    def arrays(self):
+    def arrays(self) -> dict[Any, Any]:
         """``{name: array}`` of every field, the curvature store's fields by their own names (for files)."""
         out = {name: getattr(self, name) for name in _PLAIN_FIELDS}
         out.update(self.curv.arrays())

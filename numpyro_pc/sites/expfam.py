@@ -79,11 +79,15 @@ import jax.numpy as jnp
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.model.likelihood import ModelSpec, example_loss, prior_loss
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol"]
 
 
-def conjugate_rtol(dtype):
+def conjugate_rtol(dtype) -> float:
     """Regression residual below which a loss counts as linear in ``T``: 1e-9 (float64), 1e-4 (float32)."""
     return 1e-9 if jnp.finfo(dtype).bits == 64 else 1e-4
 
@@ -213,7 +217,7 @@ def design(config, lam, seed=None, cubature=None) -> tuple[dict, jax.Array]:
                                 cubature=cubature)
 
 
-def model_point(spec, family, point):
+def model_point(spec, family, point) -> tuple[jax.Array, dict[Any, Any], Any]:
     """The model binding's arguments at one design point: ``(z, discrete values, log-det)``,
     where the log-det is that of the factors living on constrained values (added back to the
     prior term)."""
@@ -230,7 +234,7 @@ def model_point(spec, family, point):
     return z, {name: point[name] for name in spec.latent.discrete_names}, log_det
 
 
-def _losses_at(spec, family, point, data):
+def _losses_at(spec, family, point, data) -> jax.Array:
     """``(ℓ_1, …, ℓ_N, -log p_0)`` at one design point ``(N+1,)``."""
     z, discrete, log_det = model_point(spec, family, point)
     per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared, discrete))(data.per_example)
@@ -243,7 +247,7 @@ def _prior_at(spec, family, point, data):
     return prior_loss(spec, z, data, discrete) + log_det
 
 
-def point_losses(spec, family, values, data):
+def point_losses(spec, family, values, data) -> tuple[Any, Any]:
     """``(ℓ_i(x_s))`` ``(N, S)`` and the prior term ``-log p_0(x_s)`` ``(S,)`` at the points."""
     out = jax.vmap(lambda point: _losses_at(spec, family, point, data))(values)
     return out[:, :-1].T, out[:, -1]
@@ -269,7 +273,7 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
     gaussian = [f for f in family.factors if f.space == "unconstrained"]
 
     def at(point):
-        def place(blocks):
+        def place(blocks) -> tuple[jax.Array, dict[Any, Any], Any]:
             return model_point(spec, family, {**point, **{f.site: b for f, b in zip(gaussian, blocks)}})
 
         def example(ex, blocks):
@@ -311,7 +315,7 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
             for f, (g, h) in zip(gaussian, moments)}
 
 
-def regress(stats, weights, targets):
+def regress(stats, weights, targets) -> tuple[Any, jax.Array]:
     r"""Weighted least squares of each row of ``targets`` ``(M, S)`` on ``(1, T)``.
 
     Solved through the SVD of the weighted, centred and column-scaled design rather than the
@@ -339,7 +343,7 @@ def regress(stats, weights, targets):
 
 
 @partial(jax.jit, static_argnums=0)
-def compute_sites(config, lam, data, seed=None):
+def compute_sites(config, lam, data, seed=None) -> EFSites:
     r""":class:`EFSites` of every example and of the prior term at ``lam``.
 
     Factors on constrained values and discrete factors: the regression of the losses on their

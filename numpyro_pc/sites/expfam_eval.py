@@ -22,6 +22,10 @@ import numpy as np
 from numpyro_pc.model.likelihood import example_site_log_likelihoods, prior_loss, trace_at
 
 from .expfam import model_point
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["factor_prior_loss", "log_likelihood", "inference_data"]
 
@@ -32,7 +36,7 @@ def factor_prior_loss(spec, family, point, data):
     return prior_loss(spec, z, data, discrete) + log_det
 
 
-def log_likelihood(post, draws):
+def log_likelihood(post, draws) -> dict[Any, jax.Array]:
     """Per-example log-likelihood of each observed site at ``draws`` in factor coordinates.
 
     :param post: an :class:`~numpyro_pc.dual.expfam.EFPosterior`.

@@ -46,6 +46,10 @@ from .expectations import (
     tensor_hermite_nodes,
 )
 from .prior import prior_terms, prior_terms_reparam, reparam_curvature
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
            "trace_count"]  # Sites, SiteSums: re-exported
@@ -80,7 +84,7 @@ def _point_terms(spec, cfg, z, ex, shared):
     return loss, grad, None, jax.hessian(f)(z)
 
 
-def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
+def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask) -> tuple[tuple[Any, Any, Any, Any], Any]:
     """Stored per-example terms of a chunk (compressed by the store) and its masked, weighted
     dense-curvature sum."""
     (loss, grad, jac, stored), dsum = _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask)
@@ -96,7 +100,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     ex_chunk = tuple(ex_chunk)
     weights = mask.astype(q.mean.dtype) * example_weights
 
-    def dense_sum(dense):
+    def dense_sum(dense) -> jax.Array:
         if dense is None or not cfg.need_hessian_sum:
             return jnp.zeros((), q.mean.dtype)  # not asked for: no (d, d) carry
         return jnp.einsum("n,nde->de", weights, dense)
@@ -109,7 +113,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if rule.kind == "gh":
         nodes, node_w, cov = extra
 
-        def one(ex):
+        def one(ex) -> tuple[tuple[jax.Array, Any, Any, Any], Any]:
             theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
             theta, loss_fn = example_params(spec, q.mean, ex, shared)
             jac = jax.jacrev(theta_fn)(q.mean)
@@ -130,7 +134,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         return (loss, grad, jac, stored), dense_sum(dense)
 
     if rule.kind == "delta":
-        def one(ex):
+        def one(ex) -> tuple[tuple[Any, Any, Any, Any], Any]:
             loss, grad, jac, curv = _point_terms(spec, cfg, q.mean, ex, shared)
             stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, jac, stored), dense
@@ -142,13 +146,13 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         draws, eps = extra
 
         def at_draw(z, e):
-            def one(ex):
+            def one(ex) -> tuple[Any, Any, jax.Array]:
                 loss, grad = jax.value_and_grad(lambda zz: example_loss(spec, zz, ex, shared))(z)
                 return loss, grad, jnp.outer(grad, e)
 
             return jax.vmap(one)(ex_chunk)
 
-        def body_reparam(acc, draw):
+        def body_reparam(acc, draw) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, acc, at_draw(*draw)), None
 
         shapes = jax.eval_shape(at_draw, draws[0], eps[0])
@@ -166,8 +170,8 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if cfg.storage.keeps_jacobian:  # affine: the Jacobian does not depend on z
         jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
 
-    def at_sample(z):
-        def one(ex):
+    def at_sample(z) -> tuple[Any, Any, Any, jax.Array]:
+        def one(ex) -> tuple[tuple[Any, Any, Any], Any]:
             loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
             stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, stored), dense
@@ -175,7 +179,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
         return loss, grad, stored, dense_sum(dense)
 
-    def body(acc, z):
+    def body(acc, z) -> tuple[Any, None]:
         return jax.tree.map(jnp.add, acc, at_sample(z)), None
 
     shapes = jax.eval_shape(at_sample, samples[0])
@@ -207,7 +211,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
     bases = jax.vmap(lambda ex: subspace_basis(spec, q.mean, ex, shared, r))(ex_chunk)  # (n, r, d)
 
     def at_sample(z):
-        def one(ex, basis):
+        def one(ex, basis) -> tuple[Any, Any, Any]:
             f = lambda t: example_loss(spec, z + t @ basis, ex, shared)  # noqa: E731
             zero = jnp.zeros(r, z.dtype)
             value, grad = jax.value_and_grad(f)(zero)
@@ -215,7 +219,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
 
         return jax.vmap(one)(ex_chunk, bases)
 
-    def body(acc, z):
+    def body(acc, z) -> tuple[Any, None]:
         return jax.tree.map(jnp.add, acc, at_sample(z)), None
 
     shapes = jax.eval_shape(at_sample, samples[0])
@@ -227,7 +231,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
     return (loss, grad, bases, stored), dense_sum(dense)
 
 
-def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
+def _subspace_terms(spec, cfg, family, q, shared, extra, ex) -> tuple[tuple[Any, jax.Array, jax.Array, Any], Any]:
     r"""Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
 
     With ``u = P z ~ N(P m, V)``, ``V = P Σ Pᵀ = L Lᵀ``, the points ``z_k = m + Σ Pᵀ L⁻ᵀ ξ_k``
@@ -270,7 +274,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
 
     zero = jnp.zeros(basis.shape[0], q.mean.dtype)
     if cfg.curvature == "ggn":
-        def restricted(z):
+        def restricted(z) -> tuple[Any, Any, Any]:
             value, grad = jax.value_and_grad(along(z))(zero)
             return value, grad, jax.hessian(along(z))(zero)
 
@@ -285,7 +289,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     return (node_w @ values, (node_w @ grads) @ basis, basis, stored), dense
 
 
-def _map_chunks(fn, leaves, num, chunk, num_devices):
+def _map_chunks(fn, leaves, num, chunk, num_devices) -> tuple[Any, Any]:
     """Run ``fn(chunk_leaves, mask) -> (per_example, sums)`` over padded chunks."""
     per_block = chunk * num_devices
     total = int(math.ceil(num / per_block)) * per_block
@@ -297,13 +301,13 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
     shaped = tuple(x.reshape((num_devices, n_chunks, chunk) + x.shape[1:]) for x in padded)
     mask = mask.reshape(num_devices, n_chunks, chunk)
 
-    def per_device(xs, mk):
+    def per_device(xs, mk) -> tuple[Any, Any]:
         xs = tuple(x[0] for x in xs)
         mk = mk[0]
         first = jax.eval_shape(fn, tuple(x[0] for x in xs), mk[0])
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first[1])
 
-        def body(carry, inp):
+        def body(carry, inp) -> tuple[Any, Any]:
             per, sums = fn(*inp)
             return jax.tree.map(jnp.add, carry, sums), per
 
@@ -334,7 +338,7 @@ def _reparam(cfg, family):
 
 
 @partial(jax.jit, static_argnames=("spec", "cfg", "family"))
-def _compute(spec, cfg, family, q, data, ids, weights):
+def _compute(spec, cfg, family, q, data, ids, weights) -> tuple[Sites, SiteSums]:
     _TRACES["compute"] += 1
     rule = cfg.rule
     if _reparam(cfg, family):

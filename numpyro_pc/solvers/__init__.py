@@ -5,6 +5,8 @@ exponential-family natural-gradient solve.
 The package namespace re-exports :mod:`numpyro_pc.solvers.gaussian`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.solvers import gaussian as _gaussian
 from numpyro_pc.solvers.gaussian import *  # noqa: F401,F403
 

@@ -97,7 +97,7 @@ def _draws_on(spec, per_example, shared, key, num):
     args, kwargs = spec.build_args(per_example, shared)
     names = [n for n, t in zip(spec.latent.names, spec.latent.transforms) if _constrained(t)]
 
-    def one(draw_key):
+    def one(draw_key) -> jax.Array:
         with handlers.block():
             trace = handlers.trace(handlers.seed(spec.model, draw_key)).get_trace(*args, **kwargs)
         # each draw's own support: a bound that is itself a latent (Uniform(0, top)) moves with it

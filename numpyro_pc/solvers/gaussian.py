@@ -60,6 +60,10 @@ from .fixed_point import (
     stagnation,
 )
 from .site_problem import check_finite_sites, evaluate, fixed_point_map
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SolveState", "SolveOptions", "solve", "solve_init", "solve_step", "solve_converged", "default_tol"]
 
@@ -69,11 +73,11 @@ _LOCAL = 1e-2  # below this residual, progress may also be judged by the residua
 _NEWTON_MIN_STEP = 2.0**-6  # shortest step along a Newton–CG direction before the plain damped step is tried
 
 
-def _pack(q):
+def _pack(q) -> jax.Array:
     return jnp.concatenate([q.mean, jnp.ravel(q.precision)])
 
 
-def _unpack(x, like):
+def _unpack(x, like) -> Gaussian:
     d = like.mean.shape[0]
     return Gaussian(x[:d], jnp.reshape(x[d:], like.precision.shape))
 
@@ -260,7 +264,7 @@ def _damped_proposal(problem, point, history, direction, target, options):
 
 
 def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
-          progress=False, sites=None, sums=None, memory=3):
+          progress=False, sites=None, sums=None, memory=3) -> tuple[Any, Any, Any]:
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
 
     The host driver of :func:`solve_init` / :func:`solve_step`. While convergence is linear
@@ -343,7 +347,7 @@ def _watchdog(problem, point):
     return None
 
 
-def _damped_trial(q, direction, target, grad, rho, target_pd, family=None):
+def _damped_trial(q, direction, target, grad, rho, target_pd, family=None) -> Gaussian:
     r"""The step of rate ``ρ`` towards the fixed-point map's ``(m + direction, target)``.
 
     While the target precision ``T = Σ_i Ĥ_i`` is positive definite this is the plain
@@ -369,7 +373,7 @@ def _damped_trial(q, direction, target, grad, rho, target_pd, family=None):
     return Gaussian(q.mean - rho * cho_solve((jnp.linalg.cholesky(precision), True), grad), precision)
 
 
-def _check_representable(problem, point):
+def _check_representable(problem, point) -> None:
     """Refuse a float32 posterior whose covariance float32 cannot get right.
 
     The precision ``S = Σ_i Ĥ_i`` is re-accumulated in float64 on the host from the same
@@ -408,14 +412,14 @@ def _check_representable(problem, point):
             "(collinear covariates, unscaled data).")
 
 
-def _stagnation(history, minimises_objective=False):
+def _stagnation(history, minimises_objective=False) -> str | None:
     """:func:`numpyro_pc.solvers.fixed_point.stagnation` of a solve's history (a phrase, or ``None``); the objective
     counts as progress for a family whose iteration minimises it."""
     objectives = [h["objective"] for h in history] if minimises_objective else None
     return stagnation([h["residual"] for h in history], [h["step"] for h in history[1:]], objectives)
 
 
-def _advice(point, history):
+def _advice(point, history) -> str:
     """What to try, from which identity is off, the dtype and how the run went."""
     dtype = jnp.dtype(point.q.mean.dtype)
     eps = float(jnp.finfo(dtype).eps)
@@ -437,7 +441,7 @@ def _advice(point, history):
             "covariates, family='diagonal', expectation='delta' for a Laplace-like answer, or a larger max_iters.")
 
 
-def _history_entry(iteration, point, step, accelerated, start):
+def _history_entry(iteration, point, step, accelerated, start) -> dict[Any, Any]:
     return dict(iteration=iteration, residual=point.residual, residual_mean=point.parts["mean"],
                 residual_precision=point.parts["precision"], objective=point.objective, step=step,
                 accelerated=accelerated, seconds=time.perf_counter() - start)
