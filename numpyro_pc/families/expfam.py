@@ -43,7 +43,7 @@ from jax.scipy.special import gammaln
 from numpyro.distributions import constraints
 
 from .point_sets import beta_rule, gamma_rule
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from typing import Any
@@ -63,7 +63,7 @@ class Factor(ABC):
     family_name = ""
     support = None
     space = "constrained"  # the values the factor is a density of
-    dist_args = ()  # names of the NumPyro distribution's arguments, in order
+    dist_args: ClassVar[tuple[str, ...]] = ()  # names of the NumPyro distribution's arguments, in order
 
     @property
     def size(self) -> int:

@@ -112,7 +112,7 @@ def _base_transform(transform):
 
 def unwrap_distribution(fn) -> tuple[Any, Any]:
     """``(base distribution, transforms)`` under ``Independent`` and ``TransformedDistribution`` layers."""
-    transforms = []
+    transforms: list[Any] = []
     while True:
         if isinstance(fn, dist.TransformedDistribution):
             transforms = list(fn.transforms) + transforms
@@ -126,7 +126,7 @@ def unwrap_distribution(fn) -> tuple[Any, Any]:
 _CONSTRAINED = ((dist.Beta, BetaFactor), (dist.Gamma, GammaFactor), (dist.Dirichlet, DirichletFactor),
                 (dist.BernoulliProbs, BernoulliFactor))
 _BUILT_IN = frozenset(EF_FAMILIES)
-_REGISTERED = {}  # distribution class -> factor class of register_factor, matched before unwrapping
+_REGISTERED: dict[type, Any] = {}  # distribution class -> factor class of register_factor, matched before unwrapping
 _BUILT_IN_DISTRIBUTIONS = frozenset(d for d, _ in _CONSTRAINED) | {dist.CategoricalProbs, dist.Normal,
                                                                     dist.MultivariateNormal}
 

@@ -52,7 +52,7 @@ __all__ = [
 
 _FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic": IsotropicGaussian()}
 _ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
-_FACTORIES = {}
+_FACTORIES: dict[str, Any] = {}
 
 
 def register_family_factory(prefix: str, build, parse) -> None:

@@ -43,7 +43,7 @@ class Memory(NamedTuple):
     y: np.ndarray
     mask: np.ndarray
     seen: int
-    ss: np.ndarray = None
+    ss: np.ndarray | None = None
 
 
 class GaussianSites(NamedTuple):

@@ -155,7 +155,8 @@ def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=T
     y = np.asarray(y, float).reshape(-1)
     obs = np.ones(y.shape, bool) if obs is None else np.asarray(obs, bool).reshape(-1)
     Xo, y = X[obs], y[obs]
-    done, left = [], []
+    done: list[Any] = []
+    left: list[Any] = []
     variance = None
     if gaussian and y.size:
         mf = hyper.mean_function

@@ -38,11 +38,11 @@ class OptimResult(NamedTuple):
     evaluations (line-search trials included; L-BFGS only) and the auxiliary output of ``fun`` at the
     final parameters (``has_aux``; L-BFGS only, else ``None``)."""
 
-    params: object
+    params: Any
     value: jnp.ndarray
     iterations: jnp.ndarray
-    evaluations: jnp.ndarray = None
-    aux: object = None
+    evaluations: jnp.ndarray | None = None
+    aux: Any = None
 
 
 def _finite_tree(tree) -> jax.Array:

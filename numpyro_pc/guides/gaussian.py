@@ -187,7 +187,7 @@ class _Delta(GuideAdapter):
         return {f"{n}_{guide.prefix}_loc": values[n] for n in latent.names}
 
 
-_REGISTRY = {}
+_REGISTRY: dict[Any, Any] = {}
 
 
 def register_guide(guide_class, adapter) -> None:

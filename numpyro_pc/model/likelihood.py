@@ -234,7 +234,7 @@ def _prototype_value(site):
 
 
 def _leaf_names(args, kwargs, names_by_position) -> list[Any]:
-    names = []
+    names: list[Any] = []
     for i, a in enumerate(args):
         base = names_by_position[i] if i < len(names_by_position) else f"args[{i}]"
         sub = jax.tree.leaves(a)

@@ -58,6 +58,7 @@ from .hierarchical import HIERARCHICAL, translate_hierarchical
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -371,7 +372,7 @@ def _ode(name):
 
 # ----------------------------------------------------------------- registry
 
-SUPPORTED = {}
+SUPPORTED: dict[str, str | Callable[[Any], Translation]] = {}
 for _m in ("earn_height", "log10earn_height", "logearn_height", "logearn_height_male", "logearn_interaction",
            "logearn_interaction_z", "logearn_logheight_male"):
     SUPPORTED[f"earnings-{_m}"] = _m

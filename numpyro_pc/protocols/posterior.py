@@ -21,6 +21,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 from pathlib import Path
 
 import jax
@@ -56,13 +57,24 @@ def _operation(name: str) -> Callable:
                                        "rather than one of its modules alone") from None
 
 
+if TYPE_CHECKING:
+    class SiteTableOperation(Protocol):
+        """What :func:`by_site_table` returns: the operation, with its table's ``register`` and ``dispatch``."""
+
+        def __call__(self, post: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+
+        def register(self, cls: Any, func: Any = None) -> Any: ...
+
+        def dispatch(self, cls: Any) -> Callable[..., Any]: ...
+
+
 def require_posterior(obj: object, operation: str, error: type[Exception] = UnsupportedGuideError) -> None:
     """Refuse ``obj`` with ``error`` unless it is a :class:`Posterior`, naming ``operation`` and what was found."""
     if not isinstance(obj, Posterior):
         raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found {type(obj).__name__}")
 
 
-def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> Callable:
+def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> SiteTableOperation:
     """An operation whose implementation depends on the family's sites: ``impl(post, *args)`` runs
     the implementation registered for the type of ``post.sites`` (``@impl.register(TableType)``),
     the one place an operation looks up what to do with a family's site table — a new family
@@ -88,9 +100,9 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
             refuse(post.sites, post)
         return impl(post, *args, **kwargs)
 
-    call.register = table.register
-    call.dispatch = table.dispatch
-    return call
+    call.register = table.register  # type: ignore[attr-defined]
+    call.dispatch = table.dispatch  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
 
 
 class Posterior(ABC):

@@ -113,7 +113,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if rule.kind == "gh":
         nodes, node_w, cov = extra
 
-        def one(ex) -> tuple[tuple[jax.Array, Any, Any, Any], Any]:
+        def one(ex):
             theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
             theta, loss_fn = example_params(spec, q.mean, ex, shared)
             jac = jax.jacrev(theta_fn)(q.mean)
@@ -134,7 +134,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         return (loss, grad, jac, stored), dense_sum(dense)
 
     if rule.kind == "delta":
-        def one(ex) -> tuple[tuple[Any, Any, Any, Any], Any]:
+        def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, q.mean, ex, shared)
             stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, jac, stored), dense
@@ -146,7 +146,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         draws, eps = extra
 
         def at_draw(z, e):
-            def one(ex) -> tuple[Any, Any, jax.Array]:
+            def one(ex):
                 loss, grad = jax.value_and_grad(lambda zz: example_loss(spec, zz, ex, shared))(z)
                 return loss, grad, jnp.outer(grad, e)
 
@@ -171,7 +171,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
 
     def at_sample(z) -> tuple[Any, Any, Any, jax.Array]:
-        def one(ex) -> tuple[tuple[Any, Any, Any], Any]:
+        def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
             stored, dense = cfg.storage.from_point(jac, curv)
             return (loss, grad, stored), dense
@@ -341,6 +341,7 @@ def _reparam(cfg, family):
 def _compute(spec, cfg, family, q, data, ids, weights) -> tuple[Sites, SiteSums]:
     _TRACES["compute"] += 1
     rule = cfg.rule
+    extra: Any
     if _reparam(cfg, family):
         eps = mc_noise(rule, q.mean.shape[0], q.mean.dtype)
         extra = (family.draws(q, eps), eps)
@@ -456,7 +457,7 @@ def _checked_subspaces(out, rule) -> tuple:
             "on other examples), so their Hessians would miss directions. Fit again with expectation='auto' on data "
             "that includes such examples (the subspace is measured there), or use expectation='mc' (dense Hessians).")
     return out
-_WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
+_WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has needed so far
 
 
 def _prior_diagonal(spec, data, family, storage, rule, q, traced):

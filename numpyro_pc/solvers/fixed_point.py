@@ -45,6 +45,7 @@ import numpy as np
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tqdm.auto import tqdm
     from typing import Any
 
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
@@ -88,7 +89,7 @@ class AndersonHistory(NamedTuple):
 
     xs: jax.Array
     fs: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as the field always has
 
 
 def anderson_init(x, memory: int) -> AndersonHistory:
@@ -338,7 +339,7 @@ def stagnation(residuals, steps, objectives=None) -> str | None:
     return None
 
 
-def progress_bar(enabled: bool, total: int, desc: str = "refine") -> object | None:
+def progress_bar(enabled: bool, total: int, desc: str = "refine") -> tqdm | None:
     """A ``tqdm`` bar of ``total`` steps that a host loop advances, or ``None`` when not ``enabled``."""
     if not enabled:
         return None

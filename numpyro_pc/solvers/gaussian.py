@@ -50,6 +50,7 @@ from numpyro_pc.protocols.capabilities import gaussian_solver
 from . import newton_polish
 from .fixed_point import (
     BASE_ITERATIONS,
+    AndersonHistory,
     anderson_init,
     anderson_mix,
     anderson_push,
@@ -59,7 +60,7 @@ from .fixed_point import (
     progress_bar,
     stagnation,
 )
-from .site_problem import check_finite_sites, evaluate, fixed_point_map
+from .site_problem import Point, check_finite_sites, evaluate, fixed_point_map
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -94,8 +95,8 @@ class SolveState(NamedTuple):
     :ivar started: ``time.perf_counter()`` at the start (the history's clock).
     """
 
-    point: object
-    anderson: object
+    point: Point
+    anderson: AndersonHistory
     history: tuple
     iteration: int
     stagnant: str | None

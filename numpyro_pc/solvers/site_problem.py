@@ -44,8 +44,8 @@ class SiteProblem(NamedTuple):
     data: object
     family: object
     rule: object
-    curvature: str
-    storage: str
+    curvature: str | None
+    storage: str | None
     chunk_size: int | None
     ids: object
     base: object = None
@@ -170,8 +170,8 @@ def residual_from_totals(family, q, totals) -> tuple:
 class Point(NamedTuple):
     """An evaluated iterate: its sites, their sums over the live terms, residual and objective."""
 
-    q: object
-    sites: object
+    q: Gaussian
+    sites: Any
     totals: tuple
     residual: float
     parts: dict
