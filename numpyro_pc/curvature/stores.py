@@ -38,7 +38,7 @@ from numpyro_pc.options import is_choice
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Self
 
 __all__ = ["CurvatureStore", "JacobianFactor", "Dense", "Diagonal", "NoCurvature", "STORES", "get_store",
            "register_store"]
@@ -64,14 +64,14 @@ class CurvatureStore(ABC):
     # --- construction -------------------------------------------------------------------
     @staticmethod
     @abstractmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[Any, jax.Array | None]:
         """``(stored, dense)`` for one example: ``curv`` is ``Λ`` ``(k, k)`` when ``jac``
         ``(k, d)`` is given, else the dense ``(d, d)`` Hessian; ``dense`` is the example's
         dense curvature, or ``None`` when the store never needs it."""
 
     @classmethod
     @abstractmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> CurvatureStore:
         """The store of ``num`` examples from the stacked ``from_point`` outputs (and Jacobians)."""
 
     @staticmethod
@@ -100,24 +100,24 @@ class CurvatureStore(ABC):
 
     # --- row operations (shared) ---------------------------------------------------------
     @property
-    def num_examples(self):
+    def num_examples(self) -> int:
         return jax.tree.leaves(self)[0].shape[0]
 
-    def take(self, index):
+    def take(self, index) -> Self:
         """The curvatures of the examples at positions ``index``."""
         return jax.tree.map(lambda x: take_rows(x, index), self)
 
-    def padded(self, extra):
+    def padded(self, extra) -> Self:
         """Followed by ``extra`` copies of the last row."""
         return jax.tree.map(lambda x: pad_last_row(x, extra), self)
 
-    def join(self, other):
+    def join(self, other) -> Self:
         """Rows of ``self`` then rows of ``other`` (same kind)."""
         if type(other) is not type(self):
             raise SiteStorageError(f"cannot join sites stored as {self.name!r} and {other.name!r}")
         return jax.tree.map(join_rows, self, other)
 
-    def stored_numbers(self):
+    def stored_numbers(self) -> int:
         return sum(int(x.size) for x in jax.tree.leaves(self))
 
     def scaled(self, alpha) -> CurvatureStore:
@@ -125,20 +125,20 @@ class CurvatureStore(ABC):
         raise SiteStorageError(f"sites stored as {self.name!r} cannot be scaled")
 
     # --- algebra -------------------------------------------------------------------------
-    def weighted_dense(self, weights):
+    def weighted_dense(self, weights) -> jax.Array:
         """``Σ_i w_i Ĥ_i`` as a ``(d, d)`` matrix."""
         raise SiteStorageError(f"sites stored as {self.name!r} cannot give a full curvature sum")
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         """``Σ_i w_i diag(Ĥ_i)``, ``(d,)``."""
         raise SiteStorageError(f"sites stored as {self.name!r} carry no curvature")
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         """``(Σ_i w_i Ĥ_i) V`` for a ``(d, p)`` matrix ``V`` (matrix-free where the store allows)."""
         raise SiteStorageError(f"sites stored as {self.name!r} cannot give curvature products")
 
     @abstractmethod
-    def dense(self):
+    def dense(self) -> jax.Array:
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
 
     def diagonals(self) -> jax.Array:
@@ -146,22 +146,22 @@ class CurvatureStore(ABC):
         return jnp.diagonal(self.dense(), axis1=1, axis2=2)
 
     @abstractmethod
-    def trace(self):
+    def trace(self) -> jax.Array:
         """``tr Ĥ_i`` per example ``(N,)``."""
 
     @abstractmethod
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
 
     @abstractmethod
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         """``(tr(Ĥ_i Σ), dᵢᵀ Ĥ_i dᵢ)`` per example, for a dense covariance ``Σ`` and rows ``diff``."""
 
     @property
     def dtype(self):
         return jax.tree.leaves(self)[0].dtype
 
-    def low_rank_factors(self):
+    def low_rank_factors(self) -> tuple[jax.Array, jax.Array] | None:
         """``(J, Λ)`` with ``Ĥ_i = J_iᵀ Λ_i J_i`` when the store keeps them, else ``None``."""
         return None
 
@@ -180,7 +180,7 @@ class CurvatureStore(ABC):
         return 0.5 * jnp.einsum("nde,ned->n", m, m)
 
 
-def _dense_cov(cov_rows, dim, dtype):
+def _dense_cov(cov_rows, dim, dtype) -> jax.Array:
     return cov_rows(jnp.eye(dim, dtype=dtype))
 
 
@@ -398,7 +398,7 @@ class NoCurvature(CurvatureStore):
     def scaled(self, alpha) -> CurvatureStore:
         return self  # no curvature to scale
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         raise SiteStorageError("isotropic sites carry no curvature")
 
     def trace(self) -> jax.Array:
@@ -425,7 +425,7 @@ def register_store(cls):
 
 
 
-def get_store(name):
+def get_store(name) -> type[CurvatureStore]:
     """The storage class called ``name`` (``"factor"``, ``"sparse"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
     if isinstance(name, type) and issubclass(name, CurvatureStore):
         return name

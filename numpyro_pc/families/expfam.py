@@ -63,6 +63,7 @@ class Factor(ABC):
     family_name = ""
     support = None
     space = "constrained"  # the values the factor is a density of
+    dist_class: ClassVar[type[dist.Distribution]]  # set by each concrete factor
     dist_args: ClassVar[tuple[str, ...]] = ()  # names of the NumPyro distribution's arguments, in order
 
     @property
@@ -71,42 +72,42 @@ class Factor(ABC):
         return math.prod(self.shape) * 2
 
     @abstractmethod
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         """Sufficient statistics ``T(x)``: ``(..., *shape)`` → ``(..., size)``."""
 
     @abstractmethod
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         """:math:`A(\\lambda)` (a scalar) of the flat natural parameter ``lam``."""
 
     @abstractmethod
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         """Whether every shape parameter is positive (a scalar boolean)."""
 
     @abstractmethod
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[jax.Array, ...]:
         """The NumPyro distribution's arguments (a tuple of arrays of the site's shape)."""
 
     @abstractmethod
-    def from_args(self, *args):
+    def from_args(self, *args) -> jax.Array:
         """Flat natural parameter from the distribution's arguments."""
 
     @abstractmethod
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         """``num`` draws ``(num, *shape)``."""
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         """The factor as a NumPyro distribution."""
         return self.dist_class(*self.to_args(lam))
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         """A start: Beta(1, 1), Gamma(1, 1), Dirichlet(1)."""
         return self.from_args(*[jnp.ones(self.shape, dtype)] * len(self.dist_args))
 
-    def rule(self, lam, num_nodes):
+    def rule(self, lam, num_nodes) -> tuple[jax.Array, jax.Array] | None:
         """A deterministic rule ``(x (n, *shape), weights (n,))``, or ``None`` where the factor has none."""
         return None
 
-    def rule_size(self, num_nodes):
+    def rule_size(self, num_nodes) -> int | None:
         """Number of points of :meth:`rule` (``None`` where the factor has no rule)."""
         return num_nodes if self.has_rule else None
 
@@ -115,19 +116,19 @@ class Factor(ABC):
         """Whether :meth:`rule` gives points (scalar Beta, Gamma and Normal sites, discrete sites)."""
         return False
 
-    def design_draws(self, key, lam, num):
+    def design_draws(self, key, lam, num) -> jax.Array:
         """``num`` points standing for the factor when it has no rule (default: plain draws)."""
         return self.sample(key, lam, num)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         """:math:`E_q[x]` of the constrained value."""
         return self.distribution(lam).mean
 
-    def to_constrained(self, values):
+    def to_constrained(self, values) -> jax.Array:
         """The latent site's constrained values from the factor's own coordinates."""
         return values
 
-    def from_constrained(self, values):
+    def from_constrained(self, values) -> jax.Array:
         """The factor's own coordinates of the latent site's constrained values."""
         return values
 
