@@ -21,6 +21,9 @@ from .stores import FULL, CurvatureStore, JacobianFactor, register_store
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Self
+
+if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["SparseFactor"]
@@ -109,7 +112,7 @@ class SparseFactor(CurvatureStore):
         return replace(self, index=jnp.pad(self.index, ((0, 0), (0, extra))),
                        jac=jnp.pad(self.jac, ((0, 0), (0, 0), (0, extra))))
 
-    def join(self, other):
+    def join(self, other) -> Self:
         if type(other) is not type(self):
             raise SiteStorageError(f"cannot join sites stored as {self.name!r} and {other.name!r}")
         width = max(self.width, other.width)
@@ -151,7 +154,7 @@ class SparseFactor(CurvatureStore):
     def low_rank_factors(self) -> tuple[Any, Any]:
         return self.dense_jac(), self.lam
 
-    def weighted_dense(self, weights):
+    def weighted_dense(self, weights) -> jax.Array:
         return JacobianFactor(self.dense_jac(), self.lam).weighted_dense(weights)
 
     def weighted_diagonal(self, weights) -> jax.Array:
@@ -162,7 +165,7 @@ class SparseFactor(CurvatureStore):
         back = jnp.einsum("nks,nkp->nsp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
         return self.scatter(back)
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         return JacobianFactor(self.dense_jac(), self.lam).dense()
 
     def diagonals(self) -> jax.Array:
@@ -175,7 +178,7 @@ class SparseFactor(CurvatureStore):
         picked = jnp.take_along_axis(v, self.index, 1)
         return self.dense_rows(self.curvature_values(picked))
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return JacobianFactor(self.dense_jac(), self.lam).trace_quad(cov, diff)
 
     def row_quad(self, values, cov_rows):
@@ -186,7 +189,7 @@ class SparseFactor(CurvatureStore):
 
         return jax.lax.map(lambda a: one(*a), (self.index, values), batch_size=self._batch())
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         """:meth:`JacobianFactor.mismatch` on the Jacobians densified in batches (no ``(N, d)`` array)."""
         if not isinstance(stale, SparseFactor):
             return super().mismatch(stale, cov_rows, shared_jacobian)

@@ -246,7 +246,7 @@ class JacobianFactor(CurvatureStore):
         proj = jnp.einsum("nkd,nd->nk", self.jac, diff)
         return trace, jnp.einsum("nk,nkl,nl->n", proj, self.lam, proj)
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         r"""``tr((C G)²)/2`` with ``δH = Uᵀ C U``, ``U`` the stacked Jacobians and ``G = U Σ Uᵀ``:
         no ``d × d`` matrix (``shared_jacobian``: ``U = J``, ``C = Λ − Λ^{stale}``)."""
         if not isinstance(stale, JacobianFactor):
@@ -298,7 +298,7 @@ class Dense(CurvatureStore):
     def weighted_matmat(self, weights, mat) -> jax.Array:
         return jnp.einsum("n,nde,ep->dp", weights, self.curvature, mat)
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         return self.curvature
 
     def trace(self) -> jax.Array:
@@ -339,28 +339,28 @@ class Diagonal(CurvatureStore):
     def scaled(self, alpha) -> CurvatureStore:
         return replace(self, curvature=alpha * self.curvature)
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         return weights @ self.curvature
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         return (weights @ self.curvature)[:, None] * mat
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         return jax.vmap(jnp.diag)(self.curvature)
 
-    def diagonals(self):
+    def diagonals(self) -> jax.Array:
         return self.curvature
 
     def trace(self) -> jax.Array:
         return jnp.sum(self.curvature, 1)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         return self.curvature * v
 
     def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return self.curvature @ jnp.diag(cov), jnp.sum(self.curvature * diff**2, 1)
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         """``δhᵀ (Σ∘Σ) δh / 2`` for diagonal differences."""
         if not isinstance(stale, Diagonal):
             return super().mismatch(stale, cov_rows, shared_jacobian)

@@ -73,7 +73,7 @@ class BernoulliFactor(Factor):
     def default_natural(self, dtype) -> jax.Array:
         return jnp.zeros((self.size,), dtype)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return dist.Bernoulli(logits=jnp.reshape(lam, self.shape))
 
     def sample(self, key, lam, num) -> jax.Array:
@@ -84,10 +84,10 @@ class BernoulliFactor(Factor):
         return jnp.reshape(jax.nn.sigmoid(lam), self.shape)
 
     @property
-    def has_rule(self):
+    def has_rule(self) -> bool:
         return 2 ** self.size <= MAX_ENUMERATION
 
-    def rule_size(self, num_nodes):
+    def rule_size(self, num_nodes) -> int | None:
         return 2 ** self.size if self.has_rule else None
 
     def rule(self, lam, num_nodes) -> tuple[jax.Array, jax.Array] | None:
@@ -114,10 +114,10 @@ class CategoricalFactor(Factor):
         return constraints.integer_interval(0, self.num_categories - 1)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.num_categories - 1
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         return jax.nn.one_hot(x, self.num_categories, dtype=jnp.result_type(float))[..., :-1]
 
     def _logits(self, lam) -> jax.Array:
@@ -139,7 +139,7 @@ class CategoricalFactor(Factor):
     def default_natural(self, dtype) -> jax.Array:
         return jnp.zeros((self.size,), dtype)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return dist.Categorical(logits=self._logits(lam))
 
     def sample(self, key, lam, num) -> jax.Array:
@@ -153,7 +153,7 @@ class CategoricalFactor(Factor):
     def has_rule(self) -> bool:
         return True
 
-    def rule_size(self, num_nodes):
+    def rule_size(self, num_nodes) -> int | None:
         return self.num_categories
 
     def rule(self, lam, num_nodes) -> tuple[jax.Array, jax.Array]:

@@ -211,7 +211,7 @@ class GammaFactor(Factor):
         a, r = jnp.broadcast_to(a, self.shape), jnp.broadcast_to(r, self.shape)
         return jnp.reshape(jnp.stack([a - 1.0, -r], -1), (-1,))
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         a, r = self._ar(lam)
         g = jax.random.gamma(key, a, (num,) + self.shape, dtype=lam.dtype)
         return jnp.maximum(g, jnp.finfo(lam.dtype).tiny) / r
@@ -262,6 +262,6 @@ class DirichletFactor(Factor):
         x = jax.random.dirichlet(key, lam + 1.0, (num,), dtype=lam.dtype)
         return jnp.maximum(x, jnp.finfo(lam.dtype).tiny)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         alpha = lam + 1.0
         return alpha / jnp.sum(alpha)

@@ -65,7 +65,7 @@ class _GaussianFactor(Factor):
             transform = transform.base_transform
         return isinstance(transform, IdentityTransform)
 
-    def to_constrained(self, values):
+    def to_constrained(self, values) -> jax.Array:
         return self.transform(values)
 
     def from_constrained(self, values) -> jax.Array:
@@ -84,11 +84,11 @@ class _GaussianFactor(Factor):
         draws = self.design_draws(jax.random.PRNGKey(0), lam, max(4096, 4 * self.dim + 1))
         return jnp.mean(self.transform(draws), 0)
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return self.from_args(jnp.zeros(self.shape, dtype), *self._unit_scale(dtype))
 
     @property
-    def has_rule(self):
+    def has_rule(self) -> bool:
         """A scalar site has the Gauss–Hermite rule."""
         return self.dim == 1
 
@@ -157,7 +157,7 @@ class NormalFactor(_GaussianFactor):
         prec = 1.0 / scale**2
         return jnp.reshape(jnp.stack([loc * prec, -0.5 * prec], -1), (-1,))
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return self._wrap(dist.Normal(*self._moments(lam)))
 
     def site_from_moments(self, lam, grad_mean, hess_mean) -> jax.Array:
@@ -169,7 +169,7 @@ class NormalFactor(_GaussianFactor):
         pair = jnp.stack([grad_mean - diag * self._flat_mean(lam), 0.5 * diag], -1)
         return jnp.reshape(pair, pair.shape[:-2] + (-1,))
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         loc, scale = self._moments(lam)
         return loc + scale * jax.random.normal(key, (num,) + self.shape, lam.dtype)
 
@@ -192,7 +192,7 @@ class FullGaussianFactor(_GaussianFactor):
     dist_class = dist.MultivariateNormal
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.dim + self.dim * (self.dim + 1) // 2
 
     def _upper(self):
@@ -218,7 +218,7 @@ class FullGaussianFactor(_GaussianFactor):
         rows, cols = self._upper()
         return jnp.concatenate([flat, flat[..., rows] * flat[..., cols]], -1)
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         loc, chol = self._moments(lam)
         return 0.5 * jnp.dot(lam[:self.dim], loc) - jnp.sum(jnp.log(jnp.diag(chol))) + 0.5 * self.dim * _LOG_2PI
 
@@ -250,7 +250,7 @@ class FullGaussianFactor(_GaussianFactor):
         quad = jnp.where(rows == cols, 0.5, 1.0) * sym[..., rows, cols]
         return jnp.concatenate([grad_mean - sym @ self._flat_mean(lam), quad], -1)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         loc, tril = self.to_args(lam)
         return self._wrap(dist.MultivariateNormal(jnp.reshape(loc, (-1,)), scale_tril=tril))
 

@@ -150,16 +150,16 @@ class LowRankGaussian(ExponentialFamily):
         mean, second = mu
         return Gaussian(mean, self.project_curvature(jnp.linalg.inv(second - jnp.outer(mean, mean))))
 
-    def log_prob(self, q, z):
+    def log_prob(self, q, z) -> jax.Array:
         diag, factor = _split(q.precision)
         diff = z - q.mean
         quad = jnp.sum(diag * diff**2, -1) + jnp.sum((diff @ factor) ** 2, -1)
         return -0.5 * quad + 0.5 * _logdet(q.precision) - 0.5 * q.mean.shape[-1] * _LOG_2PI
 
-    def entropy(self, q):
+    def entropy(self, q) -> jax.Array:
         return 0.5 * q.mean.shape[-1] * (1.0 + _LOG_2PI) - 0.5 * _logdet(q.precision)
 
-    def kl(self, q, p):
+    def kl(self, q, p) -> jax.Array:
         r"""``½[tr(S_p Σ_q) + Δᵀ S_p Δ − d + log|S_q| − log|S_p|]`` in ``O(d r²)``."""
         dq, _ = _split(q.precision)
         dp, up = _split(p.precision)
@@ -170,7 +170,7 @@ class LowRankGaussian(ExponentialFamily):
         maha = diff @ _apply(p.precision, diff)
         return 0.5 * (trace + maha - q.mean.shape[-1] + _logdet(q.precision) - _logdet(p.precision))
 
-    def draws(self, q, noise):
+    def draws(self, q, noise) -> jax.Array:
         diag, factor = _split(q.precision)
         root = jnp.sqrt(diag)
         basis, tri = jnp.linalg.qr(factor / root[:, None])
@@ -180,7 +180,7 @@ class LowRankGaussian(ExponentialFamily):
         white = noise + ((noise @ vecs) * shrink) @ vecs.T  # (I + ÛÛᵀ)^{-1/2} ε, row-wise
         return q.mean + white / root
 
-    def marginal_variance(self, q):
+    def marginal_variance(self, q) -> jax.Array:
         diag, _ = _split(q.precision)
         return 1.0 / diag - jnp.sum(_cov_factor(q.precision) ** 2, 1)
 
@@ -188,7 +188,7 @@ class LowRankGaussian(ExponentialFamily):
     def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         return GaussianNatural(_apply(curvature, ref_mean) - grad, curvature)
 
-    def dense_precision(self, q):
+    def dense_precision(self, q) -> jax.Array:
         """``diag(D) + UUᵀ`` as a dense ``(d, d)`` matrix (for small ``d``: inspection and files of other families)."""
         diag, factor = _split(q.precision)
         return jnp.diag(diag) + factor @ factor.T
@@ -199,7 +199,7 @@ class LowRankGaussian(ExponentialFamily):
         w = _cov_factor(q.precision)
         return jnp.diag(1.0 / diag) - w @ w.T
 
-    def project_curvature(self, dense):
+    def project_curvature(self, dense) -> Any:
         if dense.ndim > 2:
             return jax.vmap(self.project_curvature)(dense)
         dim = dense.shape[-1]
@@ -229,11 +229,11 @@ class LowRankGaussian(ExponentialFamily):
         diag = _target_diagonal(op)
         return project_operator(partial(_target_matmat, op), diag, self.rank, diag.shape[0], diag.dtype)
 
-    def newton_operator(self, store, weights, prior_curvature=None, base=None):
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
         """The unprojected target ``T`` as an operator (the mean's Newton preconditioner, see :meth:`fixed_point`)."""
         return _TargetOperator(store, weights, prior_curvature, base)
 
-    def site_curvatures(self, store):
+    def site_curvatures(self, store) -> Any:
         """Per-example site precisions, each projected (materialises each ``Ĥ_i``: small ``d`` only)."""
         return self.project_curvature(store.dense())
 
@@ -251,7 +251,7 @@ class LowRankGaussian(ExponentialFamily):
         """
         return target, (target, dense if isinstance(dense, _TargetOperator) else None)
 
-    def precondition(self, pre, grad):
+    def precondition(self, pre, grad) -> jax.Array:
         r"""``T⁻¹ grad`` by conjugate gradients preconditioned with ``S⁻¹`` (Woodbury), ``S = Π_r(T)``.
 
         ``pre`` is ``(S, T)`` from :meth:`fixed_point` (``T`` as an operator), or ``S`` alone
@@ -270,10 +270,10 @@ class LowRankGaussian(ExponentialFamily):
         precision = pre[0] if isinstance(pre, tuple) else pre
         return lambda v: _solve(precision, v)
 
-    def traced_precondition(self, pre, grad):
+    def traced_precondition(self, pre, grad) -> jax.Array:
         return self.precondition(pre, grad)  # CG and Woodbury solves: traceable as they are
 
-    def blend(self, current, target, rho):
+    def blend(self, current, target, rho) -> Any:
         if not isinstance(rho, jax.core.Tracer) and rho == 1.0:
             return target
         dc, uc = _split(current)
@@ -315,7 +315,7 @@ class LowRankGaussian(ExponentialFamily):
         dq, _ = _split(q.precision)
         return jnp.sum(jnp.diagonal(dense) / dq) - jnp.sum(wq * (dense @ wq))
 
-    def relative_eigenvalues(self, q, curvature):
+    def relative_eigenvalues(self, q, curvature) -> jax.Array:
         raise UnsupportedModelError("the lowrank family's precision is not a sum of site precisions; "
                                     "removing sites from it is not defined (use method='corrected' or 'retrain')")
 
@@ -326,7 +326,7 @@ class LowRankGaussian(ExponentialFamily):
         diag, _ = _split(q.precision)
         return jnp.sum(a**2 / diag) - jnp.sum((a @ cov) ** 2)
 
-    def cov_times(self, q, cov, mat):
+    def cov_times(self, q, cov, mat) -> jax.Array:
         diag, _ = _split(q.precision)
         return mat / diag[:, None] - cov @ (cov.T @ mat)
 

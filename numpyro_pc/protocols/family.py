@@ -217,7 +217,7 @@ class ExponentialFamily(ABC):
         """
         return target, dense
 
-    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> jax.Array | None:
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
         """The mean preconditioner handed to :meth:`fixed_point` as ``dense`` where the family needs no
         dense sum (:class:`~numpyro_pc.protocols.capabilities.GaussianSolver` ``dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
         return None

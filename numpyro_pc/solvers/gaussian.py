@@ -182,7 +182,7 @@ def _linear(history):
     return len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
 
 
-def _evaluate_trial(problem, trial):
+def _evaluate_trial(problem, trial) -> Point | None:
     """``trial`` evaluated, or ``None`` when it is not a proper Gaussian (checked before its sites are
     computed) or its site gradients or loss are not finite."""
     family = problem.family
