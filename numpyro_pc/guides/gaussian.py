@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
+    from numpyro_pc.protocols.family import ExponentialFamily
+
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]
 
@@ -66,16 +68,16 @@ class GuideAdapter(ABC):
     family = "full"
     expectation = "auto"
 
-    def family_for(self, guide, latent):
+    def family_for(self, guide, latent) -> ExponentialFamily:
         """The family instance this guide maps to (``latent``: the model's latent space, or ``None``)."""
         return get_family(self.family)
 
     @abstractmethod
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         """``Gaussian(mean, precision)`` of ``dtype`` in the family's format from the guide's ``params``."""
 
     @abstractmethod
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         """The guide's parameter dict describing ``q``."""
 
 
@@ -91,7 +93,7 @@ class _MultivariateNormal(GuideAdapter):
         return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale_tril": jnp.linalg.cholesky(cov)}
 
 
-def _guide_rank(guide, dim):
+def _guide_rank(guide, dim) -> int:
     """The guide's rank (NumPyro's default ``round(√d)``), at least 1 and at most ``d``."""
     rank = guide.rank if guide.rank is not None else int(round(dim**0.5))
     return max(1, min(int(rank), dim))
@@ -100,7 +102,7 @@ def _guide_rank(guide, dim):
 class _LowRankMultivariateNormal(GuideAdapter):
     family = "lowrank"
 
-    def family_for(self, guide, latent):
+    def family_for(self, guide, latent) -> ExponentialFamily:
         dim = latent.dim if latent is not None else guide.latent_dim
         return get_family("lowrank", rank=_guide_rank(guide, dim))
 
@@ -211,7 +213,7 @@ def is_registered(guide) -> bool:
     return type(guide) in _REGISTRY
 
 
-def _adapter(guide):
+def _adapter(guide) -> GuideAdapter:
     adapter = _REGISTRY.get(type(guide))
     if adapter is None:
         names = ", ".join(c.__name__ for c in _REGISTRY)
@@ -222,7 +224,7 @@ def _adapter(guide):
     return adapter
 
 
-def guide_family(guide):
+def guide_family(guide) -> ExponentialFamily:
     """The :class:`~numpyro_pc.families.registry.ExponentialFamily` a guide maps to.
 
     :raises UnsupportedGuideError: for any other guide (AutoIAFNormal, AutoBNAFNormal, AutoDAIS, ...).
@@ -230,7 +232,7 @@ def guide_family(guide):
     return _adapter(guide).family_for(guide, None)
 
 
-def default_expectation(guide, spec):
+def default_expectation(guide, spec) -> str:
     """Default expectation rule for a guide: ``delta`` for Laplace/Delta, else ``auto`` (Gauss–Hermite
     over the dependence subspace where the model has one, else Monte Carlo; see
     :func:`numpyro_pc.sites.expectations.prepare_rule`)."""
@@ -302,7 +304,7 @@ def _inverse_spd(matrix, what) -> jax.Array:
     return 0.5 * (inv + inv.T)
 
 
-def to_guide_params(guide, family, q, latent, constrain_fn=None):
+def to_guide_params(guide, family, q, latent, constrain_fn=None) -> dict[str, Any]:
     """Parameters for ``guide`` describing ``q`` (so ``Predictive(model, guide=guide, params=...)`` works).
 
     For diagonal guides built from a full posterior the marginal variances are used; for

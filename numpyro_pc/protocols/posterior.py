@@ -21,7 +21,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from pathlib import Path
 
 import jax
@@ -86,7 +86,7 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
         implementation of ``operation``.
     """
 
-    def refuse(sites, post, *args, **kwargs):
+    def refuse(sites, post, *args, **kwargs) -> NoReturn:
         raise MissingCapabilityError(f"{operation} has no implementation for the sites of the "
                                      f"{getattr(post.family, 'name', type(post.family).__name__)} family "
                                      f"({type(sites).__name__}); register one with {operation}.register")
@@ -145,12 +145,12 @@ class Posterior(ABC):
 
     @property
     @abstractmethod
-    def mean(self):
+    def mean(self) -> Any:
         """The posterior mean (a Gaussian's flat unconstrained ``m``; per latent site for a product)."""
 
     @property
     @abstractmethod
-    def natural(self):
+    def natural(self) -> Any:
         """The natural parameters :math:`\\lambda` of the posterior."""
 
     @property
@@ -161,7 +161,7 @@ class Posterior(ABC):
 
     # ------------------------------------------------------------------ coordinates
     @abstractmethod
-    def point_of(self, values: dict):
+    def point_of(self, values: dict) -> jax.Array:
         """The family's coordinates of the model's latent values ``values`` (``{site: value}``,
         constrained, as the model's sample sites hold them): a flat unconstrained ``z`` for a
         Gaussian family, ``{site: factor coordinate}`` for a product."""
@@ -219,7 +219,7 @@ class Posterior(ABC):
         """The residual of the identity with the sites as stored (what a saved file records)."""
 
     @abstractmethod
-    def recompute_sites(self, q):
+    def recompute_sites(self, q) -> Any:
         """The retained examples' sites, and the prior site, recomputed at ``q`` (a member of this
         posterior's family, e.g. another posterior's :attr:`q`): a
         :class:`~numpyro_pc.protocols.sites.SiteTable` with rows in :attr:`data_ids` order."""
@@ -230,15 +230,15 @@ class Posterior(ABC):
 
     # ------------------------------------------------------------------ what it answers
     @abstractmethod
-    def sample(self, key, num_samples: int):
+    def sample(self, key, num_samples: int) -> dict[str, jax.Array]:
         """``num_samples`` draws of the latent sites (constrained values, as the model holds them)."""
 
     @abstractmethod
-    def entropy(self):
+    def entropy(self) -> jax.Array:
         """The entropy of the posterior."""
 
     @abstractmethod
-    def kl(self, other: Posterior):
+    def kl(self, other: Posterior) -> jax.Array:
         """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
 
     def check_comparable(self, other: object, operation: str) -> None:
@@ -259,11 +259,11 @@ class Posterior(ABC):
                                               f"{getattr(other.family, 'name', type(other.family).__name__)})")
 
     @abstractmethod
-    def to_arviz(self, key, num_samples: int = 1000):
+    def to_arviz(self, key, num_samples: int = 1000) -> Any:
         """ArviZ ``InferenceData`` with posterior draws, pointwise log-likelihoods and the observed data."""
 
     @abstractmethod
-    def to_guide_params(self, guide=None):
+    def to_guide_params(self, guide=None) -> dict[str, jax.Array]:
         """The guide's params that describe this posterior."""
 
     @abstractmethod
