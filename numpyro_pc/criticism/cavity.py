@@ -100,7 +100,7 @@ class Cavities(NamedTuple):
     lppd: jax.Array
 
 
-def rule_nodes(rule, spec, dim, dtype):
+def rule_nodes(rule, spec, dim, dtype) -> tuple[jax.Array, jax.Array]:
     """Standard-normal nodes ``(K, r)`` and weights ``(K,)`` of the rule (``r = d`` for ``mc``)."""
     if rule.kind == "gh" and rule.subspace_dim:
         return tensor_hermite_nodes(rule.nodes_per_dim, rule.subspace_dim, dtype)
@@ -254,7 +254,7 @@ def downdates(spec, rule, family, state, sites, data, predict=True) -> Cavities:
     return _general_cavities(spec, rule, family, predict, state, data, grads, sites.curv)
 
 
-def refit_predictive(post, data, means, precisions):
+def refit_predictive(post, data, means, precisions) -> jax.Array:
     """``log p(y_i | ·)`` of examples ``data`` (aligned with ``means``/``precisions``, one
     exact refit posterior each) by the posterior's rule."""
     num = int(np.asarray(means).shape[0])
@@ -286,7 +286,7 @@ _FD_STEP = 1e-3  # central-difference step, in units of the posterior's standard
 _TAYLOR_BUDGET = 2**26  # numbers in ∂H/∂Σ (d(d+1)/2 · d²) that method="taylor" may form
 
 
-def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS):
+def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS) -> Any:
     r"""Leave-one-out posteriors with the retained sites' total expanded to second order around ``q``.
 
     Site removal treats every retained example's loss as the quadratic cached at ``q``. The

@@ -69,7 +69,7 @@ class InfluenceResult(NamedTuple):
     khat: np.ndarray
     labels: tuple
 
-    def norm(self, estimator="remove_site"):
+    def norm(self, estimator="remove_site") -> np.ndarray:
         """``‖Δ_i‖`` per example."""
         return np.linalg.norm(self.delta[estimator], axis=1)
 

@@ -44,6 +44,9 @@ from ..options import check_finite, check_solver_options, is_choice
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
 
+if TYPE_CHECKING:
+    from typing import Any
+
 if TYPE_CHECKING:  # ArviZ is imported on first use only
     from arviz.stats.stats_utils import ELPDData
 
@@ -114,7 +117,7 @@ def _series_class():
 LooResult = None  # the class is built on first use so that importing numpyro_pc does not import ArviZ
 
 
-def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitted=None, method="remove_site"):
+def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitted=None, method="remove_site") -> Any:
     """Package pointwise values as an ArviZ-compatible ``ELPDData`` (:class:`LooResult`).
 
     :param pointwise: ``(N,)`` ``log p(y_i | rest)``.

@@ -101,10 +101,10 @@ class SparseFactor(CurvatureStore):
         return replace(self, lam=alpha * self.lam)
 
     @property
-    def width(self):
+    def width(self) -> int:
         return self.index.shape[1]
 
-    def widened(self, width):
+    def widened(self, width) -> SparseFactor:
         """The same store with ``width`` columns per example (extra columns: index 0, value 0)."""
         extra = width - self.width
         if extra <= 0:
@@ -131,7 +131,7 @@ class SparseFactor(CurvatureStore):
         rows = jnp.zeros((values.shape[0], self.dim), values.dtype)
         return rows.at[jnp.arange(values.shape[0])[:, None], self.index].add(values)
 
-    def rows_at(self, values, mean, ref_means, ref_index):
+    def rows_at(self, values, mean, ref_means, ref_index) -> jax.Array:
         r"""``ĝ_i + Ĥ_i (m − m_i)`` on the index, from the gradient values ``ĝ_i`` ``(N, s)``."""
         shift = mean[self.index] - ref_means[ref_index[:, None], self.index]  # (N, s): (m − m_i) on the columns
         proj = jnp.einsum("nks,ns->nk", self.jac, shift)
@@ -142,7 +142,7 @@ class SparseFactor(CurvatureStore):
         proj = jnp.einsum("nks,ns->nk", self.jac, points)
         return jnp.einsum("nks,nkl,nl->ns", self.jac, self.lam, proj)
 
-    def dense_jac(self):
+    def dense_jac(self) -> jax.Array:
         """The Jacobians as dense ``(N, k, d)`` arrays (small ``d``)."""
         k = self.jac.shape[1]
         return jax.vmap(lambda idx, j: jnp.zeros((k, self.dim), j.dtype).at[:, idx].add(j))(self.index, self.jac)
@@ -181,7 +181,7 @@ class SparseFactor(CurvatureStore):
     def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return JacobianFactor(self.dense_jac(), self.lam).trace_quad(cov, diff)
 
-    def row_quad(self, values, cov_rows):
+    def row_quad(self, values, cov_rows) -> jax.Array:
         r"""``xᵢᵀ Σ xᵢ`` for rows given by values on the index ``(N, s)``, densified in batches."""
         def one(idx, val) -> jax.Array:
             row = jnp.zeros((1, self.dim), val.dtype).at[0, idx].add(val)

@@ -418,7 +418,7 @@ class NoCurvature(CurvatureStore):
 STORES = {cls.name: cls for cls in (JacobianFactor, Dense, Diagonal, NoCurvature)}
 
 
-def register_store(cls):
+def register_store(cls) -> type[CurvatureStore]:
     """Make a :class:`CurvatureStore` subclass known to :func:`get_store` (and saved files) by its ``name``."""
     STORES[cls.name] = cls
     return cls

@@ -72,7 +72,7 @@ def data_roots(path) -> list[Any]:
     return out
 
 
-def data_dir(path=None):
+def data_dir(path=None) -> Path | None:
     """The first existing data directory among the search locations (``None`` if none exists)."""
     for candidate in data_roots(path):
         if candidate.is_dir():

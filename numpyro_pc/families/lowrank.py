@@ -97,6 +97,7 @@ from .registry import ExponentialFamily, Gaussian, GaussianNatural, register_fam
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["LowRankGaussian", "project_operator", "lowrank_from_covariance"]  # the last two: from lowrank_algebra
@@ -263,7 +264,7 @@ class LowRankGaussian(ExponentialFamily):
             return _solve(precision, grad) if operator is None else _newton_solve(precision, operator, grad)
         return _solve(pre, grad)
 
-    def inner_preconditioner(self, pre):
+    def inner_preconditioner(self, pre) -> Callable[[jax.Array], jax.Array]:
         """``v ↦ S⁻¹ v`` by Woodbury (``O(d r)``), ``S = Π_r(T)``. Not :meth:`precondition`'s ``T⁻¹``:
         inside an iterative solve that would be a CG solve at every step (nested CG; the digits
         network's low-rank fit spent over 20 minutes in it)."""

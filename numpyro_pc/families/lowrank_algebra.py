@@ -37,7 +37,7 @@ def join_precision(diag, factor) -> jax.Array:
     return jnp.concatenate([diag[..., None], factor], -1)
 
 
-def apply_precision(p, v):
+def apply_precision(p, v) -> jax.Array:
     """``S v`` for ``v`` of shape ``(d,)`` or ``(d, k)``."""
     diag, factor = split_precision(p)
     scale = diag if v.ndim == 1 else diag[:, None]
@@ -58,7 +58,7 @@ def cov_factor(p) -> jax.Array:
     return solve_triangular(chol, (factor / diag[:, None]).T, lower=True).T
 
 
-def solve_precision(p, b):
+def solve_precision(p, b) -> jax.Array:
     """``S⁻¹ b`` by Woodbury (``b`` of shape ``(d,)`` or ``(d, k)``)."""
     diag, _ = split_precision(p)
     w = cov_factor(p)
@@ -81,7 +81,7 @@ class TargetOperator(NamedTuple):
     base: object = None
 
 
-def target_matmat(op, v):
+def target_matmat(op, v) -> jax.Array:
     """``T V`` for ``V`` of shape ``(d, p)``."""
     out = op.store.weighted_matmat(op.weights, v)
     if op.prior_curvature is not None:
@@ -92,7 +92,7 @@ def target_matmat(op, v):
     return out
 
 
-def target_diagonal(op):
+def target_diagonal(op) -> jax.Array:
     diag = op.store.weighted_diagonal(op.weights)
     if op.prior_curvature is not None:
         prior = op.prior_curvature
@@ -138,7 +138,7 @@ def newton_solve(precision, op, b) -> jax.Array:
     return jnp.where(ok & jnp.all(jnp.isfinite(x)), x, fallback)
 
 
-def fix_signs(factor):
+def fix_signs(factor) -> jax.Array:
     """Columns with their largest-magnitude entry positive (a deterministic sign per column)."""
     if factor.shape[1] == 0:
         return factor

@@ -51,7 +51,7 @@ EF_FAMILIES = {"beta": BetaFactor, "gamma": GammaFactor, "dirichlet": DirichletF
                "bernoulli": BernoulliFactor, "categorical": CategoricalFactor}
 
 
-def make_factor(family, site, shape, support):
+def make_factor(family, site, shape, support) -> Factor:
     """The factor named ``family`` for latent ``site`` of constrained ``shape`` and prior ``support``.
 
     ``"normal"`` and ``"full"`` live on the site's unconstrained coordinates (any continuous
@@ -179,7 +179,7 @@ def register_factor(factor_class: type) -> type:
     return factor_class
 
 
-def factor_from_distribution(site, fn, support):
+def factor_from_distribution(site, fn, support) -> tuple[Factor, jax.Array, tuple[str, ...]]:
     """``(factor, natural, argument names)`` of a guide's sample-site distribution ``fn`` for a
     latent site of prior ``support``.
 
@@ -266,14 +266,14 @@ class ProductFamily:
         return tuple(out)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return sum(f.size for f in self.factors)
 
     @property
     def names(self) -> tuple[Any, ...]:
         return tuple(f.site for f in self.factors)
 
-    def factor(self, site):
+    def factor(self, site) -> Factor:
         """The factor of latent ``site``."""
         return self.factors[self.names.index(site)]
 
@@ -285,37 +285,37 @@ class ProductFamily:
         """``T`` of a dict of site values with a leading batch axis → ``(S, P)``."""
         return jnp.concatenate([f.stats(values[f.site]) for f in self.factors], -1)
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         return sum(f.log_normalizer(p) for f, p in zip(self.factors, self.split(lam)))
 
-    def expectation(self, lam):
+    def expectation(self, lam) -> jax.Array:
         r"""Mean parameters :math:`\mu = \nabla A(\lambda) = E_q[T(x)]`."""
         return jax.grad(self.log_normalizer)(lam)
 
-    def fisher(self, lam):
+    def fisher(self, lam) -> jax.Array:
         r"""Fisher information :math:`F(\lambda) = \nabla^2 A(\lambda)` (block diagonal)."""
         return jax.hessian(self.log_normalizer)(lam)
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         ok = jnp.asarray(True)
         for f, p in zip(self.factors, self.split(lam)):
             ok = ok & f.in_domain(p)
         return ok
 
-    def entropy(self, lam):
+    def entropy(self, lam) -> jax.Array:
         r""":math:`H[q] = A(\lambda) - \langle \lambda, \mu \rangle` (Lebesgue or counting base measure;
         a Gaussian factor's entropy is that of its unconstrained coordinates)."""
         return self.log_normalizer(lam) - jnp.dot(lam, self.expectation(lam))
 
-    def kl(self, lam1, lam2):
+    def kl(self, lam1, lam2) -> jax.Array:
         r""":math:`KL(q_1 \| q_2) = A(\lambda_2) - A(\lambda_1) - \langle \lambda_2 - \lambda_1, \mu_1 \rangle`."""
         return self.log_normalizer(lam2) - self.log_normalizer(lam1) - jnp.dot(lam2 - lam1, self.expectation(lam1))
 
-    def log_prob(self, lam, values):
+    def log_prob(self, lam, values) -> jax.Array:
         """:math:`\\log q(x)` of a dict of site values (leading batch axis, factor coordinates)."""
         return self.stats(values) @ lam - self.log_normalizer(lam)
 
-    def from_expectation(self, mu, lam0, num_iters=60):
+    def from_expectation(self, mu, lam0, num_iters=60) -> jax.Array:
         r"""Natural parameters with :math:`\nabla A(\lambda) = \mu`: damped Newton on the convex
         :math:`A(\lambda) - \langle\lambda,\mu\rangle` from ``lam0``, each step halved until the
         iterate stays in the domain and the objective does not increase."""
@@ -355,7 +355,7 @@ class ProductFamily:
         """Whether every factor has a deterministic rule (then the design is one tensor grid)."""
         return all(f.has_rule for f in self.factors)
 
-    def grid_size(self, num_nodes, use_rules=True):
+    def grid_size(self, num_nodes, use_rules=True) -> int:
         """Points of the tensor grid of the factors that have a rule (1 when none does)."""
         size = 1
         for f in self.factors:
@@ -420,7 +420,7 @@ class ProductFamily:
                 for f, p in zip(self.factors, self.split(lam))}
 
 
-def site_names(spec):
+def site_names(spec) -> tuple[str, ...]:
     """The posterior's latent sites: the continuous ones in trace order, then the discrete ones."""
     return tuple(spec.latent.names) + tuple(spec.latent.discrete_names)
 

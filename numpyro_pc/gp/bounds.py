@@ -193,12 +193,12 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None) -> 
     return CollapsedFit(bound=F, mean=R @ gamma, cov=R @ R.T, chol_D=LD, chol_Kbb=Lb)
 
 
-def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
+def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None) -> jax.Array:
     """The collapsed bound alone (see :func:`collapsed_fit`)."""
     return collapsed_fit(hyper, old, X, y, mask, alpha, sites, terms).bound
 
 
-def paper_bound(hyper, old, X, y, alpha=0.0):
+def paper_bound(hyper, old, X, y, alpha=0.0) -> jax.Array:
     """The bound in the paper's form with ``D_a`` formed explicitly (test oracle only).
 
     ``F = log N(ŷ; 0, K_ŷb K_bb⁻¹ K_bŷ + Σ̂) + M_a/2 log 2π + ½ log(|K'_aa||D_a|/|S_a|)

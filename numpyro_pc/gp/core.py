@@ -100,7 +100,7 @@ class StreamingGPState(NamedTuple):
     batch: jax.Array
 
 
-def noise_memory_term(hyper, stats):
+def noise_memory_term(hyper, stats) -> jax.Array:
     r"""``−½ n_old log 2πσ² − ss_old / (2σ²)``: the old rows' expected log-likelihood as a function of σ².
 
     In the batch VFE bound ``Σ_n E_q[log N(y_n | f_n, σ²)] = −½ Σ_n [log 2πσ² + ((y_n − μ_n)² + v_n) / σ²]``;
@@ -148,7 +148,7 @@ def _handover(hyper, mean, cov, jitter) -> GPState:
                    jitter=jnp.asarray(jitter, Z.dtype), hyper=hyper)
 
 
-def reservoir_update(memory, X, y, mask, ss, key):
+def reservoir_update(memory, X, y, mask, ss, key) -> MemoryState:
     """Reservoir sampling in JAX: after the update every real row streamed so far is in the memory with
     equal probability (rows are taken in order; ``mask = 0`` rows are skipped; ties go to the later row)."""
     C = memory.X.shape[0]

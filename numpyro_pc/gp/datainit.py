@@ -53,7 +53,7 @@ def _pairs(n, rng):
     return i, j
 
 
-def input_scales(X, rng=None):
+def input_scales(X, rng=None) -> np.ndarray:
     """Per-column typical distance of ``X`` ``(N, D)``: median ``|x_d − x'_d|`` over pairs of rows,
     never zero (see the module docstring for the fall-backs)."""
     X = np.asarray(X, float)
@@ -200,7 +200,7 @@ def _map_Z(tree, fn):
     return eqx.tree_at(lambda h: h.Z, tree, fn(Z))
 
 
-def to_search(params, input_scale=None):
+def to_search(params, input_scale=None) -> Any:
     """The optimiser's coordinates of a partitioned :class:`~numpyro_pc.gp.state.Hyper`: every softplus-positive
     parameter (``PositiveReal``/``NonNegativeReal``) as ``log`` of its value, ``Z`` divided by ``input_scale``
     (``(D,)``; ``None``: as is). Multiplying the data by a constant then shifts or scales these coordinates
@@ -212,7 +212,7 @@ def to_search(params, input_scale=None):
     return u
 
 
-def from_search(u, input_scale=None):
+def from_search(u, input_scale=None) -> Any:
     """Inverse of :func:`to_search` (``softplus⁻¹(e^u) = e^u + log(−expm1(−e^u))``, stable for every ``u``)."""
     def inv(t) -> jax.Array:
         v = jnp.exp(t)

@@ -48,6 +48,8 @@ from .usage import progress as _progress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .core import StreamingGPState
+    from .state import GPState
     from typing import Any
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
@@ -55,7 +57,7 @@ __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term
 DEFAULT_MEMORY = 1024
 
 
-def bucket_size(n, minimum=16):
+def bucket_size(n, minimum=16) -> int:
     """Smallest power of two ``≥ max(n, minimum)``: batch sizes are padded to it."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -239,18 +241,18 @@ class StreamingSparseGP:
 
     # ------------------------------------------------------------------ properties
     @property
-    def state(self):
+    def state(self) -> GPState | None:
         """The current :class:`~numpyro_pc.gp.state.GPState` (``None`` before the first batch)."""
         return self._state
 
     @property
-    def stream_state(self):
+    def stream_state(self) -> StreamingGPState | None:
         """The full :class:`~numpyro_pc.gp.core.StreamingGPState` (collapsed bound; ``None`` otherwise or
         before the first batch): ``q(u)``, ``Z``, hyperparameters, noise statistics, memory, PRNG key."""
         return self._stream
 
     @property
-    def hyper(self):
+    def hyper(self) -> Hyper:
         """Current hyperparameters (:class:`~numpyro_pc.gp.state.Hyper`)."""
         return self._state.hyper if self._state is not None else self._hyper
 
@@ -281,7 +283,7 @@ class StreamingSparseGP:
                                  keep_fraction=self.keep_fraction, jitter=self.jitter, memory_size=self.memory_size,
                                  alpha=self.alpha)
 
-    def update(self, X, y, mask=None):
+    def update(self, X, y, mask=None) -> StreamingSparseGP:
         """Absorb one batch; returns a new :class:`StreamingSparseGP` (``self`` is unchanged).
 
         :param X: inputs ``(N, D)``.
@@ -417,7 +419,7 @@ class StreamingSparseGP:
             m, v = uncollapsed.predict_y(self._state.hyper, jnp.asarray(mu), jnp.asarray(var))
             return np.asarray(m), np.asarray(v)
 
-    def fit_stream(self, batches, progress=None):
+    def fit_stream(self, batches, progress=None) -> StreamingSparseGP:
         """Absorb an iterable of batches ``(X, y)`` or ``(X, y, mask)``, with a progress bar on a terminal.
 
         :param batches: iterable of tuples (a list, a generator, ``zip(Xs, ys)``...).
@@ -435,7 +437,7 @@ class StreamingSparseGP:
                 bar.set_postfix(bound=f"{h['bound']:.1f}", its=h["iterations"])
         return sgp
 
-    def plot(self, X=None, y=None, ax=None, **kwargs):
+    def plot(self, X=None, y=None, ax=None, **kwargs) -> Any:
         """Predictive band (1-D) or mean (2-D), inducing inputs and the batch ``(X, y)``
         (:func:`~numpyro_pc.gp.usage.plot_gp`); returns the Matplotlib axes."""
         return plot_gp(self, X, y, ax=ax, **kwargs)

@@ -70,12 +70,12 @@ class GPState(NamedTuple):
     hyper: Hyper
 
 
-def kernel_matrix(kernel, X, Y):
+def kernel_matrix(kernel, X, Y) -> jax.Array:
     """Cross-covariance ``k(X, Y)`` of a GPJax kernel as a dense array."""
     return kernel.cross_covariance(X, Y)
 
 
-def kernel_diag(kernel, X):
+def kernel_diag(kernel, X) -> jax.Array:
     """Diagonal ``k(x_n, x_n)`` for every row of ``X``."""
     return jax.vmap(lambda x: kernel(x, x))(X)
 
@@ -85,7 +85,7 @@ def mean_vector(mean_function, X) -> jax.Array:
     return jnp.reshape(mean_function(X), (X.shape[0],))
 
 
-def noise_variance(hyper):
+def noise_variance(hyper) -> jax.Array:
     """The Gaussian noise variance ``σ²`` of a :class:`Hyper` (GPJax ``val`` unwrapping)."""
     from gpjax.parameters import val
 
@@ -97,7 +97,7 @@ def chol(A) -> jax.Array:
     return jnp.linalg.cholesky(0.5 * (A + A.T))
 
 
-def check_chol(L, what):
+def check_chol(L, what) -> jax.Array:
     """Raise :class:`NotPositiveDefiniteError` if a Cholesky factor is not finite.
 
     Call outside traced code after every factorisation whose failure must not turn into a
@@ -164,7 +164,7 @@ def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs) -> tuple[jax.Array, Any]:
     return mu, var
 
 
-def inducing_cross(kernel, Zb, Za, jitter):
+def inducing_cross(kernel, Zb, Za, jitter) -> jax.Array:
     """``cov(u_b, u_a) = k(Z_b, Z_a) + ε·[z_b = z_a]``: the jitter as white noise on inducing variables.
 
     Coincident inducing inputs share their jitter noise, so ``Z_b = Z_a`` gives exactly
@@ -174,7 +174,7 @@ def inducing_cross(kernel, Zb, Za, jitter):
     return kernel_matrix(kernel, Zb, Za) + jitter * same.astype(Zb.dtype)
 
 
-def full_cov(state, Xs):
+def full_cov(state, Xs) -> jax.Array:
     """Full covariance of ``q(f(Xs))`` under ``state`` (used for projections between inducing sets)."""
     h = state.hyper
     Kzs = kernel_matrix(h.kernel, state.Z, Xs)
@@ -183,7 +183,7 @@ def full_cov(state, Xs):
     return kernel_matrix(h.kernel, Xs, Xs) - V.T @ V + W.T @ state.cov @ W
 
 
-def gaussian_kl(m1, S1, m0, L0):
+def gaussian_kl(m1, S1, m0, L0) -> jax.Array:
     """``KL[N(m1, S1) ‖ N(m0, L0 L0ᵀ)]``."""
     from jax.scipy.linalg import cho_solve
 
@@ -193,7 +193,7 @@ def gaussian_kl(m1, S1, m0, L0):
                   + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
 
 
-def kl_to_previous(new, old):
+def kl_to_previous(new, old) -> jax.Array:
     """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a`` (pure)."""
     m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
     S_a = full_cov(new, old.Z)

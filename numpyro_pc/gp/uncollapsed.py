@@ -44,11 +44,11 @@ __all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_
 class BernoulliLogit(AbstractLikelihood):
     """Bernoulli likelihood with the logit link ``p(y=1|f) = σ(f)`` (GPJax's ``Bernoulli`` is probit)."""
 
-    def link_function(self, f):
+    def link_function(self, f) -> npd.Bernoulli:
         """``Bernoulli(logits=f)``."""
         return npd.Bernoulli(logits=f)
 
-    def predict(self, dist):
+    def predict(self, dist) -> npd.Bernoulli:
         """Predictive ``Bernoulli`` with the probit approximation ``σ(μ / sqrt(1 + π s / 8))``."""
         variance = jnp.diag(dist.covariance_matrix)
         return npd.Bernoulli(logits=dist.mean.ravel() / jnp.sqrt(1.0 + jnp.pi * variance / 8.0))
@@ -83,7 +83,7 @@ def marginals(hyper, Lb, q, X) -> tuple[Any, jax.Array]:
     return mu, jnp.maximum(var, 1e-12)
 
 
-def expected_log_lik(hyper, y, mu, var):
+def expected_log_lik(hyper, y, mu, var) -> jax.Array:
     """``E_q[log p(y_n | f_n)]`` per row: closed form when ``hyper.noise`` is set, else GPJax quadrature."""
     if hyper.noise is not None:
         s2 = noise_variance(hyper)
@@ -91,7 +91,7 @@ def expected_log_lik(hyper, y, mu, var):
     return hyper.likelihood.expected_log_likelihood(y[:, None], mu[:, None], var[:, None])
 
 
-def predict_y(hyper, mu, var):
+def predict_y(hyper, mu, var) -> tuple[jax.Array, jax.Array]:
     """Predictive mean of ``y`` (probability of class 1 for Bernoulli, rate for Poisson)."""
     from gpjax.likelihoods import Bernoulli, Poisson
 
@@ -129,7 +129,7 @@ def old_term(hyper, old, Lb, q) -> jax.Array:
     return log_q - log_p
 
 
-def uncollapsed_bound(hyper, old, X, y, mask, q):
+def uncollapsed_bound(hyper, old, X, y, mask, q) -> jax.Array:
     """The uncollapsed online bound ``L`` (module docstring).
 
     :param Hyper hyper: θ, likelihood and ``Z_b``.

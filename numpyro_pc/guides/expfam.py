@@ -121,7 +121,7 @@ def _is_identity(block) -> bool:
     return bool(np.allclose(block.reshape(size, size), np.eye(size), rtol=0.0, atol=1e-12))
 
 
-def write_params(guide_map, family, lam):
+def write_params(guide_map, family, lam) -> dict[str, Any]:
     """The guide's params describing ``lam`` (params the guide does not use are passed through).
 
     :raises GuideParamsError: if ``family`` is not the guide's.
