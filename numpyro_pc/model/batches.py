@@ -113,7 +113,7 @@ def _argument_difference(fitted, new) -> str:
     return "; ".join(parts) if parts else (f"fitted as {list(old.items())}, passed as {list(now.items())}")
 
 
-def bind_batch(post, args, kwargs):
+def bind_batch(post, args, kwargs) -> ModelData:
     """Bind a new batch to the posterior's model and check it is compatible.
 
     A batch shaped like the fitted data is bound without re-tracing the model (tracing on

@@ -90,7 +90,7 @@ class LatentSpace:
         return tuple(math.prod(s) for s in self.unconstrained_shapes)
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         """Total dimension ``d`` of the flat unconstrained vector."""
         return sum(self.sizes)
 
@@ -99,7 +99,7 @@ class LatentSpace:
         """Start offset of each site inside the flat vector."""
         return tuple(int(o) for o in np.cumsum((0,) + self.sizes)[:-1])
 
-    def unravel(self, z):
+    def unravel(self, z) -> dict[str, jax.Array]:
         """Split a flat vector (trailing axis ``d``) into a dict of unconstrained values.
 
         Leading batch axes of ``z`` are kept: ``z.shape == (..., d)`` gives values of
@@ -138,7 +138,7 @@ class LatentSpace:
                 out.extend(f"{name}[{','.join(map(str, idx))}]" for idx in np.ndindex(*ushape))
         return out
 
-    def signature(self):
+    def signature(self) -> dict[str, Any]:
         """JSON-friendly description used to check that two objects share a model."""
         out = {"names": list(self.names), "unconstrained_shapes": [list(s) for s in self.unconstrained_shapes]}
         if self.discrete_names:  # only then, so files without discrete latents keep their manifest

@@ -26,6 +26,10 @@ import numpy as np
 from numpyro_pc.errors import InvalidIdsError, InvalidOptionError, UnknownExampleError
 
 from .terms import ModelData
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
            "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket"]
@@ -33,7 +37,7 @@ __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "jo
 
 # --------------------------------------------------------------------------- arrays
 
-def on_host(x):
+def on_host(x) -> bool:
     """Whether ``x`` is in host memory (a NumPy array or a JAX array on the CPU backend)."""
     if isinstance(x, np.ndarray):
         return True
@@ -50,7 +54,7 @@ def _host_path(*arrays) -> bool:
     return all(on_host(a) for a in arrays) and all(_representable(a.dtype) for a in arrays)
 
 
-def to_device(x):
+def to_device(x) -> jax.Array:
     """``jnp.asarray(x)`` for host data, without compiling a conversion for each new shape."""
     if isinstance(x, jax.Array):
         return x
@@ -67,7 +71,7 @@ def all_finite(x) -> bool:
     return bool(jnp.all(jnp.isfinite(x)))
 
 
-def take_rows(x, rows):
+def take_rows(x, rows) -> Any:
     """``x[rows]`` along the first axis (``None`` stays ``None``)."""
     if x is None:
         return None
@@ -85,7 +89,7 @@ def join_rows(*arrays) -> jax.Array | None:
     return jnp.concatenate(arrays, 0)
 
 
-def pad_last_row(x, pad):
+def pad_last_row(x, pad) -> jax.Array:
     """``x`` followed by ``pad`` copies of its last row."""
     if pad == 0:
         return x
@@ -95,7 +99,7 @@ def pad_last_row(x, pad):
     return jnp.concatenate([x, jnp.repeat(x[-1:], pad, 0)], 0)
 
 
-def shifted(x, by):
+def shifted(x, by) -> jax.Array:
     """``x + by`` for an integer array (row numbers moved past ``by`` earlier rows)."""
     if _host_path(x):
         return jax.device_put(np.asarray(x) + np.asarray(by, np.asarray(x).dtype))
@@ -136,7 +140,7 @@ def as_ids(ids):
     return np.unique(raw.astype(np.int64).ravel())
 
 
-def is_every_row(rows, num):
+def is_every_row(rows, num) -> bool:
     """Whether host-side ``rows`` select all ``num`` rows in order (a take that need not copy)."""
     return isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num))
 
@@ -148,14 +152,14 @@ def concat_data(a, b) -> ModelData:
     return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
 
-def take_data(data, rows):
+def take_data(data, rows) -> ModelData:
     """The examples at ``rows``."""
     if is_every_row(rows, int(data.per_example[0].shape[0])):
         return data  # no copy
     return ModelData(tuple(take_rows(x, rows) for x in data.per_example), data.shared)
 
 
-def positions(ids, wanted, what="example"):
+def positions(ids, wanted, what="example") -> np.ndarray:
     """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`).
 
     Vectorised: a binary search in ``ids`` (sorted once with ``argsort`` unless already
@@ -174,7 +178,7 @@ def positions(ids, wanted, what="example"):
     return (slot if order is None else order[slot]).astype(np.int64)
 
 
-def pad_to_bucket(data, weights, ids, dtype=None):
+def pad_to_bucket(data, weights, ids, dtype=None) -> tuple[ModelData, jax.Array, np.ndarray]:
     """Pad examples to :func:`bucket_size` by repeating the last one with weight 0 and id −1.
 
     Batches of varying size then reuse a few compiled site computations instead of

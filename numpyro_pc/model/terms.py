@@ -96,7 +96,7 @@ class ModelSpec:
     support_sites: tuple = ()
     arg_names: tuple = field(default=(), compare=False, hash=False)
 
-    def build_args(self, per_example, shared):
+    def build_args(self, per_example, shared) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves."""
         ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
         leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
@@ -140,7 +140,7 @@ def _substitute_unconstrained(values, site):
     return value
 
 
-def trace_at(spec, z, per_example, shared, discrete=None):
+def trace_at(spec, z, per_example, shared, discrete=None) -> dict[str, Any]:
     """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
     args, kwargs = spec.build_args(per_example, shared)
     values = spec.latent.unravel(z)
@@ -170,7 +170,7 @@ def in_plate(site, plate) -> bool:
     return any(f.name == plate for f in site["cond_indep_stack"])
 
 
-def prior_loss(spec, z, data, discrete=None):
+def prior_loss(spec, z, data, discrete=None) -> jax.Array:
     """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
     Jacobian of the constraining transforms) plus observed sites/factors outside the
     data plate; ``discrete`` holds the values of discrete latents, if the binding has any."""
@@ -191,7 +191,7 @@ def example_args(example) -> tuple[Any, ...]:
     return tuple(x[None] for x in example)
 
 
-def example_loss(spec, z, example, shared, discrete=None):
+def example_loss(spec, z, example, shared, discrete=None) -> jax.Array:
     """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
@@ -239,7 +239,7 @@ def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     return theta, loss_fn
 
 
-def losses(spec, z, data):
+def losses(spec, z, data) -> jax.Array:
     """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
     return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
 

@@ -17,6 +17,7 @@ from numpyro_pc.datasets.loaders import DatasetError, data_roots
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
     from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
@@ -51,7 +52,7 @@ class Translation(NamedTuple):
     reference: Callable
 
 
-def posteriordb_dir(path=None):
+def posteriordb_dir(path=None) -> Path | None:
     """The ``posteriordb`` folder of the data directory (``None`` when absent)."""
     for root in data_roots(path):
         for out in (root / "posteriordb", root):
@@ -60,7 +61,7 @@ def posteriordb_dir(path=None):
     return None
 
 
-def require_posteriordb_dir(path=None):
+def require_posteriordb_dir(path=None) -> Path:
     """The ``posteriordb`` folder of the data directory.
 
     :raises DatasetError: when there is none.
@@ -84,7 +85,7 @@ def load_data(data_name, path=None) -> dict[Any, np.ndarray]:
     return {k: np.asarray(v) for k, v in json.loads(file.read_text()).items()}
 
 
-def stan_names(base, shape):
+def stan_names(base, shape) -> list[str]:
     """Stan's names of the scalars of parameter ``base`` of ``shape`` (``beta[1]``, ``z[2,3]``; 1-based)."""
     if shape == ():
         return [base]
@@ -97,6 +98,6 @@ def stack_draws(draws, params, shapes) -> dict[Any, Any]:
             for site, names in params.items()}
 
 
-def flat_prior(support, shape=()):
+def flat_prior(support, shape=()) -> dist.ImproperUniform:
     """Stan's implicit flat prior on a parameter's support (log density 0)."""
     return dist.ImproperUniform(support, (), shape)

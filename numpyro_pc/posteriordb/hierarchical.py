@@ -284,7 +284,7 @@ HIERARCHICAL = {
 }
 
 
-def translate_hierarchical(name, path=None, data=None):
+def translate_hierarchical(name, path=None, data=None) -> Translation:
     """The NumPyro translation of the hierarchical posterior ``name`` (a key of :data:`HIERARCHICAL`).
 
     :param str name: ``<data>-<model>``.

@@ -58,7 +58,6 @@ from .hierarchical import HIERARCHICAL, translate_hierarchical
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -372,7 +371,7 @@ def _ode(name):
 
 # ----------------------------------------------------------------- registry
 
-SUPPORTED: dict[str, str | Callable[[Any], Translation]] = {}
+SUPPORTED: dict[str, Any] = {}  # a regression spec name, or a translator taking the posterior
 for _m in ("earn_height", "log10earn_height", "logearn_height", "logearn_height_male", "logearn_interaction",
            "logearn_interaction_z", "logearn_logheight_male"):
     SUPPORTED[f"earnings-{_m}"] = _m
@@ -411,7 +410,7 @@ NOT_TRANSLATED = {
 }
 
 
-def translate(name, path=None, posterior=None):
+def translate(name, path=None, posterior=None) -> Translation:
     """The NumPyro translation of the posterior ``name``.
 
     :param str name: ``<data>-<model>``, a key of :data:`SUPPORTED`, :data:`UNSUPPORTED` or

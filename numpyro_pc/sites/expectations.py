@@ -118,14 +118,14 @@ class ExpectationRule:
             raise InvalidOptionError(f"num_nodes must be at least 2, got {self.num_nodes}")
 
     @property
-    def nodes_per_dim(self):
+    def nodes_per_dim(self) -> int:
         """Gauss–Hermite nodes per dimension of the dependence subspace."""
         if self.subspace_dim <= 1:
             return self.num_nodes
         return max(3, min(self.num_nodes, int(_NODE_BUDGET ** (1.0 / self.subspace_dim))))
 
 
-def get_rule(rule, **options):
+def get_rule(rule, **options) -> ExpectationRule:
     """Normalise a rule given as a name or an :class:`ExpectationRule`."""
     if isinstance(rule, ExpectationRule):
         return replace(rule, **options) if options else rule
@@ -271,7 +271,7 @@ def _probe_jacobians(spec, z, examples, shared, offsets):
     return jax.vmap(one)(examples)
 
 
-def prepare_rule(rule, spec, data, z):
+def prepare_rule(rule, spec, data, z) -> ExpectationRule:
     """Check that ``rule`` applies to the model and fill in what it needs.
 
     ``"auto"`` becomes ``"gh"`` (with the model's dependence-subspace dimension) where the

@@ -114,7 +114,7 @@ class EFConfig:
 
     @classmethod
     def make(cls, spec, family, expectation="auto", num_nodes=32, num_samples=None, seed=0, max_points=4096,
-             max_mixed_points=1024):
+             max_mixed_points=1024) -> EFConfig:
         """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
         grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
         to 4); else, when every other site is a Gaussian block, the grid times the ``2D + 1``

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["factor_prior_loss", "log_likelihood", "inference_data"]
 
 
-def factor_prior_loss(spec, family, point, data):
+def factor_prior_loss(spec, family, point, data) -> jax.Array:
     """:math:`-\\log p_0` at one ``point`` (factor coordinates) as a density of those coordinates."""
     z, discrete, log_det = model_point(spec, family, point)
     return prior_loss(spec, z, data, discrete) + log_det
@@ -56,7 +56,7 @@ def log_likelihood(post, draws) -> dict[Any, jax.Array]:
     return {name: jnp.reshape(v, (num, -1)) for name, v in zip(spec.observed, values)}
 
 
-def inference_data(post, key, num_samples=1000):
+def inference_data(post, key, num_samples=1000) -> Any:
     """ArviZ ``InferenceData`` of ``post`` with one chain of ``num_samples`` draws.
 
     ``posterior`` holds the constrained draws of each latent site, ``log_likelihood`` one

@@ -57,7 +57,7 @@ __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage"
 _TRACES = {"compute": 0}
 
 
-def trace_count():
+def trace_count() -> int:
     """Number of times the site computation has been traced (compiled) in this process."""
     return _TRACES["compute"]
 
@@ -383,7 +383,7 @@ def _checks_subspace(cfg) -> bool:
 
 
 def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="auto", chunk_size=None,
-                  ids=None, need_hessian_sum=False, num_devices=None, weights=None):
+                  ids=None, need_hessian_sum=False, num_devices=None, weights=None) -> tuple[Sites, SiteSums]:
     """Compute the sites of every example and of the prior at the posterior ``q``.
 
     :param spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.

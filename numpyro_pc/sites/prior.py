@@ -32,19 +32,19 @@ __all__ = ["prior_terms", "prior_terms_reparam", "reparam_curvature", "prior_mat
            "prior_dense", "prior_diagonal_at"]
 
 
-def prior_matvec(curvature, v):
+def prior_matvec(curvature, v) -> jax.Array:
     """``Ĥ_0 v`` for ``v`` of shape ``(d,)`` or ``(d, p)``, whichever form ``Ĥ_0`` is held in."""
     if curvature.ndim == 1:
         return (curvature if v.ndim == 1 else curvature[:, None]) * v
     return curvature @ v
 
 
-def prior_diagonal(curvature):
+def prior_diagonal(curvature) -> jax.Array:
     """``diag Ĥ_0`` ``(d,)``."""
     return curvature if curvature.ndim == 1 else jnp.diagonal(curvature)
 
 
-def prior_dense(curvature):
+def prior_dense(curvature) -> jax.Array:
     """``Ĥ_0`` as a dense ``(d, d)`` matrix (materialised from the diagonal form: small ``d`` only)."""
     return jnp.diag(curvature) if curvature.ndim == 1 else curvature
 
@@ -54,7 +54,7 @@ def _hvp_ones(f, z):
     return jax.jvp(jax.grad(f), (z,), (jnp.ones_like(z),))[1]
 
 
-def prior_diagonal_at(spec, data, z):
+def prior_diagonal_at(spec, data, z) -> jax.Array:
     """``diag ∇²ℓ_0(z)`` of a separable prior, matrix-free (the start of a family with matrix-free sites)."""
     return _hvp_ones(lambda zz: prior_loss(spec, zz, data), z)
 
@@ -88,7 +88,7 @@ def prior_terms_reparam(spec, chol, data, draws, eps) -> tuple[jax.Array, jax.Ar
     return jnp.mean(losses), jnp.mean(grads, 0), reparam_curvature(chol, cross)
 
 
-def prior_terms(spec, rule, family, q, data, extra, diagonal=False):
+def prior_terms(spec, rule, family, q, data, extra, diagonal=False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(E_q[ℓ_0], ĝ_0, Ĥ_0)`` of the prior under ``rule``; ``Ĥ_0`` is its diagonal ``(d,)`` when
     ``diagonal`` (allowed only for a separable prior), else a dense ``(d, d)`` matrix."""
     f = lambda z: prior_loss(spec, z, data)  # noqa: E731

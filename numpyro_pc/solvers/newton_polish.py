@@ -62,7 +62,7 @@ def _hvp(spec, family, include_prior, data, weights, base, mean, vector):
     return jax.jvp(total_grad, (mean,), (vector,))[1]
 
 
-def newton_direction(problem, q, grad, pre, forcing=1e-4):
+def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
     """``δ ≈ −∇²L(m)⁻¹ ∇L(m)`` by CG preconditioned with the family's mean preconditioner ``pre``.
 
     :param problem: the :class:`~numpyro_pc.solvers.site_problem.SiteProblem`.

@@ -75,7 +75,7 @@ def base_terms(family, q, base, point_loss=False) -> tuple[Any, Any, Any, Any]:
     return grad, base.precision, dense_b, loss
 
 
-def point_rule(problem):
+def point_rule(problem) -> bool:
     """Whether the problem's sites are evaluated at the mean alone (the delta rule): then they do not
     depend on the precision, and neither does the objective (the MAP loss)."""
     return problem.rule is not None and problem.rule.kind == "delta"

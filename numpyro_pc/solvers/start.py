@@ -75,7 +75,7 @@ class MapResult(NamedTuple):
     saddle_escapes: int = 0
 
 
-def negative_log_joint(spec, z, data, weights):
+def negative_log_joint(spec, z, data, weights) -> jax.Array:
     """``ℓ_0(z) + Σ_i w_i ℓ_i(z)`` over the bound (possibly bucket-padded) data."""
     per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
     return prior_loss(spec, z, data) + weights @ per
