@@ -172,7 +172,7 @@ def _flat_mean(family, lam) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=0)
-def _mean_shifts(family, lam, naturals):
+def _mean_shifts(family, lam, naturals) -> jax.Array:
     """``E_{λ_i}[x] − E_λ[x]`` for each row ``λ_i`` of ``naturals``."""
     return jax.vmap(lambda c: _flat_mean(family, c))(naturals) - _flat_mean(family, lam)[None, :]
 

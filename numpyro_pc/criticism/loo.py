@@ -147,7 +147,7 @@ def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitte
     return LooResult(data=data, index=index)
 
 
-def _where_rows(where, ids, khat, good_k):
+def _where_rows(where, ids, khat, good_k) -> np.ndarray:
     """Rows selected by ``where``: ``None`` (k̂ above ``good_k``), a boolean mask, or example ids."""
     if where is None:
         return np.flatnonzero(khat > good_k)

@@ -41,8 +41,8 @@ __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
 
 
 @jax.jit
-def _log_weights(sites, draws):
-    def one(z):
+def _log_weights(sites, draws) -> jax.Array:
+    def one(z) -> jax.Array:
         diff = z[None, :] - sites.refs()
         return sites.dense_grad() @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
 

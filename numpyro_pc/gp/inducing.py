@@ -71,7 +71,7 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
     return Z
 
 
-def _spread(points):
+def _spread(points) -> np.ndarray:
     return input_scales(points)
 
 

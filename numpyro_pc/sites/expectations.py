@@ -181,7 +181,7 @@ def _probe_offsets(dim, count, dtype, seed=5) -> jax.Array:
     return jnp.concatenate([jnp.zeros((1, dim), dtype), 0.5 * noise], 0)
 
 
-def _unit_rows(jac):
+def _unit_rows(jac) -> jax.Array:
     norms = jnp.linalg.norm(jac, axis=-1, keepdims=True)
     return jac / jnp.where(norms > 0, norms, 1.0)
 

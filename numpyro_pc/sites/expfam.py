@@ -241,7 +241,7 @@ def _losses_at(spec, family, point, data) -> jax.Array:
     return jnp.concatenate([per, (prior_loss(spec, z, data, discrete) + log_det)[None]])
 
 
-def _prior_at(spec, family, point, data):
+def _prior_at(spec, family, point, data) -> jax.Array:
     """The prior term ``-log p_0`` at one design point (the log-det added back, as in :func:`_losses_at`)."""
     z, discrete, log_det = model_point(spec, family, point)
     return prior_loss(spec, z, data, discrete) + log_det
@@ -276,11 +276,11 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
         def place(blocks) -> tuple[jax.Array, dict[Any, Any], Any]:
             return model_point(spec, family, {**point, **{f.site: b for f, b in zip(gaussian, blocks)}})
 
-        def example(ex, blocks):
+        def example(ex, blocks) -> jax.Array:
             z, discrete, _ = place(blocks)
             return example_loss(spec, z, ex, data.shared, discrete)
 
-        def prior(blocks):
+        def prior(blocks) -> jax.Array:
             z, discrete, log_det = place(blocks)
             return prior_loss(spec, z, data, discrete) + log_det
 

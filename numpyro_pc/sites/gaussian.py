@@ -62,7 +62,7 @@ def trace_count() -> int:
     return _TRACES["compute"]
 
 
-def _psd(lam):
+def _psd(lam) -> jax.Array:
     vals, vecs = jnp.linalg.eigh(lam)
     return (vecs * jnp.maximum(vals, 0.0)) @ vecs.T
 

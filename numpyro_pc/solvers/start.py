@@ -142,7 +142,7 @@ def _hessian(spec, z, data, weights):
     return 0.5 * (columns + columns.T)
 
 
-def _positive_part(hess, floor_ratio):
+def _positive_part(hess, floor_ratio) -> jax.Array:
     """``|H|`` with eigenvalues floored at ``floor_ratio · max |λ|`` (a positive-definite matrix)."""
     vals, vecs = jnp.linalg.eigh(hess)
     mags = jnp.abs(vals)
@@ -268,7 +268,7 @@ def _lowest_curvature(spec, z, data, weights) -> tuple[float, Any, float] | None
     return float(vals[0]) + scale, vecs[:, 0], scale
 
 
-def _escape_saddle(spec, z, value, lowest, data, weights):
+def _escape_saddle(spec, z, value, lowest, data, weights) -> jax.Array | None:
     """A point below ``value`` along the most negative curvature direction, or ``None`` at a minimum.
 
     L-BFGS stops wherever the gradient vanishes, saddles included: a network with symmetric
