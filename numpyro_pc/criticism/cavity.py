@@ -113,7 +113,7 @@ def rule_nodes(rule, spec, dim, dtype) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros((1, 0), dtype), jnp.ones(1, dtype)
 
 
-def _query(spec, rule, mean, ex, shared):
+def _query(spec, rule, mean, ex, shared) -> jax.Array:
     """Rows ``Q_i`` spanning the directions the example's likelihood depends on (``gh`` only)."""
     if rule.subspace_dim:
         return subspace_basis(spec, mean, ex, shared, rule.subspace_dim)
@@ -140,7 +140,7 @@ def _batch(num, nodes, dim) -> int:
     return int(max(1, min(num, _POINT_BUDGET // max(1, nodes * dim))))
 
 
-def _downdated_precision(family, state, row):
+def _downdated_precision(family, state, row) -> Any:
     """``S − Ĥ_i`` in the family's precision format from one example's row of the curvature store."""
     return state.precision - family.site_curvatures(jax.tree.map(lambda x: x[None], row))[0]
 
@@ -191,7 +191,7 @@ def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam
     return Cavities(shift, khat, kl, elpd, base)
 
 
-def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, marginals):
+def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, marginals) -> jax.Array:
     """``log p(y_i | y)`` under ``q`` itself for every example (the in-sample term of ``p_loo``)."""
     num, d = data.per_example[0].shape[0], state.mean.shape[0]
 
@@ -263,7 +263,7 @@ def refit_predictive(post, data, means, precisions) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("spec", "rule", "family"))
-def _refit_predictive(spec, rule, family, data, means, precisions):
+def _refit_predictive(spec, rule, family, data, means, precisions) -> jax.Array:
     d = means.shape[1]
     nodes, weights = rule_nodes(rule, spec, d, means.dtype)
 

@@ -80,7 +80,7 @@ def _cavities(family, lam, grads) -> EFCavities:
 
 
 @partial(jax.jit, static_argnums=0)
-def _row_predictive(config, naturals, per_example, shared):
+def _row_predictive(config, naturals, per_example, shared) -> jax.Array:
     """``log E_{q(λ_r)}[p(y_r | x)]`` for each row ``r`` of ``naturals`` with its own example."""
     spec, family = config.spec, config.family
 
@@ -178,7 +178,7 @@ def _mean_shifts(family, lam, naturals) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=0)
-def _mean_tangents(family, lam, directions):
+def _mean_tangents(family, lam, directions) -> jax.Array:
     """``d/dt E_{λ + t g_i}[x]`` at ``t = 0`` for each row ``g_i`` of ``directions``."""
     return jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])(directions)
 

@@ -106,7 +106,7 @@ def _ef_num_points(post, horizon, num_samples) -> int:
 
 
 @_num_points.register(Sites)
-def _gaussian_num_points(post, horizon, num_samples):
+def _gaussian_num_points(post, horizon, num_samples) -> int:
     if horizon > 1:
         return num_samples
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
@@ -127,7 +127,7 @@ def _gaussian_density(post, block, horizon, num_samples, seed) -> float:
 
 
 def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1000, seed=0, tol=None,
-        max_iters=None, fit_options=None, **kwargs):
+        max_iters=None, fit_options=None, **kwargs) -> Any:
     r"""Leave-future-out ELPD of a time-series model, as an ArviZ ``ELPDData``.
 
     :param model: the NumPyro model; its data plate runs over time.

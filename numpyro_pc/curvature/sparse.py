@@ -147,7 +147,7 @@ class SparseFactor(CurvatureStore):
         k = self.jac.shape[1]
         return jax.vmap(lambda idx, j: jnp.zeros((k, self.dim), j.dtype).at[:, idx].add(j))(self.index, self.jac)
 
-    def _batch(self):
+    def _batch(self) -> int:
         return max(1, _SPARSE_BATCH // max(self.dim * max(self.jac.shape[1], 1), 1))
 
     # --- algebra ---------------------------------------------------------------------------

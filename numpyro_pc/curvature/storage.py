@@ -120,7 +120,7 @@ def _why(spec, rule) -> str:
             f"changes over the points the {rule.kind!r} rule averages")
 
 
-def _factorised(spec, rule):
+def _factorised(spec, rule) -> list[tuple[dict[str, str], str]]:
     """The options under which this model's sites factorise (Gauss–Newton at the mean), with their meaning."""
     if spec.num_params == 0:
         return []
@@ -129,7 +129,7 @@ def _factorised(spec, rule):
     return [({"expectation": "delta", "curvature": "ggn"}, "the Laplace–Gauss–Newton posterior, stored factorised")]
 
 
-def _say(remedies):
+def _say(remedies) -> str:
     """``pass a='x' with b='y' (meaning), or c='z' …``"""
     parts = [" with ".join(f"{k}={v!r}" for k, v in r.items()) + (f" ({note})" if note else "")
              for r, note in remedies]

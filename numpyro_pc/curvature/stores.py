@@ -434,7 +434,7 @@ def get_store(name) -> type[CurvatureStore]:
     return STORES[name]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "Factor":  # renamed: numpyro_pc.families.expfam.Factor is an exponential-family factor
         warnings.warn("numpyro_pc.curvature.Factor is now JacobianFactor (the store of H_i = J_i^T Lambda_i J_i; "
                       "Factor is the exponential-family factor of numpyro_pc.families.expfam); the old name will be "

@@ -89,7 +89,7 @@ def verify(file, relative) -> None:
                            f"expected {expected[:12]}…); it may be truncated or altered.")
 
 
-def _locate(relative, path=None, download=False):
+def _locate(relative, path=None, download=False) -> Path:
     for base in data_roots(path):
         file = base / relative
         if file.is_file():

@@ -71,7 +71,7 @@ class _GaussianFactor(Factor):
     def from_constrained(self, values) -> jax.Array:
         return jnp.reshape(self.transform.inv(values), self.shape)
 
-    def _wrap(self, base):
+    def _wrap(self, base) -> dist.Distribution:
         if self.is_identity:
             return base
         event = self.transform.domain.event_dim - len(base.event_shape)
@@ -195,7 +195,7 @@ class FullGaussianFactor(_GaussianFactor):
     def size(self) -> int:
         return self.dim + self.dim * (self.dim + 1) // 2
 
-    def _upper(self):
+    def _upper(self) -> tuple[jax.Array, jax.Array]:
         return jnp.triu_indices(self.dim)
 
     def precision(self, lam) -> jax.Array:

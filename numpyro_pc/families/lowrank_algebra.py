@@ -115,7 +115,7 @@ def newton_solve(precision, op, b) -> jax.Array:
     fallback = solve_precision(precision, b)
     goal = jnp.sqrt(jnp.finfo(b.dtype).eps) * jnp.linalg.norm(b)
 
-    def cond(state):
+    def cond(state) -> jax.Array:
         _, resid, _, _, _, k, ok = state
         return ok & (k < dim) & (jnp.linalg.norm(resid) > goal)
 

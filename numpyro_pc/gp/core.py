@@ -249,7 +249,7 @@ def step(config, state, X, y, mask) -> tuple[StreamingGPState, dict]:
     return fit_batch(config, state._replace(key=key), Z0, X, y, mask)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "StreamConfig":  # renamed: numpyro_pc.kernels.stream_state.StreamConfig is the posterior stream's
         warnings.warn("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
                       "numpyro_pc.kernels.stream_state); the old name will be removed in the next release",

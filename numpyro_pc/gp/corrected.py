@@ -104,7 +104,7 @@ def gaussian_sites(old, X, y, mask) -> GaussianSites:
     return GaussianSites(U=U, Ur=W @ r / s2, const=const)
 
 
-def _neg_log_lik(hyper, y, f):
+def _neg_log_lik(hyper, y, f) -> jax.Array:
     return -expected_log_lik(hyper, jnp.atleast_1d(y), jnp.atleast_1d(f), jnp.zeros(1))[0] \
         if hyper.noise is not None else -hyper.likelihood.link_function(f).log_prob(y)
 

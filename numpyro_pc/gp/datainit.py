@@ -42,7 +42,7 @@ NOISE_RATIO = 0.01
 MAX_PAIRS = 4096
 
 
-def _pairs(n, rng):
+def _pairs(n, rng) -> tuple[np.ndarray, np.ndarray]:
     if n < 2:
         return np.zeros(0, int), np.zeros(0, int)
     if n * (n - 1) // 2 <= MAX_PAIRS:
@@ -72,7 +72,7 @@ def input_scales(X, rng=None) -> np.ndarray:
     return out
 
 
-def _isotropic_scale(X, rng):
+def _isotropic_scale(X, rng) -> float:
     X = np.asarray(X, float)
     i, j = _pairs(X.shape[0], rng)
     if i.size:
@@ -82,7 +82,7 @@ def _isotropic_scale(X, rng):
     return float(np.sqrt(np.mean(input_scales(X, rng) ** 2)))
 
 
-def _is_default(p, value, force):
+def _is_default(p, value, force) -> bool:
     """Whether the parameter ``p`` may be replaced: a plain ``PositiveReal``/``NonNegativeReal`` that
     holds GPJax's default ``value`` everywhere, to 1e-6 relative (the softplus round trip turns 1.0 into
     0.99999999955), or anything plain when ``force``."""

@@ -79,7 +79,7 @@ def _zs(input_scale) -> jax.Array | None:
     return None if input_scale is None else jnp.asarray(input_scale, jnp.float64)
 
 
-def _q_from_raw(raw):
+def _q_from_raw(raw) -> uncollapsed.WhitenedQ:
     mean, P = raw
     return uncollapsed.WhitenedQ(mean, jnp.tril(P, -1) + jnp.diag(jax.nn.softplus(jnp.diag(P))))
 
@@ -276,7 +276,7 @@ class StreamingSparseGP:
             raise DataShapeError("the batch has no observed output (mask is all False)")
         return X, np.where(obs, y, 0.0), obs
 
-    def _config(self):
+    def _config(self) -> core.GPStreamConfig:
         return core.GPStreamConfig(learn_hyperparameters=self.learn_hyperparameters, learn_inducing=self.learn_inducing,
                                  noise_memory=self.noise_memory, method=self.optimizer, max_iters=self.max_iters,
                                  learning_rate=self.learning_rate, gtol=self.gtol, ftol=self.ftol,
@@ -483,7 +483,7 @@ def _unwrap(hyper):
     return paramax.unwrap(eqx.tree_at(lambda t: t.Z, hyper, None))
 
 
-def hyperparameters(hyper):
+def hyperparameters(hyper) -> dict[str, Any]:
     """Constrained hyperparameter values as ``{path: float or list}`` (``Z`` excluded)."""
     h = _unwrap(hyper)
     out = {}

@@ -93,7 +93,7 @@ class _LBFGSCarry(NamedTuple):
     aux: object           # auxiliary output of fun at x
 
 
-def _two_loop(g, S, Y, head, pairs):
+def _two_loop(g, S, Y, head, pairs) -> jax.Array:
     """``−H g`` by the L-BFGS two-loop recursion over the stored pairs (newest first), ``H₀ = (sᵀy / yᵀy) I``."""
     m = S.shape[0]
     idx = (head - 1 - jnp.arange(m)) % m                       # newest → oldest
@@ -147,7 +147,7 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
     vg = jax.value_and_grad(f_aux, has_aux=True)
     inf = jnp.asarray(jnp.inf, dt)
 
-    def body(c):
+    def body(c) -> _LBFGSCarry:
         xt = c.x + c.t * c.d
         (ft, at), gt = vg(xt)
         ft = jnp.where(jnp.isfinite(ft) & jnp.all(jnp.isfinite(gt)), ft, inf)
@@ -178,7 +178,7 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
                            recent=jnp.where(accept & ~first, c.recent.at[c.it % window].set(c.f), c.recent),
                            aux=jax.tree.map(pick, at, c.aux))
 
-    def cont(c):
+    def cont(c) -> jax.Array:
         # c.recent[it % window] is f after iteration it − window (overwritten by the next accepted one)
         stalled = (c.it >= window) & (c.recent[c.it % window] - c.f <= window * ftol * jnp.maximum(1.0, jnp.abs(c.f)))
         return (c.evals == 0) | ((c.it < max_iters) & (jnp.linalg.norm(c.g) >= gtol) & ~stalled
@@ -207,7 +207,7 @@ def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0) -> OptimResult:
         new = optax.apply_updates(p, updates)
         return new, p, state, value, last, k + 1
 
-    def cont(carry):
+    def cont(carry) -> jax.Array:
         p, _, state, value, last, k = carry
         g = optax.tree_utils.tree_get(state, "grad")
         gnorm = optax.tree_utils.tree_norm(g)

@@ -57,7 +57,7 @@ def is_hand_written(guide) -> bool:
     return callable(guide) and (not isinstance(guide, AutoGuide) or isinstance(guide, AutoGuideList))
 
 
-def _trace(guide, params, args, kwargs):
+def _trace(guide, params, args, kwargs) -> dict[str, Any]:
     fn = handlers.seed(guide, 0)
     if params is not None:
         fn = handlers.substitute(fn, data=params)
