@@ -62,7 +62,7 @@ __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_bin
 # --------------------------------------------------------------------------- binding
 
 
-def _describe_leading_sizes(names, leaves):
+def _describe_leading_sizes(names, leaves) -> str:
     return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if is_array(x))
 
 
@@ -285,7 +285,7 @@ def _find_data_plate(trace, data_plate, leaf_names, leaves, shared):
     return plate, frames[plate].size, names
 
 
-def _base_name(leaf_name):
+def _base_name(leaf_name) -> str:
     """The argument a leaf belongs to (``"data[0]"`` → ``"data"``), the name ``shared=`` uses."""
     return leaf_name.split("[")[0].split(".")[0]
 
@@ -297,7 +297,7 @@ def _log_prob_shape(site) -> tuple[Any, ...]:
     return tuple(np.broadcast_shapes(tuple(fn.batch_shape), value_batch, np.shape(site.get("mask"))))
 
 
-def _implicit_rows(observed, leaf_names, leaves, shared):
+def _implicit_rows(observed, leaf_names, leaves, shared) -> int:
     """The size ``N`` of the implicit data plate of a model whose observed sites lie in no plate.
 
     The rule of :func:`bind_model`: the leading dimension of every observed site's
@@ -468,7 +468,7 @@ def _static_values(spec) -> list[Any]:
 
 
 @partial(jax.jit, static_argnums=0)
-def _param_jacobians(spec, points, examples, shared):
+def _param_jacobians(spec, points, examples, shared) -> jax.Array:
     """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``."""
     def at(z):
         return jax.vmap(lambda ex: jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)

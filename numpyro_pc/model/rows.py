@@ -46,7 +46,7 @@ def on_host(x) -> bool:
     return x.is_fully_addressable and all(device.platform == "cpu" for device in x.devices())
 
 
-def _representable(dtype):
+def _representable(dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
@@ -129,7 +129,7 @@ def bucket_size(num, smallest=8, fine_from=2048) -> int:
     return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
 
 
-def as_ids(ids):
+def as_ids(ids) -> np.ndarray:
     """Unique example ids as int64; anything that is not an integer array is refused, never rounded."""
     raw = np.asarray(ids)
     if raw.size == 0:
@@ -198,7 +198,7 @@ def pad_to_bucket(data, weights, ids, dtype=None) -> tuple[ModelData, jax.Array,
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
 
 
-def memory_ids(memory, held, removed=()):
+def memory_ids(memory, held, removed=()) -> np.ndarray:
     """The example ids a correction covers: ``"all"`` held ids, ``"none"``, or the given ids,
     less ``removed``.
 

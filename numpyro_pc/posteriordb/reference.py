@@ -58,6 +58,8 @@ from .hierarchical import HIERARCHICAL, translate_hierarchical
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import NoReturn
     from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
@@ -72,7 +74,7 @@ MAX_EXCESS_KURTOSIS = 1.0
 NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
         warnings.warn("numpyro_pc.posteriordb.reference.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
                       "fitted dual-form posterior); the old name will be removed in the next release",
@@ -360,8 +362,8 @@ def _translate_hmm_example(post) -> Translation:
     return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: (K,) for k in params}))
 
 
-def _ode(name):
-    def fail(post):
+def _ode(name) -> Callable[[Any], NoReturn]:
+    def fail(post) -> NoReturn:
         raise UnsupportedModelError(
             f"{name} is an ODE model (Stan integrate_ode_*): its likelihood needs the solution of an ODE over "
             "all observation times, so a faithful translation has no per-example likelihood terms and "

@@ -262,7 +262,7 @@ def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM)
 
 
 @partial(jax.jit, static_argnums=0)
-def _probe_jacobians(spec, z, examples, shared, offsets):
+def _probe_jacobians(spec, z, examples, shared, offsets) -> jax.Array:
     def one(ex):
         theta = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
         jac_fn = jax.jacrev if spec.num_params < z.shape[0] else jax.jacfwd
@@ -370,7 +370,7 @@ def _probe_vectors(dim, dtype, count=3) -> jax.Array:
 
 
 @partial(jax.jit, static_argnums=0)
-def _prior_hvps(spec, points, first, shared, vectors):
+def _prior_hvps(spec, points, first, shared, vectors) -> jax.Array:
     """``H(z) v`` for every point and every vector: ``(points, vectors, d)``."""
     grad = jax.grad(lambda zz: prior_loss(spec, zz, ModelData(first, shared)))
     return jax.vmap(lambda z: jax.vmap(lambda v: jax.jvp(grad, (z,), (v,))[1])(vectors))(points)

@@ -331,7 +331,7 @@ def _map_chunks(fn, leaves, num, chunk, num_devices) -> tuple[Any, Any]:
     return per, sums
 
 
-def _reparam(cfg, family):
+def _reparam(cfg, family) -> bool:
     """Whether the Monte Carlo sites take the reparameterisation precision estimator."""
     return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and not gaussian_solver(family).dense_sum
             and cfg.storage is Dense and cfg.curvature == "hessian")
@@ -460,7 +460,7 @@ def _checked_subspaces(out, rule) -> tuple:
 _WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has needed so far
 
 
-def _prior_diagonal(spec, data, family, storage, rule, q, traced):
+def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
     sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
     if not (site_curvature(family).matrix_free and storage.sparse_rows):

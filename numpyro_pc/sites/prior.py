@@ -49,7 +49,7 @@ def prior_dense(curvature) -> jax.Array:
     return jnp.diag(curvature) if curvature.ndim == 1 else curvature
 
 
-def _hvp_ones(f, z):
+def _hvp_ones(f, z) -> jax.Array:
     """``∇²f(z) 1``: the Hessian's diagonal when ``f`` is separable (one forward-over-reverse product)."""
     return jax.jvp(jax.grad(f), (z,), (jnp.ones_like(z),))[1]
 

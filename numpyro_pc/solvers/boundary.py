@@ -93,7 +93,7 @@ def _constrained(transform) -> bool:
 
 
 @partial(jax.jit, static_argnames=("spec", "num"))
-def _draws_on(spec, per_example, shared, key, num):
+def _draws_on(spec, per_example, shared, key, num) -> jax.Array:
     args, kwargs = spec.build_args(per_example, shared)
     names = [n for n, t in zip(spec.latent.names, spec.latent.transforms) if _constrained(t)]
 

@@ -266,7 +266,7 @@ def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rh
     tau, aux = target(lam)
     start = (natural_init(lam, tau, rho, memory), aux)
 
-    def cond(carry):
+    def cond(carry) -> jax.Array:
         state = carry[0]
         return ((state.iteration < max_iters) & (state.residual > tol) & jnp.isfinite(state.residual)
                 & state.inside)

@@ -177,7 +177,7 @@ def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions(
                       False, state.started)
 
 
-def _linear(history):
+def _linear(history) -> bool:
     """Convergence is linear: the residual shrank by less than 100× at the last step."""
     return len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
 
@@ -194,7 +194,7 @@ def _evaluate_trial(problem, trial) -> Point | None:
     return evaluate(problem, trial, t_sites, t_sums)
 
 
-def _accept(problem, point, history, trial, permissive=False):
+def _accept(problem, point, history, trial, permissive=False) -> Point | None:
     """The evaluated ``trial`` if it makes progress from ``point``, else ``None``.
 
     Progress is a lower variational objective (for a family whose iteration minimises it) or —
@@ -218,7 +218,7 @@ def _accept(problem, point, history, trial, permissive=False):
     return None
 
 
-def _newton_proposal(problem, point, history, target):
+def _newton_proposal(problem, point, history, target) -> tuple[Point | None, float, bool]:
     """Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
     Gauss–Newton precision as preconditioner, truncated at negative curvature) removes the linear
     rate of the plain step. Far from a minimum of a non-convex loss the full step overshoots while
@@ -240,7 +240,7 @@ def _newton_proposal(problem, point, history, target):
     return None, rho, False
 
 
-def _anderson_proposal(problem, point, history, anderson, memory):
+def _anderson_proposal(problem, point, history, anderson, memory) -> tuple[Point | None, float, bool]:
     """The Anderson (type II) candidate of the last ``memory`` undamped steps, if it makes progress."""
     if memory <= 0 or int(anderson.count) <= 1:
         return None, 0.0, False
@@ -248,7 +248,7 @@ def _anderson_proposal(problem, point, history, anderson, memory):
     return outcome, 1.0, outcome is not None
 
 
-def _damped_proposal(problem, point, history, direction, target, options):
+def _damped_proposal(problem, point, history, direction, target, options) -> tuple[Point | None, float, bool]:
     """The damped step of rate ``ρ`` (:func:`_damped_trial`), halved from ``options.step_size`` until
     it makes progress; a falling residual far from the fixed point is accepted only on a second,
     permissive pass."""
@@ -328,7 +328,7 @@ def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30
     return point.q, point.sites, history
 
 
-def _watchdog(problem, point):
+def _watchdog(problem, point) -> list[Point] | None:
     """Up to ``_WATCH`` undamped steps from ``point``: the path to the first one whose residual is
     below ``point``'s, or ``None`` (a watchdog, Chamberlain et al. 1982).
 

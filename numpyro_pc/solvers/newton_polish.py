@@ -47,7 +47,7 @@ def applies(problem) -> bool:
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _hvp(spec, family, include_prior, data, weights, base, mean, vector):
+def _hvp(spec, family, include_prior, data, weights, base, mean, vector) -> jax.Array:
     def total_grad(z):
         def total(z):
             value = jnp.sum(weights * losses(spec, z, data))
@@ -77,7 +77,7 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
     weights = (jnp.ones(problem.data.per_example[0].shape[0], grad.dtype) if problem.weights is None
                else problem.weights)
 
-    def hvp(v):
+    def hvp(v) -> jax.Array:
         return _hvp(problem.spec, family, bool(problem.include_prior), problem.data, weights, problem.base, q.mean, v)
 
     apply_pre = family.inner_preconditioner(pre)

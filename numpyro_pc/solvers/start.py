@@ -42,6 +42,7 @@ from numpyro_pc.sites.prior import prior_diagonal_at
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["MapResult", "map_laplace", "mean_field_elbo", "fixed_draw_objective", "negative_log_joint", "StartChoice",
@@ -82,11 +83,11 @@ def negative_log_joint(spec, z, data, weights) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _value_and_grad(spec, z, data, weights):
+def _value_and_grad(spec, z, data, weights) -> tuple[jax.Array, jax.Array]:
     return jax.value_and_grad(lambda zz: negative_log_joint(spec, zz, data, weights))(z)
 
 
-def _host_objective(value_and_grad, dtype):
+def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
     """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
     support: the line search backs off)."""
     def fun(x):
@@ -135,7 +136,7 @@ class _GradientStop:
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _hessian(spec, z, data, weights):
+def _hessian(spec, z, data, weights) -> jax.Array:
     grad = jax.grad(lambda zz: negative_log_joint(spec, zz, data, weights))
     columns = jax.lax.map(lambda v: jax.jvp(grad, (z,), (v,))[1], jnp.eye(z.shape[0], dtype=z.dtype),
                           batch_size=_HVP_BATCH)
@@ -237,7 +238,7 @@ def _dense_lowest(hess) -> tuple[float, Any, float]:
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _hvp(spec, z, data, weights, vector):
+def _hvp(spec, z, data, weights, vector) -> jax.Array:
     grad = jax.grad(lambda zz: negative_log_joint(spec, zz, data, weights))
     return jax.jvp(grad, (z,), (vector,))[1]
 
@@ -308,7 +309,7 @@ def _draws_loss(spec, points, data, weights) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _mean_field_value_and_grad(spec, params, noise, data, weights):
+def _mean_field_value_and_grad(spec, params, noise, data, weights) -> tuple[jax.Array, Any]:
     dim = noise.shape[1]
 
     def objective(p) -> jax.Array:
