@@ -194,7 +194,7 @@ class SparseFactor(CurvatureStore):
         if not isinstance(stale, SparseFactor):
             return super().mismatch(stale, cov_rows, shared_jacobian)
 
-        def one(fresh, old):
+        def one(fresh, old) -> jax.Array:
             dense = lambda s: JacobianFactor(s.dense_jac(), s.lam)  # noqa: E731
             expand = lambda x: jax.tree.map(lambda a: a[None], x)  # noqa: E731
             return dense(expand(fresh)).mismatch(dense(expand(old)), cov_rows, shared_jacobian)[0]

@@ -93,7 +93,7 @@ def _q_to_raw(q) -> tuple[Any, jax.Array]:
 def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs) -> tuple[Any, Any, Any, Any, Any]:
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
-    def objective(u, rq):
+    def objective(u, rq) -> jax.Array:
         hyper = eqx.combine(datainit.from_search(u, zs), static)
         q = _q_from_raw(rq)
         value = uncollapsed.uncollapsed_bound(hyper, old, X, y, mask, q)

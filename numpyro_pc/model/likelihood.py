@@ -217,7 +217,7 @@ def _check_rows_observed(trace, plate, size, observed, leaves) -> None:
                 f"broadcast to every row. Pass one value per row (e.g. y of shape ({size},)).")
 
 
-def _prototype_value(site):
+def _prototype_value(site) -> jax.Array | None:
     """A value for a continuous latent site that does not call its sampler.
 
     Uniform in ``(−2, 2)`` in unconstrained space (as NumPyro's ``init_to_uniform``), built
@@ -348,7 +348,7 @@ def _analyse_params(spec, data, z0):
         site_leaves = jax.tree.leaves(trace[name]["fn"])
         float_leaf = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in site_leaves]
 
-        def leaves_of(z, name=name):
+        def leaves_of(z, name=name) -> list[Any]:
             t = trace_at(spec, z, example_args(first), data.shared)
             return jax.tree.leaves(t[name]["fn"])
 
@@ -470,7 +470,7 @@ def _static_values(spec) -> list[Any]:
 @partial(jax.jit, static_argnums=0)
 def _param_jacobians(spec, points, examples, shared) -> jax.Array:
     """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``."""
-    def at(z):
+    def at(z) -> jax.Array:
         return jax.vmap(lambda ex: jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)
 
     return jax.vmap(at)(points)

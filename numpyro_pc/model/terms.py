@@ -221,7 +221,7 @@ def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
         rebuild.append((site, leaves, treedef, mask))
     theta = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), z.dtype)
 
-    def loss_fn(theta):
+    def loss_fn(theta) -> jax.Array:
         total, pos = 0.0, 0
         for site, leaves, treedef, mask in rebuild:
             new_leaves = []

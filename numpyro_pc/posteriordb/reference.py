@@ -105,7 +105,7 @@ def load_posterior(name, path=None) -> ReferencePosterior:
 # ----------------------------------------------------------------- regressions (y ~ normal(X beta, sigma))
 
 
-def _regression(sigma_prior=None):
+def _regression(sigma_prior=None) -> Callable[..., None]:
     def model(X, y=None) -> None:
         beta = numpyro.sample("beta", flat_prior(constraints.real_vector, (X.shape[1],)))
         sigma = numpyro.sample("sigma", flat_prior(constraints.positive) if sigma_prior is None else sigma_prior)

@@ -93,7 +93,7 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
 
     table = functools.singledispatch(refuse)
 
-    def call(post, *args, **kwargs):
+    def call(post, *args, **kwargs) -> Any:
         require_posterior(post, operation, error)
         impl = table.dispatch(post.site_table_type)
         if impl is refuse:

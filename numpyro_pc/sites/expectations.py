@@ -263,7 +263,7 @@ def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM)
 
 @partial(jax.jit, static_argnums=0)
 def _probe_jacobians(spec, z, examples, shared, offsets) -> jax.Array:
-    def one(ex):
+    def one(ex) -> jax.Array:
         theta = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
         jac_fn = jax.jacrev if spec.num_params < z.shape[0] else jax.jacfwd
         return jax.vmap(lambda o: jac_fn(theta)(z + o))(offsets)

@@ -253,7 +253,7 @@ def point_losses(spec, family, values, data) -> tuple[Any, Any]:
     return out[:, :-1].T, out[:, -1]
 
 
-def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
+def gaussian_moments(spec, family, lam, values, weights, data, stein=False) -> dict[str, tuple[jax.Array, jax.Array]]:
     r"""For each Gaussian factor, :math:`E[\nabla_u \ell_i]` ``(N+1, d)`` and
     :math:`E[\nabla^2_u \ell_i]` ``(N+1, d, d)`` over the points (row ``N``: the prior term),
     derivatives with respect to the factor's own unconstrained coordinates.

@@ -49,6 +49,7 @@ from .prior import prior_terms, prior_terms_reparam, reparam_curvature
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
@@ -67,7 +68,7 @@ def _psd(lam) -> jax.Array:
     return (vecs * jnp.maximum(vals, 0.0)) @ vecs.T
 
 
-def _point_terms(spec, cfg, z, ex, shared):
+def _point_terms(spec, cfg, z, ex, shared) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """Loss, gradient and curvature of one example at one point ``z``."""
     if uses_params(spec, cfg.storage, cfg.curvature):
         theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
@@ -269,7 +270,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex) -> tuple[tuple[Any,
     shift = jax.scipy.linalg.solve_triangular(chol, spread.T, lower=True)  # L⁻¹ P Σ, (r, d)
     points = q.mean[None, :] + nodes @ shift
 
-    def along(z):
+    def along(z) -> Callable[[jax.Array], jax.Array]:
         return lambda t: example_loss(spec, z + t @ basis, ex, shared)
 
     zero = jnp.zeros(basis.shape[0], q.mean.dtype)

@@ -48,8 +48,8 @@ def applies(problem) -> bool:
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _hvp(spec, family, include_prior, data, weights, base, mean, vector) -> jax.Array:
-    def total_grad(z):
-        def total(z):
+    def total_grad(z) -> jax.Array:
+        def total(z) -> jax.Array:
             value = jnp.sum(weights * losses(spec, z, data))
             if include_prior:
                 value = value + prior_loss(spec, z, data)

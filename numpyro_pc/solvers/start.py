@@ -90,7 +90,7 @@ def _value_and_grad(spec, z, data, weights) -> tuple[jax.Array, jax.Array]:
 def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
     """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
     support: the line search backs off)."""
-    def fun(x):
+    def fun(x) -> tuple[float, np.ndarray]:
         value, grad = value_and_grad(jnp.asarray(x, dtype))
         value, grad = float(value), np.asarray(grad, dtype=np.float64)
         if not (np.isfinite(value) and np.all(np.isfinite(grad))):
