@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-    from numpyro_pc.protocols.family import ExponentialFamily
+    from numpyro_pc.families.registry import ExponentialFamily
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]
