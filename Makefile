@@ -20,7 +20,7 @@ help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
 	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
 	@echo "make test       ruff, unit tests, then notebooks, then the strict docs build"
-	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns) and the import-layer contract"
+	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns), the import-layer contract, mypy"
 	@echo "make unit       pytest on tests/"
 	@echo "make notebooks  check that the committed outputs are current, then execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
 	@echo "make notebooks-full  full-size runs written back into notebooks/ with their outputs (commit them)"
@@ -57,6 +57,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check numpyro_pc tests benchmarks scripts
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy numpyro_pc
 	$(PY) scripts/architecture.py --check
 
 unit: venv

@@ -11,6 +11,8 @@
 See docs/criticism.md.
 """
 
+from __future__ import annotations
+
 from .influence import InfluenceResult, influence
 from .lfo import lfo
 from .loo import elpd_data, loo

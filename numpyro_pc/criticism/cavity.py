@@ -72,6 +72,10 @@ from numpyro_pc.sites.expectations import hermite_nodes, mc_noise, subspace_basi
 from numpyro_pc.sites.gaussian import compute_sites
 
 from ..errors import InvalidOptionError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Cavities", "cavities", "downdates", "kl_shape", "log_predictive", "refit_predictive", "rule_nodes",
            "taylor_cavities"]
@@ -96,7 +100,7 @@ class Cavities(NamedTuple):
     lppd: jax.Array
 
 
-def rule_nodes(rule, spec, dim, dtype):
+def rule_nodes(rule, spec, dim, dtype) -> tuple[jax.Array, jax.Array]:
     """Standard-normal nodes ``(K, r)`` and weights ``(K,)`` of the rule (``r = d`` for ``mc``)."""
     if rule.kind == "gh" and rule.subspace_dim:
         return tensor_hermite_nodes(rule.nodes_per_dim, rule.subspace_dim, dtype)
@@ -109,14 +113,14 @@ def rule_nodes(rule, spec, dim, dtype):
     return jnp.zeros((1, 0), dtype), jnp.ones(1, dtype)
 
 
-def _query(spec, rule, mean, ex, shared):
+def _query(spec, rule, mean, ex, shared) -> jax.Array:
     """Rows ``Q_i`` spanning the directions the example's likelihood depends on (``gh`` only)."""
     if rule.subspace_dim:
         return subspace_basis(spec, mean, ex, shared, rule.subspace_dim)
     return jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(mean)
 
 
-def log_predictive(spec, rule, family, shared, nodes, weights, ex, mean, query, marginal, precision):
+def log_predictive(spec, rule, family, shared, nodes, weights, ex, mean, query, marginal, precision) -> jax.Array:
     r"""``log ∫ p(y_i | z) N(z | mean, ·) dz`` by the rule: ``gh`` uses ``marginal = Q Σ Qᵀ``
     over ``query = Q``; ``mc`` draws ``z = mean + L⁻ᵀ ε`` from ``precision``; ``delta`` is the plug-in."""
     if rule.kind == "gh":
@@ -132,16 +136,16 @@ def log_predictive(spec, rule, family, shared, nodes, weights, ex, mean, query, 
     return logsumexp(values, b=weights)
 
 
-def _batch(num, nodes, dim):
+def _batch(num, nodes, dim) -> int:
     return int(max(1, min(num, _POINT_BUDGET // max(1, nodes * dim))))
 
 
-def _downdated_precision(family, state, row):
+def _downdated_precision(family, state, row) -> Any:
     """``S − Ĥ_i`` in the family's precision format from one example's row of the curvature store."""
     return state.precision - family.site_curvatures(jax.tree.map(lambda x: x[None], row))[0]
 
 
-def _kl(eig, mahalanobis):
+def _kl(eig, mahalanobis) -> jax.Array:
     """``KL(q_{∖i} ‖ q)`` from the eigenvalues of ``Σ^{1/2}Ĥ_iΣ^{1/2}`` and ``Δᵀ S Δ`` (inf if not PD)."""
     safe = jnp.minimum(eig, 1.0 - 1e-300)
     terms = jnp.sum(safe / (1.0 - safe) + jnp.log1p(-safe), axis=-1)
@@ -149,7 +153,7 @@ def _kl(eig, mahalanobis):
 
 
 @partial(jax.jit, static_argnames=("spec", "rule", "family", "predict"))
-def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam):
+def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam) -> Cavities:
     """Cavities of the full family with factorised sites: rank-``k`` downdates of one Cholesky."""
     num, k, d = jac.shape
     chol = jnp.linalg.cholesky(state.precision)
@@ -176,7 +180,7 @@ def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam
     nodes, weights = rule_nodes(rule, spec, d, state.mean.dtype)
     base = _base_predictive(spec, rule, family, state, data, nodes, weights, jac, b)
 
-    def one(args):
+    def one(args) -> jax.Array:
         ex, sh, q_rows, marg, jj, ll = args
         prec = state.precision - jj.T @ ll @ jj if rule.kind == "mc" else state.precision
         return log_predictive(spec, rule, family, data.shared, nodes, weights, ex, state.mean + sh, q_rows, marg,
@@ -187,11 +191,11 @@ def _woodbury_cavities(spec, rule, family, predict, state, data, grads, jac, lam
     return Cavities(shift, khat, kl, elpd, base)
 
 
-def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, marginals):
+def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, marginals) -> jax.Array:
     """``log p(y_i | y)`` under ``q`` itself for every example (the in-sample term of ``p_loo``)."""
     num, d = data.per_example[0].shape[0], state.mean.shape[0]
 
-    def one(args):
+    def one(args) -> jax.Array:
         ex, q_rows, marg = args
         return log_predictive(spec, rule, family, data.shared, nodes, weights, ex, state.mean, q_rows, marg,
                               state.precision)
@@ -200,13 +204,13 @@ def _base_predictive(spec, rule, family, state, data, nodes, weights, queries, m
 
 
 @partial(jax.jit, static_argnames=("spec", "rule", "family", "predict"))
-def _general_cavities(spec, rule, family, predict, state, data, grads, curv):
+def _general_cavities(spec, rule, family, predict, state, data, grads, curv) -> Cavities:
     """Cavities for any family and storage, one small downdate per example inside ``lax.map``."""
     num, d = grads.shape
     nodes, weights = rule_nodes(rule, spec, d, state.mean.dtype)
     cov = family.dense_covariance(state)
 
-    def one(args):
+    def one(args) -> tuple[Any, jax.Array, jax.Array, jax.Array, jax.Array]:
         ex, g, row = args
         prec = _downdated_precision(family, state, row)
         linear = family.natural(Gaussian(state.mean, prec)).linear + g
@@ -231,7 +235,7 @@ def _general_cavities(spec, rule, family, predict, state, data, grads, curv):
     return Cavities(*out)
 
 
-def cavities(post, sites, data, predict=True):
+def cavities(post, sites, data, predict=True) -> Cavities:
     """All-``N`` cavities of ``post`` for the site rows ``sites`` and their data ``data`` (aligned).
 
     :param bool predict: also compute the predictive densities (else ``elpd``/``lppd`` are zeros).
@@ -240,7 +244,7 @@ def cavities(post, sites, data, predict=True):
     return downdates(post.spec, post.rule, post.family, post.state, sites, data, predict=predict)
 
 
-def downdates(spec, rule, family, state, sites, data, predict=True):
+def downdates(spec, rule, family, state, sites, data, predict=True) -> Cavities:
     """:func:`cavities` for an explicit ``state`` and ``sites`` (e.g. Hessians at the mean)."""
     grads = sites.grad_at(state.mean)
     spec = replace(spec, num_examples=int(grads.shape[0]))
@@ -250,7 +254,7 @@ def downdates(spec, rule, family, state, sites, data, predict=True):
     return _general_cavities(spec, rule, family, predict, state, data, grads, sites.curv)
 
 
-def refit_predictive(post, data, means, precisions):
+def refit_predictive(post, data, means, precisions) -> jax.Array:
     """``log p(y_i | ·)`` of examples ``data`` (aligned with ``means``/``precisions``, one
     exact refit posterior each) by the posterior's rule."""
     num = int(np.asarray(means).shape[0])
@@ -259,11 +263,11 @@ def refit_predictive(post, data, means, precisions):
 
 
 @partial(jax.jit, static_argnames=("spec", "rule", "family"))
-def _refit_predictive(spec, rule, family, data, means, precisions):
+def _refit_predictive(spec, rule, family, data, means, precisions) -> jax.Array:
     d = means.shape[1]
     nodes, weights = rule_nodes(rule, spec, d, means.dtype)
 
-    def one(args):
+    def one(args) -> jax.Array:
         ex, mean, prec = args
         q = Gaussian(mean, prec)
         if rule.kind == "gh":
@@ -282,7 +286,7 @@ _FD_STEP = 1e-3  # central-difference step, in units of the posterior's standard
 _TAYLOR_BUDGET = 2**26  # numbers in ∂H/∂Σ (d(d+1)/2 · d²) that method="taylor" may form
 
 
-def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS):
+def taylor_cavities(post, sites, data, shift, iters=TAYLOR_ITERS) -> Any:
     r"""Leave-one-out posteriors with the retained sites' total expanded to second order around ``q``.
 
     Site removal treats every retained example's loss as the quadratic cached at ``q``. The
@@ -328,13 +332,13 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
     dtype = shift.dtype
     one_spec = replace(spec, num_examples=1)
 
-    def expected(sp, dat, mean, cov):
+    def expected(sp, dat, mean, cov) -> tuple[jax.Array, Any, Any, Any]:
         out, _ = compute_sites(sp, dat, family, Gaussian(mean, jnp.linalg.inv(cov)), rule, curvature=curvature,
                                storage=storage, chunk_size=chunk_size, num_devices=1)
         ones = jnp.ones(out.grad.shape[0], dtype)
         return ones @ out.dense_grad(), out.curv.weighted_dense(ones), out.prior_grad, out.prior_curvature_dense()
 
-    def total(mean, cov):
+    def total(mean, cov) -> tuple[Any, Any]:
         g, h, pg, ph = expected(spec, data, mean, cov)
         return g + pg, h + ph
 
@@ -347,7 +351,7 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
     basis = eye[upper[0]][:, :, None] * eye[upper[1]][:, None, :]
     basis = basis + jnp.swapaxes(basis, 1, 2) - basis * (upper[0] == upper[1])[:, None, None]  # E_ab + E_ba
 
-    def central(dm, dc, h):
+    def central(dm, dc, h) -> tuple[Any, Any]:
         (gp, hp), (gm, hm) = total(state.mean + h * dm, cov0 + h * dc), total(state.mean - h * dm, cov0 - h * dc)
         return (gp - gm) / (2 * h), (hp - hm) / (2 * h)
 
@@ -356,14 +360,14 @@ def _taylor(spec, rule, family, curvature, storage, chunk_size, iters, state, da
     g_cov, h_cov = jax.lax.map(lambda a: central(jnp.zeros(d, dtype), a[0], a[1]),
                                (basis, _FD_STEP * sd[upper[0]] * sd[upper[1]]))  # ∂/∂Σ_ab: (p, d), (p, d, d)
 
-    def one(args):
+    def one(args) -> tuple[jax.Array, jax.Array, Any]:
         ex, row, sh = args
         one_data = ModelData(tuple(x[None] for x in ex), data.shared)
         h_site = family.site_curvatures(jax.tree.map(lambda x: x[None], row))[0]
         prec = state.precision - 0.5 * (h_site + h_site.T)
         mean = state.mean + sh
 
-        def step(carry, _):
+        def step(carry, _) -> tuple[tuple[Any, Any, jax.Array], None]:
             mean, prec, _ = carry
             cov = jnp.linalg.inv(prec)
             cov = 0.5 * (cov + cov.T)

@@ -45,6 +45,10 @@ from numpyro_pc.sites.expfam import design, model_point, point_losses
 
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
 from .cavity import kl_shape
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",
            "ef_predictive", "ef_loo_values", "mean_labels"]
@@ -67,7 +71,7 @@ def ef_cavities(post) -> EFCavities:
 
 
 @partial(jax.jit, static_argnums=0)
-def _cavities(family, lam, grads):
+def _cavities(family, lam, grads) -> EFCavities:
     natural = lam[None, :] + grads
     inside = jax.vmap(family.in_domain)(natural)
     safe = jnp.where(inside[:, None], natural, lam[None, :])  # no NaN from A outside its domain
@@ -76,7 +80,7 @@ def _cavities(family, lam, grads):
 
 
 @partial(jax.jit, static_argnums=0)
-def _row_predictive(config, naturals, per_example, shared):
+def _row_predictive(config, naturals, per_example, shared) -> jax.Array:
     """``log E_{q(λ_r)}[p(y_r | x)]`` for each row ``r`` of ``naturals`` with its own example."""
     spec, family = config.spec, config.family
 
@@ -162,19 +166,19 @@ def ef_loo_values(post, method: str, chosen, tol: float | None, max_iters: int) 
 EF_ESTIMATORS = ("remove_site", "influence")
 
 
-def _flat_mean(family, lam):
+def _flat_mean(family, lam) -> jax.Array:
     """Every latent site's :math:`E_q[x]` (constrained values) as one flat vector."""
     return jnp.concatenate([jnp.ravel(v) for v in family.mean(lam).values()])
 
 
 @partial(jax.jit, static_argnums=0)
-def _mean_shifts(family, lam, naturals):
+def _mean_shifts(family, lam, naturals) -> jax.Array:
     """``E_{λ_i}[x] − E_λ[x]`` for each row ``λ_i`` of ``naturals``."""
     return jax.vmap(lambda c: _flat_mean(family, c))(naturals) - _flat_mean(family, lam)[None, :]
 
 
 @partial(jax.jit, static_argnums=0)
-def _mean_tangents(family, lam, directions):
+def _mean_tangents(family, lam, directions) -> jax.Array:
     """``d/dt E_{λ + t g_i}[x]`` at ``t = 0`` for each row ``g_i`` of ``directions``."""
     return jax.vmap(lambda g: jax.jvp(lambda t: _flat_mean(family, t), (lam,), (g,))[1])(directions)
 
@@ -252,7 +256,7 @@ def ef_influence(post, fn, estimators) -> tuple:
 
 
 @partial(jax.jit, static_argnums=0)
-def _losses_at(config, lam, per_example, shared):
+def _losses_at(config, lam, per_example, shared) -> tuple[Any, Any]:
     """The posterior's points at ``lam``: every example's loss there ``(N, S)`` and their weights ``(S,)``."""
     values, weights = design(config, lam, cubature=False)
     losses, _ = point_losses(config.spec, config.family, values, ModelData(per_example, shared))

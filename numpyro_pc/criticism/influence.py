@@ -43,6 +43,10 @@ from numpyro_pc.sites.gaussian import compute_sites
 from ..errors import InvalidOptionError, NotPositiveDefiniteError
 from .cavity import cavities, downdates, kl_shape
 from .ef_cavity import EF_ESTIMATORS, ef_influence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["influence", "InfluenceResult", "ESTIMATORS"]
 
@@ -65,12 +69,12 @@ class InfluenceResult(NamedTuple):
     khat: np.ndarray
     labels: tuple
 
-    def norm(self, estimator="remove_site"):
+    def norm(self, estimator="remove_site") -> np.ndarray:
         """``‖Δ_i‖`` per example."""
         return np.linalg.norm(self.delta[estimator], axis=1)
 
 
-def _delta_sites(post, data):
+def _delta_sites(post, data) -> tuple[Any, Any]:
     """Gradients and (factorised where exact) Hessians of every example at the mean, and ``H``."""
     q = Gaussian(post.state.mean, jnp.eye(post.dim, dtype=post.state.mean.dtype))
     spec = replace(post.spec, num_examples=int(data.per_example[0].shape[0]))
@@ -114,12 +118,12 @@ _influence = by_site_table("pc.influence")
 
 
 @_influence.register(EFSiteTable)
-def _ef_influence(post, fn, estimators):
+def _ef_influence(post, fn, estimators) -> InfluenceResult:
     return InfluenceResult(*ef_influence(post, fn, EF_ESTIMATORS if estimators is None else estimators))
 
 
 @_influence.register(Sites)
-def _gaussian_influence(post, fn, estimators):
+def _gaussian_influence(post, fn, estimators) -> InfluenceResult:
     require(post.family, SiteSum, "pc.influence")
     estimators = ESTIMATORS if estimators is None else estimators
     dtype = post.state.mean.dtype

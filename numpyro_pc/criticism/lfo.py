@@ -47,13 +47,17 @@ from ..posterior import fit
 from .cavity import refit_predictive, rule_nodes
 from .ef_cavity import ef_block_density, ef_num_points
 from .loo import elpd_data
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["lfo", "METHODS"]
 
 METHODS = ("update", "refit")
 
 
-def _slicer(args, kwargs):
+def _slicer(args, kwargs) -> tuple[int, Any]:
     """``(N, take(lo, hi))``: the leading-axis slice of every per-time-step argument."""
     arrays = [a for a in list(args) + list(kwargs.values()) if is_array(a) and np.ndim(a) >= 1]
     if not arrays:
@@ -63,16 +67,16 @@ def _slicer(args, kwargs):
     def cut(a, lo, hi):
         return a[lo:hi] if is_array(a) and np.ndim(a) >= 1 and np.shape(a)[0] == num else a
 
-    def take(lo, hi):
+    def take(lo, hi) -> tuple[tuple[Any, ...], dict[Any, Any]]:
         return tuple(cut(a, lo, hi) for a in args), {k: cut(v, lo, hi) for k, v in kwargs.items()}
 
     return num, take
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _joint_block(spec, mean, draws, block):
+def _joint_block(spec, mean, draws, block) -> jax.Array:
     """``log (1/K) Σ_k Π_j p(y_j | z_k)`` over the examples of ``block``."""
-    def at(z):
+    def at(z) -> jax.Array:
         return -jnp.sum(jax.vmap(lambda ex: example_loss(spec, z, ex, block.shared))(block.per_example))
 
     values = jax.lax.map(at, draws, batch_size=64)
@@ -83,12 +87,12 @@ _block_density = by_site_table("pc.lfo")
 
 
 @_block_density.register(EFSiteTable)
-def _ef_block_density(post, block, horizon, num_samples, seed):
+def _ef_block_density(post, block, horizon, num_samples, seed) -> float:
     return ef_block_density(post, block)
 
 
 @_block_density.register(Sites)
-def _gaussian_block_density(post, block, horizon, num_samples, seed):
+def _gaussian_block_density(post, block, horizon, num_samples, seed) -> float:
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
         return _gaussian_density(post, block, horizon, num_samples, seed)
 
@@ -97,19 +101,19 @@ _num_points = by_site_table("pc.lfo")
 
 
 @_num_points.register(EFSiteTable)
-def _ef_num_points(post, horizon, num_samples):
+def _ef_num_points(post, horizon, num_samples) -> int:
     return ef_num_points(post)
 
 
 @_num_points.register(Sites)
-def _gaussian_num_points(post, horizon, num_samples):
+def _gaussian_num_points(post, horizon, num_samples) -> int:
     if horizon > 1:
         return num_samples
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
         return rule_nodes(post.rule, post.spec, post.dim, post.state.mean.dtype)[1].shape[0]
 
 
-def _gaussian_density(post, block, horizon, num_samples, seed):
+def _gaussian_density(post, block, horizon, num_samples, seed) -> float:
     spec = replace(post.spec, num_examples=horizon)
     if horizon == 1:
         value = refit_predictive(post, block, post.state.mean[None], post.state.precision[None])[0]
@@ -123,7 +127,7 @@ def _gaussian_density(post, block, horizon, num_samples, seed):
 
 
 def lfo(model, *args, initial, step=1, horizon=1, method="update", num_samples=1000, seed=0, tol=None,
-        max_iters=None, fit_options=None, **kwargs):
+        max_iters=None, fit_options=None, **kwargs) -> Any:
     r"""Leave-future-out ELPD of a time-series model, as an ArviZ ``ELPDData``.
 
     :param model: the NumPyro model; its data plate runs over time.

@@ -44,6 +44,9 @@ from ..options import check_finite, check_solver_options, is_choice
 from .cavity import cavities, kl_shape, refit_predictive, rule_nodes, taylor_cavities
 from .ef_cavity import ef_loo_values
 
+if TYPE_CHECKING:
+    from typing import Any
+
 if TYPE_CHECKING:  # ArviZ is imported on first use only
     from arviz.stats.stats_utils import ELPDData
 
@@ -66,12 +69,12 @@ def _series_class():
         """ArviZ ``ELPDData`` with array views: ``pointwise``, ``khat``, ``flagged``, ``ids``, ``refitted``."""
 
         @property
-        def pointwise(self):
+        def pointwise(self) -> np.ndarray:
             """Per-example ``log p(y_i | y_{−i})`` (NumPy array)."""
             return np.asarray(self["loo_i"].values)
 
         @property
-        def khat(self):
+        def khat(self) -> np.ndarray:
             """Per-example reliability ``k̂_i`` (zeros for exact refits-only results such as LFO)."""
             return np.asarray(self["pareto_k"].values) if "pareto_k" in self else np.zeros(len(self.pointwise))
 
@@ -81,16 +84,16 @@ def _series_class():
             return self.khat > float(self["good_k"])
 
         @property
-        def ids(self):
+        def ids(self) -> np.ndarray:
             """Example ids (or, for LFO, the forecast origins) aligned with ``pointwise``."""
             return np.asarray(self["loo_i"].coords[self["loo_i"].dims[0]].values)
 
         @property
-        def refitted(self):
+        def refitted(self) -> np.ndarray:
             """Mask of examples whose value comes from an exact refit."""
             return np.asarray(self["refitted"]) if "refitted" in self else np.zeros(len(self.pointwise), bool)
 
-        def __str__(self):
+        def __str__(self) -> str:
             """ArviZ's summary, saying what the numbers of a dual-form LOO are: the rule's nodes
             are not posterior draws, and ``k̂`` is not PSIS's."""
             text = super().__str__()
@@ -114,7 +117,7 @@ def _series_class():
 LooResult = None  # the class is built on first use so that importing numpyro_pc does not import ArviZ
 
 
-def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitted=None, method="remove_site"):
+def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitted=None, method="remove_site") -> Any:
     """Package pointwise values as an ArviZ-compatible ``ELPDData`` (:class:`LooResult`).
 
     :param pointwise: ``(N,)`` ``log p(y_i | rest)``.
@@ -144,7 +147,7 @@ def elpd_data(pointwise, lppd, khat, ids, dim, num_draws, good_k=GOOD_K, refitte
     return LooResult(data=data, index=index)
 
 
-def _where_rows(where, ids, khat, good_k):
+def _where_rows(where, ids, khat, good_k) -> np.ndarray:
     """Rows selected by ``where``: ``None`` (k̂ above ``good_k``), a boolean mask, or example ids."""
     if where is None:
         return np.flatnonzero(khat > good_k)
@@ -261,7 +264,7 @@ def _gaussian_loo(post, method, where, good_k, tol, max_iters):
     return result
 
 
-def _refit_values(post, ids, chosen, tol, max_iters):
+def _refit_values(post, ids, chosen, tol, max_iters) -> tuple[np.ndarray, None]:
     """Exact LOO predictive of the examples at ``chosen``: one warm-started corrected deletion each."""
     tol = tol if tol is not None else (1e-12 if post.state.mean.dtype == jnp.float64 else None)
     means, precisions = [], []

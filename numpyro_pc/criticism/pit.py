@@ -32,13 +32,17 @@ from numpyro_pc.sites.expfam import model_point
 from numpyro_pc.sites.expfam_table import EFSiteTable
 
 from ..errors import InvalidOptionError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["loo_log_weights", "predictive_draws", "loo_pit"]
 
 
 @jax.jit
-def _log_weights(sites, draws):
-    def one(z):
+def _log_weights(sites, draws) -> jax.Array:
+    def one(z) -> jax.Array:
         diff = z[None, :] - sites.refs()
         return sites.dense_grad() @ z + 0.5 * jnp.sum(diff * sites.curvature_matvec(diff), 1)
 
@@ -46,7 +50,7 @@ def _log_weights(sites, draws):
     return raw - logsumexp(raw, axis=0, keepdims=True)
 
 
-def loo_log_weights(post, draws):
+def loo_log_weights(post, draws) -> np.ndarray:
     """Normalised log importance weights ``(S, N)`` of unconstrained ``draws`` of ``post`` for every
     example with retained data: ``q_{∖i}/q`` exactly (no Pareto smoothing needed)."""
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
@@ -61,14 +65,14 @@ class _Unobserve(Messenger):
         self.names = set(names)
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg) -> None:
         if msg["type"] == "sample" and msg["name"] in self.names and msg.get("is_observed"):
             msg["observed_value"] = msg["value"]
             msg["value"] = None
             msg["is_observed"] = False
 
 
-def predictive_draws(post, draws, key, var_name=None):
+def predictive_draws(post, draws, key, var_name=None) -> tuple[np.ndarray, np.ndarray]:
     """Posterior-predictive draws ``(S, N, ...)`` of the observed site ``var_name`` and its observations.
 
     :param post: a :class:`~numpyro_pc.DualPosterior`.
@@ -81,7 +85,7 @@ def predictive_draws(post, draws, key, var_name=None):
     return _predictive(spec, data, values, observed, key, var_name)
 
 
-def _predictive(spec, data, values, observed, key, var_name):
+def _predictive(spec, data, values, observed, key, var_name) -> tuple[np.ndarray, np.ndarray]:
     """Predictive draws of ``var_name`` with the latent sites set to each of ``values`` (a dict of
     ``(S, ...)`` site values), and the observations read from the trace ``observed``."""
     names = spec.observed
@@ -124,7 +128,7 @@ _pit_inputs = by_site_table("pc.loo_pit")
 
 
 @_pit_inputs.register(Sites)
-def _gaussian_pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
+def _gaussian_pit_inputs(post, draw_key, predictive_key, num_samples, var_name) -> tuple[Any, Any, np.ndarray]:
     with jax.enable_x64(post.state.mean.dtype == jnp.float64):
         draws = post.sample_unconstrained(draw_key, num_samples)
         y_hat, y = predictive_draws(post, draws, predictive_key, var_name)
@@ -132,7 +136,7 @@ def _gaussian_pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
 
 
 @_pit_inputs.register(EFSiteTable)
-def _ef_pit_inputs(post, draw_key, predictive_key, num_samples, var_name):
+def _ef_pit_inputs(post, draw_key, predictive_key, num_samples, var_name) -> tuple[Any, Any, np.ndarray]:
     spec, family, data = post.config.spec, post.family, post.data
     with jax.enable_x64(post.natural.dtype == jnp.float64):
         draws = family.sample(draw_key, post.natural, num_samples)

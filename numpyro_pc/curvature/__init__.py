@@ -4,6 +4,8 @@ storage from the machine's memory.
 The package namespace re-exports :mod:`numpyro_pc.curvature.stores`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.curvature import stores as _stores
 from numpyro_pc.curvature.stores import *  # noqa: F401,F403
 from numpyro_pc.curvature.stores import __getattr__ as _stores_getattr

@@ -18,6 +18,13 @@ from numpyro_pc.errors import SiteStorageError
 from numpyro_pc.model.rows import join_rows
 
 from .stores import FULL, CurvatureStore, JacobianFactor, register_store
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Self
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SparseFactor"]
 
@@ -59,11 +66,11 @@ class SparseFactor(CurvatureStore):
     sparse_rows: ClassVar[bool] = True
 
     @staticmethod
-    def from_point(jac, curv):
+    def from_point(jac, curv) -> tuple[Any, None]:
         return curv, None
 
     @staticmethod
-    def compress(jac, grad, width):
+    def compress(jac, grad, width) -> tuple[tuple[Any, Any, jax.Array], Any]:
         nonzero = jnp.any(jac != 0, 0)
         count = jnp.sum(nonzero, dtype=jnp.int32)
         index = jnp.nonzero(nonzero, size=width, fill_value=0)[0].astype(jnp.int32)
@@ -71,33 +78,33 @@ class SparseFactor(CurvatureStore):
         return (index, jac[:, index] * real, count), grad[index] * real
 
     @classmethod
-    def assemble(cls, jac, stored, num, dtype, dim=None):
+    def assemble(cls, jac, stored, num, dtype, dim=None) -> SparseFactor:
         index, values, count = jac
         return cls(index=index, jac=values, lam=stored, nnz=count, dim=int(dim))
 
     @classmethod
-    def file_shapes(cls, num, k, dim, width=0):
+    def file_shapes(cls, num, k, dim, width=0) -> dict[str, Any]:
         return {"index": (num, width), "jac": (num, k, width), "lam": (num, k, k), "nnz": (num,)}
 
     @classmethod
-    def grad_shape(cls, num, dim, width=0):
+    def grad_shape(cls, num, dim, width=0) -> tuple[Any, Any]:
         return (num, width)
 
     @classmethod
-    def from_arrays(cls, arrays, num, dtype, dim=None):
+    def from_arrays(cls, arrays, num, dtype, dim=None) -> SparseFactor:
         return cls(dim=int(dim), **arrays)
 
-    def arrays(self):
+    def arrays(self) -> dict[str, Any]:
         return {"index": self.index, "jac": self.jac, "lam": self.lam, "nnz": self.nnz}
 
     def scaled(self, alpha) -> CurvatureStore:
         return replace(self, lam=alpha * self.lam)
 
     @property
-    def width(self):
+    def width(self) -> int:
         return self.index.shape[1]
 
-    def widened(self, width):
+    def widened(self, width) -> SparseFactor:
         """The same store with ``width`` columns per example (extra columns: index 0, value 0)."""
         extra = width - self.width
         if extra <= 0:
@@ -105,89 +112,89 @@ class SparseFactor(CurvatureStore):
         return replace(self, index=jnp.pad(self.index, ((0, 0), (0, extra))),
                        jac=jnp.pad(self.jac, ((0, 0), (0, 0), (0, extra))))
 
-    def join(self, other):
+    def join(self, other) -> Self:
         if type(other) is not type(self):
             raise SiteStorageError(f"cannot join sites stored as {self.name!r} and {other.name!r}")
         width = max(self.width, other.width)
         return jax.tree.map(join_rows, self.widened(width), other.widened(width))
 
     # --- rows on the index ----------------------------------------------------------------
-    def scatter(self, values, weights=None):
+    def scatter(self, values, weights=None) -> jax.Array:
         """``Σ_i w_i`` of per-example values ``(N, s[, p])`` placed at their columns: ``(d[, p])``."""
         if weights is not None:
             values = values * jnp.reshape(weights, weights.shape + (1,) * (values.ndim - 1))
         out = jnp.zeros((self.dim,) + values.shape[2:], values.dtype)
         return out.at[self.index].add(values)
 
-    def dense_rows(self, values):
+    def dense_rows(self, values) -> jax.Array:
         """Per-example values ``(N, s)`` as dense ``(N, d)`` rows (small ``d``)."""
         rows = jnp.zeros((values.shape[0], self.dim), values.dtype)
         return rows.at[jnp.arange(values.shape[0])[:, None], self.index].add(values)
 
-    def rows_at(self, values, mean, ref_means, ref_index):
+    def rows_at(self, values, mean, ref_means, ref_index) -> jax.Array:
         r"""``ĝ_i + Ĥ_i (m − m_i)`` on the index, from the gradient values ``ĝ_i`` ``(N, s)``."""
         shift = mean[self.index] - ref_means[ref_index[:, None], self.index]  # (N, s): (m − m_i) on the columns
         proj = jnp.einsum("nks,ns->nk", self.jac, shift)
         return values + jnp.einsum("nks,nkl,nl->ns", self.jac, self.lam, proj)
 
-    def curvature_values(self, points):
+    def curvature_values(self, points) -> jax.Array:
         """``Ĥ_i x_i`` on the index for per-example points ``x_i`` given on the index ``(N, s)``."""
         proj = jnp.einsum("nks,ns->nk", self.jac, points)
         return jnp.einsum("nks,nkl,nl->ns", self.jac, self.lam, proj)
 
-    def dense_jac(self):
+    def dense_jac(self) -> jax.Array:
         """The Jacobians as dense ``(N, k, d)`` arrays (small ``d``)."""
         k = self.jac.shape[1]
         return jax.vmap(lambda idx, j: jnp.zeros((k, self.dim), j.dtype).at[:, idx].add(j))(self.index, self.jac)
 
-    def _batch(self):
+    def _batch(self) -> int:
         return max(1, _SPARSE_BATCH // max(self.dim * max(self.jac.shape[1], 1), 1))
 
     # --- algebra ---------------------------------------------------------------------------
-    def low_rank_factors(self):
+    def low_rank_factors(self) -> tuple[Any, Any]:
         return self.dense_jac(), self.lam
 
-    def weighted_dense(self, weights):
+    def weighted_dense(self, weights) -> jax.Array:
         return JacobianFactor(self.dense_jac(), self.lam).weighted_dense(weights)
 
-    def weighted_diagonal(self, weights):
+    def weighted_diagonal(self, weights) -> jax.Array:
         return self.scatter(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac), weights)
 
-    def weighted_matmat(self, weights, mat):
+    def weighted_matmat(self, weights, mat) -> jax.Array:
         proj = jnp.einsum("nks,nsp->nkp", self.jac, mat[self.index])  # J_i V, O(N k s p)
         back = jnp.einsum("nks,nkp->nsp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
         return self.scatter(back)
 
-    def dense(self):
+    def dense(self) -> jax.Array:
         return JacobianFactor(self.dense_jac(), self.lam).dense()
 
-    def diagonals(self):
+    def diagonals(self) -> jax.Array:
         return self.dense_rows(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac))
 
-    def trace(self):
+    def trace(self) -> jax.Array:
         return jnp.einsum("nks,nkl,nls->n", self.jac, self.lam, self.jac)
 
-    def matvec(self, v):
+    def matvec(self, v) -> jax.Array:
         picked = jnp.take_along_axis(v, self.index, 1)
         return self.dense_rows(self.curvature_values(picked))
 
-    def trace_quad(self, cov, diff):
+    def trace_quad(self, cov, diff) -> tuple[jax.Array, jax.Array]:
         return JacobianFactor(self.dense_jac(), self.lam).trace_quad(cov, diff)
 
-    def row_quad(self, values, cov_rows):
+    def row_quad(self, values, cov_rows) -> jax.Array:
         r"""``xᵢᵀ Σ xᵢ`` for rows given by values on the index ``(N, s)``, densified in batches."""
-        def one(idx, val):
+        def one(idx, val) -> jax.Array:
             row = jnp.zeros((1, self.dim), val.dtype).at[0, idx].add(val)
             return jnp.sum(cov_rows(row)[0, idx] * val)
 
         return jax.lax.map(lambda a: one(*a), (self.index, values), batch_size=self._batch())
 
-    def mismatch(self, stale, cov_rows, shared_jacobian):
+    def mismatch(self, stale, cov_rows, shared_jacobian) -> jax.Array:
         """:meth:`JacobianFactor.mismatch` on the Jacobians densified in batches (no ``(N, d)`` array)."""
         if not isinstance(stale, SparseFactor):
             return super().mismatch(stale, cov_rows, shared_jacobian)
 
-        def one(fresh, old):
+        def one(fresh, old) -> jax.Array:
             dense = lambda s: JacobianFactor(s.dense_jac(), s.lam)  # noqa: E731
             expand = lambda x: jax.tree.map(lambda a: a[None], x)  # noqa: E731
             return dense(expand(fresh)).mismatch(dense(expand(old)), cov_rows, shared_jacobian)[0]

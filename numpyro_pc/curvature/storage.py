@@ -23,6 +23,10 @@ from numpyro_pc.protocols.capabilities import site_curvature
 from .memory import dense_auto_budget, format_bytes, machine_memory
 from .sparse import SparseFactor
 from .stores import Dense, JacobianFactor, get_store
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .stores import CurvatureStore
 
 __all__ = ["SiteConfig", "resolve_storage", "mc_along_subspace", "default_chunk_size", "uses_params"]
 
@@ -46,7 +50,7 @@ class SiteConfig:
 _DENSE_AUTO_LIMIT = dense_auto_budget(machine_memory())  # bytes, read once on import
 
 
-def resolve_storage(storage, family, spec, rule, curvature, dtype=None):
+def resolve_storage(storage, family, spec, rule, curvature, dtype=None) -> type[CurvatureStore]:
     r"""The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model.
 
     ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one; else
@@ -106,7 +110,7 @@ def mc_along_subspace(rule, curvature) -> bool:
     return rule.kind == "mc" and rule.subspace_dim > 0 and curvature == "hessian" and rule.mc_precision == "hessian"
 
 
-def _why(spec, rule):
+def _why(spec, rule) -> str:
     if spec.num_params == 0:
         return "its likelihood has no distribution parameters that depend on z"
     if rule.kind == "delta":
@@ -116,7 +120,7 @@ def _why(spec, rule):
             f"changes over the points the {rule.kind!r} rule averages")
 
 
-def _factorised(spec, rule):
+def _factorised(spec, rule) -> list[tuple[dict[str, str], str]]:
     """The options under which this model's sites factorise (Gauss–Newton at the mean), with their meaning."""
     if spec.num_params == 0:
         return []
@@ -125,7 +129,7 @@ def _factorised(spec, rule):
     return [({"expectation": "delta", "curvature": "ggn"}, "the Laplace–Gauss–Newton posterior, stored factorised")]
 
 
-def _say(remedies):
+def _say(remedies) -> str:
     """``pass a='x' with b='y' (meaning), or c='z' …``"""
     parts = [" with ".join(f"{k}={v!r}" for k, v in r.items()) + (f" ({note})" if note else "")
              for r, note in remedies]
@@ -152,6 +156,6 @@ def default_chunk_size(spec, storage, curvature, num_examples, need_hessian_sum=
     return int(math.ceil(num_examples / chunks))
 
 
-def uses_params(spec, storage, curvature):
+def uses_params(spec, storage, curvature) -> bool:
     """Whether per-example curvature goes through the distribution parameters (``J_iᵀ Λ_i J_i``)."""
     return spec.num_params > 0 and (storage.keeps_jacobian or curvature == "ggn" or spec.affine)

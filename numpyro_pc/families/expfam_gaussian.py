@@ -34,6 +34,10 @@ from numpyro.distributions.transforms import IdentityTransform, IndependentTrans
 
 from .expfam import Factor
 from .point_sets import hermite_rule, whitened_normal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["NormalFactor", "FullGaussianFactor"]
 
@@ -50,45 +54,45 @@ class _GaussianFactor(Factor):
     support = None
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         return math.prod(self.shape)
 
     @property
-    def is_identity(self):
+    def is_identity(self) -> bool:
         """Whether the site is real, so the factor is a density of the site's value itself."""
         transform = self.transform
         while isinstance(transform, IndependentTransform):
             transform = transform.base_transform
         return isinstance(transform, IdentityTransform)
 
-    def to_constrained(self, values):
+    def to_constrained(self, values) -> jax.Array:
         return self.transform(values)
 
-    def from_constrained(self, values):
+    def from_constrained(self, values) -> jax.Array:
         return jnp.reshape(self.transform.inv(values), self.shape)
 
-    def _wrap(self, base):
+    def _wrap(self, base) -> dist.Distribution:
         if self.is_identity:
             return base
         event = self.transform.domain.event_dim - len(base.event_shape)
         return dist.TransformedDistribution(base.to_event(event) if event > 0 else base, self.transform)
 
-    def mean(self, lam):
+    def mean(self, lam) -> jax.Array:
         loc, _ = self._moments(lam)
         if self.is_identity:
             return jnp.reshape(loc, self.shape)
         draws = self.design_draws(jax.random.PRNGKey(0), lam, max(4096, 4 * self.dim + 1))
         return jnp.mean(self.transform(draws), 0)
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return self.from_args(jnp.zeros(self.shape, dtype), *self._unit_scale(dtype))
 
     @property
-    def has_rule(self):
+    def has_rule(self) -> bool:
         """A scalar site has the Gauss–Hermite rule."""
         return self.dim == 1
 
-    def rule(self, lam, num_nodes):
+    def rule(self, lam, num_nodes) -> tuple[jax.Array, Any] | None:
         if not self.has_rule:
             return None
         loc, scale = self.to_args(lam)  # (loc, scale) or (loc, scale_tril): both the sd when d = 1
@@ -110,7 +114,7 @@ class _GaussianFactor(Factor):
         """Moment-matched draws (:func:`numpyro_pc.families.point_sets.whitened_normal`) mapped by :meth:`from_whitened`."""
         return self.from_whitened(lam, whitened_normal(key, num, self.dim, lam.dtype))
 
-    def _flat_mean(self, lam):
+    def _flat_mean(self, lam) -> jax.Array:
         return jnp.reshape(self._moments(lam)[0], (-1,))
 
 
@@ -123,40 +127,40 @@ class NormalFactor(_GaussianFactor):
     dist_args = ("loc", "scale")
     dist_class = dist.Normal
 
-    def _pairs(self, lam):
+    def _pairs(self, lam) -> tuple[jax.Array, jax.Array]:
         pair = jnp.reshape(lam, self.shape + (2,))
         return pair[..., 0], pair[..., 1]
 
-    def _moments(self, lam):
+    def _moments(self, lam) -> tuple[Any, jax.Array]:
         eta1, eta2 = self._pairs(lam)
         return -eta1 / (2.0 * eta2), jnp.sqrt(-0.5 / eta2)
 
-    def _unit_scale(self, dtype):
+    def _unit_scale(self, dtype) -> tuple[jax.Array]:
         return (jnp.ones(self.shape, dtype),)
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         return jnp.reshape(jnp.stack([x, x * x], -1), x.shape[:x.ndim - len(self.shape)] + (-1,))
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         eta1, eta2 = self._pairs(lam)
         return jnp.sum(-eta1**2 / (4.0 * eta2) - 0.5 * jnp.log(-2.0 * eta2) + 0.5 * _LOG_2PI)
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         _, eta2 = self._pairs(lam)
         return jnp.all(jnp.isfinite(lam)) & jnp.all(eta2 < 0)
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[Any, jax.Array]:
         return self._moments(lam)
 
-    def from_args(self, loc, scale):
+    def from_args(self, loc, scale) -> jax.Array:
         loc, scale = jnp.broadcast_to(loc, self.shape), jnp.broadcast_to(scale, self.shape)
         prec = 1.0 / scale**2
         return jnp.reshape(jnp.stack([loc * prec, -0.5 * prec], -1), (-1,))
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         return self._wrap(dist.Normal(*self._moments(lam)))
 
-    def site_from_moments(self, lam, grad_mean, hess_mean):
+    def site_from_moments(self, lam, grad_mean, hess_mean) -> jax.Array:
         r"""Sites in natural coordinates from :math:`E[\nabla\ell]` ``(..., d)`` and
         :math:`E[\nabla^2\ell]` ``(..., d, d)``: per element
         :math:`(\bar g_j - \bar H_{jj} m_j,\ \tfrac12 \bar H_{jj})` (only the diagonal of the
@@ -165,7 +169,7 @@ class NormalFactor(_GaussianFactor):
         pair = jnp.stack([grad_mean - diag * self._flat_mean(lam), 0.5 * diag], -1)
         return jnp.reshape(pair, pair.shape[:-2] + (-1,))
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         loc, scale = self._moments(lam)
         return loc + scale * jax.random.normal(key, (num,) + self.shape, lam.dtype)
 
@@ -188,48 +192,48 @@ class FullGaussianFactor(_GaussianFactor):
     dist_class = dist.MultivariateNormal
 
     @property
-    def size(self):
+    def size(self) -> int:
         return self.dim + self.dim * (self.dim + 1) // 2
 
-    def _upper(self):
+    def _upper(self) -> tuple[jax.Array, jax.Array]:
         return jnp.triu_indices(self.dim)
 
-    def precision(self, lam):
+    def precision(self, lam) -> jax.Array:
         """:math:`S` from the natural parameter."""
         d = self.dim
         upper = jnp.zeros((d, d), lam.dtype).at[self._upper()].set(lam[d:])
         return -(upper + upper.T)
 
-    def _moments(self, lam):
+    def _moments(self, lam) -> tuple[jax.Array, jax.Array]:
         chol = jnp.linalg.cholesky(self.precision(lam))
         loc = jax.scipy.linalg.cho_solve((chol, True), lam[:self.dim])
         return loc, chol
 
-    def _unit_scale(self, dtype):
+    def _unit_scale(self, dtype) -> tuple[jax.Array]:
         return (jnp.eye(self.dim, dtype=dtype),)
 
-    def stats(self, x):
+    def stats(self, x) -> jax.Array:
         batch = x.shape[:x.ndim - len(self.shape)]
         flat = jnp.reshape(x, batch + (self.dim,))
         rows, cols = self._upper()
         return jnp.concatenate([flat, flat[..., rows] * flat[..., cols]], -1)
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         loc, chol = self._moments(lam)
         return 0.5 * jnp.dot(lam[:self.dim], loc) - jnp.sum(jnp.log(jnp.diag(chol))) + 0.5 * self.dim * _LOG_2PI
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         chol = jnp.linalg.cholesky(self.precision(lam))
         return jnp.all(jnp.isfinite(lam)) & jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
 
-    def to_args(self, lam):
+    def to_args(self, lam) -> tuple[jax.Array, jax.Array]:
         """``(loc, scale_tril)`` of the covariance :math:`S^{-1}`."""
         loc, chol = self._moments(lam)
         eye = jnp.eye(self.dim, dtype=lam.dtype)
         cov = jax.scipy.linalg.cho_solve((chol, True), eye)
         return jnp.reshape(loc, self.shape), jnp.linalg.cholesky(0.5 * (cov + cov.T))
 
-    def from_args(self, loc, scale_tril):
+    def from_args(self, loc, scale_tril) -> jax.Array:
         eye = jnp.eye(self.dim, dtype=jnp.result_type(scale_tril))
         inv_tril = jax.scipy.linalg.solve_triangular(scale_tril, eye, lower=True)
         prec = inv_tril.T @ inv_tril
@@ -237,7 +241,7 @@ class FullGaussianFactor(_GaussianFactor):
         coef = jnp.where(rows == cols, -0.5, -1.0) * prec[rows, cols]
         return jnp.concatenate([prec @ jnp.reshape(loc, (-1,)), coef])
 
-    def site_from_moments(self, lam, grad_mean, hess_mean):
+    def site_from_moments(self, lam, grad_mean, hess_mean) -> jax.Array:
         r"""Sites in natural coordinates from :math:`E[\nabla\ell]` ``(..., d)`` and
         :math:`E[\nabla^2\ell]` ``(..., d, d)``: :math:`\bar g - \bar H m` on :math:`u`, then
         :math:`\tfrac12\bar H_{jj}` on :math:`u_j^2` and :math:`\bar H_{jk}` on :math:`u_j u_k`."""
@@ -246,7 +250,7 @@ class FullGaussianFactor(_GaussianFactor):
         quad = jnp.where(rows == cols, 0.5, 1.0) * sym[..., rows, cols]
         return jnp.concatenate([grad_mean - sym @ self._flat_mean(lam), quad], -1)
 
-    def distribution(self, lam):
+    def distribution(self, lam) -> dist.Distribution:
         loc, tril = self.to_args(lam)
         return self._wrap(dist.MultivariateNormal(jnp.reshape(loc, (-1,)), scale_tril=tril))
 
@@ -259,6 +263,6 @@ class FullGaussianFactor(_GaussianFactor):
         num = eps.shape[0]
         return jnp.reshape(jnp.reshape(loc, (-1,)) + eps @ tril.T, (num,) + self.shape)
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> jax.Array:
         return self.from_whitened(lam, jax.random.normal(key, (num, self.dim), lam.dtype))
 

@@ -94,6 +94,11 @@ from .lowrank_algebra import split_precision as _split
 from .lowrank_algebra import target_diagonal as _target_diagonal
 from .lowrank_algebra import target_matmat as _target_matmat
 from .registry import ExponentialFamily, Gaussian, GaussianNatural, register_family_factory
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = ["LowRankGaussian", "project_operator", "lowrank_from_covariance"]  # the last two: from lowrank_algebra
 
@@ -112,16 +117,16 @@ class LowRankGaussian(ExponentialFamily):
     rank: int = 1
     name: str = field(default="", compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
             raise InvalidOptionError(f"the lowrank family needs an integer rank >= 1, got {self.rank!r}")
         object.__setattr__(self, "rank", int(self.rank))
         object.__setattr__(self, "name", f"lowrank-{self.rank}")
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash((type(self), self.rank))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"LowRankGaussian(rank={self.rank})"
 
     capabilities = (SiteCurvature(FULL_CURVATURE, None, matrix_free=True),
@@ -131,31 +136,31 @@ class LowRankGaussian(ExponentialFamily):
         | {FixedPrecision: "the precision is learned, not fixed by the prior"})
 
     # --- parameters and densities ---------------------------------------------------------
-    def natural(self, q):
+    def natural(self, q) -> GaussianNatural:
         return GaussianNatural(_apply(q.precision, q.mean), q.precision)
 
-    def from_natural(self, natural):
+    def from_natural(self, natural) -> Gaussian:
         return Gaussian(_solve(natural.precision, natural.linear), natural.precision)
 
-    def expectation(self, q):
+    def expectation(self, q) -> tuple[Any, Any]:
         """``(m, m mᵀ + Σ)``: the second moment is a dense ``(d, d)`` matrix (not used by any operation)."""
         return q.mean, jnp.outer(q.mean, q.mean) + self.dense_covariance(q)
 
-    def from_expectation(self, mu):
+    def from_expectation(self, mu) -> Gaussian:
         """The member from ``(m, E[z zᵀ])`` (dense input): the projection of ``(E[zzᵀ] − mmᵀ)⁻¹``."""
         mean, second = mu
         return Gaussian(mean, self.project_curvature(jnp.linalg.inv(second - jnp.outer(mean, mean))))
 
-    def log_prob(self, q, z):
+    def log_prob(self, q, z) -> jax.Array:
         diag, factor = _split(q.precision)
         diff = z - q.mean
         quad = jnp.sum(diag * diff**2, -1) + jnp.sum((diff @ factor) ** 2, -1)
         return -0.5 * quad + 0.5 * _logdet(q.precision) - 0.5 * q.mean.shape[-1] * _LOG_2PI
 
-    def entropy(self, q):
+    def entropy(self, q) -> jax.Array:
         return 0.5 * q.mean.shape[-1] * (1.0 + _LOG_2PI) - 0.5 * _logdet(q.precision)
 
-    def kl(self, q, p):
+    def kl(self, q, p) -> jax.Array:
         r"""``½[tr(S_p Σ_q) + Δᵀ S_p Δ − d + log|S_q| − log|S_p|]`` in ``O(d r²)``."""
         dq, _ = _split(q.precision)
         dp, up = _split(p.precision)
@@ -166,7 +171,7 @@ class LowRankGaussian(ExponentialFamily):
         maha = diff @ _apply(p.precision, diff)
         return 0.5 * (trace + maha - q.mean.shape[-1] + _logdet(q.precision) - _logdet(p.precision))
 
-    def draws(self, q, noise):
+    def draws(self, q, noise) -> jax.Array:
         diag, factor = _split(q.precision)
         root = jnp.sqrt(diag)
         basis, tri = jnp.linalg.qr(factor / root[:, None])
@@ -176,68 +181,68 @@ class LowRankGaussian(ExponentialFamily):
         white = noise + ((noise @ vecs) * shrink) @ vecs.T  # (I + ÛÛᵀ)^{-1/2} ε, row-wise
         return q.mean + white / root
 
-    def marginal_variance(self, q):
+    def marginal_variance(self, q) -> jax.Array:
         diag, _ = _split(q.precision)
         return 1.0 / diag - jnp.sum(_cov_factor(q.precision) ** 2, 1)
 
     # --- site algebra ------------------------------------------------------------------------
-    def site_natural(self, grad, curvature, ref_mean):
+    def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         return GaussianNatural(_apply(curvature, ref_mean) - grad, curvature)
 
-    def dense_precision(self, q):
+    def dense_precision(self, q) -> jax.Array:
         """``diag(D) + UUᵀ`` as a dense ``(d, d)`` matrix (for small ``d``: inspection and files of other families)."""
         diag, factor = _split(q.precision)
         return jnp.diag(diag) + factor @ factor.T
 
-    def dense_covariance(self, q):
+    def dense_covariance(self, q) -> jax.Array:
         """``Σ`` as a dense ``(d, d)`` matrix (for small ``d``)."""
         diag, _ = _split(q.precision)
         w = _cov_factor(q.precision)
         return jnp.diag(1.0 / diag) - w @ w.T
 
-    def project_curvature(self, dense):
+    def project_curvature(self, dense) -> Any:
         if dense.ndim > 2:
             return jax.vmap(self.project_curvature)(dense)
         dim = dense.shape[-1]
         return project_operator(lambda v: dense @ v, jnp.diagonal(dense), self.rank, dim, dense.dtype)
 
-    def project_diagonal(self, diag):
+    def project_diagonal(self, diag) -> jax.Array:
         """``[diag | 0]``: a diagonal is already in the format (``Π_r`` keeps a diagonal exactly)."""
         return _join(diag, jnp.zeros((diag.shape[0], self.rank), diag.dtype))
 
-    def is_positive_definite(self, precision):
+    def is_positive_definite(self, precision) -> jax.Array:
         diag, _ = _split(precision)
         return jnp.all(jnp.isfinite(precision)) & jnp.all(diag > 0)
 
-    def check_dimension(self, dim):
+    def check_dimension(self, dim) -> None:
         if self.rank > dim:
             raise InvalidOptionError(f"the lowrank family's rank ({self.rank}) exceeds the latent dimension ({dim}); "
                                      f"use rank <= {dim} (rank >= {dim - 1} already represents every precision)")
 
     # --- what the solver, sites and operations ask ----------------------------------------
-    def curvature_sum(self, store, weights):
+    def curvature_sum(self, store, weights) -> jax.Array:
         return self.target_precision(store, weights)
 
-    def target_precision(self, store, weights, prior_curvature=None, base=None):
+    def target_precision(self, store, weights, prior_curvature=None, base=None) -> jax.Array:
         r"""``Π_r(Σ w_i Ĥ_i + Ĥ_0 + B)`` from products with the store, the prior curvature (dense, or
         its diagonal for a separable prior: then no ``d × d`` array) and ``B``."""
         op = _TargetOperator(store, weights, prior_curvature, base)
         diag = _target_diagonal(op)
         return project_operator(partial(_target_matmat, op), diag, self.rank, diag.shape[0], diag.dtype)
 
-    def newton_operator(self, store, weights, prior_curvature=None, base=None):
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
         """The unprojected target ``T`` as an operator (the mean's Newton preconditioner, see :meth:`fixed_point`)."""
         return _TargetOperator(store, weights, prior_curvature, base)
 
-    def site_curvatures(self, store):
+    def site_curvatures(self, store) -> Any:
         """Per-example site precisions, each projected (materialises each ``Ĥ_i``: small ``d`` only)."""
         return self.project_curvature(store.dense())
 
-    def precision_residual(self, precision, target):
+    def precision_residual(self, precision, target) -> jax.Array:
         """``‖S − T‖_F / ‖S‖_F`` in ``O(d r²)``, accurate to rounding (see :func:`_diff_fro2`)."""
         return jnp.sqrt(_diff_fro2(precision, target) / _fro_inner(precision, precision))
 
-    def fixed_point(self, q, target, dense):
+    def fixed_point(self, q, target, dense) -> tuple[Any, tuple[Any, Any]]:
         r"""``(Π_r(T), (Π_r(T), T))``: the mean takes the Newton step ``T⁻¹ Σ ĝ_i`` on ``E_q[Σ ℓ_i]``.
 
         ``dense`` is the unprojected ``T`` as an operator (:meth:`newton_operator`); without it
@@ -247,7 +252,7 @@ class LowRankGaussian(ExponentialFamily):
         """
         return target, (target, dense if isinstance(dense, _TargetOperator) else None)
 
-    def precondition(self, pre, grad):
+    def precondition(self, pre, grad) -> jax.Array:
         r"""``T⁻¹ grad`` by conjugate gradients preconditioned with ``S⁻¹`` (Woodbury), ``S = Π_r(T)``.
 
         ``pre`` is ``(S, T)`` from :meth:`fixed_point` (``T`` as an operator), or ``S`` alone
@@ -259,17 +264,17 @@ class LowRankGaussian(ExponentialFamily):
             return _solve(precision, grad) if operator is None else _newton_solve(precision, operator, grad)
         return _solve(pre, grad)
 
-    def inner_preconditioner(self, pre):
+    def inner_preconditioner(self, pre) -> Callable[[jax.Array], jax.Array]:
         """``v ↦ S⁻¹ v`` by Woodbury (``O(d r)``), ``S = Π_r(T)``. Not :meth:`precondition`'s ``T⁻¹``:
         inside an iterative solve that would be a CG solve at every step (nested CG; the digits
         network's low-rank fit spent over 20 minutes in it)."""
         precision = pre[0] if isinstance(pre, tuple) else pre
         return lambda v: _solve(precision, v)
 
-    def traced_precondition(self, pre, grad):
+    def traced_precondition(self, pre, grad) -> jax.Array:
         return self.precondition(pre, grad)  # CG and Woodbury solves: traceable as they are
 
-    def blend(self, current, target, rho):
+    def blend(self, current, target, rho) -> Any:
         if not isinstance(rho, jax.core.Tracer) and rho == 1.0:
             return target
         dc, uc = _split(current)
@@ -277,7 +282,7 @@ class LowRankGaussian(ExponentialFamily):
         stacked = jnp.concatenate([jnp.sqrt(1.0 - rho) * uc, jnp.sqrt(rho) * ut], 1)
         return _compress((1.0 - rho) * dc + rho * dt, stacked, self.rank)
 
-    def arithmetic(self, base, naturals, alphas):
+    def arithmetic(self, base, naturals, alphas) -> GaussianNatural:
         r"""``λ_base + Σ_k α_k (λ_k − λ_base)`` in the family.
 
         The combination ``Σ_k c_k S_k = diag(Σ c_k D_k) + V diag(±1) Vᵀ`` (``V`` the stacked
@@ -298,7 +303,7 @@ class LowRankGaussian(ExponentialFamily):
         precision = project_operator(matmat, total_diag, self.rank, linear.shape[0], linear.dtype)
         return GaussianNatural(_apply(precision, mean), precision)
 
-    def trace_with_covariance(self, q, precision):
+    def trace_with_covariance(self, q, precision) -> jax.Array:
         r"""``tr(B Σ_q)`` for ``B`` in the family's format, ``O(d r²)``."""
         db, ub = _split(precision)
         dq, _ = _split(q.precision)
@@ -306,52 +311,52 @@ class LowRankGaussian(ExponentialFamily):
         return (jnp.sum(db / dq) - jnp.sum(db * jnp.sum(wq**2, 1)) + jnp.sum(ub**2 / dq[:, None])
                 - jnp.sum((wq.T @ ub) ** 2))
 
-    def trace_dense_with_covariance(self, q, dense):
+    def trace_dense_with_covariance(self, q, dense) -> jax.Array:
         wq = _cov_factor(q.precision)
         dq, _ = _split(q.precision)
         return jnp.sum(jnp.diagonal(dense) / dq) - jnp.sum(wq * (dense @ wq))
 
-    def relative_eigenvalues(self, q, curvature):
+    def relative_eigenvalues(self, q, curvature) -> jax.Array:
         raise UnsupportedModelError("the lowrank family's precision is not a sum of site precisions; "
                                     "removing sites from it is not defined (use method='corrected' or 'retrain')")
 
-    def covariance_operand(self, q):
+    def covariance_operand(self, q) -> jax.Array:
         return _cov_factor(q.precision)
 
-    def quad_form_cov(self, q, cov, a):
+    def quad_form_cov(self, q, cov, a) -> jax.Array:
         diag, _ = _split(q.precision)
         return jnp.sum(a**2 / diag) - jnp.sum((a @ cov) ** 2)
 
-    def cov_times(self, q, cov, mat):
+    def cov_times(self, q, cov, mat) -> jax.Array:
         diag, _ = _split(q.precision)
         return mat / diag[:, None] - cov @ (cov.T @ mat)
 
-    def precision_shape(self, dim):
+    def precision_shape(self, dim) -> tuple[Any, Any]:
         return (dim, self.rank + 1)
 
-    def noisy_precision(self, precision, key, scale):
+    def noisy_precision(self, precision, key, scale) -> jax.Array:
         """Noise of sd ``scale`` on ``D`` (kept ``≥ 0``) and on every entry of ``U`` (``UUᵀ`` stays PSD)."""
         noise = scale * jax.random.normal(key, precision.shape, precision.dtype)
         diag, factor = _split(precision + noise)
         return _join(jnp.maximum(diag, 0.0), factor)
 
-    def saved_precision_problem(self, precision):
+    def saved_precision_problem(self, precision) -> str | None:
         """``None`` when every ``D_j > 0`` and every entry is finite (then ``S`` is positive definite)."""
         p = np.asarray(precision, np.float64)
         return None if np.all(np.isfinite(p)) and np.all(p[:, 0] > 0) else "indefinite"
 
-    def precision_spectrum(self, precision):
+    def precision_spectrum(self, precision) -> tuple[bool, np.ndarray]:
         """``(True, sorted D)``: ``λ_min(S) ≥ min D``, so positive ``D`` certifies a positive definite ``S``."""
         return True, np.sort(np.asarray(precision)[:, 0])
 
 
-def _build(rank=None):
+def _build(rank=None) -> LowRankGaussian:
     if rank is None:
         raise InvalidOptionError("the lowrank family needs a rank: family='lowrank', rank=r (or the name 'lowrank-r')")
     return LowRankGaussian(rank=rank)
 
 
-def _parse(suffix):
+def _parse(suffix) -> dict[str, int]:
     if not suffix.isdigit():
         raise InvalidOptionError(f"a lowrank family's name is 'lowrank-r' with an integer r, got 'lowrank-{suffix}'")
     return {"rank": int(suffix)}

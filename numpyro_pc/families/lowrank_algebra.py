@@ -15,6 +15,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["split_precision", "join_precision", "apply_precision", "inner_chol", "cov_factor", "solve_precision",
            "logdet_precision", "TargetOperator", "target_matmat", "target_diagonal", "newton_solve", "fix_signs",
@@ -25,36 +29,36 @@ _OVERSAMPLE = 10  # extra subspace vectors of the randomized projection
 _POWER = 3  # subspace iterations
 
 
-def split_precision(p):
+def split_precision(p) -> tuple[Any, Any]:
     return p[..., 0], p[..., 1:]
 
 
-def join_precision(diag, factor):
+def join_precision(diag, factor) -> jax.Array:
     return jnp.concatenate([diag[..., None], factor], -1)
 
 
-def apply_precision(p, v):
+def apply_precision(p, v) -> jax.Array:
     """``S v`` for ``v`` of shape ``(d,)`` or ``(d, k)``."""
     diag, factor = split_precision(p)
     scale = diag if v.ndim == 1 else diag[:, None]
     return scale * v + factor @ (factor.T @ v)
 
 
-def inner_chol(p):
+def inner_chol(p) -> jax.Array:
     """``L`` with ``L Lᵀ = I + Uᵀ D⁻¹ U`` (``r × r``)."""
     diag, factor = split_precision(p)
     inner = jnp.eye(factor.shape[1], dtype=p.dtype) + (factor / diag[:, None]).T @ factor
     return jnp.linalg.cholesky(inner)
 
 
-def cov_factor(p):
+def cov_factor(p) -> jax.Array:
     """``W = D⁻¹ U L⁻ᵀ`` with ``Σ = diag(1/D) − W Wᵀ`` (``d × r``)."""
     diag, factor = split_precision(p)
     chol = inner_chol(p)
     return solve_triangular(chol, (factor / diag[:, None]).T, lower=True).T
 
 
-def solve_precision(p, b):
+def solve_precision(p, b) -> jax.Array:
     """``S⁻¹ b`` by Woodbury (``b`` of shape ``(d,)`` or ``(d, k)``)."""
     diag, _ = split_precision(p)
     w = cov_factor(p)
@@ -62,7 +66,7 @@ def solve_precision(p, b):
     return b / scale - w @ (w.T @ b)
 
 
-def logdet_precision(p):
+def logdet_precision(p) -> jax.Array:
     diag, _ = split_precision(p)
     return jnp.sum(jnp.log(diag)) + 2.0 * jnp.sum(jnp.log(jnp.diag(inner_chol(p))))
 
@@ -77,7 +81,7 @@ class TargetOperator(NamedTuple):
     base: object = None
 
 
-def target_matmat(op, v):
+def target_matmat(op, v) -> jax.Array:
     """``T V`` for ``V`` of shape ``(d, p)``."""
     out = op.store.weighted_matmat(op.weights, v)
     if op.prior_curvature is not None:
@@ -88,7 +92,7 @@ def target_matmat(op, v):
     return out
 
 
-def target_diagonal(op):
+def target_diagonal(op) -> jax.Array:
     diag = op.store.weighted_diagonal(op.weights)
     if op.prior_curvature is not None:
         prior = op.prior_curvature
@@ -100,7 +104,7 @@ def target_diagonal(op):
 
 
 @jax.jit
-def newton_solve(precision, op, b):
+def newton_solve(precision, op, b) -> jax.Array:
     r"""``T⁻¹ b`` by conjugate gradients with the preconditioner ``S⁻¹``, ``S = [D | U]`` (``O(d r²)`` each).
 
     Stops at ``‖T x − b‖ ≤ √eps ‖b‖`` or after ``d`` iterations; returns ``S⁻¹ b`` where a
@@ -111,11 +115,11 @@ def newton_solve(precision, op, b):
     fallback = solve_precision(precision, b)
     goal = jnp.sqrt(jnp.finfo(b.dtype).eps) * jnp.linalg.norm(b)
 
-    def cond(state):
+    def cond(state) -> jax.Array:
         _, resid, _, _, _, k, ok = state
         return ok & (k < dim) & (jnp.linalg.norm(resid) > goal)
 
-    def body(state):
+    def body(state) -> tuple[Any, ...]:
         x, resid, z, p, rz, k, ok = state
         tp = matvec(p)
         curv = p @ tp
@@ -134,7 +138,7 @@ def newton_solve(precision, op, b):
     return jnp.where(ok & jnp.all(jnp.isfinite(x)), x, fallback)
 
 
-def fix_signs(factor):
+def fix_signs(factor) -> jax.Array:
     """Columns with their largest-magnitude entry positive (a deterministic sign per column)."""
     if factor.shape[1] == 0:
         return factor
@@ -142,12 +146,12 @@ def fix_signs(factor):
     return factor * jnp.where(pick < 0, -1.0, 1.0).astype(factor.dtype)
 
 
-def gram_fro2(a, b):
+def gram_fro2(a, b) -> jax.Array:
     """``⟨A Aᵀ, B Bᵀ⟩_F = ‖Aᵀ B‖_F²``."""
     return jnp.sum((a.T @ b) ** 2)
 
 
-def fro_inner(p, q):
+def fro_inner(p, q) -> jax.Array:
     """``⟨S_p, S_q⟩_F`` for two members in ``O(d r²)``."""
     dp, up = split_precision(p)
     dq, uq = split_precision(q)
@@ -155,7 +159,7 @@ def fro_inner(p, q):
             + gram_fro2(up, uq))
 
 
-def diff_fro2(p, q):
+def diff_fro2(p, q) -> jax.Array:
     r"""``‖S_p − S_q‖_F²`` in ``O(d r²)`` without cancellation against ``‖S_p‖²``.
 
     ``S_p − S_q = diag(a) + Q M Qᵀ`` with ``a = D_p − D_q``, ``[U_p, U_q] = Q [R_p, R_q]`` (thin QR)
@@ -173,7 +177,7 @@ def diff_fro2(p, q):
     return jnp.sum((dp - dq + b) ** 2) + jnp.maximum(jnp.sum(core**2) - jnp.sum(b**2), 0.0)
 
 
-def exact_projection(dense, rank):
+def exact_projection(dense, rank) -> jax.Array:
     """``[λ_min 1 | V (λ − λ_min)^{1/2}]`` with ``r`` columns: equal to ``dense`` when ``r ≥ d − 1``."""
     d = dense.shape[-1]
     vals, vecs = jnp.linalg.eigh(0.5 * (dense + dense.T))
@@ -183,7 +187,7 @@ def exact_projection(dense, rank):
     return join_precision(jnp.full((d,), low, dense.dtype), factor)
 
 
-def project_operator(matmat, diag, rank, dim, dtype):
+def project_operator(matmat, diag, rank, dim, dtype) -> jax.Array:
     r"""Project a positive semi-definite operator ``T`` onto ``diag(D) + U Uᵀ`` with ``r`` columns.
 
     :param matmat: ``V ↦ T V`` for ``V`` of shape ``(d, p)``.
@@ -210,7 +214,7 @@ def project_operator(matmat, diag, rank, dim, dtype):
     return join_precision(jnp.maximum(diag - jnp.sum(factor**2, 1), floor), factor)
 
 
-def compress_precision(diag, factor, rank):
+def compress_precision(diag, factor, rank) -> jax.Array:
     """``[diag | top-r part of factor factorᵀ]`` with the dropped part folded into the diagonal (exact ``O(d m²)``)."""
     q, r = jnp.linalg.qr(factor)
     vals, vecs = jnp.linalg.eigh(r @ r.T)
@@ -220,7 +224,7 @@ def compress_precision(diag, factor, rank):
     return join_precision(total - jnp.sum(top**2, 1), top)  # the dropped part is PSD: its diagonal is ≥ 0
 
 
-def lowrank_from_covariance(scale_diag, cov_factor, rank):
+def lowrank_from_covariance(scale_diag, cov_factor, rank) -> jax.Array:
     r"""``[D | U]`` of the precision ``(diag(c) + W Wᵀ)⁻¹`` projected with ``r`` columns, in ``O(d r²)``.
 
     ``(diag(c) + WWᵀ)⁻¹ = diag(1/c) − V Vᵀ`` by Woodbury; that operator is handed to

@@ -40,11 +40,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["golub_welsch", "beta_rule", "gamma_rule", "hermite_rule", "whitened_normal", "symmetric_cubature"]
 
 
-def golub_welsch(diagonal, off_diagonal):
+def golub_welsch(diagonal, off_diagonal) -> tuple[Any, Any]:
     """Nodes and probability weights of the Gauss rule of a Jacobi matrix.
 
     :param diagonal: ``(n,)`` recurrence coefficients ``a_0..a_{n-1}``.
@@ -57,7 +61,7 @@ def golub_welsch(diagonal, off_diagonal):
     return nodes, weights / jnp.sum(weights)
 
 
-def beta_rule(a, b, num_nodes):
+def beta_rule(a, b, num_nodes) -> tuple[Any, Any]:
     r"""``num_nodes``-point Gauss–Jacobi rule of :math:`\mathrm{Beta}(a, b)` on :math:`(0, 1)`.
 
     Recurrence of the monic Jacobi polynomials (:math:`s = 2k + \alpha + \beta`):
@@ -84,7 +88,7 @@ def beta_rule(a, b, num_nodes):
     return 0.5 * (1.0 + t), w
 
 
-def gamma_rule(a, rate, num_nodes):
+def gamma_rule(a, rate, num_nodes) -> tuple[Any, Any]:
     r"""``num_nodes``-point generalised Gauss–Laguerre rule of :math:`\mathrm{Gamma}(a, r)`.
 
     Recurrence: :math:`a_k = 2k + \alpha + 1`, :math:`b_k = k(k + \alpha)`, :math:`\alpha = a - 1`.
@@ -100,7 +104,7 @@ def gamma_rule(a, rate, num_nodes):
     return jnp.maximum(t, jnp.finfo(t.dtype).tiny) / rate, w
 
 
-def hermite_rule(loc, scale, num_nodes):
+def hermite_rule(loc, scale, num_nodes) -> tuple[Any, Any]:
     r"""``num_nodes``-point Gauss–Hermite rule of :math:`\mathcal N(m, s^2)`.
 
     Recurrence of the monic probabilists' Hermite polynomials: :math:`a_k = 0`, :math:`b_k = k`.
@@ -113,7 +117,7 @@ def hermite_rule(loc, scale, num_nodes):
     return loc + scale * t, w
 
 
-def whitened_normal(key, num, dim, dtype):
+def whitened_normal(key, num, dim, dtype) -> jax.Array:
     r"""``(num, dim)`` standard-normal draws with sample mean exactly 0 and sample second
     moment :math:`\frac1S\sum_s \epsilon_s\epsilon_s^\top` exactly the identity.
 

@@ -38,6 +38,10 @@ from .discrete import BernoulliFactor, CategoricalFactor
 from .expfam import BetaFactor, DirichletFactor, Factor, GammaFactor
 from .expfam_gaussian import FullGaussianFactor, NormalFactor
 from .point_sets import symmetric_cubature
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ProductFamily", "EF_FAMILIES", "register_factor", "make_factor", "factor_from_distribution",
            "unwrap_distribution", "family_for_model", "site_names", "site_supports", "site_shape"]
@@ -47,7 +51,7 @@ EF_FAMILIES = {"beta": BetaFactor, "gamma": GammaFactor, "dirichlet": DirichletF
                "bernoulli": BernoulliFactor, "categorical": CategoricalFactor}
 
 
-def make_factor(family, site, shape, support):
+def make_factor(family, site, shape, support) -> Factor:
     """The factor named ``family`` for latent ``site`` of constrained ``shape`` and prior ``support``.
 
     ``"normal"`` and ``"full"`` live on the site's unconstrained coordinates (any continuous
@@ -95,7 +99,7 @@ def _base_constraint(c):
     return c
 
 
-def _same_support(a, b):
+def _same_support(a, b) -> bool:
     a, b = _base_constraint(a), _base_constraint(b)
     return type(a) is type(b) and str(a) == str(b)
 
@@ -106,9 +110,9 @@ def _base_transform(transform):
     return transform
 
 
-def unwrap_distribution(fn):
+def unwrap_distribution(fn) -> tuple[Any, Any]:
     """``(base distribution, transforms)`` under ``Independent`` and ``TransformedDistribution`` layers."""
-    transforms = []
+    transforms: list[Any] = []
     while True:
         if isinstance(fn, dist.TransformedDistribution):
             transforms = list(fn.transforms) + transforms
@@ -122,7 +126,7 @@ def unwrap_distribution(fn):
 _CONSTRAINED = ((dist.Beta, BetaFactor), (dist.Gamma, GammaFactor), (dist.Dirichlet, DirichletFactor),
                 (dist.BernoulliProbs, BernoulliFactor))
 _BUILT_IN = frozenset(EF_FAMILIES)
-_REGISTERED = {}  # distribution class -> factor class of register_factor, matched before unwrapping
+_REGISTERED: dict[type, Any] = {}  # distribution class -> factor class of register_factor, matched before unwrapping
 _BUILT_IN_DISTRIBUTIONS = frozenset(d for d, _ in _CONSTRAINED) | {dist.CategoricalProbs, dist.Normal,
                                                                     dist.MultivariateNormal}
 
@@ -175,7 +179,7 @@ def register_factor(factor_class: type) -> type:
     return factor_class
 
 
-def factor_from_distribution(site, fn, support):
+def factor_from_distribution(site, fn, support) -> tuple[Factor, jax.Array, tuple[str, ...]]:
     """``(factor, natural, argument names)`` of a guide's sample-site distribution ``fn`` for a
     latent site of prior ``support``.
 
@@ -254,7 +258,7 @@ class ProductFamily:
         return "product(" + ", ".join(type(f).family_name or type(f).__name__ for f in self.factors) + ")"
 
     @cached_property
-    def offsets(self):
+    def offsets(self) -> tuple[Any, ...]:
         out, pos = [], 0
         for f in self.factors:
             out.append(pos)
@@ -262,63 +266,63 @@ class ProductFamily:
         return tuple(out)
 
     @property
-    def size(self):
+    def size(self) -> int:
         return sum(f.size for f in self.factors)
 
     @property
-    def names(self):
+    def names(self) -> tuple[Any, ...]:
         return tuple(f.site for f in self.factors)
 
-    def factor(self, site):
+    def factor(self, site) -> Factor:
         """The factor of latent ``site``."""
         return self.factors[self.names.index(site)]
 
-    def split(self, lam):
+    def split(self, lam) -> list[Any]:
         """The factors' natural parameters."""
         return [lam[..., o:o + f.size] for f, o in zip(self.factors, self.offsets)]
 
-    def stats(self, values):
+    def stats(self, values) -> jax.Array:
         """``T`` of a dict of site values with a leading batch axis → ``(S, P)``."""
         return jnp.concatenate([f.stats(values[f.site]) for f in self.factors], -1)
 
-    def log_normalizer(self, lam):
+    def log_normalizer(self, lam) -> jax.Array:
         return sum(f.log_normalizer(p) for f, p in zip(self.factors, self.split(lam)))
 
-    def expectation(self, lam):
+    def expectation(self, lam) -> jax.Array:
         r"""Mean parameters :math:`\mu = \nabla A(\lambda) = E_q[T(x)]`."""
         return jax.grad(self.log_normalizer)(lam)
 
-    def fisher(self, lam):
+    def fisher(self, lam) -> jax.Array:
         r"""Fisher information :math:`F(\lambda) = \nabla^2 A(\lambda)` (block diagonal)."""
         return jax.hessian(self.log_normalizer)(lam)
 
-    def in_domain(self, lam):
+    def in_domain(self, lam) -> jax.Array:
         ok = jnp.asarray(True)
         for f, p in zip(self.factors, self.split(lam)):
             ok = ok & f.in_domain(p)
         return ok
 
-    def entropy(self, lam):
+    def entropy(self, lam) -> jax.Array:
         r""":math:`H[q] = A(\lambda) - \langle \lambda, \mu \rangle` (Lebesgue or counting base measure;
         a Gaussian factor's entropy is that of its unconstrained coordinates)."""
         return self.log_normalizer(lam) - jnp.dot(lam, self.expectation(lam))
 
-    def kl(self, lam1, lam2):
+    def kl(self, lam1, lam2) -> jax.Array:
         r""":math:`KL(q_1 \| q_2) = A(\lambda_2) - A(\lambda_1) - \langle \lambda_2 - \lambda_1, \mu_1 \rangle`."""
         return self.log_normalizer(lam2) - self.log_normalizer(lam1) - jnp.dot(lam2 - lam1, self.expectation(lam1))
 
-    def log_prob(self, lam, values):
+    def log_prob(self, lam, values) -> jax.Array:
         """:math:`\\log q(x)` of a dict of site values (leading batch axis, factor coordinates)."""
         return self.stats(values) @ lam - self.log_normalizer(lam)
 
-    def from_expectation(self, mu, lam0, num_iters=60):
+    def from_expectation(self, mu, lam0, num_iters=60) -> jax.Array:
         r"""Natural parameters with :math:`\nabla A(\lambda) = \mu`: damped Newton on the convex
         :math:`A(\lambda) - \langle\lambda,\mu\rangle` from ``lam0``, each step halved until the
         iterate stays in the domain and the objective does not increase."""
         objective = lambda lam: self.log_normalizer(lam) - jnp.dot(lam, mu)  # noqa: E731
         steps = 0.5 ** jnp.arange(40, dtype=lam0.dtype)
 
-        def body(_, lam):
+        def body(_, lam) -> jax.Array:
             grad = self.expectation(lam) - mu
             direction = jnp.linalg.solve(self.fisher(lam), grad)
             cand = lam[None] - steps[:, None] * direction[None]
@@ -331,27 +335,27 @@ class ProductFamily:
 
         return jax.lax.fori_loop(0, num_iters, body, lam0)
 
-    def sample(self, key, lam, num):
+    def sample(self, key, lam, num) -> dict[Any, Any]:
         """A dict of ``num`` draws per site, in the factors' coordinates."""
         keys = jax.random.split(key, len(self.factors))
         return {f.site: f.sample(k, p, num) for f, k, p in zip(self.factors, keys, self.split(lam))}
 
-    def to_constrained(self, values):
+    def to_constrained(self, values) -> dict[Any, Any]:
         """The model's site values of factor-coordinate ``values``."""
         return {f.site: f.to_constrained(values[f.site]) for f in self.factors}
 
-    def mean(self, lam):
+    def mean(self, lam) -> dict[Any, Any]:
         """:math:`E_q[x]` of each site's constrained value."""
         return {f.site: f.mean(p) for f, p in zip(self.factors, self.split(lam))}
 
-    def default_natural(self, dtype):
+    def default_natural(self, dtype) -> jax.Array:
         return jnp.concatenate([jnp.reshape(f.default_natural(dtype), (-1,)) for f in self.factors])
 
-    def has_rule(self):
+    def has_rule(self) -> bool:
         """Whether every factor has a deterministic rule (then the design is one tensor grid)."""
         return all(f.has_rule for f in self.factors)
 
-    def grid_size(self, num_nodes, use_rules=True):
+    def grid_size(self, num_nodes, use_rules=True) -> int:
         """Points of the tensor grid of the factors that have a rule (1 when none does)."""
         size = 1
         for f in self.factors:
@@ -376,7 +380,7 @@ class ProductFamily:
         """How many Gaussian blocks share the cubature (those without a rule)."""
         return sum(1 for f in self.factors if not f.has_rule)
 
-    def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False):
+    def design(self, lam, num_nodes, num_samples, seed, use_rules=True, cubature=False) -> tuple[Any, Any]:
         """Points standing for ``q``: the tensor grid of the factors' rules (``use_rules``) times
         ``num_samples`` fixed draws of the other factors, or (``cubature``, where
         :meth:`admits_cubature`) times the ``2D + 1`` points of the symmetric cubature over the
@@ -410,13 +414,13 @@ class ProductFamily:
             weights = jnp.repeat(grid_w, reps) * jnp.tile(point_w, grid_w.shape[0])
         return values, weights
 
-    def describe(self, lam):
+    def describe(self, lam) -> dict[Any, tuple[Any, dict[Any, Any]]]:
         """Per site: the family and its distribution arguments (for messages and records)."""
         return {f.site: (f.family_name, {n: v for n, v in zip(f.dist_args, f.to_args(p))})
                 for f, p in zip(self.factors, self.split(lam))}
 
 
-def site_names(spec):
+def site_names(spec) -> tuple[str, ...]:
     """The posterior's latent sites: the continuous ones in trace order, then the discrete ones."""
     return tuple(spec.latent.names) + tuple(spec.latent.discrete_names)
 
@@ -436,7 +440,7 @@ def site_shape(spec, name) -> tuple:
     return latent.discrete_shapes[latent.discrete_names.index(name)]
 
 
-def family_for_model(spec, data, family):
+def family_for_model(spec, data, family) -> ProductFamily:
     """The :class:`~numpyro_pc.families.product.ProductFamily` of a ``{site: family name}`` dict
     (names in :data:`~numpyro_pc.families.product.EF_FAMILIES`), in the posterior's site order.
 

@@ -28,6 +28,10 @@ from numpyro_pc.protocols.family import (
 )
 
 from .gaussians import DiagonalGaussian, FullGaussian, IsotropicGaussian
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "Gaussian",
@@ -48,7 +52,7 @@ __all__ = [
 
 _FAMILIES = {"full": FullGaussian(), "diagonal": DiagonalGaussian(), "isotropic": IsotropicGaussian()}
 _ALIASES = {"diag": "diagonal", "iso": "isotropic", "dense": "full"}
-_FACTORIES = {}
+_FACTORIES: dict[str, Any] = {}
 
 
 def register_family_factory(prefix: str, build, parse) -> None:
@@ -83,7 +87,7 @@ def register_family(family: ExponentialFamily, aliases: Iterable[str] = ()) -> E
     return family
 
 
-def registered_families():
+def registered_families() -> dict[Any, Any]:
     """``{name: family}`` of every registered family."""
     return dict(_FAMILIES)
 

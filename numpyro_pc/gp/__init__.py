@@ -13,6 +13,8 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 * :mod:`~numpyro_pc.gp.state`, :mod:`~numpyro_pc.gp.inducing`, :mod:`~numpyro_pc.gp.optim`.
 """
 
+from __future__ import annotations
+
 from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
 from .core import GPStreamConfig, StreamingGPState
 from .core import __getattr__ as _core_getattr

@@ -55,6 +55,10 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import InvalidOptionError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["CollapsedFit", "OldTerms", "old_terms", "collapsed_fit", "collapsed_bound", "paper_bound"]
 
@@ -78,7 +82,7 @@ class CollapsedFit(NamedTuple):
     chol_Kbb: jnp.ndarray
 
 
-def _tri(L, B):
+def _tri(L, B) -> jax.Array:
     return solve_triangular(L, B, lower=True)
 
 
@@ -100,7 +104,7 @@ class OldTerms(NamedTuple):
     const: jnp.ndarray
 
 
-def old_terms(old, sites=None):
+def old_terms(old, sites=None) -> OldTerms:
     """:class:`OldTerms` of the old state ``old`` (and the memory's :class:`~numpyro_pc.gp.corrected.GaussianSites`)."""
     LS, LK = old.chol_cov, old.chol_Kzz
     eye = jnp.eye(LS.shape[0], dtype=LS.dtype)
@@ -114,7 +118,7 @@ def old_terms(old, sites=None):
     return OldTerms(G=0.5 * (G + G.T), h=h, const=const)
 
 
-def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
+def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None) -> CollapsedFit:
     """Collapsed online bound and optimal ``q(b)`` in the stable Cholesky form.
 
     With ``sites`` (the memory's Gaussian sites at the old state,
@@ -189,12 +193,12 @@ def collapsed_fit(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
     return CollapsedFit(bound=F, mean=R @ gamma, cov=R @ R.T, chol_D=LD, chol_Kbb=Lb)
 
 
-def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None):
+def collapsed_bound(hyper, old, X, y, mask, alpha=0.0, sites=None, terms=None) -> jax.Array:
     """The collapsed bound alone (see :func:`collapsed_fit`)."""
     return collapsed_fit(hyper, old, X, y, mask, alpha, sites, terms).bound
 
 
-def paper_bound(hyper, old, X, y, alpha=0.0):
+def paper_bound(hyper, old, X, y, alpha=0.0) -> jax.Array:
     """The bound in the paper's form with ``D_a`` formed explicitly (test oracle only).
 
     ``F = log N(ŷ; 0, K_ŷb K_bb⁻¹ K_bŷ + Σ̂) + M_a/2 log 2π + ½ log(|K'_aa||D_a|/|S_a|)

@@ -31,6 +31,10 @@ from . import bounds, corrected
 from .datainit import from_search, to_search
 from .optim import minimize
 from .state import GPState, chol, kernel_matrix, kl_to_previous, noise_variance, predict_from_q
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["GPStreamConfig", "MemoryState", "StreamingGPState", "init_state", "fit_batch", "step", "keep_inducing",
            "reservoir_update", "noise_memory_term"]
@@ -96,7 +100,7 @@ class StreamingGPState(NamedTuple):
     batch: jax.Array
 
 
-def noise_memory_term(hyper, stats):
+def noise_memory_term(hyper, stats) -> jax.Array:
     r"""``−½ n_old log 2πσ² − ss_old / (2σ²)``: the old rows' expected log-likelihood as a function of σ².
 
     In the batch VFE bound ``Σ_n E_q[log N(y_n | f_n, σ²)] = −½ Σ_n [log 2πσ² + ((y_n − μ_n)² + v_n) / σ²]``;
@@ -111,13 +115,13 @@ def noise_memory_term(hyper, stats):
     return -0.5 * n_old * (_LOG2PI + jnp.log(s2)) - 0.5 * ss_old / s2
 
 
-def empty_memory_state(capacity, dim, dtype=jnp.float64):
+def empty_memory_state(capacity, dim, dtype=jnp.float64) -> MemoryState:
     """An empty :class:`MemoryState`."""
     z = jnp.zeros(capacity, dtype)
     return MemoryState(jnp.zeros((capacity, dim), dtype), z, z, z, jnp.asarray(0, jnp.int32))
 
 
-def init_state(hyper, Z0, config, key=None):
+def init_state(hyper, Z0, config, key=None) -> StreamingGPState:
     """The state before any data: ``q(u) = p(u)`` at ``Z0``, empty statistics and memory (pure, jit-able:
     a failed Cholesky factor shows as non-finite ``gp.chol_Kzz``)."""
     hyper = eqx.tree_at(lambda h: h.Z, hyper, jnp.asarray(Z0))
@@ -136,7 +140,7 @@ def _spec(hyper, config):
     return eqx.tree_at(lambda h: h.Z, spec, config.learn_inducing)
 
 
-def _handover(hyper, mean, cov, jitter):
+def _handover(hyper, mean, cov, jitter) -> GPState:
     Z = hyper.Z
     Kzz = kernel_matrix(hyper.kernel, Z, Z) + jitter * jnp.eye(Z.shape[0], dtype=Z.dtype)
     cov = 0.5 * (cov + cov.T)
@@ -144,7 +148,7 @@ def _handover(hyper, mean, cov, jitter):
                    jitter=jnp.asarray(jitter, Z.dtype), hyper=hyper)
 
 
-def reservoir_update(memory, X, y, mask, ss, key):
+def reservoir_update(memory, X, y, mask, ss, key) -> MemoryState:
     """Reservoir sampling in JAX: after the update every real row streamed so far is in the memory with
     equal probability (rows are taken in order; ``mask = 0`` rows are skipped; ties go to the later row)."""
     C = memory.X.shape[0]
@@ -196,7 +200,7 @@ def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[Streamin
 
     zs = None if input_scale is None else jnp.asarray(input_scale, X.dtype)
 
-    def loss(u):
+    def loss(u) -> tuple[Any, Any]:
         hyper = eqx.combine(from_search(u, zs), static)
         fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
         return -(fit.bound + noise_memory_term(hyper, stats)) / scale, fit
@@ -225,7 +229,7 @@ def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[Streamin
                      kl_to_previous=kl_to_previous(gp, old))
 
 
-def keep_inducing(key, Z_old, X, mask, keep_fraction):
+def keep_inducing(key, Z_old, X, mask, keep_fraction) -> jax.Array:
     """Bui's ``"keep"`` policy in JAX: a random ``keep_fraction`` of the old ``Z`` and random real rows of ``X``."""
     M = Z_old.shape[0]
     n_keep = int(round(keep_fraction * M))
@@ -236,7 +240,7 @@ def keep_inducing(key, Z_old, X, mask, keep_fraction):
     return jnp.concatenate([kept, new])
 
 
-def step(config, state, X, y, mask):
+def step(config, state, X, y, mask) -> tuple[StreamingGPState, dict]:
     """One batch of the stream: ``Z_b`` by :func:`keep_inducing`, then :func:`fit_batch`. Pure; ``lax.scan``-able."""
     key, k_z = jax.random.split(state.key)
     first = state.batch == 0
@@ -245,7 +249,7 @@ def step(config, state, X, y, mask):
     return fit_batch(config, state._replace(key=key), Z0, X, y, mask)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "StreamConfig":  # renamed: numpyro_pc.kernels.stream_state.StreamConfig is the posterior stream's
         warnings.warn("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
                       "numpyro_pc.kernels.stream_state); the old name will be removed in the next release",

@@ -45,7 +45,7 @@ class Memory(NamedTuple):
     y: np.ndarray
     mask: np.ndarray
     seen: int
-    ss: np.ndarray = None
+    ss: np.ndarray | None = None
 
 
 class GaussianSites(NamedTuple):
@@ -70,12 +70,12 @@ class FunctionSites(NamedTuple):
     m: jnp.ndarray
 
 
-def empty_memory(capacity, dim):
+def empty_memory(capacity, dim) -> Memory:
     """An empty memory of ``capacity`` rows."""
     return Memory(np.zeros((capacity, dim)), np.zeros(capacity), np.zeros(capacity), 0, np.zeros(capacity))
 
 
-def update_memory(memory, X, y, rng, ss=None):
+def update_memory(memory, X, y, rng, ss=None) -> Memory:
     """Reservoir sampling: every example seen so far is in the memory with equal probability.
 
     :param ss: optional per-row noise statistics of the new rows (stored beside them).
@@ -93,7 +93,7 @@ def update_memory(memory, X, y, rng, ss=None):
     return Memory(Xm, ym, mask, seen, ssm)
 
 
-def gaussian_sites(old, X, y, mask):
+def gaussian_sites(old, X, y, mask) -> GaussianSites:
     """:class:`GaussianSites` of the memory rows ``(X, y, mask)`` at the old state (old θ', ``Z_a``, ``K'_aa``)."""
     h = old.hyper
     s2 = noise_variance(h)
@@ -106,12 +106,12 @@ def gaussian_sites(old, X, y, mask):
     return GaussianSites(U=U, Ur=W @ r / s2, const=const)
 
 
-def _neg_log_lik(hyper, y, f):
+def _neg_log_lik(hyper, y, f) -> jax.Array:
     return -expected_log_lik(hyper, jnp.atleast_1d(y), jnp.atleast_1d(f), jnp.zeros(1))[0] \
         if hyper.noise is not None else -hyper.likelihood.link_function(f).log_prob(y)
 
 
-def memory_sites(old, X, y):
+def memory_sites(old, X, y) -> FunctionSites:
     """Sites ``(ĝ_i, ĥ_i, m_i)`` of the memory examples at the old posterior (module docstring)."""
     h = old.hyper
     m, v = predict_from_q(h, old.Z, old.mean, old.cov, old.chol_Kzz, X)
@@ -123,7 +123,7 @@ def memory_sites(old, X, y):
     return FunctionSites(g, hh, m)
 
 
-def correction_term(hyper, Lb, q, X, y, mask, sites):
+def correction_term(hyper, Lb, q, X, y, mask, sites) -> jax.Array:
     r"""``−Σ_{i∈C} E_q[ℓ_i − ℓ̂_i]`` (to be added to the bound being maximised)."""
     mu, var = marginals(hyper, Lb, q, X)
     ell = expected_log_lik(hyper, y, mu, var)

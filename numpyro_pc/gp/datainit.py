@@ -31,6 +31,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["input_scales", "init_from_data", "to_search", "from_search", "NOISE_RATIO", "MAX_PAIRS"]
 
@@ -38,7 +42,7 @@ NOISE_RATIO = 0.01
 MAX_PAIRS = 4096
 
 
-def _pairs(n, rng):
+def _pairs(n, rng) -> tuple[np.ndarray, np.ndarray]:
     if n < 2:
         return np.zeros(0, int), np.zeros(0, int)
     if n * (n - 1) // 2 <= MAX_PAIRS:
@@ -49,7 +53,7 @@ def _pairs(n, rng):
     return i, j
 
 
-def input_scales(X, rng=None):
+def input_scales(X, rng=None) -> np.ndarray:
     """Per-column typical distance of ``X`` ``(N, D)``: median ``|x_d − x'_d|`` over pairs of rows,
     never zero (see the module docstring for the fall-backs)."""
     X = np.asarray(X, float)
@@ -68,7 +72,7 @@ def input_scales(X, rng=None):
     return out
 
 
-def _isotropic_scale(X, rng):
+def _isotropic_scale(X, rng) -> float:
     X = np.asarray(X, float)
     i, j = _pairs(X.shape[0], rng)
     if i.size:
@@ -78,7 +82,7 @@ def _isotropic_scale(X, rng):
     return float(np.sqrt(np.mean(input_scales(X, rng) ** 2)))
 
 
-def _is_default(p, value, force):
+def _is_default(p, value, force) -> bool:
     """Whether the parameter ``p`` may be replaced: a plain ``PositiveReal``/``NonNegativeReal`` that
     holds GPJax's default ``value`` everywhere, to 1e-6 relative (the softplus round trip turns 1.0 into
     0.99999999955), or anything plain when ``force``."""
@@ -128,7 +132,7 @@ def _kernel(kernel, X, variance, force, rng, path, done, left):
     return kernel
 
 
-def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=True, rng=None):
+def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=True, rng=None) -> tuple[Any, Any, Any]:
     """Starting values of a :class:`~numpyro_pc.gp.state.Hyper` read off one batch.
 
     :param hyper: the hyperparameters as the user built them.
@@ -151,7 +155,8 @@ def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=T
     y = np.asarray(y, float).reshape(-1)
     obs = np.ones(y.shape, bool) if obs is None else np.asarray(obs, bool).reshape(-1)
     Xo, y = X[obs], y[obs]
-    done, left = [], []
+    done: list[Any] = []
+    left: list[Any] = []
     variance = None
     if gaussian and y.size:
         mf = hyper.mean_function
@@ -173,7 +178,7 @@ def init_from_data(hyper, X, y, obs=None, *, gaussian, force=False, init_noise=T
     return hyper, done, left
 
 
-def _positive(x):
+def _positive(x) -> bool:
     from gpjax.parameters import NonNegativeReal, PositiveReal
 
     return isinstance(x, (PositiveReal, NonNegativeReal))
@@ -195,7 +200,7 @@ def _map_Z(tree, fn):
     return eqx.tree_at(lambda h: h.Z, tree, fn(Z))
 
 
-def to_search(params, input_scale=None):
+def to_search(params, input_scale=None) -> Any:
     """The optimiser's coordinates of a partitioned :class:`~numpyro_pc.gp.state.Hyper`: every softplus-positive
     parameter (``PositiveReal``/``NonNegativeReal``) as ``log`` of its value, ``Z`` divided by ``input_scale``
     (``(D,)``; ``None``: as is). Multiplying the data by a constant then shifts or scales these coordinates
@@ -207,9 +212,9 @@ def to_search(params, input_scale=None):
     return u
 
 
-def from_search(u, input_scale=None):
+def from_search(u, input_scale=None) -> Any:
     """Inverse of :func:`to_search` (``softplus⁻¹(e^u) = e^u + log(−expm1(−e^u))``, stable for every ``u``)."""
-    def inv(t):
+    def inv(t) -> jax.Array:
         v = jnp.exp(t)
         return v + jnp.log(-jnp.expm1(-v))
 

@@ -28,11 +28,11 @@ __all__ = ["POLICIES", "initial_inducing", "next_inducing"]
 POLICIES = ("keep", "kmeans", "greedy", "fixed")
 
 
-def _choose(rng, n, k):
+def _choose(rng, n, k) -> np.ndarray:
     return rng.choice(n, size=k, replace=n < k)
 
 
-def initial_inducing(X, M, rng, policy="keep"):
+def initial_inducing(X, M, rng, policy="keep") -> np.ndarray:
     """``M`` inducing inputs for the first batch: a random subset of ``X`` (k-means refined for ``"kmeans"``)."""
     Z = X[_choose(rng, X.shape[0], M)].copy()
     if policy == "kmeans":
@@ -40,7 +40,7 @@ def initial_inducing(X, M, rng, policy="keep"):
     return Z
 
 
-def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
+def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7) -> np.ndarray:
     """Initial ``Z_b`` for a new batch from the old ``Z_a`` and the batch inputs ``X``.
 
     :param Z_old: ``(M, D)``.
@@ -71,11 +71,11 @@ def next_inducing(Z_old, X, rng, policy="keep", keep_fraction=0.7):
     return Z
 
 
-def _spread(points):
+def _spread(points) -> np.ndarray:
     return input_scales(points)
 
 
-def _lloyd(points, centres, iters=10):
+def _lloyd(points, centres, iters=10) -> np.ndarray:
     centres = centres.copy()
     s = _spread(points)
     for _ in range(iters):
@@ -88,7 +88,7 @@ def _lloyd(points, centres, iters=10):
     return centres
 
 
-def _greedy(Z_old, X, M):
+def _greedy(Z_old, X, M) -> np.ndarray:
     raw = np.concatenate([Z_old, X])
     s = _spread(raw)
     Z_old, X = Z_old / s, X / s

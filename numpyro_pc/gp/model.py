@@ -45,13 +45,19 @@ from .state import (
 )
 from .usage import plot_gp
 from .usage import progress as _progress
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .core import StreamingGPState
+    from .state import GPState
+    from typing import Any
 
 __all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
 
 DEFAULT_MEMORY = 1024
 
 
-def bucket_size(n, minimum=16):
+def bucket_size(n, minimum=16) -> int:
     """Smallest power of two ``≥ max(n, minimum)``: batch sizes are padded to it."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -69,25 +75,25 @@ _fit_batch = eqx.filter_jit(core.fit_batch)
 _init_state = eqx.filter_jit(core.init_state)       # one program instead of a dozen op-by-op compilations
 
 
-def _zs(input_scale):
+def _zs(input_scale) -> jax.Array | None:
     return None if input_scale is None else jnp.asarray(input_scale, jnp.float64)
 
 
-def _q_from_raw(raw):
+def _q_from_raw(raw) -> uncollapsed.WhitenedQ:
     mean, P = raw
     return uncollapsed.WhitenedQ(mean, jnp.tril(P, -1) + jnp.diag(jax.nn.softplus(jnp.diag(P))))
 
 
-def _q_to_raw(q):
+def _q_to_raw(q) -> tuple[Any, jax.Array]:
     d = jnp.diag(q.chol)
     return q.mean, jnp.tril(q.chol, -1) + jnp.diag(jnp.log(jnp.expm1(jnp.maximum(d, 1e-12))))
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs):
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs) -> tuple[Any, Any, Any, Any, Any]:
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
-    def objective(u, rq):
+    def objective(u, rq) -> jax.Array:
         hyper = eqx.combine(datainit.from_search(u, zs), static)
         q = _q_from_raw(rq)
         value = uncollapsed.uncollapsed_bound(hyper, old, X, y, mask, q)
@@ -235,23 +241,23 @@ class StreamingSparseGP:
 
     # ------------------------------------------------------------------ properties
     @property
-    def state(self):
+    def state(self) -> GPState | None:
         """The current :class:`~numpyro_pc.gp.state.GPState` (``None`` before the first batch)."""
         return self._state
 
     @property
-    def stream_state(self):
+    def stream_state(self) -> StreamingGPState | None:
         """The full :class:`~numpyro_pc.gp.core.StreamingGPState` (collapsed bound; ``None`` otherwise or
         before the first batch): ``q(u)``, ``Z``, hyperparameters, noise statistics, memory, PRNG key."""
         return self._stream
 
     @property
-    def hyper(self):
+    def hyper(self) -> Hyper:
         """Current hyperparameters (:class:`~numpyro_pc.gp.state.Hyper`)."""
         return self._state.hyper if self._state is not None else self._hyper
 
     # ------------------------------------------------------------------ update
-    def _check(self, X, y, mask=None):
+    def _check(self, X, y, mask=None) -> tuple[Any, np.ndarray, Any]:
         X = np.asarray(X, float)
         y = np.asarray(y, float).reshape(-1)
         obs = np.ones(y.shape, bool) if mask is None else np.asarray(mask, bool).reshape(-1)
@@ -270,14 +276,14 @@ class StreamingSparseGP:
             raise DataShapeError("the batch has no observed output (mask is all False)")
         return X, np.where(obs, y, 0.0), obs
 
-    def _config(self):
+    def _config(self) -> core.GPStreamConfig:
         return core.GPStreamConfig(learn_hyperparameters=self.learn_hyperparameters, learn_inducing=self.learn_inducing,
                                  noise_memory=self.noise_memory, method=self.optimizer, max_iters=self.max_iters,
                                  learning_rate=self.learning_rate, gtol=self.gtol, ftol=self.ftol,
                                  keep_fraction=self.keep_fraction, jitter=self.jitter, memory_size=self.memory_size,
                                  alpha=self.alpha)
 
-    def update(self, X, y, mask=None):
+    def update(self, X, y, mask=None) -> StreamingSparseGP:
         """Absorb one batch; returns a new :class:`StreamingSparseGP` (``self`` is unchanged).
 
         :param X: inputs ``(N, D)``.
@@ -378,7 +384,7 @@ class StreamingSparseGP:
         return new
 
     # ------------------------------------------------------------------ prediction
-    def predict(self, Xs):
+    def predict(self, Xs) -> tuple[np.ndarray, np.ndarray]:
         """Mean and variance of the latent ``f`` at ``Xs`` (``(N*, D)``)."""
         if self._state is None:
             raise NotFittedError("predict needs at least one update() first")
@@ -406,14 +412,14 @@ class StreamingSparseGP:
                                      f"{int(np.flatnonzero(bad)[0])}): a prediction there would be NaN")
         return Xs
 
-    def predict_y(self, Xs):
+    def predict_y(self, Xs) -> tuple[np.ndarray, np.ndarray]:
         """Predictive mean and variance of ``y`` (noise added; class-1 probability for Bernoulli)."""
         mu, var = self.predict(Xs)
         with jax.enable_x64(True):
             m, v = uncollapsed.predict_y(self._state.hyper, jnp.asarray(mu), jnp.asarray(var))
             return np.asarray(m), np.asarray(v)
 
-    def fit_stream(self, batches, progress=None):
+    def fit_stream(self, batches, progress=None) -> StreamingSparseGP:
         """Absorb an iterable of batches ``(X, y)`` or ``(X, y, mask)``, with a progress bar on a terminal.
 
         :param batches: iterable of tuples (a list, a generator, ``zip(Xs, ys)``...).
@@ -431,12 +437,12 @@ class StreamingSparseGP:
                 bar.set_postfix(bound=f"{h['bound']:.1f}", its=h["iterations"])
         return sgp
 
-    def plot(self, X=None, y=None, ax=None, **kwargs):
+    def plot(self, X=None, y=None, ax=None, **kwargs) -> Any:
         """Predictive band (1-D) or mean (2-D), inducing inputs and the batch ``(X, y)``
         (:func:`~numpyro_pc.gp.usage.plot_gp`); returns the Matplotlib axes."""
         return plot_gp(self, X, y, ax=ax, **kwargs)
 
-    def summary(self):
+    def summary(self) -> dict[Any, Any]:
         """Plain-dict diagnostics: bound per batch, KL between consecutive ``q(u)``, hyperparameter trajectory,
         L-BFGS iterations and seconds per batch, and the running noise statistics of ``noise_memory`` (rows seen,
         sum of expected squared residuals; collapsed bound)."""
@@ -452,7 +458,7 @@ class StreamingSparseGP:
                         sum_sq=float(self._stream.noise_ss) if self._stream is not None else 0.0))
 
 
-def _check_finite(flags, batch):
+def _check_finite(flags, batch) -> None:
     """Typed errors for the flags of :func:`~numpyro_pc.gp.core.fit_batch` (outside traced code)."""
     flags = {k: bool(v) for k, v in flags.items()}
     if not flags["bound"]:
@@ -477,7 +483,7 @@ def _unwrap(hyper):
     return paramax.unwrap(eqx.tree_at(lambda t: t.Z, hyper, None))
 
 
-def hyperparameters(hyper):
+def hyperparameters(hyper) -> dict[str, Any]:
     """Constrained hyperparameter values as ``{path: float or list}`` (``Z`` excluded)."""
     h = _unwrap(hyper)
     out = {}

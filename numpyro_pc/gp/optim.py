@@ -25,6 +25,10 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from ..errors import InvalidOptionError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["OptimResult", "minimize"]
 
@@ -34,19 +38,19 @@ class OptimResult(NamedTuple):
     evaluations (line-search trials included; L-BFGS only) and the auxiliary output of ``fun`` at the
     final parameters (``has_aux``; L-BFGS only, else ``None``)."""
 
-    params: object
+    params: Any
     value: jnp.ndarray
     iterations: jnp.ndarray
-    evaluations: jnp.ndarray = None
-    aux: object = None
+    evaluations: jnp.ndarray | None = None
+    aux: Any = None
 
 
-def _finite_tree(tree):
+def _finite_tree(tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else jnp.array(True)
 
 
-def minimize(fun, params, method="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6, ftol=0.0, has_aux=False):
+def minimize(fun, params, method="lbfgs", max_iters=200, learning_rate=0.01, gtol=1e-6, ftol=0.0, has_aux=False) -> OptimResult:
     """Minimise ``fun(params)`` (traced; no Python loop over iterations).
 
     :param callable fun: scalar objective of a pytree of float arrays.
@@ -89,7 +93,7 @@ class _LBFGSCarry(NamedTuple):
     aux: object           # auxiliary output of fun at x
 
 
-def _two_loop(g, S, Y, head, pairs):
+def _two_loop(g, S, Y, head, pairs) -> jax.Array:
     """``−H g`` by the L-BFGS two-loop recursion over the stored pairs (newest first), ``H₀ = (sᵀy / yᵀy) I``."""
     m = S.shape[0]
     idx = (head - 1 - jnp.arange(m)) % m                       # newest → oldest
@@ -97,7 +101,7 @@ def _two_loop(g, S, Y, head, pairs):
     sy = jnp.sum(S * Y, 1)
     rho = 1.0 / jnp.where(sy > 0, sy, 1.0)
 
-    def first(i, carry):
+    def first(i, carry) -> tuple[Any, jax.Array]:
         q, alpha = carry
         j = idx[i]
         a = jnp.where(valid[i], rho[j] * jnp.dot(S[j], q), 0.0)
@@ -108,7 +112,7 @@ def _two_loop(g, S, Y, head, pairs):
     gamma = jnp.where(pairs > 0, sy[newest] / jnp.maximum(jnp.dot(Y[newest], Y[newest]), 1e-300), 1.0)
     r = gamma * q
 
-    def second(k, r):
+    def second(k, r) -> jax.Array:
         i = m - 1 - k                                            # oldest → newest
         j = idx[i]
         b = rho[j] * jnp.dot(Y[j], r)
@@ -118,7 +122,7 @@ def _two_loop(g, S, Y, head, pairs):
 
 
 def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25, c1=1e-4, has_aux=False,
-           window=10):
+           window=10) -> OptimResult:
     """L-BFGS with an Armijo backtracking line search, written so that ``fun`` is evaluated at **one**
     place in the compiled program.
 
@@ -143,7 +147,7 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
     vg = jax.value_and_grad(f_aux, has_aux=True)
     inf = jnp.asarray(jnp.inf, dt)
 
-    def body(c):
+    def body(c) -> _LBFGSCarry:
         xt = c.x + c.t * c.d
         (ft, at), gt = vg(xt)
         ft = jnp.where(jnp.isfinite(ft) & jnp.all(jnp.isfinite(gt)), ft, inf)
@@ -174,7 +178,7 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
                            recent=jnp.where(accept & ~first, c.recent.at[c.it % window].set(c.f), c.recent),
                            aux=jax.tree.map(pick, at, c.aux))
 
-    def cont(c):
+    def cont(c) -> jax.Array:
         # c.recent[it % window] is f after iteration it − window (overwritten by the next accepted one)
         stalled = (c.it >= window) & (c.recent[c.it % window] - c.f <= window * ftol * jnp.maximum(1.0, jnp.abs(c.f)))
         return (c.evals == 0) | ((c.it < max_iters) & (jnp.linalg.norm(c.g) >= gtol) & ~stalled
@@ -189,21 +193,21 @@ def _lbfgs(fun, params, max_iters, gtol, ftol=0.0, history=10, max_linesearch=25
     return OptimResult(unravel(c.x), c.f, c.it, c.evals, c.aux if has_aux else None)
 
 
-def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0):
+def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0) -> OptimResult:
     # optax's L-BFGS with its zoom line search (as in ``gpx.fit_lbfgs``): ``fun`` is inlined in the step
     # and in the line search
     opt = optax.lbfgs(linesearch=optax.scale_by_zoom_linesearch(max_linesearch_steps=30,
                                                                  initial_guess_strategy="one"))
     value_and_grad = optax.value_and_grad_from_state(fun)
 
-    def step(carry):
+    def step(carry) -> tuple[Any, Any, Any, Any, Any, Any]:
         p, _, state, last, _, k = carry
         value, grad = value_and_grad(p, state=state)
         updates, state = opt.update(grad, state, p, value=value, grad=grad, value_fn=fun)
         new = optax.apply_updates(p, updates)
         return new, p, state, value, last, k + 1
 
-    def cont(carry):
+    def cont(carry) -> jax.Array:
         p, _, state, value, last, k = carry
         g = optax.tree_utils.tree_get(state, "grad")
         gnorm = optax.tree_utils.tree_norm(g)
@@ -220,11 +224,11 @@ def _lbfgs_optax(fun, params, max_iters, gtol, ftol=0.0):
     return OptimResult(p, jnp.where(good, final, value), k)
 
 
-def _adam(fun, params, max_iters, learning_rate):
+def _adam(fun, params, max_iters, learning_rate) -> OptimResult:
     opt = optax.adam(learning_rate)
     vg = jax.value_and_grad(fun)
 
-    def step(carry, _):
+    def step(carry, _) -> tuple[tuple[Any, Any, Any, Any], None]:
         p, state, best, best_value = carry
         value, grad = vg(p)
         better = jnp.isfinite(value) & (value < best_value)

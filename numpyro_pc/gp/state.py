@@ -21,6 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Hyper", "GPState", "kernel_matrix", "kernel_diag", "mean_vector", "noise_variance", "chol",
            "check_chol", "inducing_cross", "handover", "predict_from_q", "prior_state", "full_cov", "gaussian_kl",
@@ -66,34 +70,34 @@ class GPState(NamedTuple):
     hyper: Hyper
 
 
-def kernel_matrix(kernel, X, Y):
+def kernel_matrix(kernel, X, Y) -> jax.Array:
     """Cross-covariance ``k(X, Y)`` of a GPJax kernel as a dense array."""
     return kernel.cross_covariance(X, Y)
 
 
-def kernel_diag(kernel, X):
+def kernel_diag(kernel, X) -> jax.Array:
     """Diagonal ``k(x_n, x_n)`` for every row of ``X``."""
     return jax.vmap(lambda x: kernel(x, x))(X)
 
 
-def mean_vector(mean_function, X):
+def mean_vector(mean_function, X) -> jax.Array:
     """Prior mean at the rows of ``X`` as a vector ``(N,)``."""
     return jnp.reshape(mean_function(X), (X.shape[0],))
 
 
-def noise_variance(hyper):
+def noise_variance(hyper) -> jax.Array:
     """The Gaussian noise variance ``σ²`` of a :class:`Hyper` (GPJax ``val`` unwrapping)."""
     from gpjax.parameters import val
 
     return val(hyper.noise)
 
 
-def chol(A):
+def chol(A) -> jax.Array:
     """Lower Cholesky factor of a symmetric matrix (symmetrised first; no jitter added)."""
     return jnp.linalg.cholesky(0.5 * (A + A.T))
 
 
-def check_chol(L, what):
+def check_chol(L, what) -> jax.Array:
     """Raise :class:`NotPositiveDefiniteError` if a Cholesky factor is not finite.
 
     Call outside traced code after every factorisation whose failure must not turn into a
@@ -109,7 +113,7 @@ def check_chol(L, what):
     return L
 
 
-def handover(hyper, mean, cov, jitter):
+def handover(hyper, mean, cov, jitter) -> GPState:
     """Build the next batch's old state from a fitted ``q(b)`` (Bui et al. 2017, §3.1).
 
     :param Hyper hyper: hyperparameters and ``Z_b`` of the batch just fitted.
@@ -131,7 +135,7 @@ def handover(hyper, mean, cov, jitter):
                    hyper=hyper)
 
 
-def prior_state(hyper, jitter):
+def prior_state(hyper, jitter) -> GPState:
     """The state before any data: ``q(u) = p(u) = N(0, K_zz + εI)``.
 
     Used as the "old posterior" of the first batch; every old-posterior term of the
@@ -145,7 +149,7 @@ def prior_state(hyper, jitter):
                    jitter=jnp.asarray(jitter, Z.dtype), hyper=hyper)
 
 
-def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs):
+def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs) -> tuple[jax.Array, Any]:
     """Marginals of ``f(x*)`` under ``q(u)`` at ``Z`` with the hyperparameters ``hyper``.
 
     ``μ* = m(x*) + k_*Z K_ZZ⁻¹ m``, ``σ²* = k** − k_*Z K_ZZ⁻¹ k_Z* + k_*Z K_ZZ⁻¹ S K_ZZ⁻¹ k_Z*``.
@@ -160,7 +164,7 @@ def predict_from_q(hyper, Z, mean, cov, chol_Kzz, Xs):
     return mu, var
 
 
-def inducing_cross(kernel, Zb, Za, jitter):
+def inducing_cross(kernel, Zb, Za, jitter) -> jax.Array:
     """``cov(u_b, u_a) = k(Z_b, Z_a) + ε·[z_b = z_a]``: the jitter as white noise on inducing variables.
 
     Coincident inducing inputs share their jitter noise, so ``Z_b = Z_a`` gives exactly
@@ -170,7 +174,7 @@ def inducing_cross(kernel, Zb, Za, jitter):
     return kernel_matrix(kernel, Zb, Za) + jitter * same.astype(Zb.dtype)
 
 
-def full_cov(state, Xs):
+def full_cov(state, Xs) -> jax.Array:
     """Full covariance of ``q(f(Xs))`` under ``state`` (used for projections between inducing sets)."""
     h = state.hyper
     Kzs = kernel_matrix(h.kernel, state.Z, Xs)
@@ -179,7 +183,7 @@ def full_cov(state, Xs):
     return kernel_matrix(h.kernel, Xs, Xs) - V.T @ V + W.T @ state.cov @ W
 
 
-def gaussian_kl(m1, S1, m0, L0):
+def gaussian_kl(m1, S1, m0, L0) -> jax.Array:
     """``KL[N(m1, S1) ‖ N(m0, L0 L0ᵀ)]``."""
     from jax.scipy.linalg import cho_solve
 
@@ -189,7 +193,7 @@ def gaussian_kl(m1, S1, m0, L0):
                   + 2 * jnp.sum(jnp.log(jnp.diag(L0))) - 2 * jnp.sum(jnp.log(jnp.diag(L1))))
 
 
-def kl_to_previous(new, old):
+def kl_to_previous(new, old) -> jax.Array:
     """``KL[q_new(a) ‖ q_old(a)]`` with ``q_new(a)`` the new posterior's marginal at the old ``Z_a`` (pure)."""
     m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
     S_a = full_cov(new, old.Z)

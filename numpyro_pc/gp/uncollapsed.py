@@ -32,6 +32,10 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from ..errors import UnsupportedModelError
 from .state import chol, inducing_cross, kernel_diag, kernel_matrix, mean_vector, noise_variance
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_term", "uncollapsed_bound",
            "whiten", "unwhiten", "predict_y"]
@@ -40,11 +44,11 @@ __all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_
 class BernoulliLogit(AbstractLikelihood):
     """Bernoulli likelihood with the logit link ``p(y=1|f) = σ(f)`` (GPJax's ``Bernoulli`` is probit)."""
 
-    def link_function(self, f):
+    def link_function(self, f) -> npd.Bernoulli:
         """``Bernoulli(logits=f)``."""
         return npd.Bernoulli(logits=f)
 
-    def predict(self, dist):
+    def predict(self, dist) -> npd.Bernoulli:
         """Predictive ``Bernoulli`` with the probit approximation ``σ(μ / sqrt(1 + π s / 8))``."""
         variance = jnp.diag(dist.covariance_matrix)
         return npd.Bernoulli(logits=dist.mean.ravel() / jnp.sqrt(1.0 + jnp.pi * variance / 8.0))
@@ -57,20 +61,20 @@ class WhitenedQ(NamedTuple):
     chol: jnp.ndarray
 
 
-def whiten(Lb, mean, cov):
+def whiten(Lb, mean, cov) -> WhitenedQ:
     """Whitened form of ``q(b) = N(mean, cov)`` given ``L_b``."""
     mw = solve_triangular(Lb, mean, lower=True)
     Sw = solve_triangular(Lb, solve_triangular(Lb, cov, lower=True).T, lower=True)
     return WhitenedQ(mw, chol(Sw))
 
 
-def unwhiten(Lb, q):
+def unwhiten(Lb, q) -> tuple[Any, Any]:
     """``(mean, cov)`` of ``q(b)`` from its whitened form."""
     R = Lb @ q.chol
     return Lb @ q.mean, R @ R.T
 
 
-def marginals(hyper, Lb, q, X):
+def marginals(hyper, Lb, q, X) -> tuple[Any, jax.Array]:
     """Mean and variance of ``q(f(x_n))`` for every row of ``X``."""
     V = solve_triangular(Lb, kernel_matrix(hyper.kernel, hyper.Z, X), lower=True)
     mu = mean_vector(hyper.mean_function, X) + V.T @ q.mean
@@ -79,7 +83,7 @@ def marginals(hyper, Lb, q, X):
     return mu, jnp.maximum(var, 1e-12)
 
 
-def expected_log_lik(hyper, y, mu, var):
+def expected_log_lik(hyper, y, mu, var) -> jax.Array:
     """``E_q[log p(y_n | f_n)]`` per row: closed form when ``hyper.noise`` is set, else GPJax quadrature."""
     if hyper.noise is not None:
         s2 = noise_variance(hyper)
@@ -87,7 +91,7 @@ def expected_log_lik(hyper, y, mu, var):
     return hyper.likelihood.expected_log_likelihood(y[:, None], mu[:, None], var[:, None])
 
 
-def predict_y(hyper, mu, var):
+def predict_y(hyper, mu, var) -> tuple[jax.Array, jax.Array]:
     """Predictive mean of ``y`` (probability of class 1 for Bernoulli, rate for Poisson)."""
     from gpjax.likelihoods import Bernoulli, Poisson
 
@@ -107,7 +111,7 @@ def predict_y(hyper, mu, var):
                     f"got {type(lik).__name__}")
 
 
-def old_term(hyper, old, Lb, q):
+def old_term(hyper, old, Lb, q) -> jax.Array:
     r"""``E_{q(a)}[log q_old(a) − log p(a|θ_old)]`` (zero for the prior state, exactly)."""
     eps = old.jitter
     Za = old.Z
@@ -125,7 +129,7 @@ def old_term(hyper, old, Lb, q):
     return log_q - log_p
 
 
-def uncollapsed_bound(hyper, old, X, y, mask, q):
+def uncollapsed_bound(hyper, old, X, y, mask, q) -> jax.Array:
     """The uncollapsed online bound ``L`` (module docstring).
 
     :param Hyper hyper: θ, likelihood and ``Z_b``.

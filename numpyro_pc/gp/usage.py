@@ -19,11 +19,16 @@ import numpy as np
 
 from ..compilation_cache import default_cache_dir, enable_compilation_cache  # noqa: F401  (re-exported here)
 from ..errors import DataShapeError, NotFittedError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any
 
 __all__ = ["enable_compilation_cache", "default_cache_dir", "progress", "use_progress", "plot_gp"]
 
 
-def use_progress(progress=None):
+def use_progress(progress=None) -> bool:
     """Whether to show a progress bar: ``progress`` if given, else ``NUMPYRO_PC_PROGRESS``, else
     only on a terminal outside CI."""
     if progress is not None:
@@ -34,7 +39,7 @@ def use_progress(progress=None):
     return sys.stderr.isatty() and not os.environ.get("CI")
 
 
-def progress(iterable, total=None, desc="batches", enabled=None):
+def progress(iterable, total=None, desc="batches", enabled=None) -> Iterable[Any]:
     """``tqdm(iterable)`` when :func:`use_progress` says so, else ``iterable`` unchanged."""
     if not use_progress(enabled):
         return iterable
@@ -43,7 +48,7 @@ def progress(iterable, total=None, desc="batches", enabled=None):
     return tqdm(iterable, total=total, desc=desc, leave=False)
 
 
-def plot_gp(sgp, X=None, y=None, ax=None, grid=None, resolution=200, show_inducing=True):
+def plot_gp(sgp, X=None, y=None, ax=None, grid=None, resolution=200, show_inducing=True) -> Any:
     """Plot a streaming GP with 1-D or 2-D inputs.
 
     1-D: data (grey), the batch ``(X, y)`` (black), predictive mean ± 2 sd of ``y``, and

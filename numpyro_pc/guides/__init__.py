@@ -4,6 +4,8 @@ guides.
 The package namespace re-exports :mod:`numpyro_pc.guides.gaussian`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.guides import gaussian as _gaussian
 from numpyro_pc.guides.gaussian import *  # noqa: F401,F403
 

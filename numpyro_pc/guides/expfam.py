@@ -30,6 +30,10 @@ from numpyro.infer.autoguide import AutoGuide, AutoGuideList
 
 from numpyro_pc.errors import GuideParamsError, UnsupportedGuideError
 from numpyro_pc.families.product import ProductFamily, factor_from_distribution, unwrap_distribution
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["GuideMap", "is_hand_written", "read_guide", "write_params"]
 
@@ -47,13 +51,13 @@ class GuideMap(NamedTuple):
     params: dict
 
 
-def is_hand_written(guide):
+def is_hand_written(guide) -> bool:
     """Whether ``guide`` is read as an exponential-family product: a plain callable (not a
     NumPyro autoguide) or an ``AutoGuideList``."""
     return callable(guide) and (not isinstance(guide, AutoGuide) or isinstance(guide, AutoGuideList))
 
 
-def _trace(guide, params, args, kwargs):
+def _trace(guide, params, args, kwargs) -> dict[str, Any]:
     fn = handlers.seed(guide, 0)
     if params is not None:
         fn = handlers.substitute(fn, data=params)
@@ -61,7 +65,7 @@ def _trace(guide, params, args, kwargs):
         return handlers.trace(fn).get_trace(*args, **kwargs)
 
 
-def read_guide(guide, params, latent_names, args=(), kwargs=None, supports=None):
+def read_guide(guide, params, latent_names, args=(), kwargs=None, supports=None) -> tuple[GuideMap, jax.Array]:
     """Read the guide as ``(GuideMap, natural parameter)``.
 
     :param params: the guide's params (constrained values, e.g. ``svi.get_params``), or
@@ -86,7 +90,7 @@ def read_guide(guide, params, latent_names, args=(), kwargs=None, supports=None)
     read = {n: factor_from_distribution(n, samples[n]["fn"], supports.get(n)) for n in latent_names}
     values = {n: s["value"] for n, s in trace.items() if s["type"] == "param"}
 
-    def args_of(pv):
+    def args_of(pv) -> dict[Any, tuple[Any, ...]]:
         t = _trace(guide, pv, args, kwargs)
         return {n: tuple(jnp.asarray(getattr(unwrap_distribution(t[n]["fn"])[0], a)) for a in read[n][2])
                 for n in latent_names}
@@ -109,7 +113,7 @@ def read_guide(guide, params, latent_names, args=(), kwargs=None, supports=None)
     return GuideMap(family, tuple(names), values), lam
 
 
-def _is_identity(block):
+def _is_identity(block) -> bool:
     block = np.asarray(block)
     size = int(np.sqrt(block.size)) if block.size else 0
     if size * size != block.size or size == 0:
@@ -117,7 +121,7 @@ def _is_identity(block):
     return bool(np.allclose(block.reshape(size, size), np.eye(size), rtol=0.0, atol=1e-12))
 
 
-def write_params(guide_map, family, lam):
+def write_params(guide_map, family, lam) -> dict[str, Any]:
     """The guide's params describing ``lam`` (params the guide does not use are passed through).
 
     :raises GuideParamsError: if ``family`` is not the guide's.

@@ -42,6 +42,12 @@ from numpyro.infer.autoguide import (
 from numpyro_pc.errors import GuideParamsError, InvalidOptionError, NotPositiveDefiniteError, UnsupportedGuideError
 from numpyro_pc.families.lowrank import lowrank_from_covariance, project_operator
 from numpyro_pc.families.registry import Gaussian, get_family
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from numpyro_pc.families.registry import ExponentialFamily
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]
@@ -62,32 +68,32 @@ class GuideAdapter(ABC):
     family = "full"
     expectation = "auto"
 
-    def family_for(self, guide, latent):
+    def family_for(self, guide, latent) -> ExponentialFamily:
         """The family instance this guide maps to (``latent``: the model's latent space, or ``None``)."""
         return get_family(self.family)
 
     @abstractmethod
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         """``Gaussian(mean, precision)`` of ``dtype`` in the family's format from the guide's ``params``."""
 
     @abstractmethod
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         """The guide's parameter dict describing ``q``."""
 
 
 class _MultivariateNormal(GuideAdapter):
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         cast = partial(jnp.asarray, dtype=dtype)
         loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
         tril = cast(_param(params, f"{guide.prefix}_scale_tril", (latent.dim, latent.dim), guide))
         return Gaussian(cast(loc), _inverse_spd(tril @ tril.T, "covariance from scale_tril"))
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         cov = family.dense_covariance(q)
         return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale_tril": jnp.linalg.cholesky(cov)}
 
 
-def _guide_rank(guide, dim):
+def _guide_rank(guide, dim) -> int:
     """The guide's rank (NumPyro's default ``round(√d)``), at least 1 and at most ``d``."""
     rank = guide.rank if guide.rank is not None else int(round(dim**0.5))
     return max(1, min(int(rank), dim))
@@ -96,11 +102,11 @@ def _guide_rank(guide, dim):
 class _LowRankMultivariateNormal(GuideAdapter):
     family = "lowrank"
 
-    def family_for(self, guide, latent):
+    def family_for(self, guide, latent) -> ExponentialFamily:
         dim = latent.dim if latent is not None else guide.latent_dim
         return get_family("lowrank", rank=_guide_rank(guide, dim))
 
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         cast = partial(jnp.asarray, dtype=dtype)
         d, prefix = latent.dim, guide.prefix
         loc = _param(params, f"{prefix}_loc", (d,), guide)
@@ -112,7 +118,7 @@ class _LowRankMultivariateNormal(GuideAdapter):
         rank = self.family_for(guide, latent).rank
         return Gaussian(cast(loc), lowrank_from_covariance(scale**2, cast(factor), rank))
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         d = latent.dim
         operand = family.covariance_operand(q)
         variance = family.marginal_variance(q)
@@ -125,7 +131,7 @@ class _LowRankMultivariateNormal(GuideAdapter):
 class _Laplace(GuideAdapter):
     expectation = "delta"  # its fixed point is the Laplace approximation
 
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         cast = partial(jnp.asarray, dtype=dtype)
         loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
         tril = cast(guide.get_transform(params).scale_tril)
@@ -133,34 +139,34 @@ class _Laplace(GuideAdapter):
             raise NotPositiveDefiniteError("the Laplace approximation's Hessian at the MAP point is singular")
         return Gaussian(cast(loc), _inverse_spd(tril @ tril.T, "Laplace covariance"))
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         return {f"{guide.prefix}_loc": q.mean}
 
 
 class _DiagonalNormal(GuideAdapter):
     family = "diagonal"
 
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         cast = partial(jnp.asarray, dtype=dtype)
         loc = _param(params, f"{guide.prefix}_loc", (latent.dim,), guide)
         scale = _param(params, f"{guide.prefix}_scale", (latent.dim,), guide)
         return Gaussian(cast(loc), 1.0 / cast(scale) ** 2)
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         return {f"{guide.prefix}_loc": q.mean, f"{guide.prefix}_scale": _marginal_sd(family, q)}
 
 
 class _Normal(GuideAdapter):
     family = "diagonal"
 
-    def read(self, guide, params, latent, dtype):
+    def read(self, guide, params, latent, dtype) -> Gaussian:
         cast = partial(jnp.asarray, dtype=dtype)
         sites = list(zip(latent.names, latent.unconstrained_shapes))
         locs = {n: _param(params, f"{n}_{guide.prefix}_loc", s, guide) for n, s in sites}
         scales = {n: _param(params, f"{n}_{guide.prefix}_scale", s, guide) for n, s in sites}
         return Gaussian(cast(latent.ravel(locs)), 1.0 / cast(latent.ravel(scales)) ** 2)
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         locs, scales = latent.unravel(q.mean), latent.unravel(_marginal_sd(family, q))
         out = {f"{n}_{guide.prefix}_loc": locs[n] for n in latent.names}
         out.update({f"{n}_{guide.prefix}_scale": scales[n] for n in latent.names})
@@ -171,22 +177,22 @@ class _Delta(GuideAdapter):
     family = "isotropic"  # ERM / MAP
     expectation = "delta"
 
-    def read(self, guide, params, latent, dtype):  # locs are constrained values
+    def read(self, guide, params, latent, dtype) -> Gaussian:  # locs are constrained values
         cast = partial(jnp.asarray, dtype=dtype)
         values = {n: _param(params, f"{n}_{guide.prefix}_loc", s, guide) for n, s in zip(latent.names, latent.shapes)}
         return Gaussian(cast(latent.unconstrain(values)), jnp.asarray(1.0, dtype))
 
-    def write(self, guide, family, q, latent, constrain_fn):
+    def write(self, guide, family, q, latent, constrain_fn) -> dict[str, Any]:
         if constrain_fn is None:
             raise InvalidOptionError("AutoDelta parameters are constrained values; pass constrain_fn")
         values = constrain_fn(q.mean)
         return {f"{n}_{guide.prefix}_loc": values[n] for n in latent.names}
 
 
-_REGISTRY = {}
+_REGISTRY: dict[Any, Any] = {}
 
 
-def register_guide(guide_class, adapter):
+def register_guide(guide_class, adapter) -> None:
     """Register ``adapter`` (a :class:`GuideAdapter`) for guides whose type is exactly ``guide_class``."""
     if not isinstance(adapter, GuideAdapter):
         raise InvalidOptionError(f"adapter must be a GuideAdapter instance, got {type(adapter).__name__}")
@@ -202,12 +208,12 @@ for _cls, _adapter in ((AutoNormal, _Normal()), (AutoDiagonalNormal, _DiagonalNo
 SUPPORTED_GUIDES = tuple(_REGISTRY)
 
 
-def is_registered(guide):
+def is_registered(guide) -> bool:
     """Whether an adapter is registered for ``guide``'s exact type."""
     return type(guide) in _REGISTRY
 
 
-def _adapter(guide):
+def _adapter(guide) -> GuideAdapter:
     adapter = _REGISTRY.get(type(guide))
     if adapter is None:
         names = ", ".join(c.__name__ for c in _REGISTRY)
@@ -218,7 +224,7 @@ def _adapter(guide):
     return adapter
 
 
-def guide_family(guide):
+def guide_family(guide) -> ExponentialFamily:
     """The :class:`~numpyro_pc.families.registry.ExponentialFamily` a guide maps to.
 
     :raises UnsupportedGuideError: for any other guide (AutoIAFNormal, AutoBNAFNormal, AutoDAIS, ...).
@@ -226,25 +232,25 @@ def guide_family(guide):
     return _adapter(guide).family_for(guide, None)
 
 
-def default_expectation(guide, spec):
+def default_expectation(guide, spec) -> str:
     """Default expectation rule for a guide: ``delta`` for Laplace/Delta, else ``auto`` (Gauss–Hermite
     over the dependence subspace where the model has one, else Monte Carlo; see
     :func:`numpyro_pc.sites.expectations.prepare_rule`)."""
     return _adapter(guide).expectation
 
 
-def _marginal_sd(family, q):
+def _marginal_sd(family, q) -> jax.Array:
     return jnp.sqrt(family.marginal_variance(q))
 
 
-def _ensure_setup(guide, args, kwargs):
+def _ensure_setup(guide, args, kwargs) -> None:
     # runs the guide once on its own initial values (not the user's params, which may be invalid)
     if getattr(guide, "prototype_trace", None) is None:
         with handlers.block():
             handlers.seed(guide, 0)(*args, **kwargs)
 
 
-def _param(params, key, shape, guide):
+def _param(params, key, shape, guide) -> jax.Array:
     if key not in params:
         raise GuideParamsError(
             f"parameter {key!r} expected by {type(guide).__name__} is missing; the parameters given have keys "
@@ -257,14 +263,14 @@ def _param(params, key, shape, guide):
     return value
 
 
-def _check_order(guide, latent):
+def _check_order(guide, latent) -> None:
     locs = getattr(guide, "_init_locs", None)
     if locs is not None and tuple(locs) != latent.names:
         raise GuideParamsError(f"the guide's latent sites {tuple(locs)} differ from the model's {latent.names}; "
                                "was the guide built for another model?")
 
 
-def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
+def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None) -> tuple[Any, Any]:
     """Read a fitted guide's parameters as a family member ``(family, Gaussian)``.
 
     :param guide: a fitted autoguide of :data:`SUPPORTED_GUIDES`.
@@ -290,7 +296,7 @@ def from_guide(guide, params, latent, args=(), kwargs=None, dtype=None):
     return family, q
 
 
-def _inverse_spd(matrix, what):
+def _inverse_spd(matrix, what) -> jax.Array:
     chol = jnp.linalg.cholesky(matrix)
     if not bool(jnp.all(jnp.isfinite(chol))):
         raise NotPositiveDefiniteError(f"the {what} is not positive definite")
@@ -298,7 +304,7 @@ def _inverse_spd(matrix, what):
     return 0.5 * (inv + inv.T)
 
 
-def to_guide_params(guide, family, q, latent, constrain_fn=None):
+def to_guide_params(guide, family, q, latent, constrain_fn=None) -> dict[str, Any]:
     """Parameters for ``guide`` describing ``q`` (so ``Predictive(model, guide=guide, params=...)`` works).
 
     For diagonal guides built from a full posterior the marginal variances are used; for

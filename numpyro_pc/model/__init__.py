@@ -3,3 +3,5 @@ row bookkeeping.
 
 Everything above reads a model through :mod:`numpyro_pc.model.likelihood`.
 """
+
+from __future__ import annotations

@@ -16,15 +16,19 @@ from numpyro_pc.errors import DataShapeError, ModelMismatchError
 from .data_support import as_data_array, check_support
 from .likelihood import ModelData, bind_model, check_finite_argument, is_array
 from .rows import to_device
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["bind_batch"]
 
 
-def _shared_names(spec):
+def _shared_names(spec) -> tuple[Any, ...]:
     return tuple(n.split("[")[0] for n, k in zip(spec.arg_names, spec.kinds) if k == "shared")
 
 
-def _bind_like_fitted(post, args, kwargs):
+def _bind_like_fitted(post, args, kwargs) -> ModelData | None:
     """The new batch's :class:`ModelData` without re-tracing the model, or ``None``.
 
     Applies when the arguments have the fitted data's structure: the same pytree, equal
@@ -64,7 +68,7 @@ def _bind_like_fitted(post, args, kwargs):
     return ModelData(tuple(per_example), tuple(shared))
 
 
-def _check_fixed_arguments(spec, args, kwargs):
+def _check_fixed_arguments(spec, args, kwargs) -> None:
     """Refuse a batch whose non-array model arguments differ from the fitted ones.
 
     A posterior is the posterior of the model *with* its fixed arguments (a noise level, a
@@ -86,7 +90,7 @@ def _check_fixed_arguments(spec, args, kwargs):
                 "pass the fitted value.")
 
 
-def _same_static(a, b):
+def _same_static(a, b) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
     except (TypeError, ValueError):
@@ -109,7 +113,7 @@ def _argument_difference(fitted, new) -> str:
     return "; ".join(parts) if parts else (f"fitted as {list(old.items())}, passed as {list(now.items())}")
 
 
-def bind_batch(post, args, kwargs):
+def bind_batch(post, args, kwargs) -> ModelData:
     """Bind a new batch to the posterior's model and check it is compatible.
 
     A batch shaped like the fitted data is bound without re-tracing the model (tracing on
@@ -125,7 +129,7 @@ def bind_batch(post, args, kwargs):
     _check_fixed_arguments(post.spec, args, kwargs)
     spec, data = bind_model(post.spec.model, args, kwargs, data_plate=post.spec.plate, shared=_shared_names(post.spec))
     if spec.latent.signature() != post.latent.signature() or spec.observed != post.spec.observed:
-        def describe(s):
+        def describe(s) -> dict[Any, tuple[Any, ...]]:
             return {n: tuple(shape) for n, shape in zip(s.latent.names, s.latent.unconstrained_shapes)}
         raise DataShapeError(
             "the new batch gives the model different latent or observed sites: latent (unconstrained shapes) "

@@ -17,6 +17,11 @@ import numpy as np
 from numpyro.distributions.transforms import biject_to
 
 from numpyro_pc.errors import UnsupportedModelError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
+    from typing import Any
 
 __all__ = ["LatentSpace"]
 
@@ -41,7 +46,7 @@ class LatentSpace:
     discrete_shapes: tuple = ()
 
     @classmethod
-    def from_trace(cls, trace, allow_discrete=False):
+    def from_trace(cls, trace, allow_discrete=False) -> LatentSpace:
         """Build the latent space from a NumPyro trace (in its insertion order).
 
         :param dict trace: a trace of the model, e.g. from ``handlers.trace(...).get_trace``.
@@ -80,21 +85,21 @@ class LatentSpace:
         return cls(tuple(names), tuple(shapes), tuple(ushapes), tuple(transforms), tuple(discrete), tuple(dshapes))
 
     @property
-    def sizes(self):
+    def sizes(self) -> tuple[Any, ...]:
         """Number of unconstrained coordinates of each site."""
         return tuple(math.prod(s) for s in self.unconstrained_shapes)
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         """Total dimension ``d`` of the flat unconstrained vector."""
         return sum(self.sizes)
 
     @property
-    def offsets(self):
+    def offsets(self) -> tuple[Any, ...]:
         """Start offset of each site inside the flat vector."""
         return tuple(int(o) for o in np.cumsum((0,) + self.sizes)[:-1])
 
-    def unravel(self, z):
+    def unravel(self, z) -> dict[str, jax.Array]:
         """Split a flat vector (trailing axis ``d``) into a dict of unconstrained values.
 
         Leading batch axes of ``z`` are kept: ``z.shape == (..., d)`` gives values of
@@ -106,7 +111,7 @@ class LatentSpace:
             out[name] = jnp.reshape(z[..., start:start + size], batch + ushape)
         return out
 
-    def ravel(self, values, batch_ndim=0):
+    def ravel(self, values, batch_ndim=0) -> jax.Array:
         """Concatenate a dict of unconstrained values into the flat vector, in trace order."""
         parts = []
         for name, ushape in zip(self.names, self.unconstrained_shapes):
@@ -119,11 +124,11 @@ class LatentSpace:
             return jnp.zeros((0,), jnp.result_type(float))
         return jnp.concatenate(parts, axis=-1)
 
-    def unconstrain(self, constrained):
+    def unconstrain(self, constrained) -> jax.Array:
         """Map constrained site values to the flat unconstrained vector (static supports)."""
         return self.ravel({n: t.inv(jnp.asarray(constrained[n])) for n, t in zip(self.names, self.transforms)})
 
-    def labels(self):
+    def labels(self) -> list[Any]:
         """Human-readable label of each flat coordinate, e.g. ``"w[3]"``."""
         out = []
         for name, ushape in zip(self.names, self.unconstrained_shapes):
@@ -133,7 +138,7 @@ class LatentSpace:
                 out.extend(f"{name}[{','.join(map(str, idx))}]" for idx in np.ndindex(*ushape))
         return out
 
-    def signature(self):
+    def signature(self) -> dict[str, Any]:
         """JSON-friendly description used to check that two objects share a model."""
         out = {"names": list(self.names), "unconstrained_shapes": [list(s) for s in self.unconstrained_shapes]}
         if self.discrete_names:  # only then, so files without discrete latents keep their manifest

@@ -51,6 +51,10 @@ from .terms import (  # noqa: F401  (re-exported: the package imports them from 
     prior_loss,
     trace_at,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_binding", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "check_finite_argument"]
@@ -58,11 +62,11 @@ __all__ = ["IMPLICIT_PLATE", "ModelSpec", "ModelData", "bind_model", "verify_bin
 # --------------------------------------------------------------------------- binding
 
 
-def _describe_leading_sizes(names, leaves):
+def _describe_leading_sizes(names, leaves) -> str:
     return ", ".join(f"{n}: {tuple(np.shape(x))}" for n, x in zip(names, leaves) if is_array(x))
 
 
-def check_finite_argument(name, leaf):
+def check_finite_argument(name, leaf) -> None:
     """Raise :class:`NonFiniteDataError` if a floating array argument holds NaN or infinite values."""
     if is_array(leaf) and jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
         if not all_finite(leaf):
@@ -71,7 +75,7 @@ def check_finite_argument(name, leaf):
                                      "clean or mask the data before fitting.")
 
 
-def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False):
+def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_discrete=False) -> tuple[Any, ModelData]:
     """Inspect a model with its data and return ``(spec, data)``.
 
     **Models without a plate.** When no observed site lies inside a plate, the rows are an
@@ -213,7 +217,7 @@ def _check_rows_observed(trace, plate, size, observed, leaves) -> None:
                 f"broadcast to every row. Pass one value per row (e.g. y of shape ({size},)).")
 
 
-def _prototype_value(site):
+def _prototype_value(site) -> jax.Array | None:
     """A value for a continuous latent site that does not call its sampler.
 
     Uniform in ``(−2, 2)`` in unconstrained space (as NumPyro's ``init_to_uniform``), built
@@ -229,8 +233,8 @@ def _prototype_value(site):
     return transform(jax.random.uniform(key, shape, minval=-2.0, maxval=2.0, dtype=jnp.result_type(float)))
 
 
-def _leaf_names(args, kwargs, names_by_position):
-    names = []
+def _leaf_names(args, kwargs, names_by_position) -> list[Any]:
+    names: list[Any] = []
     for i, a in enumerate(args):
         base = names_by_position[i] if i < len(names_by_position) else f"args[{i}]"
         sub = jax.tree.leaves(a)
@@ -281,19 +285,19 @@ def _find_data_plate(trace, data_plate, leaf_names, leaves, shared):
     return plate, frames[plate].size, names
 
 
-def _base_name(leaf_name):
+def _base_name(leaf_name) -> str:
     """The argument a leaf belongs to (``"data[0]"`` → ``"data"``), the name ``shared=`` uses."""
     return leaf_name.split("[")[0].split(".")[0]
 
 
-def _log_prob_shape(site):
+def _log_prob_shape(site) -> tuple[Any, ...]:
     """Shape of an observed site's log-density (batch shape broadcast with the value's and the mask's)."""
     fn, value = site["fn"], site["value"]
     value_batch = np.shape(value)[:max(np.ndim(value) - len(fn.event_shape), 0)]
     return tuple(np.broadcast_shapes(tuple(fn.batch_shape), value_batch, np.shape(site.get("mask"))))
 
 
-def _implicit_rows(observed, leaf_names, leaves, shared):
+def _implicit_rows(observed, leaf_names, leaves, shared) -> int:
     """The size ``N`` of the implicit data plate of a model whose observed sites lie in no plate.
 
     The rule of :func:`bind_model`: the leading dimension of every observed site's
@@ -344,7 +348,7 @@ def _analyse_params(spec, data, z0):
         site_leaves = jax.tree.leaves(trace[name]["fn"])
         float_leaf = [jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) for leaf in site_leaves]
 
-        def leaves_of(z, name=name):
+        def leaves_of(z, name=name) -> list[Any]:
             t = trace_at(spec, z, example_args(first), data.shared)
             return jax.tree.leaves(t[name]["fn"])
 
@@ -370,7 +374,7 @@ def _analyse_params(spec, data, z0):
 _PROBE_ROWS = 6  # examples in the subset on which the identity is checked
 
 
-def verify_binding(spec, data, z0, num_probes=3):
+def verify_binding(spec, data, z0, num_probes=3) -> None:
     r"""Check that the per-example evaluation reproduces the model's log density.
 
     On the first few examples (the identity holds on any subset of the data plate) and at
@@ -417,7 +421,7 @@ def _identity_terms(spec, sub, probes):
     """NumPyro's potential energy on the subset, the prior term and the per-example losses at each probe."""
     args, kwargs = spec.build_args(sub.per_example, sub.shared)
 
-    def at(z):
+    def at(z) -> tuple[Any, Any, Any]:
         with handlers.block():
             full = numpyro.infer.util.potential_energy(handlers.seed(spec.model, 0), args, kwargs,
                                                        spec.latent.unravel(z))
@@ -427,7 +431,7 @@ def _identity_terms(spec, sub, probes):
     return jax.lax.map(at, probes)
 
 
-def _binding_diagnosis(spec, data, z0, finding):
+def _binding_diagnosis(spec, data, z0, finding) -> str:
     """A message that says which plate or argument is not tied to the data, and how to fix it."""
     example = tuple(take_rows(x, 0) for x in data.per_example)
     hint = ("Every example is evaluated by calling the model on its slice of the per-example arguments, so "
@@ -458,15 +462,15 @@ def _binding_diagnosis(spec, data, z0, finding):
     return f"{finding}. {hint}"
 
 
-def _static_values(spec):
+def _static_values(spec) -> list[Any]:
     statics = iter(spec.statics)
     return [next(statics) if k == "static" else None for k in spec.kinds]
 
 
 @partial(jax.jit, static_argnums=0)
-def _param_jacobians(spec, points, examples, shared):
+def _param_jacobians(spec, points, examples, shared) -> jax.Array:
     """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``."""
-    def at(z):
+    def at(z) -> jax.Array:
         return jax.vmap(lambda ex: jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)
 
     return jax.vmap(at)(points)

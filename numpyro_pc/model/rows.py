@@ -26,6 +26,10 @@ import numpy as np
 from numpyro_pc.errors import InvalidIdsError, InvalidOptionError, UnknownExampleError
 
 from .terms import ModelData
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
            "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket"]
@@ -33,7 +37,7 @@ __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "jo
 
 # --------------------------------------------------------------------------- arrays
 
-def on_host(x):
+def on_host(x) -> bool:
     """Whether ``x`` is in host memory (a NumPy array or a JAX array on the CPU backend)."""
     if isinstance(x, np.ndarray):
         return True
@@ -42,15 +46,15 @@ def on_host(x):
     return x.is_fully_addressable and all(device.platform == "cpu" for device in x.devices())
 
 
-def _representable(dtype):
+def _representable(dtype) -> bool:
     return jax.dtypes.canonicalize_dtype(dtype) == np.dtype(dtype)
 
 
-def _host_path(*arrays):
+def _host_path(*arrays) -> bool:
     return all(on_host(a) for a in arrays) and all(_representable(a.dtype) for a in arrays)
 
 
-def to_device(x):
+def to_device(x) -> jax.Array:
     """``jnp.asarray(x)`` for host data, without compiling a conversion for each new shape."""
     if isinstance(x, jax.Array):
         return x
@@ -60,14 +64,14 @@ def to_device(x):
     return jnp.asarray(host)
 
 
-def all_finite(x):
+def all_finite(x) -> bool:
     """Whether every value of ``x`` is finite, checked with NumPy for host data (nothing compiled)."""
     if on_host(x) or not isinstance(x, jax.Array):
         return bool(np.all(np.isfinite(np.asarray(x))))
     return bool(jnp.all(jnp.isfinite(x)))
 
 
-def take_rows(x, rows):
+def take_rows(x, rows) -> Any:
     """``x[rows]`` along the first axis (``None`` stays ``None``)."""
     if x is None:
         return None
@@ -76,7 +80,7 @@ def take_rows(x, rows):
     return x[jnp.asarray(rows, jnp.int32)]
 
 
-def join_rows(*arrays):
+def join_rows(*arrays) -> jax.Array | None:
     """Concatenation along the first axis (``None`` if the first array is ``None``)."""
     if arrays[0] is None:
         return None
@@ -85,7 +89,7 @@ def join_rows(*arrays):
     return jnp.concatenate(arrays, 0)
 
 
-def pad_last_row(x, pad):
+def pad_last_row(x, pad) -> jax.Array:
     """``x`` followed by ``pad`` copies of its last row."""
     if pad == 0:
         return x
@@ -95,21 +99,21 @@ def pad_last_row(x, pad):
     return jnp.concatenate([x, jnp.repeat(x[-1:], pad, 0)], 0)
 
 
-def shifted(x, by):
+def shifted(x, by) -> jax.Array:
     """``x + by`` for an integer array (row numbers moved past ``by`` earlier rows)."""
     if _host_path(x):
         return jax.device_put(np.asarray(x) + np.asarray(by, np.asarray(x).dtype))
     return x + by
 
 
-def filled(parts, dtype):
+def filled(parts, dtype) -> jax.Array:
     """A vector made of ``(count, value)`` runs, e.g. ``[(3, 1.0), (2, 0.0)]`` → ``[1, 1, 1, 0, 0]``."""
     if _representable(dtype) and jax.default_backend() == "cpu":
         return jax.device_put(np.concatenate([np.full(int(n), v, dtype) for n, v in parts] or [np.zeros(0, dtype)]))
     return jnp.concatenate([jnp.full(int(n), v, dtype) for n, v in parts])
 
 
-def bucket_size(num, smallest=8, fine_from=2048):
+def bucket_size(num, smallest=8, fine_from=2048) -> int:
     """The size a set of ``num`` examples is padded to, so that varying sizes reuse a few compilations.
 
     Up to ``fine_from`` examples: the next power of two (≥ ``smallest``). Beyond it a
@@ -125,7 +129,7 @@ def bucket_size(num, smallest=8, fine_from=2048):
     return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
 
 
-def as_ids(ids):
+def as_ids(ids) -> np.ndarray:
     """Unique example ids as int64; anything that is not an integer array is refused, never rounded."""
     raw = np.asarray(ids)
     if raw.size == 0:
@@ -136,26 +140,26 @@ def as_ids(ids):
     return np.unique(raw.astype(np.int64).ravel())
 
 
-def is_every_row(rows, num):
+def is_every_row(rows, num) -> bool:
     """Whether host-side ``rows`` select all ``num`` rows in order (a take that need not copy)."""
     return isinstance(rows, np.ndarray) and rows.size == num and np.array_equal(rows, np.arange(num))
 
 
 # --------------------------------------------------------------------------- examples of the model's data
 
-def concat_data(a, b):
+def concat_data(a, b) -> ModelData:
     """Examples of ``a`` followed by those of ``b`` (shared arguments from ``a``)."""
     return ModelData(tuple(join_rows(x, y) for x, y in zip(a.per_example, b.per_example)), a.shared)
 
 
-def take_data(data, rows):
+def take_data(data, rows) -> ModelData:
     """The examples at ``rows``."""
     if is_every_row(rows, int(data.per_example[0].shape[0])):
         return data  # no copy
     return ModelData(tuple(take_rows(x, rows) for x in data.per_example), data.shared)
 
 
-def positions(ids, wanted, what="example"):
+def positions(ids, wanted, what="example") -> np.ndarray:
     """Row of each id of ``wanted`` inside ``ids`` (raises :class:`UnknownExampleError`).
 
     Vectorised: a binary search in ``ids`` (sorted once with ``argsort`` unless already
@@ -174,7 +178,7 @@ def positions(ids, wanted, what="example"):
     return (slot if order is None else order[slot]).astype(np.int64)
 
 
-def pad_to_bucket(data, weights, ids, dtype=None):
+def pad_to_bucket(data, weights, ids, dtype=None) -> tuple[ModelData, jax.Array, np.ndarray]:
     """Pad examples to :func:`bucket_size` by repeating the last one with weight 0 and id −1.
 
     Batches of varying size then reuse a few compiled site computations instead of
@@ -194,7 +198,7 @@ def pad_to_bucket(data, weights, ids, dtype=None):
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
 
 
-def memory_ids(memory, held, removed=()):
+def memory_ids(memory, held, removed=()) -> np.ndarray:
     """The example ids a correction covers: ``"all"`` held ids, ``"none"``, or the given ids,
     less ``removed``.
 
@@ -224,7 +228,7 @@ class RowSelection:
         self.source, self.rows, self._value = source, np.asarray(rows, dtype=np.int64), None
 
     @classmethod
-    def of(cls, current, rows):
+    def of(cls, current, rows) -> RowSelection:
         """``rows`` of ``current`` (a value or a selection; selections compose)."""
         if isinstance(current, RowSelection):
             return cls(current.source, current.rows[np.asarray(rows, dtype=np.int64)])

@@ -39,6 +39,10 @@ from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 
 from .latent import LatentSpace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
            "example_site_log_likelihoods", "losses", "constrain", "is_array", "output_dependence"]
@@ -92,7 +96,7 @@ class ModelSpec:
     support_sites: tuple = ()
     arg_names: tuple = field(default=(), compare=False, hash=False)
 
-    def build_args(self, per_example, shared):
+    def build_args(self, per_example, shared) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves."""
         ex, sh, st = iter(per_example), iter(shared), iter(self.statics)
         leaves = [next(ex) if k == "example" else next(sh) if k == "shared" else next(st) for k in self.kinds]
@@ -110,7 +114,7 @@ def output_dependence(closed_jaxpr, inputs=None) -> list:
     return [not isinstance(v, jax.extend.core.Literal) and id(v) in dependent for v in jaxpr.outvars]
 
 
-def is_array(x):
+def is_array(x) -> bool:
     """Whether a model argument is an array (data) rather than a fixed, non-array value."""
     return isinstance(x, (jax.Array, np.ndarray)) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
@@ -136,7 +140,7 @@ def _substitute_unconstrained(values, site):
     return value
 
 
-def trace_at(spec, z, per_example, shared, discrete=None):
+def trace_at(spec, z, per_example, shared, discrete=None) -> dict[str, Any]:
     """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
     args, kwargs = spec.build_args(per_example, shared)
     values = spec.latent.unravel(z)
@@ -152,7 +156,7 @@ def trace_at(spec, z, per_example, shared, discrete=None):
         return handlers.trace(model).get_trace(*args, **kwargs)
 
 
-def _site_log_prob(site):
+def _site_log_prob(site) -> jax.Array:
     lp = site["fn"].log_prob(site["value"])
     if site.get("mask") is not None:
         lp = jnp.where(site["mask"], lp, 0.0)
@@ -161,12 +165,12 @@ def _site_log_prob(site):
     return jnp.sum(lp)
 
 
-def in_plate(site, plate):
+def in_plate(site, plate) -> bool:
     """Whether a trace site sits inside the plate named ``plate``."""
     return any(f.name == plate for f in site["cond_indep_stack"])
 
 
-def prior_loss(spec, z, data, discrete=None):
+def prior_loss(spec, z, data, discrete=None) -> jax.Array:
     """``ℓ_0(z)``: negative log prior of the latents in unconstrained space (with the
     Jacobian of the constraining transforms) plus observed sites/factors outside the
     data plate; ``discrete`` holds the values of discrete latents, if the binding has any."""
@@ -182,24 +186,24 @@ def prior_loss(spec, z, data, discrete=None):
     return -total
 
 
-def example_args(example):
+def example_args(example) -> tuple[Any, ...]:
     """One example's per-example arrays with a leading axis of size 1 (the model's view of it)."""
     return tuple(x[None] for x in example)
 
 
-def example_loss(spec, z, example, shared, discrete=None):
+def example_loss(spec, z, example, shared, discrete=None) -> jax.Array:
     """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
-def example_site_log_likelihoods(spec, z, example, shared, discrete=None):
+def example_site_log_likelihoods(spec, z, example, shared, discrete=None) -> tuple[Any, ...]:
     """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
 
-def example_params(spec, z, example, shared):
+def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
 
     :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
@@ -217,7 +221,7 @@ def example_params(spec, z, example, shared):
         rebuild.append((site, leaves, treedef, mask))
     theta = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), z.dtype)
 
-    def loss_fn(theta):
+    def loss_fn(theta) -> jax.Array:
         total, pos = 0.0, 0
         for site, leaves, treedef, mask in rebuild:
             new_leaves = []
@@ -235,12 +239,12 @@ def example_params(spec, z, example, shared):
     return theta, loss_fn
 
 
-def losses(spec, z, data):
+def losses(spec, z, data) -> jax.Array:
     """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
     return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
 
 
-def constrain(spec, z, data):
+def constrain(spec, z, data) -> dict[Any, Any]:
     """Constrained values of the latent sites at ``z`` (a dict in trace order).
 
     The values do not depend on the examples (per-example latents are refused at binding),

@@ -3,6 +3,8 @@
 The package namespace re-exports :mod:`numpyro_pc.posteriordb.reference`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.posteriordb import reference as _reference
 from numpyro_pc.posteriordb.reference import *  # noqa: F401,F403
 from numpyro_pc.posteriordb.reference import __getattr__ as _reference_getattr

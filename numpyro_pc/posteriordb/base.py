@@ -14,6 +14,11 @@ import numpy as np
 import numpyro.distributions as dist
 
 from numpyro_pc.datasets.loaders import DatasetError, data_roots
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "require_posteriordb_dir", "load_data", "stan_names",
            "stack_draws", "flat_prior"]
@@ -47,7 +52,7 @@ class Translation(NamedTuple):
     reference: Callable
 
 
-def posteriordb_dir(path=None):
+def posteriordb_dir(path=None) -> Path | None:
     """The ``posteriordb`` folder of the data directory (``None`` when absent)."""
     for root in data_roots(path):
         for out in (root / "posteriordb", root):
@@ -56,7 +61,7 @@ def posteriordb_dir(path=None):
     return None
 
 
-def require_posteriordb_dir(path=None):
+def require_posteriordb_dir(path=None) -> Path:
     """The ``posteriordb`` folder of the data directory.
 
     :raises DatasetError: when there is none.
@@ -67,7 +72,7 @@ def require_posteriordb_dir(path=None):
     return folder
 
 
-def load_data(data_name, path=None):
+def load_data(data_name, path=None) -> dict[Any, np.ndarray]:
     """Read ``posteriordb/data/<data_name>.json`` as a dict of arrays (keys as in Stan's ``data`` block).
 
     :param str data_name: e.g. ``"radon_mn"``.
@@ -80,19 +85,19 @@ def load_data(data_name, path=None):
     return {k: np.asarray(v) for k, v in json.loads(file.read_text()).items()}
 
 
-def stan_names(base, shape):
+def stan_names(base, shape) -> list[str]:
     """Stan's names of the scalars of parameter ``base`` of ``shape`` (``beta[1]``, ``z[2,3]``; 1-based)."""
     if shape == ():
         return [base]
     return [f"{base}[{','.join(str(i + 1) for i in idx)}]" for idx in np.ndindex(*shape)]
 
 
-def stack_draws(draws, params, shapes):
+def stack_draws(draws, params, shapes) -> dict[Any, Any]:
     """Reference draws ``{stan_name: (K,)}`` stacked into ``{site: (K, *shape)}`` by ``params``' name lists."""
     return {site: np.stack([draws[n] for n in names], -1).reshape((-1,) + shapes[site])
             for site, names in params.items()}
 
 
-def flat_prior(support, shape=()):
+def flat_prior(support, shape=()) -> dist.ImproperUniform:
     """Stan's implicit flat prior on a parameter's support (log density 0)."""
     return dist.ImproperUniform(support, (), shape)

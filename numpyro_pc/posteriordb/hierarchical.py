@@ -52,6 +52,10 @@ from numpyro.distributions import constraints
 from numpyro_pc.errors import UnsupportedModelError
 
 from .base import Translation, flat_prior, load_data, stack_draws, stan_names
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["HIERARCHICAL", "translate_hierarchical", "ucbadmit", "UCBADMIT"]
 
@@ -65,23 +69,23 @@ UCBADMIT = np.array([
 ])
 
 
-def _translation(model, args, shapes):
+def _translation(model, args, shapes) -> Translation:
     params = {site: stan_names(site, shape) for site, shape in shapes.items()}
     return Translation(model, tuple(jnp.asarray(a) for a in args), {}, params,
                        lambda draws: stack_draws(draws, params, shapes))
 
 
-def _half_normal_scales(*names):
+def _half_normal_scales(*names) -> list[Any]:
     return [numpyro.sample(n, dist.HalfNormal(1.0)) for n in names]
 
 
 # ----------------------------------------------------------------- radon (Minnesota, 919 homes, 85 counties)
 
 
-def _radon_intercept(data, centred):
+def _radon_intercept(data, centred) -> Translation:
     J = int(data["J"])
 
-    def model(county, log_uppm, floor_measure, log_radon=None):
+    def model(county, log_uppm, floor_measure, log_radon=None) -> None:
         sigma_alpha, sigma_y = _half_normal_scales("sigma_alpha", "sigma_y")
         mu_alpha = numpyro.sample("mu_alpha", dist.Normal(0.0, 10.0))
         beta = numpyro.sample("beta", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
@@ -100,10 +104,10 @@ def _radon_intercept(data, centred):
     return _translation(model, args, shapes)
 
 
-def _radon_slope(data, centred):
+def _radon_slope(data, centred) -> Translation:
     J = int(data["J"])
 
-    def model(county, floor_measure, log_radon=None):
+    def model(county, floor_measure, log_radon=None) -> None:
         sigma_y, sigma_beta, sigma_alpha = _half_normal_scales("sigma_y", "sigma_beta", "sigma_alpha")
         mu_alpha = numpyro.sample("mu_alpha", dist.Normal(0.0, 10.0))
         mu_beta = numpyro.sample("mu_beta", dist.Normal(0.0, 10.0))
@@ -128,10 +132,10 @@ def _radon_slope(data, centred):
 # ----------------------------------------------------------------- rats, seeds, dogs, pilots, eight schools
 
 
-def _rats(data):
+def _rats(data) -> Translation:
     J, xbar = int(data["N"]), float(data["xbar"])
 
-    def model(rat, x, y=None):
+    def model(rat, x, y=None) -> None:
         mu_alpha = numpyro.sample("mu_alpha", dist.Normal(0.0, 100.0))
         mu_beta = numpyro.sample("mu_beta", dist.Normal(0.0, 100.0))
         sigma_y, sigma_alpha, sigma_beta = (numpyro.sample(n, flat_prior(constraints.positive))
@@ -147,10 +151,10 @@ def _rats(data):
     return _translation(model, (data["rat"] - 1, data["x"].astype(float), data["y"].astype(float)), shapes)
 
 
-def _seeds(data, centred):
+def _seeds(data, centred) -> Translation:
     I = int(data["I"])  # noqa: E741 (Stan's name)
 
-    def model(plate_id, x1, x2, N, n=None):
+    def model(plate_id, x1, x2, N, n=None) -> None:
         alphas = [numpyro.sample(a, dist.Normal(0.0, 1.0 if centred else 1.0e3))
                   for a in ("alpha0", "alpha1", "alpha12", "alpha2")]
         alpha0, alpha1, alpha12, alpha2 = alphas
@@ -174,13 +178,13 @@ def _seeds(data, centred):
     return _translation(model, args, shapes)
 
 
-def _dogs(data):
+def _dogs(data) -> Translation:
     y = np.asarray(data["y"])
     zeros = np.zeros((y.shape[0], 1))
     prev_shock = np.concatenate([zeros, np.cumsum(y, 1)[:, :-1]], 1)
     prev_avoid = np.concatenate([zeros, np.cumsum(1 - y, 1)[:, :-1]], 1)
 
-    def model(prev_shock, prev_avoid, y=None):
+    def model(prev_shock, prev_avoid, y=None) -> None:
         a = numpyro.sample("a", flat_prior(constraints.unit_interval))
         b = numpyro.sample("b", flat_prior(constraints.unit_interval))
         with numpyro.plate("data", prev_shock.shape[0]):
@@ -192,10 +196,10 @@ def _dogs(data):
     return _translation(model, args, {"a": (), "b": ()})
 
 
-def _pilots(data):
+def _pilots(data) -> Translation:
     n_groups, n_scenarios = int(data["n_groups"]), int(data["n_scenarios"])
 
-    def model(group_id, scenario_id, y=None):
+    def model(group_id, scenario_id, y=None) -> None:
         mu_a = numpyro.sample("mu_a", dist.Normal(0.0, 1.0))
         mu_b = numpyro.sample("mu_b", dist.Normal(0.0, 1.0))
         sigma_a, sigma_b, sigma_y = (numpyro.sample(n, flat_prior(constraints.interval(0.0, 100.0)))
@@ -213,10 +217,10 @@ def _pilots(data):
     return _translation(model, args, shapes)
 
 
-def _eight_schools_centered(data):
+def _eight_schools_centered(data) -> Translation:
     J = int(data["J"])
 
-    def model(school, sigma, y=None):
+    def model(school, sigma, y=None) -> None:
         tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
         with numpyro.plate("school", J):
@@ -231,7 +235,7 @@ def _eight_schools_centered(data):
 # ----------------------------------------------------------------- UC Berkeley admissions (embedded data)
 
 
-def ucbadmit(data=None):
+def ucbadmit(data=None) -> Translation:
     r"""UC Berkeley admissions: a varying-intercept binomial logistic regression by department.
 
     The multilevel admissions model of *Statistical Rethinking* (2nd ed., ch. 13 priors) with a
@@ -247,7 +251,7 @@ def ucbadmit(data=None):
     """
     num_dept = 6
 
-    def model(dept, male, applications, admit=None):
+    def model(dept, male, applications, admit=None) -> None:
         a_bar = numpyro.sample("a_bar", dist.Normal(0.0, 1.5))
         sigma_dept = numpyro.sample("sigma_dept", dist.Exponential(1.0))
         beta_male = numpyro.sample("beta_male", dist.Normal(0.0, 1.0))
@@ -280,7 +284,7 @@ HIERARCHICAL = {
 }
 
 
-def translate_hierarchical(name, path=None, data=None):
+def translate_hierarchical(name, path=None, data=None) -> Translation:
     """The NumPyro translation of the hierarchical posterior ``name`` (a key of :data:`HIERARCHICAL`).
 
     :param str name: ``<data>-<model>``.

@@ -55,6 +55,12 @@ from .base import (
     stan_names,
 )
 from .hierarchical import HIERARCHICAL, translate_hierarchical
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import NoReturn
+    from typing import Any
 
 __all__ = ["ReferencePosterior", "Translation", "posteriordb_dir", "load_posterior", "translate", "reference_unconstrained",
            "compare", "SUPPORTED", "UNSUPPORTED", "NOT_TRANSLATED",
@@ -68,7 +74,7 @@ MAX_EXCESS_KURTOSIS = 1.0
 NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
         warnings.warn("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
                       "fitted dual-form posterior); the old name will be removed in the next release",
@@ -77,7 +83,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_posterior(name, path=None):
+def load_posterior(name, path=None) -> ReferencePosterior:
     """Read ``posteriordb/{data,reference}`` files of the posterior ``<data>-<model>``.
 
     :param str name: e.g. ``"earnings-logearn_height"``.
@@ -99,8 +105,8 @@ def load_posterior(name, path=None):
 # ----------------------------------------------------------------- regressions (y ~ normal(X beta, sigma))
 
 
-def _regression(sigma_prior=None):
-    def model(X, y=None):
+def _regression(sigma_prior=None) -> Callable[..., None]:
+    def model(X, y=None) -> None:
         beta = numpyro.sample("beta", flat_prior(constraints.real_vector, (X.shape[1],)))
         sigma = numpyro.sample("sigma", flat_prior(constraints.positive) if sigma_prior is None else sigma_prior)
         with numpyro.plate("data", X.shape[0]):
@@ -108,7 +114,7 @@ def _regression(sigma_prior=None):
     return model
 
 
-def _design(d, model):
+def _design(d, model) -> tuple[Any, np.ndarray]:
     """(response, columns) of each regression, as in the Stan ``transformed data`` blocks."""
     one = lambda v: np.ones_like(v, dtype=float)  # noqa: E731
     f = lambda k: np.asarray(d[k], dtype=float)  # noqa: E731
@@ -162,7 +168,7 @@ _REGRESSION_FLAT = _regression()
 _REGRESSION_CAUCHY = _regression(dist.HalfCauchy(2.5))
 
 
-def _translate_regression(post, model_name):
+def _translate_regression(post, model_name) -> Translation:
     y, X = _design(post.data, model_name)
     params = {"beta": stan_names("beta", (X.shape[1],)), "sigma": ["sigma"]}
     shapes = {"beta": (X.shape[1],), "sigma": ()}
@@ -171,12 +177,12 @@ def _translate_regression(post, model_name):
                        lambda draws: stack_draws(draws, params, shapes))
 
 
-def _translate_diamonds(post):
+def _translate_diamonds(post) -> Translation:
     X = np.asarray(post.data["X"], dtype=float)
     Xc = X[:, 1:] - X[:, 1:].mean(0)
     kc = Xc.shape[1]
 
-    def model(Xc, y=None):
+    def model(Xc, y=None) -> None:
         b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([kc]).to_event(1))
         intercept = numpyro.sample("Intercept", dist.StudentT(3.0, 8.0, 10.0))
         sigma = numpyro.sample("sigma", flat_prior(constraints.positive))  # half student_t(3, 0, 10) up to a constant
@@ -190,10 +196,10 @@ def _translate_diamonds(post):
                        lambda draws: stack_draws(draws, params, shapes))
 
 
-def _translate_eight_schools(post):
+def _translate_eight_schools(post) -> Translation:
     J = int(post.data["J"])
 
-    def model(school, scale, y=None):
+    def model(school, scale, y=None) -> None:
         theta_trans = numpyro.sample("theta_trans", dist.Normal(0.0, 1.0).expand([J]).to_event(1))
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
         tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
@@ -203,7 +209,7 @@ def _translate_eight_schools(post):
 
     params = {"theta_trans": stan_names("theta", (J,)), "mu": ["mu"], "tau": ["tau"]}
 
-    def reference(draws):
+    def reference(draws) -> dict[str, Any]:
         theta = np.stack([draws[n] for n in params["theta_trans"]], -1)
         return {"theta_trans": (theta - draws["mu"][:, None]) / draws["tau"][:, None], "mu": draws["mu"],
                 "tau": draws["tau"]}
@@ -212,12 +218,12 @@ def _translate_eight_schools(post):
     return Translation(model, args, {}, params, reference)
 
 
-def _translate_ark(post):
+def _translate_ark(post) -> Translation:
     K, y = int(post.data["K"]), np.asarray(post.data["y"], dtype=float)
     T = y.shape[0]
     lags = np.stack([y[K - k:T - k] for k in range(1, K + 1)], -1)  # lags[:, k-1] = y[t-k]
 
-    def model(lags, y=None):
+    def model(lags, y=None) -> None:
         alpha = numpyro.sample("alpha", dist.Normal(0.0, 10.0))
         beta = numpyro.sample("beta", dist.Normal(0.0, 10.0).expand([K]).to_event(1))
         sigma = numpyro.sample("sigma", dist.HalfCauchy(2.5))
@@ -230,17 +236,17 @@ def _translate_ark(post):
                        lambda draws: stack_draws(draws, params, shapes))
 
 
-def _gp_chol(x, alpha, rho):
+def _gp_chol(x, alpha, rho) -> jax.Array:
     d2 = (x[:, None] - x[None, :]) ** 2
     cov = alpha ** 2 * jnp.exp(-0.5 * d2 / rho ** 2) + 1e-10 * jnp.eye(x.shape[0])
     return jnp.linalg.cholesky(cov)
 
 
-def _translate_gp_pois(post):
+def _translate_gp_pois(post) -> Translation:
     x = jnp.asarray(post.data["x"], dtype=float)
     N = x.shape[0]
 
-    def model(index, k=None):
+    def model(index, k=None) -> None:
         rho = numpyro.sample("rho", dist.Gamma(25.0, 4.0))
         alpha = numpyro.sample("alpha", dist.HalfNormal(2.0))
         f_tilde = numpyro.sample("f_tilde", dist.Normal(0.0, 1.0).expand([N]).to_event(1))
@@ -250,7 +256,7 @@ def _translate_gp_pois(post):
 
     params = {"rho": ["rho"], "alpha": ["alpha"], "f_tilde": stan_names("f", (N,))}
 
-    def reference(draws):
+    def reference(draws) -> dict[str, Any]:
         f = np.stack([draws[n] for n in params["f_tilde"]], -1)
         L = np.asarray(jax.vmap(lambda a, r: _gp_chol(x, a, r))(draws["alpha"], draws["rho"]))
         return {"rho": draws["rho"], "alpha": draws["alpha"],
@@ -259,10 +265,10 @@ def _translate_gp_pois(post):
     return Translation(model, (jnp.arange(N), jnp.asarray(post.data["k"])), {}, params, reference)
 
 
-def _translate_gp_regr(post):
+def _translate_gp_regr(post) -> Translation:
     x, y = jnp.asarray(post.data["x"], dtype=float), jnp.asarray(post.data["y"], dtype=float)
 
-    def model(x, y=None):  # y ~ multi_normal: one likelihood term for the whole data set
+    def model(x, y=None) -> None:  # y ~ multi_normal: one likelihood term for the whole data set
         rho = numpyro.sample("rho", dist.Gamma(25.0, 4.0))
         alpha = numpyro.sample("alpha", dist.HalfNormal(2.0))
         sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
@@ -274,8 +280,8 @@ def _translate_gp_regr(post):
     return Translation(model, (x, y), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
-def _translate_gauss_mix(post):
-    def model(y):
+def _translate_gauss_mix(post) -> Translation:
+    def model(y) -> None:
         mu = numpyro.sample("mu", flat_prior(constraints.ordered_vector, (2,)))
         numpyro.factor("mu_prior", dist.Normal(0.0, 2.0).log_prob(mu).sum())
         sigma = numpyro.sample("sigma", dist.HalfNormal(2.0).expand([2]).to_event(1))
@@ -293,16 +299,16 @@ def _translate_gauss_mix(post):
 # ----------------------------------------------------------------- time series and HMMs (not per-example)
 
 
-def _translate_garch(post):
+def _translate_garch(post) -> Translation:
     y, sigma1 = jnp.asarray(post.data["y"], dtype=float), float(post.data["sigma1"])
 
-    def model(y):  # sigma[t] depends on every earlier y: the terms are not per-example
+    def model(y) -> None:  # sigma[t] depends on every earlier y: the terms are not per-example
         mu = numpyro.sample("mu", flat_prior(constraints.real))
         alpha0 = numpyro.sample("alpha0", flat_prior(constraints.positive))
         alpha1 = numpyro.sample("alpha1", flat_prior(constraints.unit_interval))
         beta1 = numpyro.sample("beta1", flat_prior(constraints.interval(0.0, 1.0 - alpha1)))
 
-        def step(s, y_prev):
+        def step(s, y_prev) -> tuple[Any, Any]:
             s = jnp.sqrt(alpha0 + alpha1 * (y_prev - mu) ** 2 + beta1 * s ** 2)
             return s, s
         _, rest = jax.lax.scan(step, jnp.asarray(sigma1), y[:-1])
@@ -313,17 +319,17 @@ def _translate_garch(post):
     return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
-def _translate_arma(post):
+def _translate_arma(post) -> Translation:
     y = jnp.asarray(post.data["y"], dtype=float)
 
-    def model(y):  # err[t] depends on err[t-1]: recursion over the whole series
+    def model(y) -> None:  # err[t] depends on err[t-1]: recursion over the whole series
         mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
         phi = numpyro.sample("phi", dist.Normal(0.0, 2.0))
         theta = numpyro.sample("theta", dist.Normal(0.0, 2.0))
         sigma = numpyro.sample("sigma", dist.HalfCauchy(2.5))
         err1 = y[0] - (mu + phi * mu)
 
-        def step(err, ys):
+        def step(err, ys) -> tuple[Any, Any]:
             e = ys[1] - (mu + phi * ys[0] + theta * err)
             return e, e
         _, rest = jax.lax.scan(step, err1, jnp.stack([y[:-1], y[1:]], -1))
@@ -335,10 +341,10 @@ def _translate_arma(post):
     return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: () for k in params}))
 
 
-def _translate_hmm_example(post):
+def _translate_hmm_example(post) -> Translation:
     y, K = jnp.asarray(post.data["y"], dtype=float), int(post.data["K"])
 
-    def model(y):  # forward algorithm: one log_sum_exp over the whole sequence
+    def model(y) -> None:  # forward algorithm: one log_sum_exp over the whole sequence
         theta1 = numpyro.sample("theta1", flat_prior(constraints.simplex, (K,)))
         theta2 = numpyro.sample("theta2", flat_prior(constraints.simplex, (K,)))
         mu = numpyro.sample("mu", flat_prior(constraints.positive_ordered_vector, (K,)))
@@ -346,7 +352,7 @@ def _translate_hmm_example(post):
         log_theta = jnp.log(jnp.stack([theta1, theta2]))
         emit = dist.Normal(mu, 1.0).log_prob(y[:, None])
 
-        def step(gamma, e):
+        def step(gamma, e) -> tuple[Any, None]:
             g = jax.nn.logsumexp(gamma[:, None] + log_theta, 0) + e
             return g, None
         gamma, _ = jax.lax.scan(step, emit[0], emit[1:])
@@ -356,8 +362,8 @@ def _translate_hmm_example(post):
     return Translation(model, (y,), {}, params, lambda d: stack_draws(d, params, {k: (K,) for k in params}))
 
 
-def _ode(name):
-    def fail(post):
+def _ode(name) -> Callable[[Any], NoReturn]:
+    def fail(post) -> NoReturn:
         raise UnsupportedModelError(
             f"{name} is an ODE model (Stan integrate_ode_*): its likelihood needs the solution of an ODE over "
             "all observation times, so a faithful translation has no per-example likelihood terms and "
@@ -367,7 +373,7 @@ def _ode(name):
 
 # ----------------------------------------------------------------- registry
 
-SUPPORTED = {}
+SUPPORTED: dict[str, Any] = {}  # a regression spec name, or a translator taking the posterior
 for _m in ("earn_height", "log10earn_height", "logearn_height", "logearn_height_male", "logearn_interaction",
            "logearn_interaction_z", "logearn_logheight_male"):
     SUPPORTED[f"earnings-{_m}"] = _m
@@ -406,7 +412,7 @@ NOT_TRANSLATED = {
 }
 
 
-def translate(name, path=None, posterior=None):
+def translate(name, path=None, posterior=None) -> Translation:
     """The NumPyro translation of the posterior ``name``.
 
     :param str name: ``<data>-<model>``, a key of :data:`SUPPORTED`, :data:`UNSUPPORTED` or
@@ -429,7 +435,7 @@ def translate(name, path=None, posterior=None):
     return _translate_regression(post, entry) if isinstance(entry, str) else entry(post)
 
 
-def reference_unconstrained(translation, posterior, latent):
+def reference_unconstrained(translation, posterior, latent) -> np.ndarray:
     """Reference draws mapped to the model's flat unconstrained space, ``(num_draws, d)``.
 
     :param Translation translation: from :func:`translate`.
@@ -443,7 +449,7 @@ def reference_unconstrained(translation, posterior, latent):
 
 
 
-def compare(mean, covariance, translation, posterior, latent):
+def compare(mean, covariance, translation, posterior, latent) -> dict[Any, Any]:
     """Per unconstrained coordinate: error of a Gaussian ``N(mean, covariance)`` against the reference.
 
     :return: dict of arrays over the ``d`` coordinates: ``labels``, ``z`` (``(mean − ref mean) / ref sd``),

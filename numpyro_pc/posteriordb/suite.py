@@ -55,7 +55,7 @@ class HierarchicalProblem(NamedTuple):
     num_groups: int
 
 
-def _check(value, allowed, what):
+def _check(value, allowed, what) -> None:
     if value not in allowed:
         raise InvalidOptionError(f"{what} must be one of {sorted(allowed)}; got {value!r}")
 

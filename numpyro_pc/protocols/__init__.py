@@ -3,3 +3,5 @@ a family may add.
 
 The bottom layer with :mod:`numpyro_pc.model`: nothing here knows a concrete family, store or posterior.
 """
+
+from __future__ import annotations

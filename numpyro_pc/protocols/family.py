@@ -13,11 +13,13 @@ implements; the concrete families are in :mod:`numpyro_pc.families.gaussians` an
 :mod:`numpyro_pc.families.lowrank`, the registry in :mod:`numpyro_pc.families.registry`.
 """
 
+from __future__ import annotations
+
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +40,16 @@ from .capabilities import (
     refuse_unbridgeable_flags,
     require,
 )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
            "scale_site", "require_site_product"]
+
+_T = TypeVar("_T")
 
 
 class Gaussian(NamedTuple):
@@ -67,24 +76,24 @@ def require_site_product(family, operation: str) -> None:
     require(family, SiteDivision, operation)
 
 
-def add_site(natural, site, alpha=1.0):
+def add_site(natural: _T, site: _T, alpha=1.0) -> _T:
     """Multiply a distribution by ``exp(−α ℓ̂)``: ``λ + α λ_site``."""
     return jax.tree.map(lambda a, b: a + alpha * b, natural, site)
 
 
-def remove_site(natural, site, alpha=1.0):
+def remove_site(natural: _T, site: _T, alpha=1.0) -> _T:
     """Divide a distribution by ``exp(−α ℓ̂)``: ``λ − α λ_site``."""
     return jax.tree.map(lambda a, b: a - alpha * b, natural, site)
 
 
-def scale_site(site, alpha):
+def scale_site(site: _T, alpha) -> _T:
     """Raise a site to the power ``α`` (tempering): ``α λ_site``."""
     return jax.tree.map(lambda a: alpha * a, site)
 
 
 def _deprecated_flag(name: str, meaning: str) -> property:
     """A read-only property answering the old family flag ``name`` from the capabilities, with a warning."""
-    def read(self):
+    def read(self) -> bool:
         warnings.warn(f"ExponentialFamily.{name} is deprecated: use {meaning} (numpyro_pc.protocols.capabilities)",
                       DeprecationWarning, stacklevel=2)
         return flag_values(self.capabilities)[name]
@@ -108,7 +117,7 @@ class ExponentialFamily(ABC):
     capabilities: ClassVar[tuple] = (SiteSum(), SiteDivision(), SiteCurvature(), GaussianSolver())
     lacks: ClassVar[Mapping] = MappingProxyType({FixedPrecision: "the precision is learned, not fixed by the prior"})
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         refuse_unbridgeable_flags(cls)
         if declares_flags(cls) and "capabilities" not in vars(cls):
@@ -125,81 +134,81 @@ class ExponentialFamily(ABC):
     dense_checks = _deprecated_flag("dense_checks", "capability(family, GaussianSolver).dense_checks")
 
     @abstractmethod
-    def natural(self, q):
+    def natural(self, q) -> GaussianNatural:
         """Natural parameters of ``q``."""
 
     @abstractmethod
-    def from_natural(self, natural):
+    def from_natural(self, natural) -> Gaussian:
         """Distribution with the given natural parameters (no positivity check)."""
 
     @abstractmethod
-    def expectation(self, q):
+    def expectation(self, q) -> tuple[Any, ...]:
         """Expectation parameters ``μ = E_q[T(z)]``."""
 
     @abstractmethod
-    def from_expectation(self, mu):
+    def from_expectation(self, mu) -> Gaussian:
         """Distribution with the given expectation parameters."""
 
     @abstractmethod
-    def log_prob(self, q, z):
+    def log_prob(self, q, z) -> jax.Array:
         """Log-density of ``z`` (trailing axis ``d``) under ``q``."""
 
     @abstractmethod
-    def entropy(self, q):
+    def entropy(self, q) -> jax.Array:
         """Differential entropy of ``q``."""
 
     @abstractmethod
-    def kl(self, q, p):
+    def kl(self, q, p) -> jax.Array:
         """``KL(q ‖ p)`` for two members of this family."""
 
-    def sample(self, q, key, num_samples):
+    def sample(self, q, key, num_samples) -> jax.Array:
         """``num_samples`` draws, shape ``(num_samples, d)``."""
         return self.draws(q, jax.random.normal(key, (num_samples,) + q.mean.shape, q.mean.dtype))
 
     @abstractmethod
-    def draws(self, q, noise):
+    def draws(self, q, noise) -> jax.Array:
         """Draws ``z = m + Cε`` of ``q`` from standard-normal ``noise`` ``ε`` (shape ``(K, d)``), ``CCᵀ = S⁻¹``."""
 
     @abstractmethod
-    def site_natural(self, grad, curvature, ref_mean):
+    def site_natural(self, grad, curvature, ref_mean) -> GaussianNatural:
         """Natural parameters of the site ``zᵀĝ + ½(z−m)ᵀĤ(z−m)`` (``Ĥ`` in family format)."""
 
     @abstractmethod
-    def dense_precision(self, q):
+    def dense_precision(self, q) -> jax.Array:
         """Precision as a dense ``(d, d)`` matrix."""
 
     @abstractmethod
-    def dense_covariance(self, q):
+    def dense_covariance(self, q) -> jax.Array:
         """Covariance as a dense ``(d, d)`` matrix."""
 
     @abstractmethod
-    def project_curvature(self, dense):
+    def project_curvature(self, dense) -> Any:
         """Map a dense ``(..., d, d)`` curvature to this family's precision format."""
 
-    def project_diagonal(self, diag):
+    def project_diagonal(self, diag) -> Any:
         """Map a diagonal curvature ``(d,)`` to this family's precision format (through the dense matrix
         here; a family with matrix-free sites overrides it)."""
         return self.project_curvature(jnp.diag(diag))
 
     @abstractmethod
-    def is_positive_definite(self, precision):
+    def is_positive_definite(self, precision) -> jax.Array:
         """Boolean (traceable) test of the precision format."""
 
     # --- what the solver, sites and operations ask of a family (docs/notation.md) ---------
 
     @abstractmethod
-    def curvature_sum(self, store, weights):
+    def curvature_sum(self, store, weights) -> Any:
         """``Σ_i w_i Ĥ_i`` of a :class:`~numpyro_pc.curvature.stores.CurvatureStore` in this family's precision format."""
 
     @abstractmethod
-    def site_curvatures(self, store):
+    def site_curvatures(self, store) -> Any:
         """Per-example site precisions ``Ĥ_i`` in this family's format (leading axis ``N``)."""
 
-    def precision_residual(self, precision, target):
+    def precision_residual(self, precision, target) -> jax.Array:
         """Relative residual ``‖S − Σ Ĥ_i‖ / ‖S‖`` of the precision identity."""
         return jnp.linalg.norm(precision - target) / jnp.linalg.norm(precision)
 
-    def fixed_point(self, q, target, dense):
+    def fixed_point(self, q, target, dense) -> tuple[Any, Any]:
         """``(precision, mean preconditioner)`` of the undamped step to the target ``Σ Ĥ_i``.
 
         ``dense`` is the dense sum ``Σ E_q[∇²ℓ_i]``: a Newton step on ``E_q[Σ ℓ_i]`` (paper
@@ -208,19 +217,19 @@ class ExponentialFamily(ABC):
         """
         return target, dense
 
-    def newton_operator(self, store, weights, prior_curvature=None, base=None):
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
         """The mean preconditioner handed to :meth:`fixed_point` as ``dense`` where the family needs no
         dense sum (:class:`~numpyro_pc.protocols.capabilities.GaussianSolver` ``dense_sum`` false); ``None`` here (the low-rank family: ``T`` as an operator)."""
         return None
 
-    def accepts_target(self, target):
+    def accepts_target(self, target) -> bool:
         """Whether a full step to the precision ``target`` stays in the family (host-side)."""
         return True
 
-    def check_dimension(self, dim):
+    def check_dimension(self, dim) -> None:
         """Raise :class:`~numpyro_pc.errors.InvalidOptionError` if the family cannot describe ``dim`` latents."""
 
-    def target_precision(self, store, weights, prior_curvature=None, base=None):
+    def target_precision(self, store, weights, prior_curvature=None, base=None) -> Any:
         """``Σ_i w_i Ĥ_i`` (``+ Ĥ_0`` from ``prior_curvature``, dense or its diagonal, ``+ B`` a
         precision in the family's format) in the family's format: the precision the fixed point asks for."""
         curv = self.curvature_sum(store, weights)
@@ -231,49 +240,49 @@ class ExponentialFamily(ABC):
             curv = curv + base
         return curv
 
-    def precondition(self, pre, grad):
+    def precondition(self, pre, grad) -> jax.Array:
         """``P⁻¹ grad`` for the mean preconditioner ``P`` of :meth:`fixed_point` (a dense
         matrix here: Cholesky, with the smallest jitter in a geometric ladder that works)."""
         chol, _ = regularised_chol(pre)
         return cho_solve((chol, True), grad)
 
-    def inner_preconditioner(self, pre):
+    def inner_preconditioner(self, pre) -> Callable[[jax.Array], jax.Array]:
         """``v ↦ P⁻¹ v`` for the mean preconditioner ``pre`` of :meth:`fixed_point`, factorised once: what
         an inner iterative solve applies at each of its steps (the Newton–CG steps of
         :mod:`numpyro_pc.solvers.newton_polish`)."""
         chol, _ = regularised_chol(pre)
         return lambda v: cho_solve((chol, True), v)
 
-    def traced_precondition(self, pre, grad):
+    def traced_precondition(self, pre, grad) -> jax.Array:
         """``P⁻¹ grad`` inside a trace (the pure kernels of :mod:`numpyro_pc.kernels.stream_state`): no
         jitter ladder, so a preconditioner that is not positive definite gives non-finite values,
         which the kernels treat as a step to halve."""
         return cho_solve((jnp.linalg.cholesky(pre), True), grad)
 
-    def blend(self, current, target, rho):
+    def blend(self, current, target, rho) -> Any:
         """The precision ``(1 − ρ) S + ρ T`` of a damped step, in the family's format."""
         return (1.0 - rho) * current + rho * target
 
-    def arithmetic(self, base, naturals, alphas):
+    def arithmetic(self, base, naturals, alphas) -> GaussianNatural:
         """Bayesian arithmetic ``λ_base + Σ_k α_k (λ_k − λ_base)`` of natural parameters (merging)."""
         total = base
         for a, lam in zip(alphas, naturals):
             total = jax.tree.map(lambda acc, x, b: acc + a * (x - b), total, lam, base)
         return total
 
-    def marginal_variance(self, q):
+    def marginal_variance(self, q) -> jax.Array:
         """The diagonal of the covariance ``Σ``, ``(d,)``."""
         return jnp.diag(self.dense_covariance(q))
 
-    def trace_with_covariance(self, q, precision):
+    def trace_with_covariance(self, q, precision) -> jax.Array:
         """``tr(B Σ_q)`` for a precision ``B`` in the family's format."""
         return jnp.sum(self.dense_precision(Gaussian(q.mean, precision)) * self.dense_covariance(q))
 
-    def trace_dense_with_covariance(self, q, dense):
+    def trace_dense_with_covariance(self, q, dense) -> jax.Array:
         """``tr(H Σ_q)`` for a dense ``(d, d)`` matrix ``H``."""
         return jnp.sum(dense * self.dense_covariance(q))
 
-    def relative_eigenvalues(self, q, curvature):
+    def relative_eigenvalues(self, q, curvature) -> jax.Array:
         """Eigenvalues of ``Σ^{1/2} H Σ^{1/2}`` for a curvature ``H`` in this family's format
         (``H``'s share of the precision, direction by direction; all below 1 iff ``S − H ≻ 0``)."""
         chol = jnp.linalg.cholesky(self.dense_precision(q))
@@ -281,48 +290,48 @@ class ExponentialFamily(ABC):
         white = solve_triangular(chol, solve_triangular(chol, dense, lower=True).T, lower=True)
         return jnp.linalg.eigvalsh(0.5 * (white + white.T))
 
-    def covariance_operand(self, q):
+    def covariance_operand(self, q) -> Any:
         """What :meth:`quad_form_cov` and :meth:`cov_times` take as ``cov`` (formed once per call)."""
         return None
 
-    def quad_form_cov(self, q, cov, a):
+    def quad_form_cov(self, q, cov, a) -> jax.Array:
         """``aᵀ Σ a`` for a vector ``a``."""
         return jnp.sum(a**2 / q.precision)
 
-    def cov_times(self, q, cov, mat):
+    def cov_times(self, q, cov, mat) -> jax.Array:
         """``Σ @ mat`` for a ``(d, r)`` matrix."""
         return mat / (q.precision[:, None] if jnp.ndim(q.precision) else q.precision)
 
-    def keep_fixed(self, current, new):
+    def keep_fixed(self, current, new) -> Any:
         """The precision after an update to ``new`` (a fixed precision stays ``current``)."""
         return new
 
-    def prior_natural(self, prior, tau=None):
+    def prior_natural(self, prior, tau=None) -> GaussianNatural:
         """Natural parameters of a dense Gaussian ``prior`` in this family's format."""
         return self.natural(Gaussian(prior.mean, self.project_curvature(prior.precision)))
 
-    def prior_tau(self, prior):
+    def prior_tau(self, prior) -> jax.Array | None:
         """The fixed precision a dense Gaussian prior gives the family (``None``: not fixed)."""
         return None
 
     @abstractmethod
-    def precision_shape(self, dim):
+    def precision_shape(self, dim) -> tuple[int, ...]:
         """Shape of a precision (and of a site's precision) in this family's format."""
 
     @abstractmethod
-    def noisy_precision(self, precision, key, scale):
+    def noisy_precision(self, precision, key, scale) -> Any:
         """``precision`` plus symmetric Gaussian noise of sd ``scale``, projected to positive semi-definite."""
 
-    def precision_spectrum(self, precision):
+    def precision_spectrum(self, precision) -> tuple[bool, np.ndarray | None]:
         """``(symmetric, eigenvalues)`` of a host-side precision (``eigenvalues`` ``None``: nothing to check)."""
         return True, np.sort(np.asarray(precision))
 
-    def saved_precision_problem(self, precision):
+    def saved_precision_problem(self, precision) -> str | None:
         """Host-side check of a precision read from a file: ``None`` if valid, else ``"asymmetric"``
         or ``"indefinite"`` (here: every entry must be positive)."""
         return None if np.all(np.asarray(precision, np.float64) > 0) else "indefinite"
 
-    def check_positive_definite(self, precision, what="precision"):
+    def check_positive_definite(self, precision, what="precision") -> None:
         """Raise :class:`NotPositiveDefiniteError` unless the precision is positive definite."""
         if not bool(self.is_positive_definite(precision)):
             raise NotPositiveDefiniteError(
@@ -330,12 +339,12 @@ class ExponentialFamily(ABC):
                 "(a Cholesky factorisation failed or a variance is not positive)."
             )
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
 
-def regularised_chol(matrix):
+def regularised_chol(matrix) -> tuple[jax.Array, float]:
     """Cholesky of ``matrix + μI`` with the smallest ``μ`` in a geometric ladder that works: ``(chol, μ)``."""
     chol = _chol_or_none(matrix)
     if chol is not None:
@@ -350,7 +359,7 @@ def regularised_chol(matrix):
     raise NonFiniteResultError("the expected Hessian could not be regularised to positive definiteness")
 
 
-def _chol_or_none(matrix):
+def _chol_or_none(matrix) -> jax.Array | None:
     chol = jnp.linalg.cholesky(matrix)
     return chol if bool(jnp.all(jnp.isfinite(chol))) else None
 

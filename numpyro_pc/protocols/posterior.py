@@ -21,6 +21,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from pathlib import Path
 
 import jax
@@ -56,13 +57,24 @@ def _operation(name: str) -> Callable:
                                        "rather than one of its modules alone") from None
 
 
+if TYPE_CHECKING:
+    class SiteTableOperation(Protocol):
+        """What :func:`by_site_table` returns: the operation, with its table's ``register`` and ``dispatch``."""
+
+        def __call__(self, post: Any, /, *args: Any, **kwargs: Any) -> Any: ...
+
+        def register(self, cls: Any, func: Any = None) -> Any: ...
+
+        def dispatch(self, cls: Any) -> Callable[..., Any]: ...
+
+
 def require_posterior(obj: object, operation: str, error: type[Exception] = UnsupportedGuideError) -> None:
     """Refuse ``obj`` with ``error`` unless it is a :class:`Posterior`, naming ``operation`` and what was found."""
     if not isinstance(obj, Posterior):
         raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found {type(obj).__name__}")
 
 
-def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> Callable:
+def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError) -> SiteTableOperation:
     """An operation whose implementation depends on the family's sites: ``impl(post, *args)`` runs
     the implementation registered for the type of ``post.sites`` (``@impl.register(TableType)``),
     the one place an operation looks up what to do with a family's site table — a new family
@@ -74,23 +86,23 @@ def by_site_table(operation: str, error: type[Exception] = UnsupportedGuideError
         implementation of ``operation``.
     """
 
-    def refuse(sites, post, *args, **kwargs):
+    def refuse(sites, post, *args, **kwargs) -> NoReturn:
         raise MissingCapabilityError(f"{operation} has no implementation for the sites of the "
                                      f"{getattr(post.family, 'name', type(post.family).__name__)} family "
                                      f"({type(sites).__name__}); register one with {operation}.register")
 
     table = functools.singledispatch(refuse)
 
-    def call(post, *args, **kwargs):
+    def call(post, *args, **kwargs) -> Any:
         require_posterior(post, operation, error)
         impl = table.dispatch(post.site_table_type)
         if impl is refuse:
             refuse(post.sites, post)
         return impl(post, *args, **kwargs)
 
-    call.register = table.register
-    call.dispatch = table.dispatch
-    return call
+    call.register = table.register  # type: ignore[attr-defined]
+    call.dispatch = table.dispatch  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
 
 
 class Posterior(ABC):
@@ -133,12 +145,12 @@ class Posterior(ABC):
 
     @property
     @abstractmethod
-    def mean(self):
+    def mean(self) -> Any:
         """The posterior mean (a Gaussian's flat unconstrained ``m``; per latent site for a product)."""
 
     @property
     @abstractmethod
-    def natural(self):
+    def natural(self) -> Any:
         """The natural parameters :math:`\\lambda` of the posterior."""
 
     @property
@@ -149,7 +161,7 @@ class Posterior(ABC):
 
     # ------------------------------------------------------------------ coordinates
     @abstractmethod
-    def point_of(self, values: dict):
+    def point_of(self, values: dict) -> jax.Array:
         """The family's coordinates of the model's latent values ``values`` (``{site: value}``,
         constrained, as the model's sample sites hold them): a flat unconstrained ``z`` for a
         Gaussian family, ``{site: factor coordinate}`` for a product."""
@@ -207,7 +219,7 @@ class Posterior(ABC):
         """The residual of the identity with the sites as stored (what a saved file records)."""
 
     @abstractmethod
-    def recompute_sites(self, q):
+    def recompute_sites(self, q) -> Any:
         """The retained examples' sites, and the prior site, recomputed at ``q`` (a member of this
         posterior's family, e.g. another posterior's :attr:`q`): a
         :class:`~numpyro_pc.protocols.sites.SiteTable` with rows in :attr:`data_ids` order."""
@@ -218,15 +230,15 @@ class Posterior(ABC):
 
     # ------------------------------------------------------------------ what it answers
     @abstractmethod
-    def sample(self, key, num_samples: int):
+    def sample(self, key, num_samples: int) -> dict[str, jax.Array]:
         """``num_samples`` draws of the latent sites (constrained values, as the model holds them)."""
 
     @abstractmethod
-    def entropy(self):
+    def entropy(self) -> jax.Array:
         """The entropy of the posterior."""
 
     @abstractmethod
-    def kl(self, other: Posterior):
+    def kl(self, other: Posterior) -> jax.Array:
         """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
 
     def check_comparable(self, other: object, operation: str) -> None:
@@ -247,11 +259,11 @@ class Posterior(ABC):
                                               f"{getattr(other.family, 'name', type(other.family).__name__)})")
 
     @abstractmethod
-    def to_arviz(self, key, num_samples: int = 1000):
+    def to_arviz(self, key, num_samples: int = 1000) -> Any:
         """ArviZ ``InferenceData`` with posterior draws, pointwise log-likelihoods and the observed data."""
 
     @abstractmethod
-    def to_guide_params(self, guide=None):
+    def to_guide_params(self, guide=None) -> dict[str, jax.Array]:
         """The guide's params that describe this posterior."""
 
     @abstractmethod

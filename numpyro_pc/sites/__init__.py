@@ -5,6 +5,8 @@ corrects.
 The package namespace re-exports :mod:`numpyro_pc.sites.gaussian`.
 """
 
+from __future__ import annotations
+
 from numpyro_pc.sites import gaussian as _gaussian
 from numpyro_pc.sites.gaussian import *  # noqa: F401,F403
 

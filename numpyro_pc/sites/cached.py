@@ -33,12 +33,16 @@ from numpyro_pc.model.rows import (
 )
 
 from .prior import prior_dense, prior_matvec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["Sites", "SiteSums", "site_mismatch"]
 
 
 @partial(jax.jit, static_argnums=0)
-def _natural_sum(family, sites, weights):
+def _natural_sum(family, sites, weights) -> GaussianNatural:
     return GaussianNatural(sites.linear_sum(weights), sites.example_curvature_sum(family, weights))
 
 
@@ -81,7 +85,7 @@ class Sites:
     kind: ClassVar[str] = "gaussian"
 
     @property
-    def storage(self):
+    def storage(self) -> str:
         """The curvature storage's name (``"factor"``, ``"dense"``, ``"diag"`` or ``"none"``)."""
         return self.curv.name
 
@@ -90,17 +94,17 @@ class Sites:
         """``N``, the number of example sites."""
         return self.grad.shape[0]
 
-    def grad_sum(self):
+    def grad_sum(self) -> jax.Array:
         """``Σ_{i=0..N} ĝ_i`` (prior included)."""
         if self.curv.sparse_rows:
             return self.prior_grad + self.curv.scatter(self.grad)
         return self.prior_grad + jnp.sum(self.grad, 0)
 
-    def dense_grad(self):
+    def dense_grad(self) -> jax.Array:
         """``(N, d)`` expected gradients ``ĝ_i`` (materialised from a sparse store: small ``d`` only)."""
         return self.curv.dense_rows(self.grad) if self.curv.sparse_rows else self.grad
 
-    def grad_totals(self, mean, weights=None):
+    def grad_totals(self, mean, weights=None) -> tuple[jax.Array, jax.Array]:
         r"""``(Σ_i w_i ∇ℓ̂_i(m), Σ_i ‖w_i ∇ℓ̂_i(m)‖)`` over the example sites, without ``(N, d)`` rows
         for a sparse store."""
         if self.curv.sparse_rows:
@@ -113,62 +117,62 @@ class Sites:
             grads = grads * weights[:, None]
         return jnp.sum(grads, 0), jnp.sum(jnp.linalg.norm(grads, axis=1))
 
-    def grad_values_at(self, mean):
+    def grad_values_at(self, mean) -> jax.Array:
         """A sparse store's ``∇ℓ̂_i(m)`` as ``(N, s)`` values on its index."""
         return self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
 
-    def prior_curvature_dense(self):
+    def prior_curvature_dense(self) -> jax.Array:
         """``Ĥ_0`` as a dense ``(d, d)`` matrix (whichever form it is held in; small ``d``)."""
         return prior_dense(self.prior_curvature)
 
-    def curvature_sum(self, family):
+    def curvature_sum(self, family) -> Any:
         """``Σ_{i=0..N} Ĥ_i`` (prior included) in the family's precision format."""
         w = jnp.ones(self.num_examples, self.grad.dtype)
         return family.target_precision(self.curv, w, self.prior_curvature)
 
-    def example_curvature_sum(self, family, weights=None):
+    def example_curvature_sum(self, family, weights=None) -> Any:
         """``Σ_{i=1..N} w_i Ĥ_i`` in the family's precision format (``w_i = 1`` by default)."""
         w = jnp.ones(self.num_examples, self.grad.dtype) if weights is None else weights
         return family.curvature_sum(self.curv, w)
 
-    def dense_curvature(self):
+    def dense_curvature(self) -> jax.Array:
         """Per-example dense curvatures ``(N, d, d)`` (materialised on demand)."""
         return self.curv.dense()
 
-    def curvature_trace(self):
+    def curvature_trace(self) -> jax.Array:
         """``tr Ĥ_i`` per example — a scalar 'weight' of each site in the posterior."""
         return self.curv.trace()
 
-    def refs(self):
+    def refs(self) -> jax.Array:
         """``(N, d)`` the mean each example's site was computed at."""
         return take_rows(self.ref_means, self.ref_index)
 
-    def curvature_matvec(self, v):
+    def curvature_matvec(self, v) -> jax.Array:
         """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
         return self.curv.matvec(v)
 
-    def grad_at(self, mean):
+    def grad_at(self, mean) -> jax.Array:
         """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
         if self.curv.sparse_rows:
             return self.curv.dense_rows(self.grad_values_at(mean))
         return self.grad + self.curvature_matvec(mean[None, :] - self.refs())
 
-    def prior_grad_at(self, mean):
+    def prior_grad_at(self, mean) -> jax.Array:
         """Gradient of the prior site at ``mean``."""
         return self.prior_grad + prior_matvec(self.prior_curvature, mean - self.prior_ref)
 
-    def linear_sum(self, weights):
+    def linear_sum(self, weights) -> jax.Array:
         """``Σ_i w_i (Ĥ_i m_i − ĝ_i)``: the linear natural parameter of the weighted example sites."""
         if self.curv.sparse_rows:
             refs = self.ref_means[self.ref_index[:, None], self.curv.index]
             return self.curv.scatter(self.curv.curvature_values(refs) - self.grad, weights)
         return weights @ (self.curvature_matvec(self.refs()) - self.grad)
 
-    def natural(self, family):
+    def natural(self, family) -> GaussianNatural:
         """Per-example site natural parameters ``(Ĥ_i m_i − ĝ_i, Ĥ_i)`` (leading axis N)."""
         return GaussianNatural(self.curvature_matvec(self.refs()) - self.dense_grad(), family.site_curvatures(self.curv))
 
-    def natural_sum(self, family, weights=None):
+    def natural_sum(self, family, weights=None) -> GaussianNatural:
         """``Σ_{i=1..N} w_i λ̂_i`` site natural parameters in the family's format (``w_i = 1`` by default).
 
         Computed on bucket-padded sites (copies weighted 0), so sums over a growing or
@@ -179,17 +183,17 @@ class Sites:
                                 else weights)
         return _natural_sum(family, *self.bucketed(weights))
 
-    def prior_natural(self, family):
+    def prior_natural(self, family) -> GaussianNatural:
         """Natural parameters of the prior site."""
         return family.site_natural(self.prior_grad, self.prior_precision(family), self.prior_ref)
 
-    def prior_precision(self, family):
+    def prior_precision(self, family) -> Any:
         """``Ĥ_0`` in the family's precision format (a diagonal ``Ĥ_0`` is projected matrix-free)."""
         if self.prior_curvature.ndim == 1:
             return family.project_diagonal(self.prior_curvature)
         return family.project_curvature(self.prior_curvature)
 
-    def take(self, index):
+    def take(self, index) -> Sites:
         """The sites of the examples at positions ``index`` (the prior site is kept)."""
         if is_every_row(index, self.num_examples):
             return self  # no copy
@@ -202,7 +206,7 @@ class Sites:
         at the same reference means, so its natural parameters are ``α λ̂_i``; the prior site is unchanged."""
         return replace(self, grad=alpha * self.grad, curv=self.curv.scaled(alpha), loss=alpha * self.loss)
 
-    def bucketed(self, weights=None):
+    def bucketed(self, weights=None) -> tuple[Any, Any]:
         """``(sites, weights)`` padded to :func:`~numpyro_pc.model.rows.bucket_size` rows (and reference
         rows), the copies weighted 0 (``weights=None``: 1 for every real site).
 
@@ -216,7 +220,7 @@ class Sites:
                    else join_rows(jnp.asarray(weights, dtype), filled([(size - num, 0.0)], dtype)))
         return self.padded(size, bucket_size(self.ref_means.shape[0], smallest=1)), weights
 
-    def padded(self, num, num_refs):
+    def padded(self, num, num_refs) -> Sites:
         """The sites followed by copies of the last one up to ``num`` rows, and ``ref_means``
         extended the same way to ``num_refs`` rows.
 
@@ -229,7 +233,7 @@ class Sites:
                        ids=pad(self.ids), ref_index=pad(self.ref_index),
                        ref_means=pad_last_row(self.ref_means, num_refs - self.ref_means.shape[0]))
 
-    def concat(self, other, prior_from="other"):
+    def concat(self, other, prior_from="other") -> Sites:
         """Examples of ``self`` followed by those of ``other``; the prior site comes from ``prior_from``."""
         join = join_rows
         prior = other if prior_from == "other" else self
@@ -333,11 +337,11 @@ class Sites:
         total, grad, curv = site_mismatch(self, fresh, q, family, shared_jacobian)
         return dict(magnitude=np.asarray(total), gradient=np.asarray(grad), curvature=np.asarray(curv))
 
-    def stored_numbers(self):
+    def stored_numbers(self) -> int:
         """How many numbers the per-example sites hold (gradients and curvature)."""
         return int(np.prod(self.grad.shape)) + self.curv.stored_numbers()
 
-    def arrays(self):
+    def arrays(self) -> dict[Any, Any]:
         """``{name: array}`` of every field, the curvature store's fields by their own names (for files)."""
         out = {name: getattr(self, name) for name in _PLAIN_FIELDS}
         out.update(self.curv.arrays())

@@ -58,6 +58,10 @@ from numpyro_pc.errors import ExpectationRuleError, InvalidOptionError
 from numpyro_pc.model.likelihood import ModelData, example_params, prior_loss
 from numpyro_pc.model.rows import take_rows
 from numpyro_pc.options import is_choice
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["ExpectationRule", "get_rule", "hermite_nodes", "tensor_hermite_nodes", "mc_noise", "prepare_rule",
            "dependence_subspace_dim", "subspace_basis", "subspace_excess", "subspace_tolerance", "MAX_SUBSPACE_DIM", "MAX_MC_SUBSPACE_DIM",
@@ -103,7 +107,7 @@ class ExpectationRule:
     num_prior_points: int = 4096
     mc_precision: str = "hessian"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not is_choice(self.kind, _KINDS):
             raise InvalidOptionError(f"unknown expectation rule {self.kind!r}; expected one of {_KINDS}")
         if self.mc_precision not in ("reparam", "hessian"):
@@ -114,21 +118,21 @@ class ExpectationRule:
             raise InvalidOptionError(f"num_nodes must be at least 2, got {self.num_nodes}")
 
     @property
-    def nodes_per_dim(self):
+    def nodes_per_dim(self) -> int:
         """Gauss–Hermite nodes per dimension of the dependence subspace."""
         if self.subspace_dim <= 1:
             return self.num_nodes
         return max(3, min(self.num_nodes, int(_NODE_BUDGET ** (1.0 / self.subspace_dim))))
 
 
-def get_rule(rule, **options):
+def get_rule(rule, **options) -> ExpectationRule:
     """Normalise a rule given as a name or an :class:`ExpectationRule`."""
     if isinstance(rule, ExpectationRule):
         return replace(rule, **options) if options else rule
     return ExpectationRule(kind=rule, **options)
 
 
-def mc_noise(rule, dim, dtype):
+def mc_noise(rule, dim, dtype) -> jax.Array:
     r"""The fixed standard-normal noise ``ε_1 … ε_K`` of the ``"mc"`` rule, moment-matched.
 
     The draws come in antithetic pairs ``±u_k`` (a zero draw completes an odd ``K``), so
@@ -156,13 +160,13 @@ def mc_noise(rule, dim, dtype):
     return jnp.concatenate(parts)
 
 
-def hermite_nodes(num_nodes, dtype):
+def hermite_nodes(num_nodes, dtype) -> tuple[jax.Array, jax.Array]:
     """Nodes and weights of ``E_{ξ~N(0,1)}[f(ξ)] ≈ Σ_k w_k f(ξ_k)`` (probabilists' Hermite)."""
     x, w = np.polynomial.hermite_e.hermegauss(num_nodes)
     return jnp.asarray(x, dtype), jnp.asarray(w / np.sqrt(2.0 * np.pi), dtype)
 
 
-def tensor_hermite_nodes(num_nodes, dim, dtype):
+def tensor_hermite_nodes(num_nodes, dim, dtype) -> tuple[jax.Array, jax.Array]:
     """Tensor-product rule for ``E_{ξ~N(0, I_dim)}[f(ξ)]``: nodes ``(num_nodes**dim, dim)`` and weights."""
     x, w = np.polynomial.hermite_e.hermegauss(num_nodes)
     grids = np.meshgrid(*([x] * dim), indexing="ij")
@@ -171,13 +175,13 @@ def tensor_hermite_nodes(num_nodes, dim, dtype):
     return jnp.asarray(nodes, dtype), jnp.asarray(weights.ravel(), dtype)
 
 
-def _probe_offsets(dim, count, dtype, seed=5):
+def _probe_offsets(dim, count, dtype, seed=5) -> jax.Array:
     """Fixed offsets around the mean at which the parameter Jacobians span the dependence subspace."""
     noise = jax.random.normal(jax.random.PRNGKey(seed), (count - 1, dim), dtype)
     return jnp.concatenate([jnp.zeros((1, dim), dtype), 0.5 * noise], 0)
 
 
-def _unit_rows(jac):
+def _unit_rows(jac) -> jax.Array:
     norms = jnp.linalg.norm(jac, axis=-1, keepdims=True)
     return jac / jnp.where(norms > 0, norms, 1.0)
 
@@ -258,8 +262,8 @@ def dependence_subspace_dim(spec, data, z, num_rows=8, max_dim=MAX_SUBSPACE_DIM)
 
 
 @partial(jax.jit, static_argnums=0)
-def _probe_jacobians(spec, z, examples, shared, offsets):
-    def one(ex):
+def _probe_jacobians(spec, z, examples, shared, offsets) -> jax.Array:
+    def one(ex) -> jax.Array:
         theta = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
         jac_fn = jax.jacrev if spec.num_params < z.shape[0] else jax.jacfwd
         return jax.vmap(lambda o: jac_fn(theta)(z + o))(offsets)
@@ -267,7 +271,7 @@ def _probe_jacobians(spec, z, examples, shared, offsets):
     return jax.vmap(one)(examples)
 
 
-def prepare_rule(rule, spec, data, z):
+def prepare_rule(rule, spec, data, z) -> ExpectationRule:
     """Check that ``rule`` applies to the model and fill in what it needs.
 
     ``"auto"`` becomes ``"gh"`` (with the model's dependence-subspace dimension) where the
@@ -334,7 +338,7 @@ def prior_structure(spec, data, z) -> str:
 _SPLITS = 24  # random coordinate splits of the separability probe (a coupled pair escapes with odds 2^-24)
 
 
-def prior_is_separable(spec, data, z, z1=None):
+def prior_is_separable(spec, data, z, z1=None) -> bool:
     r"""Whether the prior's Hessian is diagonal at ``z`` and ``z1`` — matrix-free, ``O(d)`` memory per product.
 
     For a random split ``A`` of the coordinates and ``v`` positive on ``A`` and zero off it,
@@ -357,16 +361,16 @@ def prior_is_separable(spec, data, z, z1=None):
     return bool(jnp.all(off == 0))
 
 
-def _first(data):
+def _first(data) -> tuple[Any, ...]:
     return tuple(take_rows(x, np.arange(1)) for x in data.per_example)
 
 
-def _probe_vectors(dim, dtype, count=3):
+def _probe_vectors(dim, dtype, count=3) -> jax.Array:
     return jax.random.normal(jax.random.PRNGKey(9), (count, dim), dtype)
 
 
 @partial(jax.jit, static_argnums=0)
-def _prior_hvps(spec, points, first, shared, vectors):
+def _prior_hvps(spec, points, first, shared, vectors) -> jax.Array:
     """``H(z) v`` for every point and every vector: ``(points, vectors, d)``."""
     grad = jax.grad(lambda zz: prior_loss(spec, zz, ModelData(first, shared)))
     return jax.vmap(lambda z: jax.vmap(lambda v: jax.jvp(grad, (z,), (v,))[1])(vectors))(points)

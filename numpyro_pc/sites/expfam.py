@@ -79,11 +79,15 @@ import jax.numpy as jnp
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.model.likelihood import ModelSpec, example_loss, prior_loss
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["EFConfig", "EFSites", "design", "model_point", "point_losses", "regress", "compute_sites", "prior_form_residual", "conjugate_rtol"]
 
 
-def conjugate_rtol(dtype):
+def conjugate_rtol(dtype) -> float:
     """Regression residual below which a loss counts as linear in ``T``: 1e-9 (float64), 1e-4 (float32)."""
     return 1e-9 if jnp.finfo(dtype).bits == 64 else 1e-4
 
@@ -110,7 +114,7 @@ class EFConfig:
 
     @classmethod
     def make(cls, spec, family, expectation="auto", num_nodes=32, num_samples=None, seed=0, max_points=4096,
-             max_mixed_points=1024):
+             max_mixed_points=1024) -> EFConfig:
         """Choose the rule. ``"auto"``: quadrature when every site has a rule and the tensor
         grid has at most ``max_points`` points (nodes per continuous site reduced to fit, down
         to 4); else, when every other site is a Gaussian block, the grid times the ``2D + 1``
@@ -213,7 +217,7 @@ def design(config, lam, seed=None, cubature=None) -> tuple[dict, jax.Array]:
                                 cubature=cubature)
 
 
-def model_point(spec, family, point):
+def model_point(spec, family, point) -> tuple[jax.Array, dict[Any, Any], Any]:
     """The model binding's arguments at one design point: ``(z, discrete values, log-det)``,
     where the log-det is that of the factors living on constrained values (added back to the
     prior term)."""
@@ -230,26 +234,26 @@ def model_point(spec, family, point):
     return z, {name: point[name] for name in spec.latent.discrete_names}, log_det
 
 
-def _losses_at(spec, family, point, data):
+def _losses_at(spec, family, point, data) -> jax.Array:
     """``(ℓ_1, …, ℓ_N, -log p_0)`` at one design point ``(N+1,)``."""
     z, discrete, log_det = model_point(spec, family, point)
     per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared, discrete))(data.per_example)
     return jnp.concatenate([per, (prior_loss(spec, z, data, discrete) + log_det)[None]])
 
 
-def _prior_at(spec, family, point, data):
+def _prior_at(spec, family, point, data) -> jax.Array:
     """The prior term ``-log p_0`` at one design point (the log-det added back, as in :func:`_losses_at`)."""
     z, discrete, log_det = model_point(spec, family, point)
     return prior_loss(spec, z, data, discrete) + log_det
 
 
-def point_losses(spec, family, values, data):
+def point_losses(spec, family, values, data) -> tuple[Any, Any]:
     """``(ℓ_i(x_s))`` ``(N, S)`` and the prior term ``-log p_0(x_s)`` ``(S,)`` at the points."""
     out = jax.vmap(lambda point: _losses_at(spec, family, point, data))(values)
     return out[:, :-1].T, out[:, -1]
 
 
-def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
+def gaussian_moments(spec, family, lam, values, weights, data, stein=False) -> dict[str, tuple[jax.Array, jax.Array]]:
     r"""For each Gaussian factor, :math:`E[\nabla_u \ell_i]` ``(N+1, d)`` and
     :math:`E[\nabla^2_u \ell_i]` ``(N+1, d, d)`` over the points (row ``N``: the prior term),
     derivatives with respect to the factor's own unconstrained coordinates.
@@ -269,14 +273,14 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
     gaussian = [f for f in family.factors if f.space == "unconstrained"]
 
     def at(point):
-        def place(blocks):
+        def place(blocks) -> tuple[jax.Array, dict[Any, Any], Any]:
             return model_point(spec, family, {**point, **{f.site: b for f, b in zip(gaussian, blocks)}})
 
-        def example(ex, blocks):
+        def example(ex, blocks) -> jax.Array:
             z, discrete, _ = place(blocks)
             return example_loss(spec, z, ex, data.shared, discrete)
 
-        def prior(blocks):
+        def prior(blocks) -> jax.Array:
             z, discrete, log_det = place(blocks)
             return prior_loss(spec, z, data, discrete) + log_det
 
@@ -311,7 +315,7 @@ def gaussian_moments(spec, family, lam, values, weights, data, stein=False):
             for f, (g, h) in zip(gaussian, moments)}
 
 
-def regress(stats, weights, targets):
+def regress(stats, weights, targets) -> tuple[Any, jax.Array]:
     r"""Weighted least squares of each row of ``targets`` ``(M, S)`` on ``(1, T)``.
 
     Solved through the SVD of the weighted, centred and column-scaled design rather than the
@@ -339,7 +343,7 @@ def regress(stats, weights, targets):
 
 
 @partial(jax.jit, static_argnums=0)
-def compute_sites(config, lam, data, seed=None):
+def compute_sites(config, lam, data, seed=None) -> EFSites:
     r""":class:`EFSites` of every example and of the prior term at ``lam``.
 
     Factors on constrained values and discrete factors: the regression of the losses on their

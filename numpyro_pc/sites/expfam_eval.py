@@ -22,17 +22,21 @@ import numpy as np
 from numpyro_pc.model.likelihood import example_site_log_likelihoods, prior_loss, trace_at
 
 from .expfam import model_point
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["factor_prior_loss", "log_likelihood", "inference_data"]
 
 
-def factor_prior_loss(spec, family, point, data):
+def factor_prior_loss(spec, family, point, data) -> jax.Array:
     """:math:`-\\log p_0` at one ``point`` (factor coordinates) as a density of those coordinates."""
     z, discrete, log_det = model_point(spec, family, point)
     return prior_loss(spec, z, data, discrete) + log_det
 
 
-def log_likelihood(post, draws):
+def log_likelihood(post, draws) -> dict[Any, jax.Array]:
     """Per-example log-likelihood of each observed site at ``draws`` in factor coordinates.
 
     :param post: an :class:`~numpyro_pc.dual.expfam.EFPosterior`.
@@ -52,7 +56,7 @@ def log_likelihood(post, draws):
     return {name: jnp.reshape(v, (num, -1)) for name, v in zip(spec.observed, values)}
 
 
-def inference_data(post, key, num_samples=1000):
+def inference_data(post, key, num_samples=1000) -> Any:
     """ArviZ ``InferenceData`` of ``post`` with one chain of ``num_samples`` draws.
 
     ``posterior`` holds the constrained draws of each latent site, ``log_likelihood`` one

@@ -21,6 +21,10 @@ import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.model.rows import is_every_row, join_rows, take_rows
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["EFSiteTable", "EFState"]
 
@@ -111,7 +115,7 @@ class EFSiteTable:
         with jax.enable_x64(self.grads.dtype == jnp.float64):
             return self._mismatch(fresh, family, q)
 
-    def _mismatch(self, fresh, family, q):
+    def _mismatch(self, fresh, family, q) -> dict[Any, Any]:
         delta = fresh.grads - self.grads
         fisher_times = jax.vmap(lambda v: jax.jvp(family.expectation, (q,), (v,))[1])
         weighted = delta * fisher_times(delta)

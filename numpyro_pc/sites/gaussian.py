@@ -46,6 +46,11 @@ from .expectations import (
     tensor_hermite_nodes,
 )
 from .prior import prior_terms, prior_terms_reparam, reparam_curvature
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage", "mc_along_subspace",
            "trace_count"]  # Sites, SiteSums: re-exported
@@ -53,17 +58,17 @@ __all__ = ["Sites", "SiteSums", "SiteConfig", "compute_sites", "resolve_storage"
 _TRACES = {"compute": 0}
 
 
-def trace_count():
+def trace_count() -> int:
     """Number of times the site computation has been traced (compiled) in this process."""
     return _TRACES["compute"]
 
 
-def _psd(lam):
+def _psd(lam) -> jax.Array:
     vals, vecs = jnp.linalg.eigh(lam)
     return (vecs * jnp.maximum(vals, 0.0)) @ vecs.T
 
 
-def _point_terms(spec, cfg, z, ex, shared):
+def _point_terms(spec, cfg, z, ex, shared) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """Loss, gradient and curvature of one example at one point ``z``."""
     if uses_params(spec, cfg.storage, cfg.curvature):
         theta_fn = lambda zz: example_params(spec, zz, ex, shared)[0]  # noqa: E731
@@ -80,7 +85,7 @@ def _point_terms(spec, cfg, z, ex, shared):
     return loss, grad, None, jax.hessian(f)(z)
 
 
-def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask):
+def _chunk_fn(spec, cfg, family, q, shared, extra, ex_chunk, mask) -> tuple[tuple[Any, Any, Any, Any], Any]:
     """Stored per-example terms of a chunk (compressed by the store) and its masked, weighted
     dense-curvature sum."""
     (loss, grad, jac, stored), dsum = _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask)
@@ -96,7 +101,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     ex_chunk = tuple(ex_chunk)
     weights = mask.astype(q.mean.dtype) * example_weights
 
-    def dense_sum(dense):
+    def dense_sum(dense) -> jax.Array:
         if dense is None or not cfg.need_hessian_sum:
             return jnp.zeros((), q.mean.dtype)  # not asked for: no (d, d) carry
         return jnp.einsum("n,nde->de", weights, dense)
@@ -148,7 +153,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
 
             return jax.vmap(one)(ex_chunk)
 
-        def body_reparam(acc, draw):
+        def body_reparam(acc, draw) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, acc, at_draw(*draw)), None
 
         shapes = jax.eval_shape(at_draw, draws[0], eps[0])
@@ -166,7 +171,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
     if cfg.storage.keeps_jacobian:  # affine: the Jacobian does not depend on z
         jac_at_mean = jax.vmap(lambda ex: _point_terms(spec, cfg, q.mean, ex, shared)[2])(ex_chunk)
 
-    def at_sample(z):
+    def at_sample(z) -> tuple[Any, Any, Any, jax.Array]:
         def one(ex):
             loss, grad, jac, curv = _point_terms(spec, cfg, z, ex, shared)
             stored, dense = cfg.storage.from_point(jac, curv)
@@ -175,7 +180,7 @@ def _chunk_terms(spec, cfg, family, q, shared, extra, ex_chunk, mask):
         (loss, grad, stored), dense = jax.vmap(one)(ex_chunk)
         return loss, grad, stored, dense_sum(dense)
 
-    def body(acc, z):
+    def body(acc, z) -> tuple[Any, None]:
         return jax.tree.map(jnp.add, acc, at_sample(z)), None
 
     shapes = jax.eval_shape(at_sample, samples[0])
@@ -207,7 +212,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
     bases = jax.vmap(lambda ex: subspace_basis(spec, q.mean, ex, shared, r))(ex_chunk)  # (n, r, d)
 
     def at_sample(z):
-        def one(ex, basis):
+        def one(ex, basis) -> tuple[Any, Any, Any]:
             f = lambda t: example_loss(spec, z + t @ basis, ex, shared)  # noqa: E731
             zero = jnp.zeros(r, z.dtype)
             value, grad = jax.value_and_grad(f)(zero)
@@ -215,7 +220,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
 
         return jax.vmap(one)(ex_chunk, bases)
 
-    def body(acc, z):
+    def body(acc, z) -> tuple[Any, None]:
         return jax.tree.map(jnp.add, acc, at_sample(z)), None
 
     shapes = jax.eval_shape(at_sample, samples[0])
@@ -227,7 +232,7 @@ def _subspace_draw_terms(spec, cfg, q, shared, samples, ex_chunk, dense_sum) -> 
     return (loss, grad, bases, stored), dense_sum(dense)
 
 
-def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
+def _subspace_terms(spec, cfg, family, q, shared, extra, ex) -> tuple[tuple[Any, jax.Array, jax.Array, Any], Any]:
     r"""Gauss–Hermite site of one example over its dependence subspace (``rule.subspace_dim > 0``).
 
     With ``u = P z ~ N(P m, V)``, ``V = P Σ Pᵀ = L Lᵀ``, the points ``z_k = m + Σ Pᵀ L⁻ᵀ ξ_k``
@@ -265,12 +270,12 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     shift = jax.scipy.linalg.solve_triangular(chol, spread.T, lower=True)  # L⁻¹ P Σ, (r, d)
     points = q.mean[None, :] + nodes @ shift
 
-    def along(z):
+    def along(z) -> Callable[[jax.Array], jax.Array]:
         return lambda t: example_loss(spec, z + t @ basis, ex, shared)
 
     zero = jnp.zeros(basis.shape[0], q.mean.dtype)
     if cfg.curvature == "ggn":
-        def restricted(z):
+        def restricted(z) -> tuple[Any, Any, Any]:
             value, grad = jax.value_and_grad(along(z))(zero)
             return value, grad, jax.hessian(along(z))(zero)
 
@@ -285,7 +290,7 @@ def _subspace_terms(spec, cfg, family, q, shared, extra, ex):
     return (node_w @ values, (node_w @ grads) @ basis, basis, stored), dense
 
 
-def _map_chunks(fn, leaves, num, chunk, num_devices):
+def _map_chunks(fn, leaves, num, chunk, num_devices) -> tuple[Any, Any]:
     """Run ``fn(chunk_leaves, mask) -> (per_example, sums)`` over padded chunks."""
     per_block = chunk * num_devices
     total = int(math.ceil(num / per_block)) * per_block
@@ -297,13 +302,13 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
     shaped = tuple(x.reshape((num_devices, n_chunks, chunk) + x.shape[1:]) for x in padded)
     mask = mask.reshape(num_devices, n_chunks, chunk)
 
-    def per_device(xs, mk):
+    def per_device(xs, mk) -> tuple[Any, Any]:
         xs = tuple(x[0] for x in xs)
         mk = mk[0]
         first = jax.eval_shape(fn, tuple(x[0] for x in xs), mk[0])
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first[1])
 
-        def body(carry, inp):
+        def body(carry, inp) -> tuple[Any, Any]:
             per, sums = fn(*inp)
             return jax.tree.map(jnp.add, carry, sums), per
 
@@ -327,16 +332,17 @@ def _map_chunks(fn, leaves, num, chunk, num_devices):
     return per, sums
 
 
-def _reparam(cfg, family):
+def _reparam(cfg, family) -> bool:
     """Whether the Monte Carlo sites take the reparameterisation precision estimator."""
     return (cfg.rule.kind == "mc" and cfg.rule.mc_precision == "reparam" and not gaussian_solver(family).dense_sum
             and cfg.storage is Dense and cfg.curvature == "hessian")
 
 
 @partial(jax.jit, static_argnames=("spec", "cfg", "family"))
-def _compute(spec, cfg, family, q, data, ids, weights):
+def _compute(spec, cfg, family, q, data, ids, weights) -> tuple[Sites, SiteSums]:
     _TRACES["compute"] += 1
     rule = cfg.rule
+    extra: Any
     if _reparam(cfg, family):
         eps = mc_noise(rule, q.mean.shape[0], q.mean.dtype)
         extra = (family.draws(q, eps), eps)
@@ -378,7 +384,7 @@ def _checks_subspace(cfg) -> bool:
 
 
 def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="auto", chunk_size=None,
-                  ids=None, need_hessian_sum=False, num_devices=None, weights=None):
+                  ids=None, need_hessian_sum=False, num_devices=None, weights=None) -> tuple[Sites, SiteSums]:
     """Compute the sites of every example and of the prior at the posterior ``q``.
 
     :param spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
@@ -452,10 +458,10 @@ def _checked_subspaces(out, rule) -> tuple:
             "on other examples), so their Hessians would miss directions. Fit again with expectation='auto' on data "
             "that includes such examples (the subspace is measured there), or use expectation='mc' (dense Hessians).")
     return out
-_WIDTHS = {}  # the widest sparse store a model (its spec) has needed so far
+_WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has needed so far
 
 
-def _prior_diagonal(spec, data, family, storage, rule, q, traced):
+def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
     sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
     if not (site_curvature(family).matrix_free and storage.sparse_rows):

@@ -23,39 +23,43 @@ import numpy as np
 from numpyro_pc.model.likelihood import prior_loss
 
 from .expectations import hermite_nodes
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["prior_terms", "prior_terms_reparam", "reparam_curvature", "prior_matvec", "prior_diagonal",
            "prior_dense", "prior_diagonal_at"]
 
 
-def prior_matvec(curvature, v):
+def prior_matvec(curvature, v) -> jax.Array:
     """``Ĥ_0 v`` for ``v`` of shape ``(d,)`` or ``(d, p)``, whichever form ``Ĥ_0`` is held in."""
     if curvature.ndim == 1:
         return (curvature if v.ndim == 1 else curvature[:, None]) * v
     return curvature @ v
 
 
-def prior_diagonal(curvature):
+def prior_diagonal(curvature) -> jax.Array:
     """``diag Ĥ_0`` ``(d,)``."""
     return curvature if curvature.ndim == 1 else jnp.diagonal(curvature)
 
 
-def prior_dense(curvature):
+def prior_dense(curvature) -> jax.Array:
     """``Ĥ_0`` as a dense ``(d, d)`` matrix (materialised from the diagonal form: small ``d`` only)."""
     return jnp.diag(curvature) if curvature.ndim == 1 else curvature
 
 
-def _hvp_ones(f, z):
+def _hvp_ones(f, z) -> jax.Array:
     """``∇²f(z) 1``: the Hessian's diagonal when ``f`` is separable (one forward-over-reverse product)."""
     return jax.jvp(jax.grad(f), (z,), (jnp.ones_like(z),))[1]
 
 
-def prior_diagonal_at(spec, data, z):
+def prior_diagonal_at(spec, data, z) -> jax.Array:
     """``diag ∇²ℓ_0(z)`` of a separable prior, matrix-free (the start of a family with matrix-free sites)."""
     return _hvp_ones(lambda zz: prior_loss(spec, zz, data), z)
 
 
-def reparam_curvature(chol, cross):
+def reparam_curvature(chol, cross) -> jax.Array:
     r"""Site precision ``Ĥ = 2 ∂E_K[ℓ]/∂Σ`` from ``G = (1/K) Σ_s ∇ℓ(z_s) ε_sᵀ``.
 
     With ``z_s = m + Cε_s``, ``C = L⁻ᵀ`` and ``S = LLᵀ``, the chain rule through the
@@ -77,14 +81,14 @@ def reparam_curvature(chol, cross):
     return chol @ sym @ chol.T
 
 
-def prior_terms_reparam(spec, chol, data, draws, eps):
+def prior_terms_reparam(spec, chol, data, draws, eps) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The prior site under the reparameterisation estimator, with the examples' draws."""
     losses, grads = jax.lax.map(jax.value_and_grad(lambda zz: prior_loss(spec, zz, data)), draws, batch_size=8)
     cross = grads.T @ eps / eps.shape[0]  # (1/K) Σ_s ∇ℓ_0(z_s) ε_sᵀ without a (K, d, d) stack
     return jnp.mean(losses), jnp.mean(grads, 0), reparam_curvature(chol, cross)
 
 
-def prior_terms(spec, rule, family, q, data, extra, diagonal=False):
+def prior_terms(spec, rule, family, q, data, extra, diagonal=False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(E_q[ℓ_0], ĝ_0, Ĥ_0)`` of the prior under ``rule``; ``Ĥ_0`` is its diagonal ``(d,)`` when
     ``diagonal`` (allowed only for a separable prior), else a dense ``(d, d)`` matrix."""
     f = lambda z: prior_loss(spec, z, data)  # noqa: E731
@@ -110,7 +114,7 @@ def prior_terms(spec, rule, family, q, data, extra, diagonal=False):
     nodes, node_w = extra[:2] if rule.subspace_dim == 0 else hermite_nodes(rule.num_nodes, q.mean.dtype)
     std = jnp.sqrt(family.marginal_variance(q))
 
-    def vgd(z):  # separable prior: its Hessian is diagonal, so diag H = H·1 (one product, no d × d per node)
+    def vgd(z) -> tuple[Any, Any, Any]:  # separable prior: its Hessian is diagonal, so diag H = H·1 (one product, no d × d per node)
         value, grad = jax.value_and_grad(f)(z)
         return value, grad, _hvp_ones(f, z)
 
@@ -121,7 +125,7 @@ def prior_terms(spec, rule, family, q, data, extra, diagonal=False):
     return loss, grad, diag if diagonal else jnp.diag(diag)
 
 
-def _sobol_normals(num, dim, seed, dtype):
+def _sobol_normals(num, dim, seed, dtype) -> jax.Array:
     """``num`` scrambled Sobol points mapped to standard normals (a constant of the compiled program)."""
     from scipy.special import ndtri
     from scipy.stats import qmc

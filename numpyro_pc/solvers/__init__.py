@@ -5,6 +5,8 @@ exponential-family natural-gradient solve.
 The package namespace re-exports :mod:`numpyro_pc.solvers.gaussian`.
 """
 
+from __future__ import annotations
+
 import warnings as _warnings
 
 from numpyro_pc.sites import expfam as _sites_expfam
@@ -17,7 +19,7 @@ __all__ = list(_gaussian.__all__)
 _MOVED_FROM_SITES = ("blr_solve", "SolveInfo", "relative_residual", "EF_MAX_ITERS")
 
 
-def _sites_expfam_getattr(name: str):
+def _sites_expfam_getattr(name: str) -> object:
     if name in _MOVED_FROM_SITES:
         _warnings.warn(f"numpyro_pc.ef_sites.{name} moved to numpyro_pc.solvers.expfam.{name}; the old location is "
                        "removed in the next release", FutureWarning, stacklevel=2)

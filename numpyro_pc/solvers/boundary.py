@@ -93,11 +93,11 @@ def _constrained(transform) -> bool:
 
 
 @partial(jax.jit, static_argnames=("spec", "num"))
-def _draws_on(spec, per_example, shared, key, num):
+def _draws_on(spec, per_example, shared, key, num) -> jax.Array:
     args, kwargs = spec.build_args(per_example, shared)
     names = [n for n, t in zip(spec.latent.names, spec.latent.transforms) if _constrained(t)]
 
-    def one(draw_key):
+    def one(draw_key) -> jax.Array:
         with handlers.block():
             trace = handlers.trace(handlers.seed(spec.model, draw_key)).get_trace(*args, **kwargs)
         # each draw's own support: a bound that is itself a latent (Uniform(0, top)) moves with it

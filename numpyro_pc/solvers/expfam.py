@@ -28,12 +28,16 @@ from numpyro_pc.sites.expfam import EFConfig, compute_sites
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 
 from . import fixed_point
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "solve_every_site"]
 
 
 @partial(jax.jit, static_argnums=(0, 3))
-def _target(config, lam, data, prior_active, const, weights, seed):
+def _target(config, lam, data, prior_active, const, weights, seed) -> tuple[Any, Any]:
     """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
     (``weights`` 0 on the rows that only pad the data to its bucket)."""
     sites = compute_sites(config, lam, data, seed)
@@ -83,7 +87,7 @@ def solve_every_site(post: Posterior, data, ids, start, tol, max_iters, raise_on
     return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
 
 
-def _draw_error(config, data, prior_active, const, lam, tol):
+def _draw_error(config, data, prior_active, const, lam, tol) -> dict[Any, Any]:
     """The fixed point's residual under an independent set of points (seed + 1): other draws,
     or the cubature rotated by another orthogonal matrix.
 
@@ -168,7 +172,7 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
     tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)
     max_iters = EF_MAX_ITERS if max_iters is None else int(max_iters)
 
-    def evaluate(x, it):
+    def evaluate(x, it) -> tuple[Any, Any]:
         target, aux = target_fn(x)
         if not bool(jnp.all(jnp.isfinite(target))):
             raise NonFiniteResultError(f"the sites at iteration {it} are not finite (natural parameter "

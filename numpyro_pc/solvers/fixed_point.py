@@ -42,6 +42,11 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
+    from typing import Any
 
 __all__ = ["AndersonHistory", "anderson_init", "anderson_push", "anderson_restart", "anderson_mix",
            "backtrack", "Damping", "damping_init", "damping_observe", "NaturalState", "natural_init", "natural_propose",
@@ -84,7 +89,7 @@ class AndersonHistory(NamedTuple):
 
     xs: jax.Array
     fs: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as the field always has
 
 
 def anderson_init(x, memory: int) -> AndersonHistory:
@@ -198,7 +203,7 @@ def natural_init(lam, target, rho=1.0, memory=5) -> NaturalState:
                         damping_init(rho, lam.dtype), false, jnp.asarray(True))
 
 
-def natural_propose(state: NaturalState, in_domain: Callable, rho_max=1.0):
+def natural_propose(state: NaturalState, in_domain: Callable, rho_max=1.0) -> tuple[jax.Array, Any]:
     """The next iterate: the damping rule observes the current residual, then the Anderson candidate
     is taken when it is finite and inside the domain, else the plain step halved until inside.
 
@@ -227,7 +232,7 @@ def natural_observe(state: NaturalState, lam, target) -> NaturalState:
 
 
 @partial(jax.jit, static_argnames=("owner", "name"))
-def _propose_method(state, owner, name, rho_max):
+def _propose_method(state, owner, name, rho_max) -> tuple[jax.Array, Any]:
     return natural_propose(state, getattr(owner, name), rho_max)
 
 
@@ -250,7 +255,7 @@ def natural_propose_host(state: NaturalState, in_domain: Callable, rho_max=1.0) 
     return _propose_method(state, owner, name, rho_max)
 
 
-def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rho=1.0, memory=5):
+def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rho=1.0, memory=5) -> tuple[Any, Any, Any, Any, Any]:
     """The natural-parameter iteration as one ``lax.while_loop`` (traceable; e.g. ``vmap`` over clients).
 
     :param target: ``λ -> (τ(λ), aux)``, traceable.
@@ -261,12 +266,12 @@ def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rh
     tau, aux = target(lam)
     start = (natural_init(lam, tau, rho, memory), aux)
 
-    def cond(carry):
+    def cond(carry) -> jax.Array:
         state = carry[0]
         return ((state.iteration < max_iters) & (state.residual > tol) & jnp.isfinite(state.residual)
                 & state.inside)
 
-    def body(carry):
+    def body(carry) -> tuple[NaturalState, Any]:
         new, state = natural_propose(carry[0], in_domain, rho)
         tau, aux = target(new)
         return natural_observe(state, new, tau), aux
@@ -307,7 +312,7 @@ def iteration_budget(residuals, tol, used, cap=MAX_ITERATIONS) -> int:
     return needed if 0 < needed and used + needed <= cap else 0
 
 
-def stagnation(residuals, steps, objectives=None):
+def stagnation(residuals, steps, objectives=None) -> str | None:
     """Why a run is stagnant (a short phrase), or ``None`` while it still makes progress (host).
 
     Stagnant: the best residual of the last :data:`PATIENCE` iterations is not below half the
@@ -334,7 +339,7 @@ def stagnation(residuals, steps, objectives=None):
     return None
 
 
-def progress_bar(enabled: bool, total: int, desc: str = "refine") -> object | None:
+def progress_bar(enabled: bool, total: int, desc: str = "refine") -> tqdm | None:
     """A ``tqdm`` bar of ``total`` steps that a host loop advances, or ``None`` when not ``enabled``."""
     if not enabled:
         return None

@@ -50,6 +50,7 @@ from numpyro_pc.protocols.capabilities import gaussian_solver
 from . import newton_polish
 from .fixed_point import (
     BASE_ITERATIONS,
+    AndersonHistory,
     anderson_init,
     anderson_mix,
     anderson_push,
@@ -59,7 +60,11 @@ from .fixed_point import (
     progress_bar,
     stagnation,
 )
-from .site_problem import check_finite_sites, evaluate, fixed_point_map
+from .site_problem import Point, check_finite_sites, evaluate, fixed_point_map
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SolveState", "SolveOptions", "solve", "solve_init", "solve_step", "solve_converged", "default_tol"]
 
@@ -69,11 +74,11 @@ _LOCAL = 1e-2  # below this residual, progress may also be judged by the residua
 _NEWTON_MIN_STEP = 2.0**-6  # shortest step along a Newton–CG direction before the plain damped step is tried
 
 
-def _pack(q):
+def _pack(q) -> jax.Array:
     return jnp.concatenate([q.mean, jnp.ravel(q.precision)])
 
 
-def _unpack(x, like):
+def _unpack(x, like) -> Gaussian:
     d = like.mean.shape[0]
     return Gaussian(x[:d], jnp.reshape(x[d:], like.precision.shape))
 
@@ -90,8 +95,8 @@ class SolveState(NamedTuple):
     :ivar started: ``time.perf_counter()`` at the start (the history's clock).
     """
 
-    point: object
-    anderson: object
+    point: Point
+    anderson: AndersonHistory
     history: tuple
     iteration: int
     stagnant: str | None
@@ -172,12 +177,12 @@ def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions(
                       False, state.started)
 
 
-def _linear(history):
+def _linear(history) -> bool:
     """Convergence is linear: the residual shrank by less than 100× at the last step."""
     return len(history) > 1 and history[-1]["residual"] > _LINEAR * history[-2]["residual"]
 
 
-def _evaluate_trial(problem, trial):
+def _evaluate_trial(problem, trial) -> Point | None:
     """``trial`` evaluated, or ``None`` when it is not a proper Gaussian (checked before its sites are
     computed) or its site gradients or loss are not finite."""
     family = problem.family
@@ -189,7 +194,7 @@ def _evaluate_trial(problem, trial):
     return evaluate(problem, trial, t_sites, t_sums)
 
 
-def _accept(problem, point, history, trial, permissive=False):
+def _accept(problem, point, history, trial, permissive=False) -> Point | None:
     """The evaluated ``trial`` if it makes progress from ``point``, else ``None``.
 
     Progress is a lower variational objective (for a family whose iteration minimises it) or —
@@ -213,7 +218,7 @@ def _accept(problem, point, history, trial, permissive=False):
     return None
 
 
-def _newton_proposal(problem, point, history, target):
+def _newton_proposal(problem, point, history, target) -> tuple[Point | None, float, bool]:
     """Laplace–GGN: the mean equation is a MAP condition; a Newton step on it (CG with the
     Gauss–Newton precision as preconditioner, truncated at negative curvature) removes the linear
     rate of the plain step. Far from a minimum of a non-convex loss the full step overshoots while
@@ -235,7 +240,7 @@ def _newton_proposal(problem, point, history, target):
     return None, rho, False
 
 
-def _anderson_proposal(problem, point, history, anderson, memory):
+def _anderson_proposal(problem, point, history, anderson, memory) -> tuple[Point | None, float, bool]:
     """The Anderson (type II) candidate of the last ``memory`` undamped steps, if it makes progress."""
     if memory <= 0 or int(anderson.count) <= 1:
         return None, 0.0, False
@@ -243,7 +248,7 @@ def _anderson_proposal(problem, point, history, anderson, memory):
     return outcome, 1.0, outcome is not None
 
 
-def _damped_proposal(problem, point, history, direction, target, options):
+def _damped_proposal(problem, point, history, direction, target, options) -> tuple[Point | None, float, bool]:
     """The damped step of rate ``ρ`` (:func:`_damped_trial`), halved from ``options.step_size`` until
     it makes progress; a falling residual far from the fixed point is accepted only on a second,
     permissive pass."""
@@ -260,7 +265,7 @@ def _damped_proposal(problem, point, history, direction, target, options):
 
 
 def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30, raise_on_failure=True,
-          progress=False, sites=None, sums=None, memory=3):
+          progress=False, sites=None, sums=None, memory=3) -> tuple[Any, Any, Any]:
     """Iterate natural-gradient steps from ``q`` until the dual-form residual is below ``tol``.
 
     The host driver of :func:`solve_init` / :func:`solve_step`. While convergence is linear
@@ -323,7 +328,7 @@ def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30
     return point.q, point.sites, history
 
 
-def _watchdog(problem, point):
+def _watchdog(problem, point) -> list[Point] | None:
     """Up to ``_WATCH`` undamped steps from ``point``: the path to the first one whose residual is
     below ``point``'s, or ``None`` (a watchdog, Chamberlain et al. 1982).
 
@@ -343,7 +348,7 @@ def _watchdog(problem, point):
     return None
 
 
-def _damped_trial(q, direction, target, grad, rho, target_pd, family=None):
+def _damped_trial(q, direction, target, grad, rho, target_pd, family=None) -> Gaussian:
     r"""The step of rate ``ρ`` towards the fixed-point map's ``(m + direction, target)``.
 
     While the target precision ``T = Σ_i Ĥ_i`` is positive definite this is the plain
@@ -369,7 +374,7 @@ def _damped_trial(q, direction, target, grad, rho, target_pd, family=None):
     return Gaussian(q.mean - rho * cho_solve((jnp.linalg.cholesky(precision), True), grad), precision)
 
 
-def _check_representable(problem, point):
+def _check_representable(problem, point) -> None:
     """Refuse a float32 posterior whose covariance float32 cannot get right.
 
     The precision ``S = Σ_i Ĥ_i`` is re-accumulated in float64 on the host from the same
@@ -408,14 +413,14 @@ def _check_representable(problem, point):
             "(collinear covariates, unscaled data).")
 
 
-def _stagnation(history, minimises_objective=False):
+def _stagnation(history, minimises_objective=False) -> str | None:
     """:func:`numpyro_pc.solvers.fixed_point.stagnation` of a solve's history (a phrase, or ``None``); the objective
     counts as progress for a family whose iteration minimises it."""
     objectives = [h["objective"] for h in history] if minimises_objective else None
     return stagnation([h["residual"] for h in history], [h["step"] for h in history[1:]], objectives)
 
 
-def _advice(point, history):
+def _advice(point, history) -> str:
     """What to try, from which identity is off, the dtype and how the run went."""
     dtype = jnp.dtype(point.q.mean.dtype)
     eps = float(jnp.finfo(dtype).eps)
@@ -437,7 +442,7 @@ def _advice(point, history):
             "covariates, family='diagonal', expectation='delta' for a Laplace-like answer, or a larger max_iters.")
 
 
-def _history_entry(iteration, point, step, accelerated, start):
+def _history_entry(iteration, point, step, accelerated, start) -> dict[Any, Any]:
     return dict(iteration=iteration, residual=point.residual, residual_mean=point.parts["mean"],
                 residual_precision=point.parts["precision"], objective=point.objective, step=step,
                 accelerated=accelerated, seconds=time.perf_counter() - start)

@@ -47,9 +47,9 @@ def applies(problem) -> bool:
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2))
-def _hvp(spec, family, include_prior, data, weights, base, mean, vector):
-    def total_grad(z):
-        def total(z):
+def _hvp(spec, family, include_prior, data, weights, base, mean, vector) -> jax.Array:
+    def total_grad(z) -> jax.Array:
+        def total(z) -> jax.Array:
             value = jnp.sum(weights * losses(spec, z, data))
             if include_prior:
                 value = value + prior_loss(spec, z, data)
@@ -62,7 +62,7 @@ def _hvp(spec, family, include_prior, data, weights, base, mean, vector):
     return jax.jvp(total_grad, (mean,), (vector,))[1]
 
 
-def newton_direction(problem, q, grad, pre, forcing=1e-4):
+def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
     """``δ ≈ −∇²L(m)⁻¹ ∇L(m)`` by CG preconditioned with the family's mean preconditioner ``pre``.
 
     :param problem: the :class:`~numpyro_pc.solvers.site_problem.SiteProblem`.
@@ -77,7 +77,7 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4):
     weights = (jnp.ones(problem.data.per_example[0].shape[0], grad.dtype) if problem.weights is None
                else problem.weights)
 
-    def hvp(v):
+    def hvp(v) -> jax.Array:
         return _hvp(problem.spec, family, bool(problem.include_prior), problem.data, weights, problem.base, q.mean, v)
 
     apply_pre = family.inner_preconditioner(pre)

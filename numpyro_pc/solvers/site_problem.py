@@ -22,6 +22,10 @@ from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.rows import all_finite
 from numpyro_pc.protocols.capabilities import gaussian_solver
 from numpyro_pc.sites.gaussian import compute_sites
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["SiteProblem", "live_totals", "dual_residual", "problem_totals", "residual_from_totals", "Point",
            "evaluate", "objective_from_totals", "check_finite_sites", "fixed_point_map", "point_rule", "base_terms"]
@@ -40,8 +44,8 @@ class SiteProblem(NamedTuple):
     data: object
     family: object
     rule: object
-    curvature: str
-    storage: str
+    curvature: str | None
+    storage: str | None
     chunk_size: int | None
     ids: object
     base: object = None
@@ -56,7 +60,7 @@ class SiteProblem(NamedTuple):
                              need_hessian_sum=need_hessian_sum, weights=self.weights)
 
 
-def base_terms(family, q, base, point_loss=False):
+def base_terms(family, q, base, point_loss=False) -> tuple[Any, Any, Any, Any]:
     """Gradient, family-format and dense curvature, and loss of a Gaussian factor.
 
     The factor ``exp(bᵀz − ½ zᵀBz)`` contributes the loss ``½ zᵀBz − bᵀz``: its expectation
@@ -71,20 +75,20 @@ def base_terms(family, q, base, point_loss=False):
     return grad, base.precision, dense_b, loss
 
 
-def point_rule(problem):
+def point_rule(problem) -> bool:
     """Whether the problem's sites are evaluated at the mean alone (the delta rule): then they do not
     depend on the precision, and neither does the objective (the MAP loss)."""
     return problem.rule is not None and problem.rule.kind == "delta"
 
 
-def problem_totals(problem, q, sites, sums=None):
+def problem_totals(problem, q, sites, sums=None) -> tuple[Any, Any, Any, Any, Any]:
     """Sums over the live terms: gradient, Σ‖gradients‖, curvature (family format), dense curvature, loss."""
     return live_totals(problem.family, bool(problem.include_prior), q, sites, sums, problem.base, problem.weights,
                        point_loss=point_rule(problem))
 
 
 @partial(jax.jit, static_argnums=(0, 1), static_argnames=("point_loss",))
-def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss=False):
+def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss=False) -> tuple[Any, Any, Any, Any, Any]:
     """Sums over a problem's live terms at ``q`` (pure; the solver's and :mod:`numpyro_pc.kernels.site_table`'s).
 
     :param family: the :class:`~numpyro_pc.families.registry.ExponentialFamily` (static).
@@ -123,7 +127,7 @@ def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss
     return grad, norms, curv, dense, loss
 
 
-def dual_residual(family, q, sites, base=None, include_prior=True, weights=None):
+def dual_residual(family, q, sites, base=None, include_prior=True, weights=None) -> tuple:
     """Relative residuals of the two dual-form identities (docs/notation.md, "Dual-form residual").
 
     With ``∇ℓ̂_i(m) = ĝ_i + Ĥ_i (m − m_i)`` the gradient of site ``i`` at the mean (equal to
@@ -166,15 +170,15 @@ def residual_from_totals(family, q, totals) -> tuple:
 class Point(NamedTuple):
     """An evaluated iterate: its sites, their sums over the live terms, residual and objective."""
 
-    q: object
-    sites: object
+    q: Gaussian
+    sites: Any
     totals: tuple
     residual: float
     parts: dict
     objective: float
 
 
-def evaluate(problem, q, sites, sums):
+def evaluate(problem, q, sites, sums) -> Point:
     """Residual and objective of ``q`` from one pass over its sites' totals.
 
     Under the delta rule the sites, their totals and the objective depend on the mean alone, so
@@ -195,7 +199,7 @@ def evaluate(problem, q, sites, sums):
     return Point(q, sites, totals, res, parts, objective_from_totals(problem, q, totals))
 
 
-def objective_from_totals(problem, q, totals):
+def objective_from_totals(problem, q, totals) -> float:
     """Variational objective ``Σ E_q[live losses] − H(q)`` (the MAP loss for the delta rule)."""
     value = totals[4]
     if problem.rule.kind != "delta":
@@ -203,7 +207,7 @@ def objective_from_totals(problem, q, totals):
     return float(value)
 
 
-def check_finite_sites(sites):
+def check_finite_sites(sites) -> None:
     if not (all_finite(sites.grad) and all_finite(sites.prior_grad)):
         raise NonFiniteResultError(
             "site gradients are not finite at the current posterior; the model's log density is NaN/inf "
@@ -211,7 +215,7 @@ def check_finite_sites(sites):
         )
 
 
-def fixed_point_map(problem, point):
+def fixed_point_map(problem, point) -> tuple[Any, Any]:
     """The undamped step ``T(m, S)`` (``ρ = 1``); its fixed points are the dual-form solutions."""
     grad, _, target, dense, _ = point.totals
     target, pre = problem.family.fixed_point(point.q, target, dense)

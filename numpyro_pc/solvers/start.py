@@ -39,6 +39,11 @@ from numpyro_pc.model.rows import pad_to_bucket
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability, site_curvature
 from numpyro_pc.sites.expectations import prior_is_separable, prior_structure
 from numpyro_pc.sites.prior import prior_diagonal_at
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
 
 __all__ = ["MapResult", "map_laplace", "mean_field_elbo", "fixed_draw_objective", "negative_log_joint", "StartChoice",
            "default_start"]
@@ -71,21 +76,21 @@ class MapResult(NamedTuple):
     saddle_escapes: int = 0
 
 
-def negative_log_joint(spec, z, data, weights):
+def negative_log_joint(spec, z, data, weights) -> jax.Array:
     """``ℓ_0(z) + Σ_i w_i ℓ_i(z)`` over the bound (possibly bucket-padded) data."""
     per = jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
     return prior_loss(spec, z, data) + weights @ per
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _value_and_grad(spec, z, data, weights):
+def _value_and_grad(spec, z, data, weights) -> tuple[jax.Array, jax.Array]:
     return jax.value_and_grad(lambda zz: negative_log_joint(spec, zz, data, weights))(z)
 
 
-def _host_objective(value_and_grad, dtype):
+def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
     """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
     support: the line search backs off)."""
-    def fun(x):
+    def fun(x) -> tuple[float, np.ndarray]:
         value, grad = value_and_grad(jnp.asarray(x, dtype))
         value, grad = float(value), np.asarray(grad, dtype=np.float64)
         if not (np.isfinite(value) and np.all(np.isfinite(grad))):
@@ -102,7 +107,7 @@ def _minimize(fun, x0, gtol, max_iters):
                                    callback=_GradientStop(fun, gtol))
 
 
-def _lbfgs(spec, z0, data, weights, gtol, max_iters):
+def _lbfgs(spec, z0, data, weights, gtol, max_iters) -> tuple[jax.Array, Any, Any, int]:
     """SciPy's L-BFGS-B driven by one compiled value-and-gradient program.
 
     A host-side driver compiles the model once (an Optax L-BFGS inside ``lax.while_loop``
@@ -122,7 +127,7 @@ class _GradientStop:
     def __init__(self, fun, gtol):
         self.fun, self.gtol = fun, float(gtol)
 
-    def __call__(self, intermediate_result):
+    def __call__(self, intermediate_result) -> None:
         value, grad = intermediate_result.fun, getattr(intermediate_result, "jac", None)
         if grad is None:
             value, grad = self.fun(intermediate_result.x)
@@ -131,14 +136,14 @@ class _GradientStop:
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _hessian(spec, z, data, weights):
+def _hessian(spec, z, data, weights) -> jax.Array:
     grad = jax.grad(lambda zz: negative_log_joint(spec, zz, data, weights))
     columns = jax.lax.map(lambda v: jax.jvp(grad, (z,), (v,))[1], jnp.eye(z.shape[0], dtype=z.dtype),
                           batch_size=_HVP_BATCH)
     return 0.5 * (columns + columns.T)
 
 
-def _positive_part(hess, floor_ratio):
+def _positive_part(hess, floor_ratio) -> jax.Array:
     """``|H|`` with eigenvalues floored at ``floor_ratio · max |λ|`` (a positive-definite matrix)."""
     vals, vecs = jnp.linalg.eigh(hess)
     mags = jnp.abs(vals)
@@ -146,7 +151,7 @@ def _positive_part(hess, floor_ratio):
     return (vecs * jnp.maximum(mags, floor)) @ vecs.T
 
 
-def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None, isotropic_precision=1.0):
+def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None, isotropic_precision=1.0) -> MapResult:
     """The Laplace start ``N(ẑ, S⁻¹)`` projected to ``family``.
 
     :param spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
@@ -200,7 +205,7 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
     return MapResult(Gaussian(z, precision), total, grad_norm, value, converged, escapes)
 
 
-def _newton_polish(spec, z, value, grad, hess, data, weights, gtol):
+def _newton_polish(spec, z, value, grad, hess, data, weights, gtol) -> tuple[Any, Any, Any, Any, bool, Any]:
     """Newton steps ``z ← z − H⁻¹∇`` from where L-BFGS stopped short of ``gtol`` at a minimum.
 
     L-BFGS-B also stops when a step no longer lowers ``f`` in floating point — on the flat
@@ -226,19 +231,19 @@ def _newton_polish(spec, z, value, grad, hess, data, weights, gtol):
     return z, value, grad_norm, hess, False, steps
 
 
-def _dense_lowest(hess):
+def _dense_lowest(hess) -> tuple[float, Any, float]:
     """``(λ_min, its unit eigenvector, max |λ|)`` of a dense symmetric Hessian."""
     vals, vecs = np.linalg.eigh(np.asarray(hess, dtype=np.float64))
     return float(vals[0]), vecs[:, 0], float(np.max(np.abs(vals)))
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _hvp(spec, z, data, weights, vector):
+def _hvp(spec, z, data, weights, vector) -> jax.Array:
     grad = jax.grad(lambda zz: negative_log_joint(spec, zz, data, weights))
     return jax.jvp(grad, (z,), (vector,))[1]
 
 
-def _lowest_curvature(spec, z, data, weights):
+def _lowest_curvature(spec, z, data, weights) -> tuple[float, Any, float] | None:
     """``(λ_min, its unit eigenvector, max |λ|)`` of the Hessian of the negative log joint at ``z``.
 
     Dense up to ``_DENSE_CURVATURE`` latents; above, Lanczos (ARPACK) on Hessian–vector
@@ -249,7 +254,7 @@ def _lowest_curvature(spec, z, data, weights):
     if d <= _DENSE_CURVATURE:
         return _dense_lowest(_hessian(spec, z, data, weights))
 
-    def matvec(v):
+    def matvec(v) -> np.ndarray:
         return np.asarray(_hvp(spec, z, data, weights, jnp.asarray(np.ravel(v), z.dtype)), np.float64)
 
     op = scipy.sparse.linalg.LinearOperator((d, d), matvec=matvec, dtype=np.float64)
@@ -264,7 +269,7 @@ def _lowest_curvature(spec, z, data, weights):
     return float(vals[0]) + scale, vecs[:, 0], scale
 
 
-def _escape_saddle(spec, z, value, lowest, data, weights):
+def _escape_saddle(spec, z, value, lowest, data, weights) -> jax.Array | None:
     """A point below ``value`` along the most negative curvature direction, or ``None`` at a minimum.
 
     L-BFGS stops wherever the gradient vanishes, saddles included: a network with symmetric
@@ -290,24 +295,24 @@ def _escape_saddle(spec, z, value, lowest, data, weights):
     return None
 
 
-def _fixed_noise(dim, num_pairs, seed, dtype):
+def _fixed_noise(dim, num_pairs, seed, dtype) -> jax.Array:
     """``2·num_pairs`` antithetic standard-normal draws ``(±ε_k)``, fixed for a whole optimisation."""
     eps = jax.random.normal(jax.random.PRNGKey(seed), (num_pairs, dim), dtype)
     return jnp.concatenate([eps, -eps])
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _draws_loss(spec, points, data, weights):
+def _draws_loss(spec, points, data, weights) -> jax.Array:
     """Mean of the negative log joint over ``points`` (``(K, d)``), ``K`` model passes in batches."""
     values = jax.lax.map(lambda z: negative_log_joint(spec, z, data, weights), points, batch_size=_DRAW_BATCH)
     return jnp.mean(values)
 
 
 @partial(jax.jit, static_argnames=("spec",))
-def _mean_field_value_and_grad(spec, params, noise, data, weights):
+def _mean_field_value_and_grad(spec, params, noise, data, weights) -> tuple[jax.Array, Any]:
     dim = noise.shape[1]
 
-    def objective(p):
+    def objective(p) -> jax.Array:
         mean, log_sd = p[:dim], p[dim:]
         return _draws_loss(spec, mean + jnp.exp(log_sd) * noise, data, weights) - jnp.sum(log_sd)
 
@@ -440,7 +445,7 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
     return StartChoice(Gaussian(z0, precision), "prior")
 
 
-def _compare_with_elbo_start(spec, data, family, z0, weights, found):
+def _compare_with_elbo_start(spec, data, family, z0, weights, found) -> StartChoice | None:
     """The better of the MAP/Laplace start (when usable) and the mean-field ELBO start, by objective value.
 
     Called when the MAP search did not converge: on a centred hierarchical model the joint
