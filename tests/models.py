@@ -10,8 +10,12 @@ import scipy.optimize
 from numpyro.distributions import constraints
 from scipy import special, stats
 
+from jax_cache import use_test_compilation_cache  # before numpyro_pc: it sets the harness's cache switch
+
 import numpyro_pc as pc
 from numpyro_pc.families.registry import Gaussian
+
+use_test_compilation_cache()  # a process a test starts shares the suite's compiled programs (as with conftest before)
 
 
 # ---------------------------------------------------------------- Gaussian-posterior models and their data (formerly in conftest.py)
