@@ -9,8 +9,10 @@ True)`` or the scoped ``jax.enable_x64()`` where exactness matters.
 
 import importlib as _importlib
 import importlib.abc as _importlib_abc
+import importlib.machinery as _importlib_machinery
 import importlib.util as _importlib_util
 import sys as _sys
+import types as _types
 import warnings as _warnings
 from importlib import metadata as _metadata
 
@@ -167,12 +169,12 @@ class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
     patching either name patches both), with a ``FutureWarning`` that names the new one (none for
     :data:`KEPT_MODULE_NAMES`)."""
 
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(self, fullname: str, path=None, target=None) -> _importlib_machinery.ModuleSpec | None:
         if fullname not in MOVED_MODULES and fullname not in KEPT_MODULE_NAMES:
             return None
         return _importlib_util.spec_from_loader(fullname, self)
 
-    def create_module(self, spec):
+    def create_module(self, spec: _importlib_machinery.ModuleSpec) -> _types.ModuleType:
         new = MOVED_MODULES.get(spec.name) or KEPT_MODULE_NAMES[spec.name]
         if spec.name in MOVED_MODULES:
             _warnings.warn(f"{spec.name} moved to {new}; the old name will be removed in the next release",
@@ -181,11 +183,11 @@ class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
         spec.loader_state = module.__spec__  # per import, so that concurrent imports cannot swap them
         return module
 
-    def exec_module(self, module):
-        module.__spec__ = module.__spec__.loader_state  # the machinery set the alias's spec on the real module
+    def exec_module(self, module: _types.ModuleType) -> None:
+        module.__spec__ = module.__spec__.loader_state  # type: ignore[union-attr]  # the alias's spec, set by the machinery
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> _types.ModuleType:
     """``pc.<module of the flat layout>`` (``pc.likelihood``, ``pc.ef_sites`` …): the module, imported
     under its old name (with the finder's ``FutureWarning``)."""
     old = f"numpyro_pc.{name}"

@@ -15,7 +15,7 @@ from numpyro_pc.demos.plotting import save_figure
 __all__ = ["demo_criticism"]
 
 
-def demo_criticism(post, X, y, out, plt, fit_seconds):
+def demo_criticism(post, X, y, out, plt, fit_seconds) -> dict:
     """All-N leave-one-out of the refined posterior against a 10-feature model, ``az.compare``, exact refits
     of the flagged examples; writes ``criticism.png``."""
 

@@ -17,7 +17,7 @@ from numpyro_pc.demos.plotting import save_figure
 __all__ = ["demo_dual_form", "plot_dual_form"]
 
 
-def demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed):
+def demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed) -> dict:
     """SVI, the dual form at its guide, refinement and ``pc.fit``; prints the table and the KLs."""
     steps = svi_steps or (500 if fast else 3000)
     timings = {}
@@ -62,7 +62,7 @@ def demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed):
                 iterations=len(post.history) - 1, plot=str(path), _post=post, _scratch=scratch)
 
 
-def plot_dual_form(post, raw, X, y, names, plt):
+def plot_dual_form(post, raw, X, y, names, plt) -> object:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     margin = np.asarray(X @ post.mean[1:] + post.mean[0])

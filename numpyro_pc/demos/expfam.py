@@ -67,7 +67,7 @@ def _check(post, X, y):
     return error
 
 
-def demo_expfam(out, plt, fast=False):
+def demo_expfam(out, plt, fast=False) -> dict:
     """Run the section; return the measured numbers (see the module docstring)."""
     from sklearn.datasets import load_diabetes
 

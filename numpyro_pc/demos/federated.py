@@ -15,7 +15,7 @@ from numpyro_pc.posterior import fit
 __all__ = ["demo_merging_federated"]
 
 
-def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_clients=10):
+def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_clients=10) -> dict:
     """Merge posteriors fitted on two halves of the data; run 10 non-IID clients to the joint posterior.
 
     :param model: the demo's NumPyro model.

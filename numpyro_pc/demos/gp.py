@@ -13,7 +13,7 @@ from numpyro_pc.gp.usage import enable_compilation_cache
 __all__ = ["demo_streaming_gp"]
 
 
-def demo_streaming_gp(out, plt, fast=False, seed=0):
+def demo_streaming_gp(out, plt, fast=False, seed=0) -> dict:
     """Stream a noisy sine, ordered by input, in 4 batches through :class:`StreamingSparseGP`.
 
     Prints per batch the bound, learned lengthscale and noise, the KL from the previous

@@ -12,7 +12,7 @@ from numpyro_pc.posteriordb.suite import eight_schools
 __all__ = ["demo_hierarchical"]
 
 
-def demo_hierarchical():
+def demo_hierarchical() -> dict:
     """A centred hierarchy (eight schools, embedded): the start that is not the MAP, and an exact update."""
     problem = eight_schools(centred=True)
     print("\nA hierarchical model: eight schools, centred (theta_j ~ N(mu, tau), tau ~ HalfCauchy(5))")

@@ -20,7 +20,7 @@ STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("
 DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
 
 
-def demo_streaming(X, y, out, plt, fast, num_batches=5):
+def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
     """Stream the data in non-IID batches with every correction policy, then delete a group."""
     order = np.argsort(np.asarray(X[:, 0]))  # sorted by the first feature: a drifting stream
     Xs, ys = X[order], y[order]

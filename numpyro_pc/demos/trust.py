@@ -14,7 +14,7 @@ from numpyro_pc.demos.models import plate_from_argument, progression_classifier,
 __all__ = ["demo_trust"]
 
 
-def demo_trust():
+def demo_trust() -> dict:
     """Right or refused: an unscaled regression from the default start, and a mis-bound model refused."""
     raw = load_diabetes(scaled=False)
     bmi, bp = (jnp.asarray(raw.data[:, raw.feature_names.index(c)]) for c in ("bmi", "bp"))
