@@ -15,7 +15,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +23,10 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
-from numpyro_pc.families.registry import add_site
+from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
 from numpyro_pc.guides import gaussian as _guides
+from numpyro_pc.model.latent import LatentSpace
+from numpyro_pc.model.terms import ModelSpec
 from numpyro_pc.model.likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
@@ -36,6 +38,9 @@ from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
 
 from .state import PosteriorConfig, PosteriorState
 
+if TYPE_CHECKING:
+    from arviz import InferenceData
+
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 
 
@@ -46,14 +51,14 @@ def by_posterior_kind(operation: str, error: type = UnsupportedGuideError) -> Ca
     family's site table instead (:func:`numpyro_pc.protocols.posterior.by_site_table`).
     """
 
-    def refuse(post, *args, **kwargs):
+    def refuse(post, *args, **kwargs) -> NoReturn:
         raise error(f"{operation} needs a dual-form posterior (from pc.fit or pc.dual_form); found "
                     f"{type(post).__name__}")
 
     return functools.singledispatch(refuse)
 
 
-def in_own_precision(method):
+def in_own_precision(method) -> Callable[..., Any]:
     """Run a method in the floating precision the posterior was built with.
 
     A posterior created inside ``jax.enable_x64()`` keeps computing in float64 when used
@@ -61,7 +66,7 @@ def in_own_precision(method):
     changing the global setting.
     """
     @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self, *args, **kwargs) -> Any:
         with jax.enable_x64(self.state.mean.dtype == jnp.float64):
             return method(self, *args, **kwargs)
 
@@ -80,6 +85,10 @@ class DualPosteriorBase(Posterior):
     _FIELDS = ("spec", "data", "family", "state", "sites", "rule", "curvature", "storage", "chunk_size",
                "history", "guide", "data_ids", "tombstones", "next_id", "record", "offset", "stale_sites")
     __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS) + ("_fresh_residual_cache",)
+    # the slots' types (set once, by __init__ through object.__setattr__)
+    spec: ModelSpec
+    family: ExponentialFamily
+    stale_sites: bool
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
                  chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
@@ -97,71 +106,71 @@ class DualPosteriorBase(Posterior):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_fresh_residual_cache", [None, None])  # (state, residual with fresh sites)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name, value) -> NoReturn:
         raise AttributeError("DualPosterior is immutable; methods return new posteriors")
 
     # ------------------------------------------------------------------ views
     @property
-    def sites(self):
+    def sites(self) -> Sites:
         """The :class:`~numpyro_pc.sites.gaussian.Sites` (gathered on first use after a site removal)."""
         return self._sites.value() if isinstance(self._sites, RowSelection) else self._sites
 
     @property
-    def data(self):
+    def data(self) -> ModelData:
         """The retained data (gathered on first use after a deletion)."""
         return self._data.value() if isinstance(self._data, RowSelection) else self._data
 
     @property
-    def latent(self):
+    def latent(self) -> LatentSpace:
         """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
         return self.spec.latent
 
     @property
-    def dim(self):
+    def dim(self) -> int:
         """Dimension ``d`` of the flat unconstrained latent vector."""
         return self.spec.latent.dim
 
     @property
-    def num_examples(self):
+    def num_examples(self) -> int:
         """Number of examples ``N`` with a site."""
         return int(_site_ids(self._sites).size)
 
     @property
-    def ids(self):
+    def ids(self) -> jax.Array:
         """Stable integer ids of the examples, aligned with the sites."""
         return to_device(_site_ids(self._sites)) if isinstance(self._sites, RowSelection) else self._sites.ids
 
     @property
-    def num_retained(self):
+    def num_retained(self) -> int:
         """Number of examples whose data is kept (and can be corrected)."""
         return int(np.asarray(self.data_ids).size)
 
     @property
-    def mean(self):
+    def mean(self) -> jax.Array:
         """Posterior mean ``m`` (unconstrained, flat, model trace order)."""
         return self.state.mean
 
     @property
     @in_own_precision
-    def precision(self):
+    def precision(self) -> jax.Array:
         """Posterior precision ``S`` as a dense ``(d, d)`` matrix."""
         return self.family.dense_precision(self.state)
 
     @property
     @in_own_precision
-    def covariance(self):
+    def covariance(self) -> jax.Array:
         """Posterior covariance ``S⁻¹`` as a dense ``(d, d)`` matrix."""
         return self.family.dense_covariance(self.state)
 
     @property
     @in_own_precision
-    def natural(self):
+    def natural(self) -> GaussianNatural:
         """Natural parameters ``(S m, S)`` (see :class:`~numpyro_pc.families.registry.GaussianNatural`)."""
         return self.family.natural(self.state)
 
     @property
     @in_own_precision
-    def residual(self):
+    def residual(self) -> float:
         """Relative dual-form residual (max of the mean and precision identities), with every
         retained site recomputed after an approximate deletion (``remove_site``, ``influence``,
         ``tracin``): :attr:`Posterior.residual <numpyro_pc.protocols.posterior.Posterior.residual>`."""
@@ -169,7 +178,7 @@ class DualPosteriorBase(Posterior):
 
     @property
     @in_own_precision
-    def residual_parts(self):
+    def residual_parts(self) -> dict[str, float]:
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities (with
         fresh sites after an approximate deletion, as :attr:`residual`)."""
         if self.stale_sites and self.num_retained:
@@ -205,7 +214,7 @@ class DualPosteriorBase(Posterior):
                                  ids=jnp.asarray(self.data_ids))
         return sites
 
-    def _split_frozen(self):
+    def _split_frozen(self) -> tuple[np.ndarray, np.ndarray, GaussianNatural | None]:
         """Rows of sites with retained data, rows without, and the latter's natural-parameter sum."""
         live = positions(self.sites.ids, self.data_ids)
         frozen = np.setdiff1d(np.arange(self.num_examples), live)
@@ -214,7 +223,7 @@ class DualPosteriorBase(Posterior):
             base = self.offset if base is None else add_site(base, self.offset)
         return live, frozen, base
 
-    def _problem(self):
+    def _problem(self) -> tuple[SiteProblem, int]:
         """The refinement problem over the retained data, padded to a bucket (weight-0 copies of
         the last example), and the number of real examples."""
         _, _, base = self._split_frozen()
@@ -226,21 +235,21 @@ class DualPosteriorBase(Posterior):
         return problem, num
 
     @property
-    def raw_sites(self):
+    def raw_sites(self) -> Sites | RowSelection:
         """The sites as held: :class:`~numpyro_pc.sites.gaussian.Sites`, or a :class:`RowSelection` of them
         not gathered yet (operations pass it on without copying)."""
         return self._sites
 
     @property
-    def raw_data(self):
+    def raw_data(self) -> ModelData | RowSelection:
         """The retained data as held: :class:`~numpyro_pc.model.likelihood.ModelData` or a :class:`RowSelection`."""
         return self._data
 
-    def constructor_fields(self):
+    def constructor_fields(self) -> dict[str, Any]:
         """``{argument: value}`` of the constructor that rebuilds this posterior."""
         return {name: getattr(self, f"_{name}" if name in ("sites", "data") else name) for name in self._FIELDS}
 
-    def evolve(self, **changes):
+    def evolve(self, **changes) -> Self:
         """A copy with the given constructor fields changed, of this posterior's class.
 
         For operations: nothing is recomputed or checked, so the caller keeps the fields
@@ -299,7 +308,7 @@ class DualPosteriorBase(Posterior):
         _, frozen, _ = self._split_frozen()
         problem, num_live = self._problem()
 
-        def assemble(fresh):
+        def assemble(fresh) -> Sites:
             fresh = fresh.take(np.arange(num_live))  # drop the bucket padding
             return self.sites.take(frozen).concat(fresh) if frozen.size else fresh
 
@@ -365,7 +374,7 @@ class DualPosteriorBase(Posterior):
         return None
 
     @property
-    def is_point_estimate(self):
+    def is_point_estimate(self) -> bool:
         """Whether this posterior is a point estimate (MAP / ERM): the isotropic family with the
         delta rule, e.g. from ``AutoDelta``. Its fixed precision is the base measure of the
         isotropic family (paper appendix "non-constant base measures"), not a posterior
@@ -407,7 +416,7 @@ class DualPosteriorBase(Posterior):
                 for name, v in zip(self.spec.observed, values)}
 
     @in_own_precision
-    def to_arviz(self, key: jax.Array, num_samples: int = 1000):
+    def to_arviz(self, key: jax.Array, num_samples: int = 1000) -> InferenceData:
         """ArviZ ``InferenceData`` with ``posterior``, ``log_likelihood`` and ``observed_data`` groups (one chain).
 
         ``log_likelihood`` holds one ``(chain, draw, N)`` variable per observed site of the
@@ -446,7 +455,7 @@ class DualPosteriorBase(Posterior):
         """Per-example ``tr Ĥ_i`` — how much each example contributes to the precision."""
         return self.sites.curvature_trace()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"DualPosterior(family={self.family.name}, d={self.dim}, N={self.num_examples}, "
                 f"retained={self.num_retained}, rule={self.rule.kind}, storage={self.sites.storage}, "
                 f"residual={self._shown_residual()})")
@@ -458,12 +467,12 @@ class DualPosteriorBase(Posterior):
         return f"{self.residual:.2e}"
 
 
-def _observed_trace(spec, z, data):
+def _observed_trace(spec, z, data) -> dict[str, Any]:
     """The model's trace on all retained data at ``z`` (observed values for ``to_arviz``)."""
     return trace_at(spec, z, data.per_example, data.shared)
 
 
-def _site_ids(sites):
+def _site_ids(sites) -> np.ndarray:
     """Ids of ``sites`` (or of a :class:`RowSelection` of sites) as a NumPy array."""
     if isinstance(sites, RowSelection):
         return np.asarray(sites.source.ids)[sites.rows]

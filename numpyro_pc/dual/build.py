@@ -28,7 +28,7 @@ __all__ = ["build_posterior"]
 
 
 def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
-                    progress, raise_on_failure, cls=None):
+                    progress, raise_on_failure, cls=None) -> DualPosteriorBase:
     """A posterior of ``q`` (an instance of ``cls``, default :class:`DualPosteriorBase`): sites computed
     for ``data`` and, with ``refine``, solved to the fixed point.
 
@@ -53,7 +53,7 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     return post
 
 
-def _monte_carlo_error(post, problem, num):
+def _monte_carlo_error(post, problem, num) -> dict[str, float]:
     """The dual-form residual of the posterior under an independent set of Monte Carlo draws.
 
     The solver reaches the fixed point of the expectations under *its* fixed draws; the

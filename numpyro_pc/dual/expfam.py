@@ -23,6 +23,7 @@ sites are exact and constant, so all of these are exact Bayes.
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +50,15 @@ from numpyro_pc.solvers.fixed_point import default_tol
 
 from .expfam_adapt import delete_ef, refine_ef, update_ef
 
+if TYPE_CHECKING:
+    from arviz import InferenceData
+    from numpyro.distributions import Distribution
+
+    from numpyro_pc.model.terms import ModelSpec
+
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 
-def _called(name):
+def _called(name) -> None:
     warnings.warn(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
                   f"post.{name}(); the call form will be removed in the next release", FutureWarning, stacklevel=3)
 
@@ -59,7 +66,7 @@ def _called(name):
 class _Residual(float):
     """The residual as a float that can still be called (the pre-property spelling, deprecated)."""
 
-    def __call__(self):
+    def __call__(self) -> _Residual:
         _called("residual")
         return self
 
@@ -68,7 +75,7 @@ class _Means(dict):
     """The posterior means as a dict that can still be called (the pre-property spelling, deprecated);
     a pytree like a dict."""
 
-    def __call__(self):
+    def __call__(self) -> _Means:
         _called("mean")
         return self
 
@@ -105,10 +112,10 @@ class EFPosterior(Posterior):
                          tombstones=tombstones, next_id=max(int(next_id), floor)).items():
             object.__setattr__(self, k, v)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name, value) -> NoReturn:
         raise AttributeError("EFPosterior is immutable; operations return a new posterior")
 
-    def evolve(self, **changes):
+    def evolve(self, **changes) -> Self:
         fields = {k: getattr(self, k) for k in self.__slots__}
         fields.update(changes)
         return type(self)(**fields)
@@ -119,7 +126,7 @@ class EFPosterior(Posterior):
         return self.config.family
 
     @property
-    def natural(self):
+    def natural(self) -> jax.Array:
         return self.state.natural
 
     @property
@@ -128,25 +135,25 @@ class EFPosterior(Posterior):
         return self.state.sites
 
     @property
-    def prior_natural(self):
+    def prior_natural(self) -> jax.Array:
         """:math:`\\lambda_0 = -g_0` (constant for a conjugate-form prior, else at the current ``q``)."""
         return self.sites.prior_natural()
 
     @property
-    def ids(self):
+    def ids(self) -> jax.Array:
         return self.sites.ids
 
     @property
-    def num_examples(self):
+    def num_examples(self) -> int:
         return self.sites.num_examples
 
     @property
-    def spec(self):
+    def spec(self) -> ModelSpec:
         """The model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`), as on Gaussian posteriors."""
         return self.config.spec
 
     @property
-    def data_ids(self):
+    def data_ids(self) -> jax.Array:
         """Ids of the examples whose data is retained: every example's (the sites need their data)."""
         return self.sites.ids
 
@@ -179,7 +186,7 @@ class EFPosterior(Posterior):
         categorical site); a property, as on Gaussian posteriors (calling it is deprecated)."""
         return _Means(self.family.mean(self.natural))
 
-    def sample(self, key, num_samples):
+    def sample(self, key, num_samples) -> dict[str, jax.Array]:
         """``num_samples`` draws per latent site (constrained values, as the model's sites hold them)."""
         return self.family.to_constrained(self.family.sample(key, self.natural, num_samples))
 
@@ -210,15 +217,15 @@ class EFPosterior(Posterior):
         fresh = compute_sites(self.config, q, self.data)  # the config is sized to the data
         return EFSiteTable(fresh.grads, fresh.prior, self.ids)
 
-    def distributions(self):
+    def distributions(self) -> dict[str, Distribution]:
         """Each latent site's factor as a NumPyro distribution of the site's constrained value
         (a Gaussian factor on a constrained site is a ``TransformedDistribution``)."""
         return {f.site: f.distribution(p) for f, p in zip(self.family.factors, self.family.split(self.natural))}
 
-    def entropy(self):
+    def entropy(self) -> jax.Array:
         return self.family.entropy(self.natural)
 
-    def kl(self, other):
+    def kl(self, other) -> jax.Array:
         """:math:`KL(q \\| q_{other})` to a posterior of the same model and family.
 
         :raises IncompatiblePosteriorsError: ``other`` is not one.
@@ -226,7 +233,7 @@ class EFPosterior(Posterior):
         self.check_comparable(other, "KL")
         return self.family.kl(self.natural, other.natural)
 
-    def to_arviz(self, key, num_samples=1000):
+    def to_arviz(self, key, num_samples=1000) -> InferenceData:
         """ArviZ ``InferenceData`` with ``posterior`` (constrained draws of each latent site),
         ``log_likelihood`` (one ``(chain, draw, N)`` variable per observed site of the data plate
         and their sum ``"joint"`` when an example has several) and ``observed_data`` groups, one
@@ -237,7 +244,7 @@ class EFPosterior(Posterior):
         with jax.enable_x64(self.natural.dtype == jnp.float64):
             return inference_data(self, key, num_samples)
 
-    def to_guide_params(self, guide=None, args=(), kwargs=None):
+    def to_guide_params(self, guide=None, args=(), kwargs=None) -> dict[str, jax.Array]:
         """The hand-written guide's params describing this posterior.
 
         :param guide: a guide to write for (default: the guide read by :func:`~numpyro_pc.dual.expfam_fit.dual_form_ef`);
@@ -334,12 +341,12 @@ class EFPosterior(Posterior):
             merged = solve_every_site(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
         return merged
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"EFPosterior({', '.join(f'{n}: {fam}' for n, (fam, _) in self.family.describe(self.natural).items())}"
                 f", N={self.num_examples})")
 
 
-def merge_ef(a, b, refine=False, tol=None, max_iters=200):
+def merge_ef(a, b, refine=False, tol=None, max_iters=200) -> EFPosterior:
     """Deprecated: ``a.merge(b, refine=refine)`` (:meth:`EFPosterior.merge`, which also takes several
     posteriors and weights); this alias stays for one release."""
     warnings.warn("numpyro_pc.dual.expfam.merge_ef is deprecated: write a.merge(b) or pc.merge(None, [a, b]); "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,7 +36,7 @@ from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, 
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
-from numpyro_pc.solvers.expfam import blr_solve, bucketed_target, config_rows, solve_every_site
+from numpyro_pc.solvers.expfam import SolveInfo, blr_solve, bucketed_target, config_rows, solve_every_site
 from numpyro_pc.solvers.fixed_point import default_tol, largest_inside_fraction, progress_bar
 
 __all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "DELETE_METHODS"]
@@ -116,7 +117,7 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
                                    new=int(spec.num_examples), **info._asdict()))
 
 
-def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False):
+def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False) -> tuple[jax.Array, object, SolveInfo]:
     r"""The fixed point with the sites at positions ``rows`` (and the prior term when ``prior_active``)
     divided out of ``q`` and solved for again over the ``active`` data, every other site held:
     :math:`\lambda = c - \sum_{i \in active} g_i(\lambda) [- g_0(\lambda)]`, ``c`` what the held sites leave."""
@@ -128,7 +129,7 @@ def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, rais
                      tol, max_iters, raise_on_failure=raise_on_failure, progress=progress)
 
 
-def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress, raise_on_failure):
+def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress, raise_on_failure) -> Posterior:
     """The ``"prior"`` update, then ``epochs`` passes of block Gauss–Seidel over every example's site."""
     epochs = 1 if epochs is None else epochs
     if isinstance(epochs, (bool, np.bool_)) or not isinstance(epochs, (int, np.integer)) or epochs < 1:

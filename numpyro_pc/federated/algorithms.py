@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.dual.build import build_posterior
-from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
+from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import gaussian_prior, prior_natural
 from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
 from numpyro_pc.sites.expectations import ExpectationRule
@@ -118,7 +118,7 @@ def refuse_ama(family) -> None:
                                  "algorithm='fedpc' to keep this family.")
 
 
-def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1):
+def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1) -> tuple[ExponentialFamily, float, float, str]:
     if not is_choice(algorithm, ALGORITHMS):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":
@@ -146,7 +146,7 @@ def check_settings(algorithm, family, rho, damping, expectation, spec, num_clien
 
 @partial(jax.jit, static_argnames=("cfg", "algorithm", "num_clients", "num_participants"))
 def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta, q_jnt, stack, rho, damping,
-           alpha, key, bounds):
+           alpha, key, bounds) -> tuple[GaussianNatural, Gaussian, dict[str, jax.Array]]:
     family = cfg.family
     keys = jax.random.split(jax.random.fold_in(key, 1), num_participants)  # the clients' noise (privacy)
     if num_participants == num_clients:
@@ -180,7 +180,7 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _initial_sites(cfg, q, stack, key):
+def _initial_sites(cfg, q, stack, key) -> GaussianNatural:
     keys = jax.random.split(key, stack.mask.shape[0])
     return jax.vmap(lambda ex, mk, k: release_site(cfg, q, ex, mk, stack.shared, k))(stack.per_example, stack.mask,
                                                                                          keys)
@@ -190,7 +190,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
         local_tol=None, num_nodes=None, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
         shared=(), callback=None, init="auto", safeguard=None, safeguard_margin=0.3, max_retries=6,
-        max_share=None, max_shift=None, privacy=None):
+        max_share=None, max_shift=None, privacy=None) -> FederatedResult:
     """Run a federated algorithm over client shards in one process.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is

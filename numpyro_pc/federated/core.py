@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.families.registry import Gaussian, GaussianNatural
+from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNatural
 from numpyro_pc.model.likelihood import ModelData, bind_model, example_loss, example_params
+from numpyro_pc.model.terms import ModelSpec
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.sites.expectations import hermite_nodes
 from numpyro_pc.solvers.fixed_point import backtrack
@@ -48,7 +49,7 @@ from ..errors import (
     InvalidOptionError,
     NonFiniteDataError,
 )
-from .privacy import add_noise, clip_factors
+from .privacy import GaussianMechanism, add_noise, clip_factors
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
@@ -93,8 +94,8 @@ class LocalConfig:
         site a local update returns (``None``: exact sites).
     """
 
-    spec: object
-    family: object
+    spec: ModelSpec
+    family: ExponentialFamily
     rule: str = "delta"
     num_nodes: int = 64
     max_iters: int = 50
@@ -102,15 +103,15 @@ class LocalConfig:
     chunk_size: int = 64
     safeguard: bool = True
     margin: float = 0.3
-    privacy: object = None
+    privacy: GaussianMechanism | None = None
 
     @property
-    def factored(self):
+    def factored(self) -> bool:
         """Whether each example depends on ``z`` through one affine parameter (GLM)."""
         return self.spec.num_params == 1 and self.spec.affine
 
 
-def check_rule(spec, rule):
+def check_rule(spec, rule) -> None:
     """Validate the expectation rule of the federated local updates."""
     if rule not in ("delta", "gh"):
         raise ExpectationRuleError(f"federated updates support expectation 'delta' or 'gh', got {rule!r} "
@@ -120,12 +121,12 @@ def check_rule(spec, rule):
                                    "use expectation='delta'")
 
 
-def _bind(model, args, kwargs, data_plate, shared, allow_discrete=False):
+def _bind(model, args, kwargs, data_plate, shared, allow_discrete=False) -> tuple[ModelSpec, ModelData]:
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
     return bind_model(model, args, kwargs, data_plate=data_plate, shared=shared, allow_discrete=allow_discrete)
 
 
-def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), allow_discrete=False):
+def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), allow_discrete=False) -> tuple[ModelSpec, ClientStack, list[ModelData]]:
     """Bind every client's shard to the model and stack them.
 
     :param client_data: a sequence with one tuple of model arguments per client.
@@ -166,7 +167,7 @@ def _described(spec) -> str:
     return f"{{{latent}}} observing {list(spec.observed)}"
 
 
-def stack_clients(datas, size=None):
+def stack_clients(datas, size=None) -> ClientStack:
     """Pad each client's rows to ``size`` (default the largest shard) and stack them."""
     sizes = [int(d.per_example[0].shape[0]) for d in datas]
     size = max(sizes) if size is None else int(size)
@@ -180,13 +181,13 @@ def stack_clients(datas, size=None):
     return ClientStack(per_example, jnp.asarray(np.stack(masks), dtype), datas[0].shared)
 
 
-def _rule_nodes(cfg, dtype):
+def _rule_nodes(cfg, dtype) -> tuple[jax.Array, jax.Array]:
     if cfg.rule == "gh":
         return hermite_nodes(cfg.num_nodes, dtype)
     return jnp.zeros(1, dtype), jnp.ones(1, dtype)
 
 
-def _glm_example(cfg, mean, cov, nodes, weights, ex, shared):
+def _glm_example(cfg, mean, cov, nodes, weights, ex, shared) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One example of a GLM: ``a = ∂θ/∂z`` and the expected first and second derivatives in ``θ``."""
     spec = cfg.spec
     theta, phi = example_params(spec, mean, ex, shared)
@@ -199,7 +200,7 @@ def _glm_example(cfg, mean, cov, nodes, weights, ex, shared):
     return a, d1, d2
 
 
-def _glm_terms(cfg, mean, cov, per_example, mask, shared):
+def _glm_terms(cfg, mean, cov, per_example, mask, shared) -> tuple[jax.Array, jax.Array]:
     """Σ_j w_j E[∇ℓ_j] and Σ_j w_j E[∇²ℓ_j] for a GLM, without per-example ``d × d`` matrices."""
     nodes, weights = _rule_nodes(cfg, mean.dtype)
     a, d1, d2 = jax.vmap(lambda ex: _glm_example(cfg, mean, cov, nodes, weights, ex, shared))(per_example)
@@ -208,7 +209,7 @@ def _glm_terms(cfg, mean, cov, per_example, mask, shared):
     return grad, hess
 
 
-def _chunks(per_example, mask, size):
+def _chunks(per_example, mask, size) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Rows and weights reshaped to ``(chunks, size, ...)`` (padding rows get weight zero)."""
     n = mask.shape[0]
     chunk = max(1, min(size, n))
@@ -218,13 +219,13 @@ def _chunks(per_example, mask, size):
     return tuple(x[rows].reshape((num, chunk) + x.shape[1:]) for x in per_example), w
 
 
-def _generic_terms(cfg, mean, per_example, mask, shared):
+def _generic_terms(cfg, mean, per_example, mask, shared) -> tuple[jax.Array, jax.Array]:
     """Delta-rule sums with per-example Hessians, accumulated over chunks by ``lax.scan``."""
     spec = cfg.spec
     leaves, w = _chunks(per_example, mask, cfg.chunk_size)
     loss = lambda z, ex: example_loss(spec, z, ex, shared)  # noqa: E731
 
-    def body(acc, xs):
+    def body(acc, xs) -> tuple[tuple[jax.Array, jax.Array], None]:
         ex, wc = xs
         g = jax.vmap(lambda e: jax.grad(loss)(mean, e))(ex)
         h = jax.vmap(lambda e: jax.hessian(loss)(mean, e))(ex)
@@ -236,7 +237,7 @@ def _generic_terms(cfg, mean, per_example, mask, shared):
     return grad, hess
 
 
-def example_terms(cfg, q, ex, shared):
+def example_terms(cfg, q, ex, shared) -> tuple[jax.Array, jax.Array]:
     """One example's expected gradient and dense expected Hessian under ``q`` (the clipped site's terms)."""
     if cfg.factored:
         nodes, weights = _rule_nodes(cfg, q.mean.dtype)
@@ -247,7 +248,7 @@ def example_terms(cfg, q, ex, shared):
     return jax.grad(loss)(q.mean), jax.hessian(loss)(q.mean)
 
 
-def clipped_site(cfg, q, per_example, mask, shared):
+def clipped_site(cfg, q, per_example, mask, shared) -> GaussianNatural:
     """``Σ_j (c^h_j ĥ_j, c^S_j Ŝ_j)``: the site with each example's terms clipped to ``cfg.privacy``'s norms.
 
     See :mod:`numpyro_pc.federated.privacy`; examples are visited in chunks of
@@ -256,7 +257,7 @@ def clipped_site(cfg, q, per_example, mask, shared):
     family = cfg.family
     leaves, w = _chunks(per_example, mask, cfg.chunk_size)
 
-    def body(acc, xs):
+    def body(acc, xs) -> tuple[GaussianNatural, None]:
         ex, wc = xs
         g, h = jax.vmap(lambda e: example_terms(cfg, q, e, shared))(ex)
         terms = jax.vmap(lambda gj, hj: family.site_natural(gj, family.project_curvature(hj), q.mean))(g, h)
@@ -271,7 +272,7 @@ def clipped_site(cfg, q, per_example, mask, shared):
     return site
 
 
-def client_terms(cfg, q, per_example, mask, shared):
+def client_terms(cfg, q, per_example, mask, shared) -> tuple[jax.Array, jax.Array]:
     """Expected gradient and dense expected Hessian of a client's loss under ``q``."""
     if cfg.factored:
         cov = cfg.family.dense_covariance(q) if cfg.rule == "gh" else None
@@ -279,13 +280,13 @@ def client_terms(cfg, q, per_example, mask, shared):
     return _generic_terms(cfg, q.mean, per_example, mask, shared)
 
 
-def client_site(cfg, q, per_example, mask, shared):
+def client_site(cfg, q, per_example, mask, shared) -> GaussianNatural:
     """The client's site natural parameters ``λ̂_k(q)`` in the family's format."""
     grad, hess = client_terms(cfg, q, per_example, mask, shared)
     return cfg.family.site_natural(grad, cfg.family.project_curvature(hess), q.mean)
 
 
-def release_site(cfg, q, per_example, mask, shared, key=None):
+def release_site(cfg, q, per_example, mask, shared, key=None) -> GaussianNatural:
     """The site a client sends: :func:`client_site`, or with ``cfg.privacy`` its clipped, noised version.
 
     :param key: a ``jax.random`` key (needed with ``cfg.privacy``; the client's own randomness).
@@ -305,7 +306,7 @@ class LocalResult(NamedTuple):
     rho: jax.Array
 
 
-def safe_rho(family, q_jnt, eta, rho, margin):
+def safe_rho(family, q_jnt, eta, rho, margin) -> jax.Array:
     r"""Smallest local weight ``ρ_k ≥ ρ`` whose cavity keeps the local problem convex.
 
     With ``S_k`` the client's site precision and ``P_jnt`` the global one, the local
@@ -320,7 +321,7 @@ def safe_rho(family, q_jnt, eta, rho, margin):
     return jnp.maximum(rho, (1.0 + margin) * top)
 
 
-def relative_top(chol, site):
+def relative_top(chol, site) -> jax.Array:
     """``λ_max(P⁻¹ S)`` from the Cholesky factor ``L`` of ``P`` (eigenvalues of ``L⁻¹ S L⁻ᵀ``)."""
     half = solve_triangular(chol, site, lower=True)
     whitened = solve_triangular(chol, half.T, lower=True)
@@ -338,7 +339,7 @@ class _LocalState(NamedTuple):
     change: jax.Array
 
 
-def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
+def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> LocalResult:
     r"""Solve ``λ_k = λ_jnt + (λ̂_k(q_k) − η_k)/ρ`` for one client (paper eq. ``local_update``).
 
     The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
@@ -377,10 +378,10 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     b_prec = lam_jnt.precision - eta.precision / rho
     b_dense = family.dense_precision(Gaussian(q_jnt.mean, b_prec))
 
-    def valid(q):
+    def valid(q) -> jax.Array:
         return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
 
-    def step(q):
+    def step(q) -> Gaussian:
         grad, hess = client_terms(cfg, q, per_example, mask, shared)
         dense = b_dense + hess / rho
         chol = jnp.linalg.cholesky(dense)
@@ -391,15 +392,15 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
         shrink = lambda beta: jax.tree.map(lambda a, b: a + beta * (b - a), q, full)  # noqa: E731
         return shrink(backtrack(lambda beta: valid(shrink(beta)), jnp.asarray(1.0, q.mean.dtype), _MIN_HALF))
 
-    def change(new, old):
+    def change(new, old) -> jax.Array:
         dm = jnp.max(jnp.abs(new.mean - old.mean)) / (1.0 + jnp.max(jnp.abs(old.mean)))
         ds = jnp.max(jnp.abs(new.precision - old.precision)) / (1.0 + jnp.max(jnp.abs(old.precision)))
         return jnp.maximum(dm, ds)
 
-    def cond(state):
+    def cond(state) -> jax.Array:
         return (state.iteration < cfg.max_iters) & (state.change > cfg.tol)
 
-    def body(state):
+    def body(state) -> _LocalState:
         new = step(state.q)
         delta = change(new, state.q)
         return _LocalState(new, state.iteration + 1, jnp.where(jnp.isfinite(delta), delta, -1.0))  # NaN stops
@@ -412,7 +413,7 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None):
     return LocalResult(site, family.natural(q), iters, ok, rho)
 
 
-def global_state(family, prior, prior_nat, eta_sum):
+def global_state(family, prior, prior_nat, eta_sum) -> Gaussian:
     """The server's global posterior from the summed client sites (paper eq. ``global_update``).
 
     For the isotropic family the precision is fixed and the mean solves the MAP condition
@@ -425,18 +426,18 @@ def global_state(family, prior, prior_nat, eta_sum):
     return family.from_natural(lam)
 
 
-def natural_nbytes(family, dim, dtype):
+def natural_nbytes(family, dim, dtype) -> int:
     """Bytes of one natural-parameter message (linear part plus precision in family format)."""
     itemsize = jnp.dtype(dtype).itemsize
     return (dim + math.prod(family.precision_shape(dim))) * itemsize
 
 
-def joint_spec(spec, num_examples):
+def joint_spec(spec, num_examples) -> ModelSpec:
     """The client spec re-sized for the union of the shards."""
     return replace(spec, num_examples=int(num_examples))
 
 
-def concat_datas(datas):
+def concat_datas(datas) -> ModelData:
     """Union of the clients' unpadded data (shared leaves from client 0)."""
     return ModelData(tuple(jnp.concatenate(col, 0) for col in zip(*(d.per_example for d in datas))), datas[0].shared)
 
@@ -470,10 +471,10 @@ class FederatedResult:
     rho: float = 1.0
 
     @property
-    def rounds(self):
+    def rounds(self) -> int:
         """Number of rounds run."""
         return len(self.history)
 
-    def column(self, key):
+    def column(self, key) -> np.ndarray:
         """One history entry across rounds as a NumPy array."""
         return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)

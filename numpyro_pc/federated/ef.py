@@ -144,7 +144,7 @@ def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight
     """
     data, cavity = ModelData(per_example, shared), lam_jnt - eta / rho
 
-    def target(lam):
+    def target(lam) -> tuple[jax.Array, jax.Array]:
         sites = compute_sites(config, lam, data)
         s = -(mask @ sites.grads) - weight * (sites.prior + prior)  # padding rows have mask 0
         return cavity + s / rho, s
@@ -155,7 +155,7 @@ def local_update_ef(config, lam_jnt, eta, rho, per_example, mask, shared, weight
 
 @partial(jax.jit, static_argnames=("config", "num_participants", "max_iters", "privacy"))
 def _local_round(config, num_participants, max_iters, state, stack, weights, rho, damping, tol, margin, key,
-                 privacy=None):
+                 privacy=None) -> tuple[jax.Array, jax.Array, EFLocalResult, jax.Array]:
     num = state.sites.shape[0]
     idx = jnp.arange(num) if num_participants == num else jax.random.choice(key, num, (num_participants,),
                                                                               replace=False)
@@ -163,7 +163,7 @@ def _local_round(config, num_participants, max_iters, state, stack, weights, rho
     old = state.sites[idx]
     keys = jax.random.split(jax.random.fold_in(key, 1), num_participants)  # the clients' own noise (privacy)
 
-    def one(e, ex, mk, w, k):
+    def one(e, ex, mk, w, k) -> tuple[EFLocalResult, jax.Array]:
         rho_k = jnp.where(margin >= 0, safe_rho_ef(config.family, lam, e, rho, margin), rho)
         if privacy is not None:  # the released site at λ; the local parameters recomputed from it
             site = release_ef(config, lam, ex, mk, stack.shared, w, state.prior, privacy, k)

@@ -28,7 +28,7 @@ __all__ = ["domain_boundary", "clipped_site_ef", "release_ef", "bound_sites_ef",
 def domain_boundary(inside, top, steps=60) -> jax.Array:
     """The largest ``t ∈ [0, top]`` that bisection finds with ``inside(t)`` true, for a test true at 0 and
     monotone (true up to a point, false after it); the returned point has passed the test (or is 0)."""
-    def halve(_, bounds):
+    def halve(_, bounds) -> tuple[jax.Array, jax.Array]:
         lo, hi = bounds
         mid = 0.5 * (lo + hi)
         ok = inside(mid)
@@ -93,12 +93,12 @@ def bound_sites_ef(family, prior, sites, lam_ref, bounds) -> tuple[jax.Array, ja
     norm = lambda v: jnp.sqrt(jnp.maximum(v @ fisher @ v, 0.0))  # noqa: E731
     others = jax.vmap(norm)(leave_one_out(sites))
 
-    def one(eta, lam_rest, other):
+    def one(eta, lam_rest, other) -> tuple[jax.Array, jax.Array, jax.Array]:
         own = norm(eta)
         s = jnp.where(own > share * other, share * other / jnp.maximum(own, jnp.finfo(own.dtype).tiny), 1.0)
         step, proper = s * eta, family.in_domain(lam_rest)
 
-        def inside(t):
+        def inside(t) -> jax.Array:
             lam = lam_rest + t * step
             ok = family.in_domain(lam) & proper
             return ok & (family.kl(jnp.where(ok, lam, lam_rest), lam_rest) <= 0.5 * shift**2)

@@ -53,7 +53,7 @@ def validate_ef_message(family, state, client, message, max_abs=1e12, domain=Tru
     :return: the message as a NumPy array of the state's dtype.
     :raises ClientMessageError: naming the client, what was expected and what was found.
     """
-    def bad(msg):
+    def bad(msg) -> ClientMessageError:
         return ClientMessageError(f"client {client}: {msg}; its message is rejected and its site left as it was",
                                   client=client)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import secrets
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,8 @@ from numpyro_pc.families.product import ProductFamily
 from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, require
 
 from ..errors import ClientMessageError, InvalidOptionError, OutOfDomainError, PrivacyError, TooFewClientsError
-from .ef import bind_ef_clients, check_prior_data_free, kl_rounding, local_update_ef, safe_rho_ef
+from .ef import EFLocalResult, bind_ef_clients, check_prior_data_free, kl_rounding, local_update_ef, safe_rho_ef
+from .ef_clients import EFClients
 from .ef_describe import describe_family, family_from_description, family_json, is_ef_family, parse_family  # noqa: F401
 from .ef_robust import release_ef
 from .ef_server import EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef, site_natural
@@ -56,20 +58,20 @@ __all__ = ["EFClientLogic", "EFServerLogic", "is_ef_family", "parse_family", "de
 ALGORITHMS_EF = ("fedpc", "pvi", "admm")
 
 
-def _config_opt(config, key, cast):
+def _config_opt(config, key, cast) -> Any:
     value = config.get(key)
     return None if value in (None, "", "none", -1) else cast(value)
 
 
 @partial(jax.jit, static_argnames=("cfg", "max_iters"))
-def _local(cfg, max_iters, lam, eta, rho, margin, ex, mask, shared, weight, prior, tol):
+def _local(cfg, max_iters, lam, eta, rho, margin, ex, mask, shared, weight, prior, tol) -> tuple[EFLocalResult, jax.Array]:
     """One client's part of :func:`~numpyro_pc.federated.ef.client_round_ef` (the same functions, not ``vmap``-ed)."""
     rho_k = jnp.where(margin >= 0, safe_rho_ef(cfg.family, lam, eta, rho, margin), rho)
     return local_update_ef(cfg, lam, eta, rho_k, ex, mask, shared, weight, prior, tol, max_iters), rho_k
 
 
 @partial(jax.jit, static_argnames=("cfg", "privacy"))
-def _release(cfg, privacy, lam, ex, mask, shared, weight, prior, key):
+def _release(cfg, privacy, lam, ex, mask, shared, weight, prior, key) -> jax.Array:
     return release_ef(cfg, lam, ex, mask, shared, weight, prior, privacy, key)
 
 
@@ -104,7 +106,7 @@ class EFClientLogic:
         """Examples of this client's shard (known once bound)."""
         return 0 if self.clients is None else int(self.clients.stack.mask.sum())
 
-    def _bind(self, config):
+    def _bind(self, config) -> EFClients:
         key = (family_json(config["family"]), str(config.get("expectation", "auto")), int(config.get("num_nodes", 32)),
                _config_opt(config, "num_samples", int), int(config.get("draw_seed", 0)))
         if self._bound != key:
@@ -128,19 +130,19 @@ class EFClientLogic:
                                    f"(ε={self.privacy.epsilon:g}, δ={self.privacy.delta:g}), all sent: it stops")
         return self.clients
 
-    def _key(self):
+    def _key(self) -> jax.Array:
         self.releases += 1
         return jax.random.fold_in(jax.random.PRNGKey(self.seed), self.releases)
 
-    def _ex(self):
+    def _ex(self) -> tuple[tuple[jax.Array, ...], jax.Array, tuple]:
         stack = self.clients.stack
         return tuple(x[0] for x in stack.per_example), stack.mask[0], stack.shared
 
-    def _weight(self, config):
+    def _weight(self, config) -> jax.Array:
         dtype = self.clients.prior.dtype
         return jnp.asarray(0.0 if self.clients.conjugate else float(config.get("prior_weight", 0.0)), dtype)
 
-    def _tol(self, config):
+    def _tol(self, config) -> jax.Array:
         dtype = self.clients.prior.dtype
         tol = _config_opt(config, "local_tol", float)
         return jnp.asarray((1e-12 if dtype == jnp.float64 else 1e-6) if tol is None else tol, dtype)
@@ -318,7 +320,7 @@ class EFServerLogic:
         prior's correction (the first admitted client)."""
         return dict(self.config, phase=phase, prior_weight=1.0 if self.ids and cid == self.ids[0] else 0.0)
 
-    def _array(self, cid, arr, size, what):
+    def _array(self, cid, arr, size, what) -> np.ndarray:
         arr = np.asarray(arr)
         if arr.dtype != self.dtype:
             raise ClientMessageError(f"client {cid}: expected {what} of dtype {self.dtype}, found {arr.dtype}",
@@ -331,7 +333,7 @@ class EFServerLogic:
                                      "found NaN, infinite or larger ones", client=cid)
         return arr
 
-    def _initial_message(self, cid, arrays):
+    def _initial_message(self, cid, arrays) -> tuple[np.ndarray, np.ndarray, bytes, ProductFamily]:
         if len(arrays) != 3 or np.asarray(arrays[2]).dtype != np.uint8:
             raise ClientMessageError(f"client {cid}: round 1 expects 3 arrays [site, prior natural parameters, "
                                      f"family description], found {len(arrays)}", client=cid)
@@ -351,13 +353,13 @@ class EFServerLogic:
                                      f"{family.describe(jnp.asarray(prior))}", client=cid)
         return self._array(cid, arrays[0], family.size, "a site"), prior, text, family
 
-    def _need(self, good, rejected, what):
+    def _need(self, good, rejected, what) -> None:
         if len(good) < self.min_clients:
             self.failure = (f"{what}: {len(good)} valid repl{'y' if len(good) == 1 else 'ies'}, fewer than "
                             f"min_clients={self.min_clients}; rejected: {rejected or 'none'}")
             raise TooFewClientsError(self.failure)
 
-    def _examples(self, cid, examples, rejected):
+    def _examples(self, cid, examples, rejected) -> bool:
         n = examples.get(cid)
         if n is not None and int(n) < self.min_examples:
             rejected[cid] = f"client {cid} holds {n} example(s), fewer than min_examples={self.min_examples}"

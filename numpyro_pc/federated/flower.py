@@ -58,6 +58,8 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -69,19 +71,28 @@ from .logic import ClientByFamily, ClientLogic, server_logic
 from .privacy import GaussianMechanism
 from .server import ServerLogic
 
+if TYPE_CHECKING:
+    from flwr.client import Client, NumPyClient
+    from flwr.clientapp import ClientApp
+    from flwr.common import EvaluateIns, FitIns, Parameters
+    from flwr.server import ServerAppComponents
+    from flwr.server.client_proxy import ClientProxy
+    from flwr.server.strategy import Strategy
+    from flwr.serverapp import ServerApp
+
 __all__ = ["ServerLogic", "ClientLogic", "EFServerLogic", "EFClientLogic", "ClientByFamily", "server_logic",
            "make_strategy", "make_client", "start_server", "start_client", "main",
            "server_app", "client_app"]  # noqa: F822 - the two apps are built on first access (module __getattr__)
 
 
-def _require_flwr():
+def _require_flwr() -> None:
     try:
         import flwr  # noqa: F401
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("the Flower transport needs the optional extra: pip install 'numpyro-pc[federated]'") from err
 
 
-def make_strategy(logic, connect_timeout=120.0, out=None):
+def make_strategy(logic, connect_timeout=120.0, out=None) -> Strategy:
     """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic` or an
     :class:`~numpyro_pc.federated.ef_transport.EFServerLogic` (:func:`~numpyro_pc.federated.logic.server_logic`).
 
@@ -95,8 +106,8 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
     from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server.strategy import Strategy
 
-    def recorded(fn):
-        def wrapper(*args, **kwargs):
+    def recorded(fn) -> Callable[..., Any]:
+        def wrapper(*args, **kwargs) -> Any:
             try:
                 value = fn(*args, **kwargs)
             except Exception as err:
@@ -112,11 +123,11 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
     class PosteriorCorrectionStrategy(Strategy):
         """Aggregates site natural parameters; round 1 initialises, later rounds update."""
 
-        def initialize_parameters(self, client_manager):
+        def initialize_parameters(self, client_manager) -> Parameters:
             return ndarrays_to_parameters([])
 
         @recorded
-        def configure_fit(self, server_round, parameters, client_manager):
+        def configure_fit(self, server_round, parameters, client_manager) -> list[tuple[ClientProxy, FitIns]]:
             if server_round == 1:
                 if not client_manager.wait_for(logic.num_clients, timeout=int(connect_timeout)):
                     logic.failure = (f"only {client_manager.num_available()} of {logic.num_clients} clients "
@@ -139,7 +150,7 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
             return [(c, FitIns(parameters, logic.fit_config(c.cid, phase))) for c in clients]
 
         @recorded
-        def aggregate_fit(self, server_round, results, failures):
+        def aggregate_fit(self, server_round, results, failures) -> tuple[Parameters, dict[str, Any]]:
             replies = {proxy.cid: parameters_to_ndarrays(r.parameters) for proxy, r in results}
             examples = {proxy.cid: r.num_examples for proxy, r in results}
             if server_round == 1:
@@ -154,19 +165,19 @@ def make_strategy(logic, connect_timeout=120.0, out=None):
                 logic.history[-1]["dropped"] = len(failures)
             return ndarrays_to_parameters(logic.broadcast()), {}
 
-        def configure_evaluate(self, server_round, parameters, client_manager):
+        def configure_evaluate(self, server_round, parameters, client_manager) -> list[tuple[ClientProxy, EvaluateIns]]:
             return []
 
-        def aggregate_evaluate(self, server_round, results, failures):
+        def aggregate_evaluate(self, server_round, results, failures) -> tuple[None, dict[str, Any]]:
             return None, {}
 
-        def evaluate(self, server_round, parameters):
+        def evaluate(self, server_round, parameters) -> None:
             return None
 
     return PosteriorCorrectionStrategy()
 
 
-def make_client(logic, x64=None, state=None):
+def make_client(logic, x64=None, state=None) -> NumPyClient:
     """A Flower ``NumPyClient`` around a :class:`ClientLogic`, an
     :class:`~numpyro_pc.federated.ef_transport.EFClientLogic` or a :class:`ClientByFamily` (it sends no identity:
     the transport gives it).
@@ -179,10 +190,10 @@ def make_client(logic, x64=None, state=None):
     from flwr.client import NumPyClient
 
     class PosteriorCorrectionClient(NumPyClient):
-        def get_parameters(self, config):
+        def get_parameters(self, config) -> list[np.ndarray]:
             return []
 
-        def fit(self, parameters, config):
+        def fit(self, parameters, config) -> tuple[list[np.ndarray], int, dict[str, Any]]:
             with contextlib.nullcontext() if x64 is None else jax.enable_x64(x64):
                 client = logic.for_config(config) if isinstance(logic, ClientByFamily) else logic
                 if client.site is None and state is not None and _STATE_KEY in state:
@@ -203,12 +214,12 @@ def make_client(logic, x64=None, state=None):
 _STATE_KEY = "numpyro_pc_site"
 
 
-def _opt(cfg, key, cast=float):
+def _opt(cfg, key, cast=float) -> Any:
     value = cfg.get(key)
     return None if value in (None, "", "none") else cast(value)
 
 
-def _server_fn(context):
+def _server_fn(context) -> ServerAppComponents:
     """``ServerApp`` components from the run config (``pyproject.toml`` ``[tool.flwr.app.config]``)."""
     from flwr.server import ServerAppComponents, ServerConfig
 
@@ -226,7 +237,7 @@ def _server_fn(context):
                                                                                                   120.0))))
 
 
-def _privacy(cfg):
+def _privacy(cfg) -> GaussianMechanism | None:
     """The client's :class:`GaussianMechanism` from its own settings (``dp-epsilon`` … or ``None``)."""
     if _opt(cfg, "dp-epsilon") is None:
         return None
@@ -235,7 +246,7 @@ def _privacy(cfg):
                              float(cfg.get("dp-clip-natural", 1.0)))
 
 
-def _client_fn(context):
+def _client_fn(context) -> Client:
     """A client from the run config's ``model`` and the node config's ``data`` (``.npz`` path).
 
     The node config (the SuperNode's own, not the server's) may also set the client's
@@ -250,7 +261,7 @@ def _client_fn(context):
     return make_client(logic, x64=x64, state=context.state).to_client()
 
 
-def __getattr__(name):
+def __getattr__(name) -> ServerApp | ClientApp:
     """``server_app`` and ``client_app``: Flower apps for ``flwr run`` / SuperLink–SuperNode, built on access."""
     if name == "server_app":
         _require_flwr()
@@ -265,12 +276,12 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _read(path):
+def _read(path) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
 
 
-def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None):
+def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None) -> ServerLogic | EFServerLogic:
     """Run the Flower server for ``rounds`` algorithm rounds (plus the initial round).
 
     :param tuple certificates: ``(CA certificate, server certificate, server key)`` as bytes or
@@ -292,7 +303,7 @@ def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=12
     return logic
 
 
-def start_client(address, logic, root_certificates=None, max_wait_time=60.0):
+def start_client(address, logic, root_certificates=None, max_wait_time=60.0) -> None:
     """Connect a client to the server and serve until the run ends.
 
     :param root_certificates: the CA certificate (bytes or path) for TLS; without it the
@@ -309,14 +320,14 @@ def start_client(address, logic, root_certificates=None, max_wait_time=60.0):
                              max_wait_time=float(max_wait_time))
 
 
-def _load_model(path):
+def _load_model(path) -> Callable[..., Any]:
     module, _, name = path.partition(":")
     if not name:
         raise InvalidOptionError(f"--model must look like 'module:function', got {path!r}")
     return getattr(importlib.import_module(module), name)
 
 
-def _load_args(path):
+def _load_args(path) -> tuple[jax.Array, ...]:
     with np.load(path) as npz:
         keys = sorted((k for k in npz.files if k.startswith("arg")), key=lambda k: int(k[3:]))
         if not keys:
@@ -324,7 +335,7 @@ def _load_args(path):
         return tuple(jnp.asarray(npz[k]) for k in keys)
 
 
-def _parser():
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m numpyro_pc.federated.flower")
     sub = parser.add_subparsers(dest="role", required=True)
     srv = sub.add_parser("server", help="aggregate the clients' sites")
@@ -369,7 +380,7 @@ def _parser():
     return parser
 
 
-def _serve(args):
+def _serve(args) -> int:
     logic = server_logic(args.clients, args.algorithm, args.family, rho=args.rho, damping=args.damping,
                          expectation=args.expectation, fraction=args.fraction, x64=args.x64,
                          min_clients=args.min_clients, min_examples=args.min_examples, max_share=args.max_share,
@@ -389,7 +400,7 @@ def _serve(args):
     return code
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     """Command-line entry point: ``server`` or ``client`` (see the module docstring).
 
     The server exits with status ``0`` after its rounds, ``1`` after any error (too few

@@ -30,11 +30,11 @@ from .server import ServerLogic
 __all__ = ["ClientLogic", "ClientByFamily", "server_logic"]
 
 
-def _nat(arrays):
+def _nat(arrays) -> GaussianNatural:
     return GaussianNatural(jnp.asarray(arrays[0]), jnp.asarray(arrays[1]))
 
 
-def _arrays(x):
+def _arrays(x) -> list[np.ndarray]:
     return [np.asarray(v) for v in x]
 
 
@@ -75,7 +75,7 @@ class ClientLogic:
         """Take back :meth:`state_arrays`."""
         self.site, (self.releases, self.seed) = _nat(arrays[:2]), (int(v) for v in arrays[2])
 
-    def _cfg(self, config):
+    def _cfg(self, config) -> LocalConfig:
         n = self.num_examples
         if n < int(config.get("min_examples", 1)):
             raise PrivacyError(f"this client holds {n} example(s), fewer than the run's min_examples="
@@ -94,11 +94,11 @@ class ClientLogic:
                            float(config["local_tol"]), safeguard=bool(config.get("safeguard", False)),
                            margin=float(config.get("safeguard_margin", 0.3)), privacy=self.privacy)
 
-    def _key(self):
+    def _key(self) -> jax.Array:
         self.releases += 1
         return jax.random.fold_in(jax.random.PRNGKey(self.seed), self.releases)
 
-    def _ex(self):
+    def _ex(self) -> tuple[tuple[jax.Array, ...], jax.Array, tuple]:
         return tuple(x[0] for x in self.stack.per_example), self.stack.mask[0], self.stack.shared
 
     def initial(self, config) -> list:

@@ -91,7 +91,7 @@ class GaussianMechanism:
     clip_precision: float = 1.0
     clip_natural: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("epsilon", "clip_linear", "clip_precision", "clip_natural"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -102,23 +102,23 @@ class GaussianMechanism:
             raise InvalidOptionError(f"GaussianMechanism.releases must be a positive integer, got {self.releases!r}")
 
     @property
-    def zcdp(self):
+    def zcdp(self) -> float:
         """The zCDP budget ``ρ`` whose conversion gives exactly ``(ε, δ)``."""
         log = math.log(1.0 / self.delta)
         return (math.sqrt(log + self.epsilon) - math.sqrt(log)) ** 2
 
     @property
-    def noise(self):
+    def noise(self) -> float:
         """``σ``: the noise standard deviation in units of the clipping norms."""
         return math.sqrt(self.releases / self.zcdp)
 
-    def epsilon_after(self, releases):
+    def epsilon_after(self, releases) -> float:
         """``ε`` spent after ``releases`` messages (at this ``δ``)."""
         rho = releases / self.noise**2
         return rho + 2.0 * math.sqrt(rho * math.log(1.0 / self.delta))
 
 
-def clip_factors(site_terms, mech):
+def clip_factors(site_terms, mech) -> tuple[jax.Array, jax.Array]:
     """Per-example factors ``(c^h_j, c^S_j)`` of the module docstring for stacked site terms.
 
     An example whose linear or precision term holds a non-finite value (NaN or ∞: no norm to clip)
@@ -136,7 +136,7 @@ def clip_factors(site_terms, mech):
     return scale(lin, mech.clip_linear), scale(prec, mech.clip_precision)
 
 
-def clip_rows(terms, bound):
+def clip_rows(terms, bound) -> jax.Array:
     """``min(1, bound/‖t_j‖)`` for each row ``t_j`` of ``terms`` ``(N, P)``: the factor that clips it to ``bound``;
     0 for a row with a non-finite value (NaN or ∞ have no norm to clip: the row is dropped, see
     :func:`finite_rows`, so that one example cannot break the release outside the mechanism)."""
@@ -145,19 +145,19 @@ def clip_rows(terms, bound):
     return jnp.where(jnp.all(jnp.isfinite(terms), -1), factor, 0.0)
 
 
-def finite_rows(terms):
+def finite_rows(terms) -> jax.Array:
     """``terms`` ``(N, P)`` with every row that holds a non-finite value set to 0 (what :func:`clip_rows` drops)."""
     return jnp.where(jnp.all(jnp.isfinite(terms), -1, keepdims=True), terms, 0.0)
 
 
-def add_noise_natural(mech, site, key):
+def add_noise_natural(mech, site, key) -> jax.Array:
     """An exponential-family release: the clipped sum ``site`` ``(P,)`` plus noise of standard deviation
     ``σ C_λ/√2`` in every coordinate (module docstring: ``1/σ²``-zCDP, as a Gaussian site)."""
     sd = jnp.asarray(mech.noise * mech.clip_natural / math.sqrt(2.0), site.dtype)
     return site + sd * jax.random.normal(key, site.shape, site.dtype)
 
 
-def add_noise(family, mech, site, key):
+def add_noise(family, mech, site, key) -> GaussianNatural:
     """The released site: ``site`` (clipped sums) plus the mechanism's noise, precision projected to PSD."""
     k_lin, k_prec = jax.random.split(key)
     sd = jnp.asarray(mech.noise, site.linear.dtype)

@@ -44,7 +44,7 @@ from .core import relative_top
 __all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds"]
 
 
-def robust_bounds(max_share=None, max_shift=None, dtype=float):
+def robust_bounds(max_share=None, max_shift=None, dtype=float) -> tuple[jax.Array, jax.Array] | None:
     """The ``(γ, c)`` pair of :func:`aggregate_sites` (``None``: no bounds at all)."""
     if max_share is None and max_shift is None:
         return None
@@ -55,11 +55,11 @@ def robust_bounds(max_share=None, max_shift=None, dtype=float):
     return jnp.asarray(share, dtype), jnp.asarray(shift, dtype)
 
 
-def _dense(family, mean, precision):
+def _dense(family, mean, precision) -> jax.Array:
     return family.dense_precision(Gaussian(mean, precision))
 
 
-def leave_one_out(x):
+def leave_one_out(x) -> jax.Array:
     """``Σ_{j≠k} x_j`` for every ``k`` (axis 0), from exclusive prefix and suffix sums."""
     zero = jnp.zeros_like(x[:1])
     before = jnp.concatenate([zero, jnp.cumsum(x, 0)[:-1]])
@@ -67,7 +67,7 @@ def leave_one_out(x):
     return before + after
 
 
-def aggregate_sites(family, prior_nat, eta, bounds):
+def aggregate_sites(family, prior_nat, eta, bounds) -> tuple[GaussianNatural, jax.Array]:
     """Sum of the client sites ``η`` (stacked on axis 0), each bounded as in the module docstring.
 
     :param bounds: ``None`` (the plain sum) or ``(γ, c)`` from :func:`robust_bounds`.
@@ -82,7 +82,7 @@ def aggregate_sites(family, prior_nat, eta, bounds):
     rest_lin = prior_nat.linear + leave_one_out(eta.linear)
     rest_prec = prior_dense + leave_one_out(dense)
 
-    def one(h, site, r_lin, r_prec, prec):
+    def one(h, site, r_lin, r_prec, prec) -> tuple[GaussianNatural, jax.Array]:
         chol = jnp.linalg.cholesky(r_prec)
         mean_rest = jax.scipy.linalg.cho_solve((chol, True), r_lin)
         top = relative_top(chol, site)
@@ -97,12 +97,12 @@ def aggregate_sites(family, prior_nat, eta, bounds):
     return jax.tree.map(lambda e: jnp.sum(e, 0), bounded), clipped
 
 
-def site_shapes(family, dim):
+def site_shapes(family, dim) -> tuple[tuple[int], tuple[int, ...]]:
     """Shapes of a site's ``(linear, precision)`` in the family's format."""
     return (dim,), family.precision_shape(dim)
 
 
-def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd_tol=1e-6, psd=(1,)):
+def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd_tol=1e-6, psd=(1,)) -> list[np.ndarray]:
     """Check one client's message (``count`` arrays: site, then e.g. ADMM's local parameters).
 
     :param arrays: the decoded arrays, in order ``linear, precision[, linear, precision]``.
@@ -116,7 +116,7 @@ def validate_site(family, arrays, dim, dtype, client, count=2, max_abs=1e12, psd
     :return: the arrays as NumPy arrays of ``dtype``.
     :raises ClientMessageError: naming the client and what is wrong.
     """
-    def bad(msg):
+    def bad(msg) -> ClientMessageError:
         return ClientMessageError(f"client {client}: {msg}; its message is rejected and its site left as it was",
                                   client=client)
 

@@ -21,6 +21,7 @@ drives; it can be driven by hand (tests, other transports). Its rules:
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,29 +113,29 @@ class ServerLogic:
 
     kind = "gaussian"
 
-    def broadcast(self):
+    def broadcast(self) -> list[np.ndarray]:
         """What the server sends the clients: the global Gaussian ``[mean, precision]``."""
         return [np.asarray(self.state.mean), np.asarray(self.state.precision)]
 
-    def fit_config(self, cid, phase):
+    def fit_config(self, cid, phase) -> dict[str, Any]:
         """The config sent to client ``cid`` (the same for every client): the run's and the ``phase``."""
         return dict(self.config, phase=phase)
 
     @property
-    def dim(self):
+    def dim(self) -> int | None:
         """Dimension of the latent vector (known after round 1)."""
         return None if self.prior is None else int(self.prior.mean.shape[0])
 
-    def _sum(self):
+    def _sum(self) -> tuple[GaussianNatural, jax.Array]:
         ids = sorted(self.sites)
         eta = jax.tree.map(lambda *xs: jnp.stack(xs), *[self.sites[k] for k in ids])
         return aggregate_sites(self.family, self.prior_nat, eta, robust_bounds(*self.bounds, self.dtype))
 
-    def _check_state(self, state, what):
+    def _check_state(self, state, what) -> None:
         if not (bool(jnp.all(jnp.isfinite(state.mean))) and bool(self.family.is_positive_definite(state.precision))):
             raise NonFiniteResultError(f"the global posterior after {what} is not finite and positive definite")
 
-    def _screen(self, replies, examples, count):
+    def _screen(self, replies, examples, count) -> tuple[dict[Any, list[np.ndarray]], dict[Any, str]]:
         """Valid messages of admitted clients; the rest with their reasons."""
         good, rejected = {}, {}
         for cid in sorted(replies, key=str):
@@ -154,7 +155,7 @@ class ServerLogic:
                 rejected[cid] = str(err)
         return good, rejected
 
-    def _initial_message(self, cid, arrays):
+    def _initial_message(self, cid, arrays) -> list[np.ndarray]:
         if len(arrays) != 4 or np.ndim(arrays[2]) != 1:
             raise ClientMessageError(f"client {cid}: round 1 expects [site linear, site precision, prior mean, "
                                      "prior precision]", client=cid)
@@ -164,13 +165,13 @@ class ServerLogic:
             raise ClientMessageError(f"client {cid}: the prior precision is not positive definite", client=cid)
         return validate_site(self.family, arrays[:2], dim, self.dtype, cid, count=1, max_abs=self.max_abs) + prior
 
-    def _need(self, good, rejected, what):
+    def _need(self, good, rejected, what) -> None:
         if len(good) < self.min_clients:
             self.failure = (f"{what}: {len(good)} valid repl{'y' if len(good) == 1 else 'ies'}, fewer than "
                             f"min_clients={self.min_clients}; rejected: {rejected or 'none'}")
             raise TooFewClientsError(self.failure)
 
-    def aggregate_initial(self, replies, examples=None):
+    def aggregate_initial(self, replies, examples=None) -> Gaussian:
         """Round 1: admit the senders, agree on the prior, store the first sites, form ``q_jnt``.
 
         :param dict replies: ``{transport id: [site linear, site precision, prior mean, prior precision]}``.
@@ -194,7 +195,7 @@ class ServerLogic:
             self.rejected_initial = rejected
         return self.state
 
-    def aggregate(self, replies, iterations=(), examples=None):
+    def aggregate(self, replies, iterations=(), examples=None) -> Gaussian:
         """One round from the participating clients' ``[site linear, site precision, local linear, local precision]``.
 
         Invalid or unknown senders are excluded (recorded in ``history[-1]["rejected"]``).
@@ -235,7 +236,7 @@ class ServerLogic:
             self.state = new
         return new
 
-    def save(self, path):
+    def save(self, path) -> None:
         """Write the last good global Gaussian, the history, the config and the failure reason (``.npz``)."""
         mean = np.asarray(self.state.mean) if self.state is not None else np.zeros(0)
         precision = np.asarray(self.state.precision) if self.state is not None else np.zeros(0)

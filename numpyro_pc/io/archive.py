@@ -42,6 +42,7 @@ import time
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,21 +81,21 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, Valu
                NotImplementedError, RuntimeError, OverflowError, zlib.error)
 
 
-def npy_bytes(array):
+def npy_bytes(array) -> bytes:
     """The ``.npy`` serialisation of ``array`` (no pickling)."""
     buffer = _io.BytesIO()
     np.save(buffer, np.asarray(array), allow_pickle=False)
     return buffer.getvalue()
 
 
-def manifest_limit(tombstones_bytes):
+def manifest_limit(tombstones_bytes) -> int:
     """The largest manifest (bytes) accepted beside a tombstones member of ``tombstones_bytes``
     bytes: :data:`MAX_MANIFEST` plus three bytes per byte (a deleted id is 8 bytes in the
     array and at most 23 characters in the manifest's list)."""
     return MAX_MANIFEST + 3 * tombstones_bytes
 
 
-def _key_bytes(key):
+def _key_bytes(key) -> bytes:
     if isinstance(key, str):
         key = key.encode()
     if not isinstance(key, (bytes, bytearray)) or not key:
@@ -102,7 +103,7 @@ def _key_bytes(key):
     return bytes(key)
 
 
-def signature(key, manifest, members):
+def signature(key, manifest, members) -> str:
     """HMAC-SHA256 (hex) over the manifest bytes and the ``(name, bytes)`` array members in order."""
     mac = hmac.new(_key_bytes(key), b"numpyro_pc.dual_posterior\0", hashlib.sha256)
     mac.update(len(manifest).to_bytes(8, "little") + manifest)
@@ -115,7 +116,7 @@ def signature(key, manifest, members):
 # --------------------------------------------------------------------------- writing
 
 
-def write_atomic(path, manifest, members, key=None):
+def write_atomic(path, manifest, members, key=None) -> Path:
     """Write the archive ``manifest`` (bytes) + ``members`` (``(name, bytes)``) to ``path`` atomically.
 
     :return: the :class:`~pathlib.Path` written.
@@ -162,7 +163,7 @@ def _replace_atomically(path, buffer) -> Path:
     return path
 
 
-def _locked_temporary(path):
+def _locked_temporary(path) -> tuple[int, str]:
     """A new temporary file beside ``path``, locked against :func:`remove_stale_temporaries`."""
     while True:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -174,7 +175,7 @@ def _locked_temporary(path):
         os.close(fd)
 
 
-def remove_stale_temporaries(path):
+def remove_stale_temporaries(path) -> list[Path]:
     """Delete the temporaries of earlier, interrupted saves to ``path``.
 
     A temporary is stale when no live process holds its lock (POSIX), or, where locks
@@ -211,7 +212,7 @@ def remove_stale_temporaries(path):
     return removed
 
 
-def _fsync_dir(folder):
+def _fsync_dir(folder) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -227,7 +228,7 @@ def _fsync_dir(folder):
 # --------------------------------------------------------------------------- reading
 
 
-def read_archive(path, check_manifest, key=None):
+def read_archive(path, check_manifest, key=None) -> tuple[dict[str, Any], dict[str, np.ndarray], bool]:
     """Read a saved archive with bounds.
 
     :param path: the file.
@@ -298,7 +299,7 @@ def read_archive(path, check_manifest, key=None):
     return manifest, arrays, signed
 
 
-def _lists_deleted_ids(manifest):
+def _lists_deleted_ids(manifest) -> bool:
     """Whether ``manifest`` lists deleted ids, as files written before the ``tombstones`` member did
     (version 1 at the top level, the first version-2 files in the kind's object): only such a
     manifest may use the allowance of :func:`manifest_limit` beyond :data:`MAX_MANIFEST`."""
@@ -308,7 +309,7 @@ def _lists_deleted_ids(manifest):
         isinstance(part, dict) and isinstance(part.get("tombstones"), list))
 
 
-def _read_signed(archive, infos, manifest, path):
+def _read_signed(archive, infos, manifest, path) -> dict[str, bytes]:
     """``{member name: bytes}`` of the arrays the manifest names, in its order (the order the
     signature covers), read before the manifest is checked so that the signature is verified
     first; each read is bounded by the file's size (:func:`_checked_members`)."""
@@ -325,7 +326,7 @@ def _read_signed(archive, infos, manifest, path):
     return raw
 
 
-def _checked_members(archive, size, path):
+def _checked_members(archive, size, path) -> dict[str, zipfile.ZipInfo]:
     infos, total = {}, 0
     for info in archive.infolist():
         if info.filename in infos:
@@ -342,7 +343,7 @@ def _checked_members(archive, size, path):
     return infos
 
 
-def _directory_size(handle, size):
+def _directory_size(handle, size) -> int | None:
     """Size in bytes of the zip central directory, read from the end record found where
     :mod:`zipfile` looks for it (the last 22 bytes, else the last end signature in the final
     64 KiB; then the Zip64 end record when its locator precedes it); ``None`` when there is
@@ -369,14 +370,14 @@ def _directory_size(handle, size):
     return record[8] if record[0] == b"PK\x06\x06" else directory
 
 
-def _npy_limit(dtype, shape):
+def _npy_limit(dtype, shape) -> int:
     count = 1
     for n in shape:
         count *= n
     return count * np.dtype(dtype).itemsize + MAX_HEADER
 
 
-def _read_member(archive, info, path, limit, bound="the manifest declares"):
+def _read_member(archive, info, path, limit, bound="the manifest declares") -> bytes:
     if info.file_size > limit:
         raise OversizedFileError(f"{path}: member {info.filename!r} holds {info.file_size} bytes; {bound} at most "
                                  f"{limit}")
@@ -387,7 +388,7 @@ def _read_member(archive, info, path, limit, bound="the manifest declares"):
             from err
 
 
-def _npy_header(data):
+def _npy_header(data) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """``(shape, fortran_order, dtype, start of the values)`` of a ``.npy`` member, parsed strictly.
 
     The header is read with a regular expression of the dictionary :func:`numpy.save`
@@ -420,7 +421,7 @@ def _npy_header(data):
     return shape, fortran == "True", dtype, start + length
 
 
-def _parse_npy(data, name, dtype, shape, digest, path):
+def _parse_npy(data, name, dtype, shape, digest, path) -> np.ndarray:
     try:
         found_shape, fortran, found_dtype, start = _npy_header(data)
     except (ValueError, TypeError, OverflowError) as err:
@@ -442,7 +443,7 @@ def _parse_npy(data, name, dtype, shape, digest, path):
     return value
 
 
-def _verify_signature(archive, infos, key, manifest_bytes, raw, path):
+def _verify_signature(archive, infos, key, manifest_bytes, raw, path) -> None:
     info = infos.get(SIGNATURE)
     if info is None:
         raise IntegrityError(f"{path} carries no signature but a key was given: it was saved without a key, "

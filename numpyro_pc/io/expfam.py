@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import warnings
 from pathlib import Path
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ _REPLACED = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., Any]:
     """The checks that moved to :mod:`numpyro_pc.io.file_format` and :mod:`numpyro_pc.io.validation`
     (``check_ef_manifest``, ``check_ef_contents``): importing them from here still works for one
     release, with a ``FutureWarning`` naming the replacement."""
@@ -148,14 +149,14 @@ def load_ef(path, model, manifest: dict, arrays: dict) -> EFPosterior:
                        stale_sites=manifest["stale_sites"])
 
 
-def _describe(family, natural):
+def _describe(family, natural) -> str:
     try:
         return repr(family.describe(natural))
     except Exception:  # a description is only for the message
         return repr(np.asarray(natural).tolist())
 
 
-def _config(path, spec, family, saved):
+def _config(path, spec, family, saved) -> EFConfig:
     """The site computation's configuration, rebuilt and compared with the saved one."""
     try:
         config = EFConfig.make(spec, family, saved["rule"], saved["num_nodes"], saved["num_samples"], saved["seed"])
@@ -170,7 +171,7 @@ def _config(path, spec, family, saved):
     return config
 
 
-def _check_conjugate_prior(path, post, probe):
+def _check_conjugate_prior(path, post, probe) -> None:
     r"""A conjugate-form prior is stored as :math:`\lambda_0 = -g_0`: :math:`\log p_0(x)` of the model
     minus the log density of that family member must be constant in :math:`x` (zero for a
     normalised prior), checked at a few draws of the posterior."""

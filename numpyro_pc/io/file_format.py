@@ -261,7 +261,7 @@ def read_posterior_file(path, key=None) -> tuple[dict, dict]:
     :return: ``(manifest, arrays)`` in the version-2 layout.
     :raises PersistenceError: one of its subclasses (see :func:`numpyro_pc.io.save_load.load`).
     """
-    def declared(manifest):
+    def declared(manifest) -> dict[str, tuple[str, tuple[int, ...], str]]:
         version = _check_format(manifest)
         upgraded, _ = upgrade(manifest, {})
         entries = check_manifest(upgraded)

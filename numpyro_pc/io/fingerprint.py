@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ _INLINE = 16  # parameters with at most this many values are stored as numbers, 
 _RTOL = 1e-6  # relative tolerance of numeric comparisons (float32 and float64 traces of one constant agree)
 
 
-def model_fingerprint(spec, data):
+def model_fingerprint(spec, data) -> dict[str, Any]:
     """JSON-able description of a bound model (see the module docstring).
 
     Parameter values are computed in the current floating precision; compare
@@ -65,7 +66,7 @@ def model_fingerprint(spec, data):
     shared = tuple(data.shared)
     z = jnp.zeros(spec.latent.dim, jnp.result_type(float))
 
-    def site_fns(zz, ex, sh):
+    def site_fns(zz, ex, sh) -> dict[str, dict[str, Any]]:
         trace = trace_at(spec, zz, ex, sh)
         return {name: site for name, site in trace.items()
                 if site["type"] == "sample" and not name.startswith(LOG_DET_PREFIX)}
@@ -93,7 +94,7 @@ def model_fingerprint(spec, data):
             "sites": described, "arguments": statics}
 
 
-def compare_fingerprints(saved, current):
+def compare_fingerprints(saved, current) -> list[str]:
     """Differences between two fingerprints, as sentences (empty when they agree).
 
     Numbers are compared with a relative tolerance of ``1e-6``; everything else exactly. A
@@ -113,16 +114,16 @@ def compare_fingerprints(saved, current):
     elif saved.get("version") != current.get("version"):
         return [f"fingerprint version {_short(saved.get('version'))} cannot be compared with version "
                 f"{_short(current.get('version'))}"]
-    out = []
+    out: list[str] = []
     _diff(saved, current, "", out)
     return out
 
 
-def _get(value, key):
+def _get(value, key) -> Any:
     return value.get(key) if isinstance(value, dict) else value
 
 
-def _diff(a, b, path, out):
+def _diff(a, b, path, out) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b), key=str):
             where = f"{path}.{key}" if path else str(key)
@@ -139,23 +140,23 @@ def _diff(a, b, path, out):
         out.append(f"{path}: {_short(a)} when saved, {_short(b)} now")
 
 
-def _same_value(a, b):
+def _same_value(a, b) -> bool:
     numbers = (int, float)
     if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
         return math.isclose(a, b, rel_tol=_RTOL, abs_tol=0.0)
     return type(a) is type(b) and a == b
 
 
-def _short(value, limit=80):
+def _short(value, limit=80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
-def _qualname(cls):
+def _qualname(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _child_names(cls, aux, count):
+def _child_names(cls, aux, count) -> list[str]:
     """Field names of a pytree node's children: NumPyro's data fields, a transform's field
     tuple, a dict's keys, or positions."""
     fields = getattr(cls, "gather_pytree_data_fields", None)
@@ -168,12 +169,12 @@ def _child_names(cls, aux, count):
     return [str(k) for k in range(count)]
 
 
-def _labelled(fn):
+def _labelled(fn) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     """``({node path: class}, [(leaf path, leaf), ...])`` of a distribution pytree."""
     leaves, treedef = jax.tree.flatten(fn)
     remaining, classes, labelled = iter(leaves), {}, []
 
-    def walk(node, path):
+    def walk(node, path) -> None:
         data = node.node_data()
         if data is None:
             labelled.append((path, next(remaining)))
@@ -188,7 +189,7 @@ def _labelled(fn):
     return classes, labelled
 
 
-def _site_leaves(site):
+def _site_leaves(site) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     """The distribution's classes and labelled leaves, then the site's ``scale`` and ``mask``
     (set by the ``scale`` and ``mask`` handlers) when present."""
     classes, leaves = _labelled(site["fn"])
@@ -199,7 +200,7 @@ def _site_leaves(site):
     return classes, leaves
 
 
-def _describe_leaf(leaf, on_latent, on_data):
+def _describe_leaf(leaf, on_latent, on_data) -> dict[str, Any]:
     if on_latent:
         return {"depends_on": "latent"}
     if on_data:
@@ -214,13 +215,13 @@ def _describe_leaf(leaf, on_latent, on_data):
     return {"kind": kind, "shape": list(value.shape), "values": [_number(v) for v in value.ravel().tolist()]}
 
 
-def _number(v):
+def _number(v) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
 
 
-def _describe_static(value):
+def _describe_static(value) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):

@@ -14,6 +14,7 @@ import json
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from numpyro_pc.errors import DataSupportError, InconsistentFileError, Persisten
 from numpyro_pc.model.data_support import check_support
 from numpyro_pc.model.likelihood import ModelData, bind_model
 from numpyro_pc.model.rows import to_device
+from numpyro_pc.model.terms import ModelSpec
 
 from .archive import manifest_limit, npy_bytes, write_atomic
 from .fingerprint import compare_fingerprints, model_fingerprint
@@ -29,13 +31,13 @@ __all__ = ["argument_layout", "bind_saved_model", "digest", "with_data_arrays", 
            "write_checked"]
 
 
-def digest(array):
+def digest(array) -> str:
     """SHA-256 (hex) of an array's C-ordered bytes, as recorded in a manifest."""
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 
-def _json_static(value, name):
+def _json_static(value, name) -> bool | int | float | str | None:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise PersistenceError(f"argument {name!r} is a {type(value).__name__}; only arrays, None, bool, int, float "
@@ -47,7 +49,7 @@ class _Slot:
         self.kind = kind
 
 
-def argument_layout(spec):
+def argument_layout(spec) -> dict[str, Any]:
     """JSON description of the model's top-level arguments (array slots, None and scalars).
 
     :raises PersistenceError: an argument that is neither an array, ``None`` nor a scalar.
@@ -57,7 +59,7 @@ def argument_layout(spec):
                                    tuple(_Slot("shared") for _ in range(n_sh)))
     names = iter(spec.arg_names)
 
-    def describe(value):
+    def describe(value) -> dict[str, Any]:
         if value is None:
             return {"kind": "none"}
         name = next(names)
@@ -72,7 +74,7 @@ def argument_layout(spec):
                                "containers) can be saved") from None
 
 
-def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
+def bind_saved_model(path, model, manifest, arrays, allow_discrete=False) -> tuple[ModelSpec, ModelData]:
     """Bind ``model`` to the argument layout saved in ``manifest`` and check it is the saved
     model (latent sites, observed sites, fingerprint); ``allow_discrete`` for posteriors with
     discrete factors.
@@ -115,14 +117,14 @@ def bind_saved_model(path, model, manifest, arrays, allow_discrete=False):
     return spec, data
 
 
-def _entries(layout):
+def _entries(layout) -> list[dict[str, Any]]:
     return list(layout["args"]) + list(layout["kwargs"].values())
 
 
-def _rebuild_args(layout, per_example, shared):
+def _rebuild_args(layout, per_example, shared) -> tuple[tuple[Any, ...], dict[str, Any]]:
     ex, sh = iter(per_example), iter(shared)
 
-    def value(meta):
+    def value(meta) -> Any:
         if meta["kind"] == "none":
             return None
         if meta["kind"] == "example":

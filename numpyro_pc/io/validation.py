@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -58,7 +58,7 @@ DATA_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
                "float32", "float64")
 
 
-def _family_storage(name=None):
+def _family_storage(name=None) -> dict[str, tuple[str, ...]]:
     """``{family name: storages that hold what the family needs of the curvature}`` (registered families;
     a parametrised family's ``name``, e.g. ``"lowrank-5"``, is built and registered first)."""
     if isinstance(name, str) and len(name) <= 64:
@@ -89,24 +89,24 @@ def fail_field(where, expected, found, error=CorruptFileError) -> NoReturn:
 _fail = fail_field
 
 
-def _is_int(value, low=0, high=_MAX_ID):
+def _is_int(value, low=0, high=_MAX_ID) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
-def _ints(value, where, low=0):
+def _ints(value, where, low=0) -> list[int]:
     if not isinstance(value, list) or not all(_is_int(v, low) for v in value):
         _fail(where, f"a list of integers ≥ {low}", value)
     return value
 
 
-def _choice(manifest, key, options, prefix=""):
+def _choice(manifest, key, options, prefix="") -> Any:
     value = manifest.get(key)
     if not is_choice(value, options):
         _fail(prefix + key, f"one of {list(options)}", value)
     return value
 
 
-def _check_rule(rule):
+def _check_rule(rule) -> None:
     fields = {"kind": ("delta", "mc", "gh"), "num_samples": (1, 10**6), "seed": (0, 2**32), "num_nodes": (2, 10**4),
               "prior_mode": (None, "separable", "quadratic", "qmc"), "subspace_dim": (0, MAX_MC_SUBSPACE_DIM + 1),
               "num_prior_points": (1, 10**7), "mc_precision": ("hessian", "reparam")}
@@ -124,8 +124,8 @@ def _check_rule(rule):
         _fail("gaussian.rule.subspace_dim", f"an integer ≤ {limit} for the {rule['kind']!r} rule", rule["subspace_dim"])
 
 
-def _check_layout(layout):
-    def entry(value, where):
+def _check_layout(layout) -> tuple[int, int]:
+    def entry(value, where) -> str:
         kind = value.get("kind") if isinstance(value, dict) and isinstance(value.get("kind"), str) else None
         keys = {"none": {"kind"}, "example": {"kind", "name"}, "shared": {"kind", "name"},
                 "static": {"kind", "name", "value"}}.get(kind)
@@ -314,7 +314,7 @@ def _inconsistent(name, expected, found) -> NoReturn:
     raise InconsistentFileError(f"array {name!r}: expected {expected}, found {found}")
 
 
-def _check_sparse(arrays, d, width):
+def _check_sparse(arrays, d, width) -> None:
     """A sparse store's columns are integers in ``[0, d)`` and its counts in ``[0, width]``."""
     for name, top in (("sites.index", d - 1), ("sites.nnz", width)):
         value = arrays[name]
@@ -324,7 +324,7 @@ def _check_sparse(arrays, d, width):
             _inconsistent(name, f"values in [0, {top}]", f"{value.min()}..{value.max()}")
 
 
-def _check_ids(manifest, arrays, refs):
+def _check_ids(manifest, arrays, refs) -> None:
     next_id = manifest["gaussian"]["next_id"]
     ids, data_ids = arrays["sites.ids"], arrays["data_ids"]
     for name, values in (("sites.ids", ids), ("data_ids", data_ids)):
@@ -340,7 +340,7 @@ def _check_ids(manifest, arrays, refs):
         _inconsistent("sites.ref_index", f"rows of sites.ref_means in [0, {refs})", f"{index.min()}..{index.max()}")
 
 
-def _check_precision(family, precision):
+def _check_precision(family, precision) -> None:
     verdict = get_family(family).saved_precision_problem(np.asarray(precision))
     if verdict is None:
         return

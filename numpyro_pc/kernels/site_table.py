@@ -54,13 +54,13 @@ sites are not factors of ``q``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.dual.base import PosteriorState
+from numpyro_pc.dual.base import DualPosteriorBase, PosteriorState
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.likelihood import ModelData
@@ -128,12 +128,12 @@ class TableConfig:
     work_size: int
 
 
-def _zero_natural(family, q):
+def _zero_natural(family, q) -> GaussianNatural:
     natural = family.natural(q)
     return remove_site(natural, natural)
 
 
-def _per_row(sites, capacity):
+def _per_row(sites, capacity) -> Sites:
     """``sites`` padded to ``capacity`` rows, each row holding its own reference mean."""
     refs = sites.refs()
     extra = capacity - sites.num_examples
@@ -190,11 +190,11 @@ def from_posterior(post, capacity: int, work_size: int | None = None, tol: float
 
 
 # ---------------------------------------------------------------------------------- the solve
-def gather(tree, index):
+def gather(tree, index) -> Any:
     return jax.tree.map(lambda x: x[index], tree)
 
 
-def live_set(config, state, live):
+def live_set(config, state, live) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Indices of the live rows padded to ``work_size`` (padding points past the table), and overflow."""
     capacity = live.shape[0]
     index = jnp.nonzero(live > 0, size=config.work_size, fill_value=capacity)[0]
@@ -202,7 +202,7 @@ def live_set(config, state, live):
     return jnp.where(valid, index, 0), valid, jnp.sum(live > 0) > config.work_size
 
 
-def write_sites(table, rows, valid, fresh, mean):
+def write_sites(table, rows, valid, fresh, mean) -> Sites:
     """Write the live rows' fresh sites (computed at ``mean``) into the table; padding rows are dropped."""
     capacity = table.num_examples
     target = jnp.where(valid, rows, capacity)
@@ -212,17 +212,17 @@ def write_sites(table, rows, valid, fresh, mean):
                    loss=put(table.loss, fresh.loss), ref_means=put(table.ref_means, refs))
 
 
-def with_prior_site(table, fresh):
+def with_prior_site(table, fresh) -> Sites:
     return replace(table, prior_grad=fresh.prior_grad, prior_curvature=fresh.prior_curvature,
                    prior_loss=fresh.prior_loss, prior_ref=fresh.prior_ref)
 
 
-def choose(flag, new, old):
+def choose(flag, new, old) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
 def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, correct_prior, weight, dropped,
-                     extra_failure):
+                     extra_failure) -> tuple[TableState, StepInfo]:
     """The corrected problem on the table (see the module docstring); ``dropped`` rows leave the posterior."""
     family = config.family
     sites = table
@@ -246,7 +246,7 @@ def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, 
     table = choose(correct_prior, with_prior_site(table, fresh), table)
     # λ_{t+1} − Σ sites: the part of a scaled correction no site holds (nothing, and no pass over
     # the table, when w = 1)
-    def scaled_change(_):
+    def scaled_change(_) -> GaussianNatural:
         changed = remove_site(table.natural_sum(family, corrected.astype(dtype)),
                               sites.natural_sum(family, corrected.astype(dtype)))
         return add_site(state.offset, scale_site(changed, weight - 1.0))
@@ -258,7 +258,7 @@ def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, 
     return candidate, StepInfo(residual, iterations, converged, failure)
 
 
-def finish(state, candidate, info, count, next_id):
+def finish(state, candidate, info, count, next_id) -> tuple[TableState, StepInfo]:
     """The candidate (with the new row count and ids) unless the step could not be taken at all."""
     candidate = candidate._replace(count=jnp.asarray(count, state.count.dtype),
                                    next_id=jnp.asarray(next_id, state.next_id.dtype))
@@ -266,7 +266,7 @@ def finish(state, candidate, info, count, next_id):
     return choose(info.overflow, unchanged, candidate), info
 
 
-def written_batch(state, batch, mask):
+def written_batch(state, batch, mask) -> tuple[Sites, ModelData, jax.Array, jax.Array, jax.Array]:
     """Write the batch into the next free rows: ``(table sites, data, has_data, new-row mask, ids, overflow)``."""
     size = mask.shape[0]
     capacity = state.has_site.shape[0]
@@ -307,7 +307,7 @@ def correct_step(config: TableConfig, state: TableState, batch: ModelData, mask:
     return finish(state, candidate, info, state.count + mask.shape[0], state.next_id + size)
 
 
-def _rows_mask(state, rows, valid):
+def _rows_mask(state, rows, valid) -> tuple[jax.Array, jax.Array]:
     capacity = state.has_site.shape[0]
     rows = jnp.asarray(rows)
     valid = jnp.ones(rows.shape, bool) if valid is None else jnp.asarray(valid, bool)
@@ -431,7 +431,7 @@ def merge_tables(config: TableConfig, states, alphas=None,
                                            a - 1.0))
     free = capacity - sum(counts)
 
-    def joined(get, fill=None):
+    def joined(get, fill=None) -> Any:
         """The used rows of every table in turn, then ``free`` rows (copies of the last, or ``fill``)."""
         parts = [jax.tree.map(lambda x, n=n: x[:n], get(s)) for s, n in zip(states, counts)]
         out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
@@ -451,7 +451,7 @@ def merge_tables(config: TableConfig, states, alphas=None,
                       jnp.asarray(bool(family.is_positive_definite(q.precision))))
 
 
-def to_posterior(config: TableConfig, state: TableState, like):
+def to_posterior(config: TableConfig, state: TableState, like) -> DualPosteriorBase:
     """The table's posterior as a :class:`~numpyro_pc.posterior.DualPosterior` (no site recomputed).
 
     :param like: the posterior the table started from (its class, guide and tombstones are kept).

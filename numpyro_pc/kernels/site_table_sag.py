@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.families.registry import Gaussian, add_site, remove_site
+from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.protocols.capabilities import gaussian_solver
-from numpyro_pc.sites.gaussian import compute_sites
+from numpyro_pc.sites.gaussian import Sites, compute_sites
 
 from .site_table import (
     TableConfig,
@@ -33,7 +33,7 @@ from .stream_state import StepInfo
 __all__ = ["stochastic_step"]
 
 
-def _sag_sums(family, table, weights):
+def _sag_sums(family, table, weights) -> tuple[GaussianNatural, jax.Array]:
     natural = table.natural_sum(family, weights)
     return natural, weights @ jnp.linalg.norm(table.grad, axis=1)
 
@@ -83,14 +83,14 @@ def stochastic_step(config: TableConfig, state: TableState, batch: ModelData, ma
     steps_per_pass = (num_live + subset_size - 1) // subset_size
     spec = replace(config.spec, num_examples=subset_size)
 
-    def shuffle(k):
+    def shuffle(k) -> jax.Array:
         return jnp.argsort(jnp.where(live, jax.random.uniform(k, (capacity,)), 2.0))
 
-    def cond(c):
+    def cond(c) -> jax.Array:
         it, residual, ok = c[0], c[5], c[6]
         return ok & (it < max_passes * steps_per_pass) & ~((it >= 2 * steps_per_pass) & (residual <= config.tol))
 
-    def body(c):
+    def body(c) -> tuple[jax.Array, Gaussian, Sites, tuple[GaussianNatural, jax.Array], tuple[jax.Array, jax.Array, jax.Array], jax.Array, jax.Array]:
         it, q, table, (natural, grad_norms), (order, pos, k), _, _ = c
         pick = jax.lax.dynamic_slice(order, (jnp.minimum(pos, capacity - subset_size),), (subset_size,))
         weights = ((jnp.minimum(pos, capacity - subset_size) + jnp.arange(subset_size)) < num_live).astype(dtype)

@@ -33,19 +33,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from numpyro_pc.dual.base import DualPosteriorBase
 from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.errors import ConvergenceError, DataShapeError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.protocols.capabilities import gaussian_solver
-from numpyro_pc.sites.gaussian import compute_sites
+from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.fixed_point import (
     anderson_init,
     anderson_mix,
@@ -151,7 +152,7 @@ def from_posterior(post, capacity: int, tol: float | None = None,
 _MIN_STEP = 2.0**-20
 
 
-def _live_totals(config, q, sites, sums, weights, base, prior_live):
+def _live_totals(config, q, sites, sums, weights, base, prior_live) -> tuple[Any, Any, Any, Any, Any]:
     """The live totals with the prior site live or (inside ``base``) fixed: one program for both."""
     family = config.family
     if isinstance(prior_live, bool):  # known when tracing: one branch (the family's terms may differ in structure)
@@ -161,7 +162,7 @@ def _live_totals(config, q, sites, sums, weights, base, prior_live):
                         lambda: live_totals(family, False, q, sites, sums, base, weights))
 
 
-def newton_terms(config, q, data, ids, weights, base, prior_live):
+def newton_terms(config, q, data, ids, weights, base, prior_live) -> tuple[jax.Array, Sites, jax.Array, Any]:
     """Sites at ``q`` of the live rows ``(data, ids, weights)``, the residual there and the undamped
     step from it (the prior site live when ``prior_live``; ``base`` a fixed Gaussian factor)."""
     family = config.family
@@ -219,33 +220,33 @@ def iterate_step(config, state: IterateState, data, ids, weights, base, prior_li
     x, unravel = ravel_pytree(q)
     history = anderson_push(state.history, x, ravel_pytree(Gaussian(q.mean + state.direction, state.target))[0] - x)
 
-    def proper(trial):
+    def proper(trial) -> jax.Array:
         return jnp.all(jnp.isfinite(trial.mean)) & family.is_positive_definite(trial.precision)
 
-    def evaluate(trial):
+    def evaluate(trial) -> tuple[Gaussian, jax.Array, Sites, jax.Array, Any]:
         return (trial, *newton_terms(config, trial, data, ids, weights, base, prior_live))
 
     accelerated = unravel(anderson_mix(history))
 
-    def try_anderson(_):
+    def try_anderson(_) -> tuple[tuple[Gaussian, jax.Array, Sites, jax.Array, Any], jax.Array]:
         out = evaluate(accelerated)
         return out, out[1] < state.residual
 
-    def skip(_):
+    def skip(_) -> tuple[tuple[Gaussian, jax.Array, Sites, jax.Array, Any], jax.Array]:
         return (q, state.residual, state.sites, state.direction, state.target), jnp.asarray(False)
 
     candidate, better = jax.lax.cond((history.count > 1) & proper(accelerated), try_anderson, skip, None)
 
-    def damped_at(rho):
+    def damped_at(rho) -> Gaussian:
         return Gaussian(q.mean + rho * state.direction, family.blend(q.precision, state.target, rho))
 
-    def damped(_):
+    def damped(_) -> IterateState:
         rho = backtrack(lambda r: proper(damped_at(r)), jnp.asarray(1.0, q.mean.dtype), _MIN_STEP)
         kept = jax.tree.map(lambda full, restarted: jnp.where(rho < 1.0, restarted, full),
                             history, anderson_restart(history, keep=1))
         stalled = rho < _MIN_STEP
 
-        def advance(_):
+        def advance(_) -> IterateState:
             return IterateState(*evaluate(damped_at(rho)), state.iteration + 1, kept, jnp.asarray(False))
 
         return jax.lax.cond(stalled, lambda _: state._replace(stalled=jnp.asarray(True)), advance, None)
@@ -254,7 +255,7 @@ def iterate_step(config, state: IterateState, data, ids, weights, base, prior_li
                         damped, None)
 
 
-def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
+def iterate(config, q0, data, ids, weights, base, prior_live, memory=3) -> tuple[Gaussian, Sites, jax.Array, jax.Array]:
     """Natural-gradient steps from ``q0`` until the residual is below ``tol`` (pure; the kernels of this
     module and of :mod:`numpyro_pc.kernels.site_table`); returns ``q``, the live sites at ``q``, the
     residual and the steps taken (``config`` needs ``family, spec, rule, curvature, storage,
@@ -263,7 +264,7 @@ def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
     The traced driver of :func:`iterate_init` / :func:`iterate_step`: one ``lax.while_loop``
     that stops at the tolerance, after ``max_iters`` steps, or when the step stalls.
     """
-    def cond(state):
+    def cond(state) -> jax.Array:
         return (state.residual > config.tol) & (state.iteration < config.max_iters) & ~state.stalled
 
     state = jax.lax.while_loop(
@@ -272,7 +273,7 @@ def iterate(config, q0, data, ids, weights, base, prior_live, memory=3):
     return state.q, state.sites, state.residual, state.iteration
 
 
-def _solve(config, state, data, weights, count, extra_failure):
+def _solve(config, state, data, weights, count, extra_failure) -> tuple[StreamState, StepInfo]:
     """Natural-gradient steps on the table ``(data, weights)`` from ``state.q`` until the residual is
     below ``tol``; the new state, or the old one unchanged when ``extra_failure`` (e.g. an overflow)."""
     ids = jnp.arange(weights.shape[0])
@@ -284,7 +285,7 @@ def _solve(config, state, data, weights, count, extra_failure):
     return new_state, StepInfo(residual, iterations, converged, extra_failure)
 
 
-def _written(state, batch, mask, rows):
+def _written(state, batch, mask, rows) -> tuple[ModelData, jax.Array]:
     """The table with the batch's rows written at table rows ``rows`` (weights: the mask)."""
     per_example = tuple(x.at[rows].set(b.astype(x.dtype)) for x, b in zip(state.data.per_example, batch.per_example))
     weights = state.weights.at[rows].set(mask.astype(state.weights.dtype))
@@ -380,10 +381,10 @@ def run_stream(config: StreamConfig, state: StreamState, batches: ModelData, mas
 
 
 @partial(jax.jit, static_argnums=(0, 1))
-def _scan(config, window, state, batches, masks):
+def _scan(config, window, state, batches, masks) -> tuple[StreamState, StepInfo]:
     step = window_step if window else stream_step
 
-    def body(carry, xs):
+    def body(carry, xs) -> tuple[StreamState, StepInfo]:
         batch, mask = xs
         return step(config, carry, ModelData(batch, carry.data.shared), mask)
 
@@ -405,7 +406,7 @@ def split_batches(data: ModelData, batch_size: int) -> tuple[ModelData, jax.Arra
     return ModelData(per_example, data.shared), masks
 
 
-def to_posterior(config: StreamConfig, state: StreamState, like):
+def to_posterior(config: StreamConfig, state: StreamState, like) -> DualPosteriorBase:
     """The stream's posterior as a :class:`~numpyro_pc.posterior.DualPosterior` (sites recomputed once at ``q``).
 
     :param like: the posterior the stream started from (its class and guide are kept).

@@ -8,15 +8,17 @@ whose live terms are the new examples and the corrected examples ``C``.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.curvature.stores import FULL
 from numpyro_pc.errors import ConvergenceError
-from numpyro_pc.families.registry import add_site, remove_site, scale_site
+from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, take_data
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
+from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import SiteSums, compute_sites
 from numpyro_pc.solvers.gaussian import solve
 from numpyro_pc.solvers.site_problem import SiteProblem
@@ -25,7 +27,7 @@ from numpyro_pc.solvers.start import default_start
 __all__ = ["solve_update"]
 
 
-def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):
+def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False) -> GaussianNatural:
     """``λ_t − w Σ_C λ̂_i [− λ̂_0]``: the old posterior with the corrected sites divided out.
 
     When every site and the prior are corrected with weight 1 (the exact update), the dual
@@ -53,7 +55,7 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False):
 
 
 def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure,
-                 stale=None):
+                 stale=None) -> tuple[Gaussian, Sites, list[dict[str, Any]], GaussianNatural | None]:
     """Solve the corrected update of ``post`` with a new batch (docs/adapting.md, "Adding data").
 
     The live terms are the new examples and the ``corrected`` ones (weighted by ``weight``),
@@ -118,7 +120,7 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     return q, fresh, history, offset
 
 
-def _sites_at_start(post, problem, cached, new_data, new_ids, weights):
+def _sites_at_start(post, problem, cached, new_data, new_ids, weights) -> tuple[Sites | None, SiteSums | None]:
     """The problem's sites at ``q_t`` without recomputing the corrected ones, when their cache is fresh.
 
     Sites of corrected examples that were computed at ``q_t`` itself (the usual case after

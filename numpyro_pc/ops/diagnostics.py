@@ -50,7 +50,7 @@ def kl(q, p) -> jax.Array:
     return q.kl(p)
 
 
-def expected_site_values(sites, mean, cov):
+def expected_site_values(sites, mean, cov) -> tuple[jax.Array, jax.Array]:
     """Deprecated: ``sites.expected_values(family, q)`` (:meth:`~numpyro_pc.protocols.sites.SiteTable.expected_values`),
     which every family's site table answers; this name is removed in the next release."""
     warnings.warn("pc.diagnostics.expected_site_values is deprecated: use post.sites.expected_values(post.family, "
@@ -58,7 +58,7 @@ def expected_site_values(sites, mean, cov):
     return sites.expected_values_at(mean, cov)
 
 
-def log_normaliser(sites, family):
+def log_normaliser(sites, family) -> jax.Array:
     """``log ∫ Π_i exp(−ℓ̂_i)``, the log-partition of the prior and example sites' product
     (:meth:`~numpyro_pc.protocols.sites.SiteTable.log_normaliser`)."""
     return sites.log_normaliser(family)
@@ -181,14 +181,14 @@ class count_compilations:
         self.count = 0
         self.names = []
 
-    def _listen(self, event, seconds, **kwargs):
+    def _listen(self, event, seconds, **kwargs) -> None:
         if "backend_compile" in event:
             self.count += 1
             self.names.append(str(kwargs.get("fun_name", "")))
 
-    def __enter__(self):
+    def __enter__(self) -> count_compilations:
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)

@@ -11,19 +11,24 @@ values)`` is ``post.point_of(values)``, and ``bind_like`` and ``check_terms_agre
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from . import handlers as _handlers
 
+if TYPE_CHECKING:
+    import jax
 
-def _factor_point(post, values):
+
+def _factor_point(post, values) -> jax.Array | dict[str, jax.Array]:
     return post.point_of(values)
 
 
-def _check_same_ef_model(model, post, num_probes=3):
+def _check_same_ef_model(model, post, num_probes=3) -> None:
     return _handlers.check_same_model(model, post, num_probes)
 
 
-_MOVED = {
+_MOVED: dict[str, tuple[str, Callable[..., Any]]] = {
     "ef_correction_factor": ("numpyro_pc.ops.handlers.correction_factor", _handlers.correction_factor),
     "check_same_ef_model": ("numpyro_pc.ops.handlers.check_same_model", _check_same_ef_model),
     "factor_point": ("post.point_of(values)", _factor_point),
@@ -32,7 +37,7 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., Any]:
     if name in _MOVED:
         new, value = _MOVED[name]
         warnings.warn(f"numpyro_pc.ef_handlers.{name} is deprecated: use {new} (one function for every family); "

@@ -23,6 +23,7 @@ factor. Inner evaluations run under ``block`` and never leak sites to outer hand
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,7 @@ class posterior_prior(Messenger):
         self._values = {}
         super().__init__(fn)
 
-    def process_message(self, msg):
+    def process_message(self, msg) -> None:
         if msg["type"] == "sample" and not msg["is_observed"] and msg["name"] in self._shapes:
             fn = msg["fn"]
             if self._factors is None:
@@ -83,7 +84,7 @@ class posterior_prior(Messenger):
             else:
                 msg["fn"] = self._factor(msg["name"], fn)
 
-    def _factor(self, name, fn):
+    def _factor(self, name, fn) -> dist.Distribution:
         """The site's factor with the model distribution's batch and event shapes."""
         expected = tuple(self._shapes[name])
         found = tuple(fn.batch_shape) + tuple(fn.event_shape)
@@ -96,7 +97,7 @@ class posterior_prior(Messenger):
                 "other sizes?")
         return factor.to_event(extra) if extra else factor
 
-    def postprocess_message(self, msg):
+    def postprocess_message(self, msg) -> None:
         if msg["type"] != "sample" or msg["is_observed"] or msg["infer"].get("is_auxiliary"):
             return
         if msg["name"] not in self._shapes:
@@ -110,7 +111,7 @@ class posterior_prior(Messenger):
                 f"{tuple(expected)} in the posterior; was the model called with other sizes?")
         self._values[msg["name"]] = (msg["value"], msg["fn"].support)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs) -> Any:
         self._values = {}
         with self:
             out = self.fn(*args, **kwargs)
@@ -141,7 +142,7 @@ class posterior_prior(Messenger):
 class _drop_observations(Messenger):
     """Mask out observed sites only (latent sites and their Jacobian factors stay)."""
 
-    def process_message(self, msg):
+    def process_message(self, msg) -> None:
         if msg["type"] == "sample" and msg["is_observed"] and not msg["name"].startswith("_"):
             msg["fn"] = msg["fn"].mask(False)
 
@@ -173,7 +174,7 @@ def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_pr
     sites = post.sites.take(positions(held, ids))
     gone = post.sites.take(positions(held, removed, "example with a site"))
 
-    def log_density(point):
+    def log_density(point) -> jax.Array:
         z, discrete, log_det = post.model_point(point)
         total = jnp.sum(gone.values(family, point)[0])
         values, prior_value = sites.values(family, point)
@@ -225,7 +226,7 @@ def require_fixed_point(posterior, what: str) -> None:
             "posterior. Refine it first (post.refine(), or a larger max_iters), or refit.", posterior=posterior)
 
 
-def check_same_model(model, posterior, num_probes=3):
+def check_same_model(model, posterior, num_probes=3) -> None:
     """Refuse ``model`` unless it is the posterior's model: same latent sites and shapes, same
     prior term and same per-example likelihood at probe points around the posterior mean.
 
@@ -304,7 +305,7 @@ def forget(model: Callable, posterior, ids: Iterable[int], memory: str | Iterabl
     shape_args = take_data(posterior.data, np.zeros(1, np.int64))
     args, kwargs = spec.build_args(shape_args.per_example, shape_args.shared)
 
-    def latents_only():
+    def latents_only() -> Any:
         # the model runs on one retained example only to declare its latent sites; its
         # observations are masked out (the deletion objective has no likelihood of its own)
         with _drop_observations():

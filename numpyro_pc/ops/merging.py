@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.dual.build import build_posterior
-from numpyro_pc.dual.expfam import EFState
+from numpyro_pc.dual.expfam import EFPosterior, EFState
 from numpyro_pc.errors import (
     IncompatiblePosteriorsError,
     InvalidOptionError,
@@ -67,9 +67,10 @@ from numpyro_pc.errors import (
     OutOfDomainError,
     UnsupportedModelError,
 )
-from numpyro_pc.families.registry import Gaussian
+from numpyro_pc.families.registry import Gaussian, GaussianNatural
 from numpyro_pc.model.likelihood import example_loss, losses, prior_loss
 from numpyro_pc.model.rows import concat_data, positions, take_data
+from numpyro_pc.model.terms import ModelData
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior, by_site_table, provides
@@ -82,7 +83,7 @@ __all__ = ["METHODS", "merge", "gaussian_prior", "prior_natural"]
 METHODS = ("bayesian", "task_arithmetic", "hessian", "precision")
 
 
-def gaussian_prior(spec, data):
+def gaussian_prior(spec, data) -> Gaussian:
     """The prior ``ℓ_0`` as a Gaussian ``(m_0, P_0)`` in unconstrained space.
 
     ``ℓ_0`` must be quadratic in ``z`` (a Gaussian prior on unconstrained latents, e.g.
@@ -111,7 +112,7 @@ def gaussian_prior(spec, data):
     return Gaussian(mean, prec)
 
 
-def prior_natural(family, prior, tau=None):
+def prior_natural(family, prior, tau=None) -> GaussianNatural:
     """Natural parameters of a dense Gaussian ``prior`` in ``family``'s format.
 
     The diagonal family needs a diagonal prior precision; the isotropic family keeps its
@@ -128,7 +129,7 @@ def _weights(alphas) -> list:
         raise InvalidOptionError(f"alphas must be numbers, one weight per posterior; got {alphas!r}") from err
 
 
-def _check(base, posts, alphas, method):
+def _check(base, posts, alphas, method) -> tuple[list[Posterior], list[float]]:
     if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown merge method {method!r}; expected one of {METHODS}")
     posts = list(posts)
@@ -202,7 +203,7 @@ def _check_same_terms(ref, post, what) -> None:
                     "and likelihood)")
 
 
-def _task_rows(post, base):
+def _task_rows(post, base) -> np.ndarray:
     """Rows of ``post``'s data that its task added on top of ``base`` (all rows without a base)."""
     ids = np.asarray(post.data_ids)
     if base is None:
@@ -210,19 +211,19 @@ def _task_rows(post, base):
     return np.flatnonzero(~np.isin(ids, np.asarray(base.data_ids)))
 
 
-def _take(data, rows):
+def _take(data, rows) -> ModelData:
 
     return take_data(data, rows)
 
 
-def _loss_hessian(post, data, at, with_prior):
+def _loss_hessian(post, data, at, with_prior) -> jax.Array:
     fn = lambda z: jnp.sum(losses(post.spec, z, data)) if data.per_example[0].shape[0] else 0.0  # noqa: E731
     total = (lambda z: fn(z) + prior_loss(post.spec, z, data)) if with_prior else fn
     h = jax.hessian(total)(at)
     return 0.5 * (h + h.T)
 
 
-def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian):
+def _merged_state(family, base_q, base_nat, posts, alphas, method, task_data, base_hessian) -> Gaussian:
     ba = family.arithmetic(base_nat, [p.natural for p in posts], alphas)
     if method == "bayesian":
         return family.from_natural(ba)
@@ -296,12 +297,12 @@ _merge = by_site_table("pc.merge", IncompatiblePosteriorsError)
 
 
 @_merge.register(EFSiteTable)
-def _merge_ef_posteriors(first, base, posteriors, alphas, method, rule):
+def _merge_ef_posteriors(first, base, posteriors, alphas, method, rule) -> EFPosterior:
     return _merge_ef(base, posteriors, alphas, method, rule)
 
 
 @_merge.register(Sites)
-def _merge_gaussian(first, base, posteriors, alphas, method, rule):
+def _merge_gaussian(first, base, posteriors, alphas, method, rule) -> Posterior:
     posts, alphas = _check(base, posteriors, alphas, method)
     first = posts[0]
     family = first.family
@@ -333,7 +334,7 @@ def _merge_gaussian(first, base, posteriors, alphas, method, rule):
                                  "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})
 
 
-def _merge_ef(base, posteriors, alphas, method, rule):
+def _merge_ef(base, posteriors, alphas, method, rule) -> EFPosterior:
     r"""Bayesian arithmetic of exponential-family posteriors:
     :math:`\lambda = \lambda_{pre} + \sum_k \alpha_k (\lambda_k - \lambda_{pre})`.
 

@@ -35,6 +35,7 @@ import time
 import warnings
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NotPositiveD
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site
 from numpyro_pc.model.rows import bucket_size, concat_data, join_rows, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
+from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import compute_sites
 from numpyro_pc.solvers.gaussian import default_tol
 
@@ -54,7 +56,7 @@ __all__ = ["stochastic_update", "subset_bucket"]
 _MIN_STEP = 1e-6
 
 
-def subset_bucket(num):
+def subset_bucket(num) -> int:
     """Padded size of a subset of ``num`` rows: the next ``m·2^k`` with ``m ∈ {4, 5, 6, 7}`` (≥ 8).
 
     Four sizes per octave keep the padding (wasted site computations) below 25 % while a
@@ -63,7 +65,7 @@ def subset_bucket(num):
     return bucket_size(num, fine_from=8)
 
 
-def _pad_rows(rows, size):
+def _pad_rows(rows, size) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` followed by copies of its last entry up to ``size``, and 0/1 weights."""
     rows = np.asarray(rows, dtype=np.int64)
     padded = np.concatenate([rows, np.full(size - rows.size, rows[-1], np.int64)])
@@ -73,7 +75,7 @@ def _pad_rows(rows, size):
 
 
 @partial(jax.jit, donate_argnums=0)
-def _write_rows(table, rows, fresh, mean):
+def _write_rows(table, rows, fresh, mean) -> Sites:
     """Write the refreshed rows (and the prior site) into the table, in place (the table is donated).
 
     Kept apart from :func:`_sag_step`, which reads the table: a scatter into a buffer
@@ -88,7 +90,7 @@ def _write_rows(table, rows, fresh, mean):
 
 
 @partial(jax.jit, static_argnums=0)
-def _sag_step(static, q, table, sums, data, pick, pick_weights, cavity, rho):
+def _sag_step(static, q, table, sums, data, pick, pick_weights, cavity, rho) -> tuple[Gaussian, Sites, tuple[GaussianNatural, jax.Array], jax.Array, jax.Array, jax.Array, jax.Array]:
     """One SAG step (see the module docstring); returns the new state and the residuals."""
     spec_pick, family, rule, curvature, storage, chunk_size = static
     subset = type(data)(tuple(x[pick] for x in data.per_example), data.shared)
@@ -105,12 +107,12 @@ def _sag_step(static, q, table, sums, data, pick, pick_weights, cavity, rho):
     grad = natural.precision @ q.mean - natural.linear + fresh.prior_grad + cavity.precision @ q.mean - cavity.linear
     target = natural.precision + fresh.prior_precision(family) + cavity.precision
 
-    def attempt(step):
+    def attempt(step) -> tuple[jax.Array, jax.Array, jax.Array]:
         precision = (1.0 - step) * q.precision + step * target
         chol = jnp.linalg.cholesky(precision)
         return precision, chol, jnp.all(jnp.isfinite(chol))
 
-    def halve(carry):
+    def halve(carry) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         step = 0.5 * carry[0]
         return (step, *attempt(step))
 
@@ -128,7 +130,7 @@ class _Shuffler:
     def __init__(self, rng, n, size):
         self.rng, self.n, self.size, self.order = rng, n, size, np.zeros(0, np.int64)
 
-    def next(self):
+    def next(self) -> np.ndarray:
         if self.order.size == 0:
             self.order = self.rng.permutation(self.n)
         chosen, self.order = np.sort(self.order[:self.size]), self.order[self.size:]
@@ -136,7 +138,7 @@ class _Shuffler:
 
 
 def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure,
-                      epochs=None):
+                      epochs=None) -> tuple[Gaussian, Sites, list[dict[str, Any]], int]:
     """SAG iterations for :func:`numpyro_pc.ops.streaming.update` with ``correction="stochastic"``.
 
     The table holds the corrected (retained) examples and the new ones, all starting at
@@ -182,7 +184,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
 
     # table = [past rows | padding | new rows | padding]; padding rows are never picked
     past_size, new_size = bucket_size(n), bucket_size(num_new)
-    site_rows, past_weights = _pad_rows(positions(post.sites.ids, corrected), past_size)
+    site_rows, past_mask = _pad_rows(positions(post.sites.ids, corrected), past_size)
     data_rows, _ = _pad_rows(positions(post.data_ids, corrected), past_size)
     past_sites = post.sites.take(site_rows)
     new_data, new_weights, padded_new_ids = pad_to_bucket(new_data, None, new_ids, dtype)
@@ -191,7 +193,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
                                  ids=jnp.asarray(padded_new_ids))
     table = past_sites.concat(new_sites)
     table = replace(table, ref_means=table.refs(), ref_index=to_device(np.arange(past_size + new_size, dtype=np.int32)))
-    past_weights = to_device(np.asarray(past_weights, dtype))
+    past_weights = to_device(np.asarray(past_mask, dtype))
     table_weights = join_rows(past_weights, new_weights)
     past_sum = past_sites.natural_sum(family, past_weights)
     sums = (add_site(past_sum, new_sites.natural_sum(family, new_weights)),

@@ -45,7 +45,8 @@ import numpy as np
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
 from numpyro_pc.model.batches import bind_batch
 from numpyro_pc.model.rows import concat_data, positions, take_data, to_device
-from numpyro_pc.protocols.posterior import provides
+from numpyro_pc.model.terms import ModelData
+from numpyro_pc.protocols.posterior import Posterior, provides
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
 from numpyro_pc.solvers.gaussian import default_tol
 
@@ -55,7 +56,7 @@ from .stochastic import stochastic_update
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
-def _reservoir(ids_old, ids_new, size, seen_before, seed):
+def _reservoir(ids_old, ids_new, size, seen_before, seed) -> np.ndarray:
     """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
     rng = np.random.default_rng(seed)
     kept = list(np.asarray(ids_old)[:size])
@@ -72,7 +73,7 @@ def _reservoir(ids_old, ids_new, size, seen_before, seed):
 
 @provides("update")
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
-           max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs):
+           max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs) -> Posterior:
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     residual = post.site_identity_residual  # the sites' own identity: an exact update recomputes stale ones
@@ -136,7 +137,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                          stale_sites=post.stale_sites and correction != "exact")
 
 
-def _retain(post, new_data, new_ids, keep, seed):
+def _retain(post, new_data, new_ids, keep, seed) -> tuple[ModelData, np.ndarray]:
     if isinstance(keep, str) and keep == "all":
         return concat_data(post.data, new_data), np.concatenate([np.asarray(post.data_ids), new_ids])
     if isinstance(keep, str) and keep == "none":

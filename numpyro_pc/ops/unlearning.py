@@ -41,7 +41,7 @@ import numpy as np
 
 from numpyro_pc.dual.base import DualPosteriorBase, RowSelection
 from numpyro_pc.errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
-from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, add_site, remove_site
+from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, GaussianNatural, add_site, remove_site
 from numpyro_pc.model.rows import as_ids, bucket_size, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import SiteSum, capability, require
@@ -58,7 +58,7 @@ METHODS = ("remove_site", "influence", "tracin", "corrected", "retrain")
 APPROXIMATE_METHODS = ("remove_site", "influence", "tracin")  # the retained examples' sites are not recomputed
 
 
-def _check_ids(post, ids):
+def _check_ids(post, ids) -> tuple[np.ndarray, np.ndarray]:
     """Unique ids to delete and their site rows (raises for deleted or unknown ids)."""
     ids = as_ids(ids)
     dead = sorted(set(ids.tolist()) & set(post.tombstones))
@@ -67,7 +67,7 @@ def _check_ids(post, ids):
     return ids, positions(post.ids, ids)
 
 
-def _delta_terms(post, rows):
+def _delta_terms(post, rows) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Delta-method gradients of the examples at ``rows`` and Hessian sums at the mean.
 
     :return: ``(Σ_rows ∇ℓ_j(m), H_rows, H_all)`` with ``H_all`` the prior plus all
@@ -84,11 +84,11 @@ def _delta_terms(post, rows):
 
 
 @partial(jax.jit, static_argnums=0)
-def _selected_natural_sum(family, sites, rows, weights):
+def _selected_natural_sum(family, sites, rows, weights) -> GaussianNatural:
     return sites.take(rows).natural_sum(family, weights)
 
 
-def _removed_natural(post, rows):
+def _removed_natural(post, rows) -> GaussianNatural:
     """``Σ_{j ∈ rows} λ̂_j`` gathered from the (possibly deferred) sites inside one jitted call.
 
     ``rows`` is padded to a bucket (:func:`~numpyro_pc.model.rows.bucket_size`) with zero
@@ -105,19 +105,19 @@ def _removed_natural(post, rows):
 
 
 @partial(jax.jit, static_argnums=0)
-def _removed(family, state, removal, alpha):
+def _removed(family, state, removal, alpha) -> tuple[jax.Array, Gaussian]:
     """``q`` with ``α·removal`` taken out of its natural parameters, and whether that is positive definite."""
     natural = remove_site(family.natural(state), removal, alpha)
     return family.is_positive_definite(natural.precision), family.from_natural(natural)
 
 
 @partial(jax.jit, static_argnums=0)
-def _assess(family, q, previous):
+def _assess(family, q, previous) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Positive definiteness, finiteness of the mean, and ``KL(q ‖ previous)`` in one compiled call."""
     return family.is_positive_definite(q.precision), jnp.all(jnp.isfinite(q.mean)), family.kl(q, previous)
 
 
-def _remove(post, removal, damping, what):
+def _remove(post, removal, damping, what) -> tuple[Gaussian, float]:
     family = post.family
     alpha = 1.0
     positive, q = _removed(family, post.state, removal, alpha)
