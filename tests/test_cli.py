@@ -1,8 +1,17 @@
-"""The demo runs end to end on the embedded dataset and reports a converged dual form."""
+"""The demo runs end to end on the embedded dataset and reports a converged dual form; the command line's
+parser imports none of it."""
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import numpyro_pc.demos.run
 from numpyro_pc.cli import SECTIONS, demo
 from numpyro_pc.errors import InvalidOptionError
 
@@ -73,3 +82,35 @@ def test_the_package_version_is_the_installed_distribution_version():
     import numpyro_pc
 
     assert numpyro_pc.__version__ == metadata.version("numpyro-pc")
+
+
+def test_the_sections_the_parser_offers_are_the_ones_the_runner_runs_in_that_order():
+    # the command line takes the names from numpyro_pc.demos without importing the runner: the runner's
+    # ``if "<section>" in chosen:`` branches, in order, are those names, and each imports a module that exists
+    tree = ast.parse(Path(numpyro_pc.demos.run.__file__).read_text())
+    demo_def = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "demo")
+    branches = [node for node in ast.walk(demo_def) if isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Constant) and isinstance(node.test.ops[0], ast.In)
+                and isinstance(node.test.comparators[0], ast.Name) and node.test.comparators[0].id == "chosen"]
+    assert tuple(branch.test.left.value for branch in branches) == SECTIONS
+    assert numpyro_pc.demos.run.SECTIONS is SECTIONS
+    for branch in branches:  # the section's module is imported in its branch, and only there
+        imported = [node.module for child in branch.body for node in ast.walk(child) if isinstance(node, ast.ImportFrom)]
+        assert imported and all(module.startswith("numpyro_pc.demos.") for module in imported), branch.test.left.value
+        assert all(importlib.util.find_spec(module) is not None for module in imported)
+
+
+_HEAVY = ("arviz", "sklearn", "optax", "gpjax", "matplotlib")
+
+
+def test_the_help_imports_no_demo_section_and_none_of_its_extras():
+    env = dict(os.environ, NUMPYRO_PC_NO_COMPILATION_CACHE="1")
+    out = subprocess.run([sys.executable, "-m", "numpyro_pc", "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "demo" in out.stdout, out.stderr
+    code = ("import sys, numpyro_pc.cli\n"
+            "for argv in (['--help'], ['demo', '--help']):\n    try:\n        numpyro_pc.cli.main(argv)\n    except SystemExit:\n        pass\n"
+            f"print(sorted(m for m in sys.modules if m.startswith('numpyro_pc.demos.') or m.split('.')[0] in {_HEAVY}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    *usage, imported = out.stdout.strip().splitlines()
+    assert all(section in "\n".join(usage) for section in SECTIONS)  # the choices of --section
+    assert imported == "[]"

@@ -121,3 +121,97 @@ def test_a_renamed_or_moved_name_answers_with_a_warning(old_module, name, new):
     assert value is getattr(importlib.import_module(new), renamed)
     with pytest.raises(AttributeError, match=f"module '{old_module}' has no attribute 'never_defined'"):
         getattr(importlib.import_module(old_module), "never_defined")
+
+
+# Every way of reaching an old name, as user code writes it: the FutureWarning names the line here that used it,
+# not a line of the package or of importlib (the forwarders count their frames: stacklevel)
+def _import_old_module():
+    import numpyro_pc.likelihood  # noqa: F401
+
+
+def _from_package_import_old_module():
+    from numpyro_pc import likelihood  # noqa: F401
+
+
+def _from_old_module_import_name():
+    from numpyro_pc.likelihood import prior_loss  # noqa: F401
+
+
+def _from_package_import_moved_name():
+    from numpyro_pc.dual import build_posterior  # noqa: F401
+
+
+def _from_module_import_moved_name():
+    from numpyro_pc.dual.expfam import fit_ef  # noqa: F401
+
+
+def _from_package_import_renamed_class():
+    from numpyro_pc.curvature import Factor  # noqa: F401
+
+
+def _from_posteriordb_import_renamed_class():
+    from numpyro_pc.posteriordb import Posterior  # noqa: F401
+
+
+def _from_gp_import_renamed_class():
+    from numpyro_pc.gp import StreamConfig  # noqa: F401
+
+
+_OLD_NAME_USES = {
+    "import numpyro_pc.<old>": _import_old_module,
+    "importlib.import_module('numpyro_pc.<old>')": lambda: importlib.import_module("numpyro_pc.likelihood"),
+    "pc.<old>": lambda: numpyro_pc.likelihood,
+    "from numpyro_pc import <old>": _from_package_import_old_module,
+    "from numpyro_pc.<old> import name": _from_old_module_import_name,
+    "numpyro_pc.dual.build_posterior": lambda: numpyro_pc.dual.build_posterior,
+    "from numpyro_pc.dual import build_posterior": _from_package_import_moved_name,
+    "numpyro_pc.dual.expfam.fit_ef": lambda: numpyro_pc.dual.expfam.fit_ef,
+    "from numpyro_pc.dual.expfam import fit_ef": _from_module_import_moved_name,
+    "numpyro_pc.io.validation.check_manifest": lambda: numpyro_pc.io.validation.check_manifest,
+    "numpyro_pc.sites.expfam.blr_solve": lambda: numpyro_pc.sites.expfam.blr_solve,
+    "numpyro_pc.curvature.Factor": lambda: numpyro_pc.curvature.Factor,
+    "from numpyro_pc.curvature import Factor": _from_package_import_renamed_class,
+    "numpyro_pc.curvature.stores.Factor": lambda: numpyro_pc.curvature.stores.Factor,
+    "numpyro_pc.posteriordb.Posterior": lambda: numpyro_pc.posteriordb.Posterior,
+    "from numpyro_pc.posteriordb import Posterior": _from_posteriordb_import_renamed_class,
+    "numpyro_pc.gp.StreamConfig": lambda: numpyro_pc.gp.StreamConfig,
+    "from numpyro_pc.gp import StreamConfig": _from_gp_import_renamed_class,
+}
+
+
+@pytest.mark.parametrize("use", sorted(_OLD_NAME_USES))
+def test_the_warning_about_an_old_name_names_the_line_that_used_it(use):
+    if ".gp" in use:
+        pytest.importorskip("gpjax", reason="the gp extra (GPJax) is not installed")
+    for module in ("numpyro_pc.dual.expfam", "numpyro_pc.io.validation", "numpyro_pc.sites.expfam",
+                   "numpyro_pc.curvature.stores", "numpyro_pc.posteriordb", "numpyro_pc.gp" if ".gp" in use else "json"):
+        importlib.import_module(module)  # the new modules, imported before: only the old name is left to warn
+    sys.modules.pop("numpyro_pc.likelihood", None)
+    vars(numpyro_pc).pop("likelihood", None)  # bound on the package by an earlier import under the old name
+    use_it = _OLD_NAME_USES[use]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        use_it()
+    future = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert future, "no FutureWarning"
+    lines = {line for _, _, line in use_it.__code__.co_lines() if line is not None}
+    assert [(w.filename, w.lineno in lines) for w in future] == [(__file__, True)] * len(future), \
+        [(w.filename, w.lineno) for w in future]
+
+
+@pytest.mark.parametrize("package, module, name, new", [
+    ("numpyro_pc.curvature", "stores", "Factor", "JacobianFactor"),
+    ("numpyro_pc.posteriordb", "reference", "Posterior", "ReferencePosterior"),
+    ("numpyro_pc.gp", "core", "StreamConfig", "GPStreamConfig"),
+])
+def test_a_package_warns_about_a_renamed_class_in_the_words_of_its_module(package, module, name, new):
+    # the package raises the warning itself (to name the caller's line), with the text of its module's __getattr__
+    if package == "numpyro_pc.gp":
+        pytest.importorskip("gpjax", reason="the gp extra (GPJax) is not installed")
+    messages = []
+    for where in (package, f"{package}.{module}"):
+        with pytest.warns(FutureWarning) as caught:
+            value = getattr(importlib.import_module(where), name)
+        messages.append(str(caught[0].message))
+        assert value is getattr(importlib.import_module(package), new)
+    assert messages[0] == messages[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -13,6 +14,9 @@ from numpyro.infer.autoguide import AutoMultivariateNormal
 import numpyro_pc as pc
 from numpyro_pc.demos.models import logistic_model
 from numpyro_pc.demos.plotting import save_figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["demo_dual_form", "plot_dual_form"]
 
@@ -62,7 +66,7 @@ def demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed) -> dict:
                 iterations=len(post.history) - 1, plot=str(path), _post=post, _scratch=scratch)
 
 
-def plot_dual_form(post, raw, X, y, names, plt) -> object:
+def plot_dual_form(post, raw, X, y, names, plt) -> Figure:
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     margin = np.asarray(X @ post.mean[1:] + post.mean[0])

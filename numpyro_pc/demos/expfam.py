@@ -28,7 +28,7 @@ PRIOR_SCALES = np.array([100.0, 10.0, 10.0])  # intercept, bmi, bp (raw units)
 TAU_SHAPE, TAU_RATE = 1.0, 1000.0  # noise precision: mean 1e-3, i.e. a noise scale around 30
 
 
-def normal_gamma_regression(X, y=None):
+def normal_gamma_regression(X, y=None) -> None:
     """``w ~ N(0, diag(PRIOR_SCALES²))``, ``tau ~ Gamma(1, 1000)``, ``y_i ~ N(x_iᵀ w, 1/tau)``."""
     tau = numpyro.sample("tau", dist.Gamma(TAU_SHAPE, TAU_RATE))
     w = numpyro.sample("w", dist.Normal(0.0, jnp.asarray(PRIOR_SCALES)).to_event(1))
@@ -36,7 +36,7 @@ def normal_gamma_regression(X, y=None):
         numpyro.sample("y", dist.Normal(X @ w, 1.0 / jnp.sqrt(tau)), obs=y)
 
 
-def coordinate_ascent(X, y, iters=2000):
+def coordinate_ascent(X, y, iters=2000) -> tuple[np.ndarray, np.ndarray, float, float]:
     """Closed-form mean-field VB of :func:`normal_gamma_regression`: ``(mean, covariance, shape, rate)``."""
     X, y = np.asarray(X), np.asarray(y)
     prior_precision = np.diag(1.0 / PRIOR_SCALES**2)
@@ -50,14 +50,14 @@ def coordinate_ascent(X, y, iters=2000):
     return mean, cov, shape, rate
 
 
-def _summary(post):
+def _summary(post) -> dict[str, float]:
     q = post.distributions()
     shape, rate = float(q["tau"].concentration), float(q["tau"].rate)
     return dict(N=post.num_examples, noise_scale=float(np.sqrt(rate / (shape - 1.0))),  # E[1/tau]^(1/2)
                 slope=float(q["w"].loc[1]), slope_sd=float(np.sqrt(q["w"].covariance_matrix[1, 1])))
 
 
-def _check(post, X, y):
+def _check(post, X, y) -> float:
     mean, cov, shape, rate = coordinate_ascent(X, y)
     q = post.distributions()
     error = max(float(np.max(np.abs(np.asarray(q["w"].loc) - mean) / (1 + np.abs(mean)))),

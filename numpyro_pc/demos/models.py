@@ -9,14 +9,14 @@ import numpyro.distributions as dist
 __all__ = ["logistic_model", "raw_diabetes_regression", "plate_from_argument", "progression_classifier"]
 
 
-def logistic_model(X, y=None):
+def logistic_model(X, y=None) -> None:
     b = numpyro.sample("b", dist.Normal(0.0, 1.0))
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
-def raw_diabetes_regression(bmi, bp, y=None, noise_scale=100.0):
+def raw_diabetes_regression(bmi, bp, y=None, noise_scale=100.0) -> None:
     a = numpyro.sample("a", dist.Normal(0.0, 100.0))
     b = numpyro.sample("b", dist.Normal(0.0, 10.0).expand([2]).to_event(1))
     sigma = numpyro.sample("sigma", dist.HalfNormal(noise_scale))
@@ -24,7 +24,7 @@ def raw_diabetes_regression(bmi, bp, y=None, noise_scale=100.0):
         numpyro.sample("y", dist.Normal(a + b[0] * bmi + b[1] * bp, sigma), obs=y)
 
 
-def plate_from_argument(n, bmi, y=None):
+def plate_from_argument(n, bmi, y=None) -> None:
     a = numpyro.sample("a", dist.Normal(0.0, 100.0))
     with numpyro.plate("data", n):
         numpyro.sample("y", dist.Normal(a + bmi, 50.0), obs=y)

@@ -7,7 +7,7 @@ from pathlib import Path
 __all__ = ["save_figure"]
 
 
-def save_figure(fig, out, name, dpi=120):
+def save_figure(fig, out, name, dpi=120) -> Path:
     """Write ``fig`` to ``out/name`` (creating ``out``), close it, say where, and return the path.
 
     :param fig: a Matplotlib figure.

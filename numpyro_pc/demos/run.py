@@ -10,23 +10,15 @@ import jax.numpy as jnp
 
 import numpyro_pc as pc
 from numpyro_pc.datasets.loaders import load_breast_cancer
-from numpyro_pc.demos.criticism import demo_criticism
-from numpyro_pc.demos.dual_form import demo_dual_form
-from numpyro_pc.demos.expfam import demo_expfam
-from numpyro_pc.demos.federated import demo_merging_federated
-from numpyro_pc.demos.hierarchical import demo_hierarchical
+from numpyro_pc.demos import SECTIONS
 from numpyro_pc.demos.models import logistic_model
-from numpyro_pc.demos.streaming import demo_streaming
-from numpyro_pc.demos.trust import demo_trust
 from numpyro_pc.errors import InvalidOptionError
 
 __all__ = ["SECTIONS", "demo"]
 
 
-SECTIONS = ("dual_form", "trust", "hierarchical", "streaming", "criticism", "merging_federated", "expfam",
-            "streaming_gp")
-
-
+# Each section's module is imported in its branch below, when the section runs: the sections need extras
+# (arviz, scikit-learn, optax, GPJax) that the others and the command line's parser do not.
 def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -> dict:
     """The package on scikit-learn's breast-cancer data, in sections (:data:`SECTIONS`):
 
@@ -71,6 +63,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
         print(f"breast-cancer data: N={X.shape[0]} examples, {X.shape[1]} features (+ intercept), float64")
         post = scratch = None
         if "dual_form" in chosen:
+            from numpyro_pc.demos.dual_form import demo_dual_form
+
             result.update(demo_dual_form(X, y, names, out, plt, fast, svi_steps, seed))
             post, scratch = result.pop("_post"), result.pop("_scratch")
         elif {"criticism", "merging_federated"} & set(chosen):
@@ -78,16 +72,28 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
             scratch = post = pc.fit(logistic_model, X, y, family="full")
             result["timings"] = dict(fit=time.perf_counter() - t0)
         if "trust" in chosen:
+            from numpyro_pc.demos.trust import demo_trust
+
             result["trust"] = demo_trust()
         if "hierarchical" in chosen:
+            from numpyro_pc.demos.hierarchical import demo_hierarchical
+
             result["hierarchical"] = demo_hierarchical()
         if "streaming" in chosen:
+            from numpyro_pc.demos.streaming import demo_streaming
+
             result["streaming"] = demo_streaming(X, y, out, plt, fast)
         if "criticism" in chosen:
+            from numpyro_pc.demos.criticism import demo_criticism
+
             result["criticism"] = demo_criticism(post, X, y, out, plt, result["timings"]["fit"])
         if "merging_federated" in chosen:
+            from numpyro_pc.demos.federated import demo_merging_federated
+
             result["merging_federated"] = demo_merging_federated(logistic_model, X, y, out, plt, fast, joint=scratch)
         if "expfam" in chosen:
+            from numpyro_pc.demos.expfam import demo_expfam
+
             result["expfam"] = demo_expfam(out, plt, fast)
         if "streaming_gp" in chosen:
             try:  # the streaming-GP section needs the optional ``gp`` extra (GPJax)
