@@ -14,14 +14,17 @@ PYTEST_WORKERS ?= 2
 # makes small LAPACK calls 10-100x slower on few cores (docs/install.md).  Override freely.
 export OPENBLAS_NUM_THREADS ?= 1
 
-.PHONY: help venv demo test lint unit notebooks notebooks-full docs architecture bench clean distclean
+.PHONY: help venv demo test test-all lint unit unit-slow test-durations notebooks notebooks-full docs architecture bench clean distclean
 
 help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
 	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
-	@echo "make test       ruff, unit tests, then notebooks, then the strict docs build"
+	@echo "make test       the gate CI runs (~20 min on 2 cores): lint, the unit tests' gate tier, notebooks, strict docs"
+	@echo "make test-all   make test, then the slow tier of the unit tests (~60 min more on 2 cores)"
 	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns), the import-layer contract, mypy"
-	@echo "make unit       pytest on tests/"
+	@echo "make unit       pytest on tests/ without the slow tier (tests/tiers.py)"
+	@echo "make unit-slow  pytest on the slow tier only"
+	@echo "make test-durations  run every test and record its seconds in tests/durations.json (commit it)"
 	@echo "make notebooks  check that the committed outputs are current, then execute notebooks/*.ipynb (NUMPYRO_PC_FAST=1)"
 	@echo "make notebooks-full  full-size runs written back into notebooks/ with their outputs (commit them)"
 	@echo "make docs       sphinx-build -W (html in docs/_build/html)"
@@ -61,7 +64,16 @@ lint: venv
 	$(PY) scripts/architecture.py --check
 
 unit: venv
-	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 tests
+	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 -m "not slow" tests
+
+unit-slow: venv
+	$(PY) -m pytest -q -x -rsx -n $(PYTEST_WORKERS) --durations=15 -m slow tests
+
+test-all: test
+	$(MAKE) --no-print-directory unit-slow
+
+test-durations: venv
+	$(PY) -m pytest -q -rsx -n $(PYTEST_WORKERS) --record-durations tests/durations.json tests
 
 notebooks: venv
 	$(PY) scripts/run_notebooks.py notebooks --check-committed

@@ -7,6 +7,7 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 from jax_cache import use_test_compilation_cache
+from tiers import DurationRecorder, mark_slow_tier, recorded_seconds
 
 
 use_test_compilation_cache()
@@ -48,9 +49,30 @@ def x64():
         yield
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's seconds to PATH (make test-durations: tests/durations.json)")
+
+
 def pytest_configure(config):
-    """Per-file progress lines on the process that reports (not on xdist workers)."""
+    """Per-file progress lines and the duration record on the process that reports (not on xdist workers)."""
     if not hasattr(config, "workerinput"):
         from progress_plugin import FileProgress
 
         config.pluginmanager.register(FileProgress(config), "numpyro_pc_file_progress")
+        if config.getoption("record_durations"):
+            config.pluginmanager.register(DurationRecorder(config.getoption("record_durations")),
+                                          "numpyro_pc_duration_recorder")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Put the tests recorded as slow in the slow tier before ``-m`` selects (tests/tiers.py)."""
+    mark_slow_tier(items, recorded_seconds())
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say what the tier selection left out, so that a gate run never reads as the whole suite."""
+    if "not slow" in (config.getoption("markexpr") or ""):
+        terminalreporter.write_line("the slow tier was deselected (make unit-slow runs it; make test-all runs "
+                                    "everything; tests/tiers.py says how a test gets there)")

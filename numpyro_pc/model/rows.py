@@ -19,6 +19,8 @@ first use.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,7 +132,10 @@ def bucket_size(num, smallest=8, fine_from=2048) -> int:
 
 
 def as_ids(ids) -> np.ndarray:
-    """Unique example ids as int64; anything that is not an integer array is refused, never rounded."""
+    """Unique example ids as int64 from an integer, an integer array, a sequence, a set or an iterator;
+    anything that is not integers is refused, never rounded."""
+    if isinstance(ids, (set, frozenset, Iterator)):
+        ids = list(ids)
     raw = np.asarray(ids)
     if raw.size == 0:
         return np.zeros(0, np.int64)

@@ -168,7 +168,7 @@ def correction_factor(posterior, memory: str | Iterable[int] = "all", correct_pr
     require(posterior.family, SiteDivision, "the corrected model q · Π_i exp(ℓ̂_i − ℓ_i)")
     post, family, spec = posterior, posterior.family, posterior.spec
     retained, held = np.asarray(post.data_ids), np.asarray(post.sites.ids)
-    removed = as_ids(removed) if len(removed) else np.zeros(0, np.int64)
+    removed = as_ids(removed)
     ids = memory_ids(memory, retained, removed)
     data = take_data(post.data, positions(retained, ids, "retained example"))
     sites = post.sites.take(positions(held, ids))
