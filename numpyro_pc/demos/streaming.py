@@ -12,12 +12,12 @@ import numpyro_pc as pc
 from numpyro_pc.demos.models import logistic_model
 from numpyro_pc.demos.plotting import save_figure
 
-__all__ = ["STREAM_POLICIES", "DELETE_METHODS", "demo_streaming"]
+__all__ = ["STREAM_POLICIES", "COMPARED_DELETE_METHODS", "demo_streaming"]
 
 
 STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),
                    ("stochastic", dict(batch_fraction=0.1)), ("exact", {}))
-DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
+COMPARED_DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
 
 
 def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
@@ -70,13 +70,13 @@ def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
     gone = np.asarray(exact.ids)[np.argsort(-curvature)[:20]]
     print(f"\nDeleting the 20 examples of largest site curvature (full data, {exact.num_examples} examples)")
     deleted = {}
-    for method in DELETE_METHODS:
+    for method in COMPARED_DELETE_METHODS:
         t0 = time.perf_counter()
         deleted[method] = exact.delete(gone, method=method, damping=True)
         deleted[method + "_seconds"] = time.perf_counter() - t0
     print(f"{'method':12s} {'KL to retrain':>14s} {'time [s]':>9s}")
     del_rows = []
-    for method in DELETE_METHODS:
+    for method in COMPARED_DELETE_METHODS:
         kl = max(float(deleted[method].kl(deleted["retrain"])), 0.0)
         del_rows.append((method, kl, deleted[method + "_seconds"]))
         print(f"{method:12s} {kl:14.3e} {deleted[method + '_seconds']:9.2f}")
