@@ -20,7 +20,7 @@ help:
 	@echo "make venv       create $(VENV) and install -e .[$(EXTRAS)] (re-runs when pyproject.toml changes)"
 	@echo "make demo       run the end-to-end demo (python -m numpyro_pc demo)"
 	@echo "make test       the gate CI runs (~20 min on 2 cores): lint, the unit tests' gate tier, notebooks, strict docs"
-	@echo "make test-all   make test, then the slow tier of the unit tests (~60 min more on 2 cores)"
+	@echo "make test-all   make test, then the slow tier of the unit tests (~55 min more on 2 cores)"
 	@echo "make lint       ruff check (pyflakes and pycodestyle rules, 120 columns), the import-layer contract, mypy"
 	@echo "make unit       pytest on tests/ without the slow tier (tests/tiers.py)"
 	@echo "make unit-slow  pytest on the slow tier only"
@@ -74,6 +74,7 @@ test-all: test
 
 test-durations: venv
 	$(PY) -m pytest -q -rsx -n $(PYTEST_WORKERS) --record-durations tests/durations.json tests
+	$(PY) -m pytest -q -rsx -n $(PYTEST_WORKERS) --record-durations tests/durations.json -m "not slow" tests
 
 notebooks: venv
 	$(PY) scripts/run_notebooks.py notebooks --check-committed

@@ -103,6 +103,7 @@ def test_the_sections_the_parser_offers_are_the_ones_the_runner_runs_in_that_ord
 _HEAVY = ("arviz", "sklearn", "optax", "gpjax", "matplotlib")
 
 
+@pytest.mark.gate  # 13 s (a fresh interpreter importing JAX), but CI must keep the help light
 def test_the_help_imports_no_demo_section_and_none_of_its_extras():
     env = dict(os.environ, NUMPYRO_PC_NO_COMPILATION_CACHE="1")
     out = subprocess.run([sys.executable, "-m", "numpyro_pc", "--help"], capture_output=True, text=True, env=env)

@@ -19,7 +19,7 @@ first use.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -131,12 +131,19 @@ def bucket_size(num, smallest=8, fine_from=2048) -> int:
     return int(next(m * octave // 4 for m in (4, 5, 6, 7, 8) if m * octave // 4 >= num))
 
 
+def materialise_ids(ids: Any) -> Any:
+    """Sets, dict views, iterators and other iterables as a list (NumPy would read them as one object);
+    arrays, lists, tuples, strings and scalars unchanged. An iterator is consumed: call this once."""
+    if isinstance(ids, (str, bytes, list, tuple)) or hasattr(ids, "__array__") or not isinstance(ids, Iterable):
+        return ids
+    return list(ids)
+
+
 def as_ids(ids) -> np.ndarray:
-    """Unique example ids as int64 from an integer, an integer array, a sequence, a set or an iterator;
-    anything that is not integers is refused, never rounded."""
-    if isinstance(ids, (set, frozenset, Iterator)):
-        ids = list(ids)
-    raw = np.asarray(ids)
+    """Unique example ids as int64 from an integer, an integer array or any iterable of integers (a
+    sequence, a set, a dict view, an iterator: see :func:`materialise_ids`); anything that is not integers
+    is refused, never rounded."""
+    raw = np.asarray(materialise_ids(ids))
     if raw.size == 0:
         return np.zeros(0, np.int64)
     if raw.dtype == np.bool_ or not np.issubdtype(raw.dtype, np.integer):

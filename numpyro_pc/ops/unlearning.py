@@ -156,7 +156,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
     if not is_choice(method, METHODS):
         raise InvalidOptionError(f"unknown deletion method {method!r}; expected one of {METHODS}")
     start = time.perf_counter()
-    if as_ids(ids).size == 0:  # nothing to delete: the same posterior, with a record saying so
+    ids = as_ids(ids)  # once: an iterator of ids is consumed by reading it
+    if ids.size == 0:  # nothing to delete: the same posterior, with a record saying so
         return post.evolve(record=dict(operation="delete", method=method, deleted=0, damping=1.0, seconds=0.0,
                                          kl_to_previous=0.0))
     ids, site_rows = _check_ids(post, ids)

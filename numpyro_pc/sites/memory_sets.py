@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
-from numpyro_pc.model.rows import as_ids, positions
+from numpyro_pc.model.rows import as_ids, materialise_ids, positions
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import NO_CURVATURE, site_curvature
 from numpyro_pc.protocols.posterior import by_site_table
@@ -165,6 +165,7 @@ def corrected_ids(post, correction: str, memory, selection: str, seed: int) -> t
     if not is_choice(correction, CORRECTIONS):
         raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     uses_memory = correction in MEMORY_CORRECTIONS
+    memory = materialise_ids(memory)  # a set or an iterator of ids is ids, not a size
     if (memory is not None) != uses_memory:
         raise InvalidOptionError(f"memory= goes with correction='memory' or 'weighted' (and they need it); got "
                                  f"correction={correction!r} with memory={'None' if memory is None else 'given'}")

@@ -264,3 +264,24 @@ def test_an_exponential_family_site_removal_reports_its_own_error(x64, tmp_path)
     assert not corrected.stale_sites and corrected.residual < 1e-8
     loaded = pc.load(removed.save(tmp_path / "ef.npz"), model)
     assert loaded.stale_sites and float(loaded.residual) == pytest.approx(float(removed.residual), rel=1e-8)
+
+
+def test_ids_given_as_a_set_a_generator_or_a_dict_view_delete_the_same_examples_as_a_list(x64):
+    # an iterator is consumed by reading it: read once, it must still delete (it deleted nothing when read twice)
+    X, y = make_linear(30, 2, seed=21)
+    post = pc.fit(linear_model, X, y, family="full")
+    by_list = post.delete([4, 9])
+    for ids in ({9, 4}, (i for i in (4, 9)), iter([9, 4]), dict.fromkeys([4, 9]).keys()):
+        other = post.delete(ids)
+        assert other.num_examples == 28 and other.record["deleted"] == 2
+        np.testing.assert_array_equal(np.asarray(other.mean), np.asarray(by_list.mean))
+
+
+def test_a_memory_given_as_a_set_or_an_iterator_is_ids_not_a_size(x64):
+    X, y = make_linear(40, 2, seed=22)
+    post = pc.fit(linear_model, X[:30], y[:30], family="full")
+    by_list = post.update(X[30:], y[30:], correction="memory", memory=[1, 5, 7])
+    for memory in ({7, 1, 5}, iter([1, 5, 7])):
+        other = post.update(X[30:], y[30:], correction="memory", memory=memory)
+        assert other.record["corrected"] == 3
+        np.testing.assert_array_equal(np.asarray(other.mean), np.asarray(by_list.mean))
