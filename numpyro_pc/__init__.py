@@ -11,13 +11,12 @@ import importlib as _importlib
 import importlib.abc as _importlib_abc
 import importlib.machinery as _importlib_machinery
 import importlib.util as _importlib_util
-import os as _os
 import sys as _sys
 import types as _types
-import warnings as _warnings
 from importlib import metadata as _metadata
 
 from numpyro_pc import errors, families, guides
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.dual.expfam import EFPosterior
 from numpyro_pc.errors import (
     ConvergenceError,
@@ -165,30 +164,6 @@ KEPT_MODULE_NAMES = {
 }
 
 
-# the frames a warning about an old name skips to reach the line that used it (``skip_file_prefixes`` of Python 3.12)
-_SKIPPED_FILES = (_os.path.dirname(__file__) + _os.sep, _os.path.dirname(_importlib.__file__) + _os.sep)
-
-
-def _stacklevel_past_package() -> int:
-    """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller, names the first line
-    outside this package and :mod:`importlib`: ``import numpyro_pc.<old>``, ``importlib.import_module(...)``,
-    ``pc.<old>`` and ``from numpyro_pc import <old>`` reach the finder through different frames. Counted the
-    way ``warnings`` counts: frames of ``importlib._bootstrap`` do not count and are passed over."""
-
-    def internal(frame: _types.FrameType) -> bool:  # warnings' own test (Lib/warnings.py, _is_internal_frame)
-        return "importlib" in frame.f_code.co_filename and "_bootstrap" in frame.f_code.co_filename
-
-    level, frame = 1, _sys._getframe(1)
-    while frame.f_code.co_filename.startswith(_SKIPPED_FILES):
-        back = frame.f_back
-        while back is not None and internal(back):
-            back = back.f_back
-        if back is None:
-            break
-        level, frame = level + 1, back
-    return level
-
-
 class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
     """Imports a module of the flat layout under its old name: the same module object (so that
     patching either name patches both), with a ``FutureWarning`` that names the new one (none for
@@ -202,8 +177,7 @@ class _MovedModuleFinder(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
     def create_module(self, spec: _importlib_machinery.ModuleSpec) -> _types.ModuleType:
         new = MOVED_MODULES.get(spec.name) or KEPT_MODULE_NAMES[spec.name]
         if spec.name in MOVED_MODULES:
-            _warnings.warn(f"{spec.name} moved to {new}; the old name will be removed in the next release",
-                           FutureWarning, stacklevel=_stacklevel_past_package())
+            warn_renamed(f"{spec.name} moved to {new}; the old name will be removed in the next release")
         module = _importlib.import_module(new)
         spec.loader_state = module.__spec__  # per import, so that concurrent imports cannot swap them
         return module

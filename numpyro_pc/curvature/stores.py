@@ -24,7 +24,6 @@ Adding a storage kind is one class with these methods, registered with :func:`re
 
 from __future__ import annotations
 
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
@@ -32,6 +31,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.errors import InvalidOptionError, SiteStorageError
 from numpyro_pc.model.rows import join_rows, pad_last_row, take_rows
 from numpyro_pc.options import is_choice
@@ -436,8 +436,8 @@ def get_store(name) -> type[CurvatureStore]:
 
 def __getattr__(name: str) -> type:
     if name == "Factor":  # renamed: numpyro_pc.families.expfam.Factor is an exponential-family factor
-        warnings.warn("numpyro_pc.curvature.Factor is now JacobianFactor (the store of H_i = J_i^T Lambda_i J_i; "
-                      "Factor is the exponential-family factor of numpyro_pc.families.expfam); the old name will be "
-                      "removed in the next release", FutureWarning, stacklevel=2)
+        warn_renamed("numpyro_pc.curvature.Factor is now JacobianFactor (the store of H_i = J_i^T Lambda_i J_i; "
+                     "Factor is the exponential-family factor of numpyro_pc.families.expfam); the old name will be "
+                     "removed in the next release")
         return JacobianFactor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

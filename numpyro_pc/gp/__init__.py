@@ -15,10 +15,9 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 
 from __future__ import annotations
 
-import warnings as _warnings
-
 from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
 from .core import GPStreamConfig, StreamingGPState
+from .core import __getattr__ as _core_getattr
 from .model import StreamingSparseGP, bucket_size
 from .state import GPState, Hyper, handover, prior_state
 from .uncollapsed import BernoulliLogit, uncollapsed_bound
@@ -30,11 +29,6 @@ __all__ = ["StreamingSparseGP", "GPState", "Hyper", "handover", "prior_state", "
 
 
 def __getattr__(name: str) -> type:
-    # warned here rather than through core.__getattr__ (stacklevel=2 there is this frame): the warning names
-    # the caller's line; same text as core.__getattr__'s (tests/test_package_layout.py compares them)
-    if name == "StreamConfig":  # renamed, with a FutureWarning
-        _warnings.warn("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
-                       "numpyro_pc.kernels.stream_state); the old name will be removed in the next release",
-                       FutureWarning, stacklevel=2)
-        return GPStreamConfig
+    if name == "StreamConfig":  # renamed, with a FutureWarning naming the caller's line
+        return _core_getattr(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,13 +20,13 @@ random rows of the batch). Nothing here raises on non-finite values (it cannot, 
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from numpyro_pc.deprecation import warn_renamed
 from . import bounds, corrected
 from .datainit import from_search, to_search
 from .optim import minimize
@@ -251,8 +251,7 @@ def step(config, state, X, y, mask) -> tuple[StreamingGPState, dict]:
 
 def __getattr__(name: str) -> type:
     if name == "StreamConfig":  # renamed: numpyro_pc.kernels.stream_state.StreamConfig is the posterior stream's
-        warnings.warn("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
-                      "numpyro_pc.kernels.stream_state); the old name will be removed in the next release",
-                      FutureWarning, stacklevel=2)
+        warn_renamed("numpyro_pc.gp.StreamConfig is now GPStreamConfig (StreamConfig is the dual-form stream's, "
+                     "numpyro_pc.kernels.stream_state); the old name will be removed in the next release")
         return GPStreamConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import json
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.datasets.loaders import DatasetError
 from numpyro_pc.errors import ModelBindingError, UnsupportedModelError
 
@@ -76,9 +76,8 @@ NES_YEARS = (1972, 1976, 1980, 1984, 1988, 1992, 1996, 2000)
 
 def __getattr__(name: str) -> type:
     if name == "Posterior":  # renamed: pc.Posterior is the fitted posterior of every family
-        warnings.warn("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
-                      "fitted dual-form posterior); the old name will be removed in the next release",
-                      FutureWarning, stacklevel=2)
+        warn_renamed("numpyro_pc.posteriordb.Posterior is now ReferencePosterior (numpyro_pc.Posterior is the "
+                     "fitted dual-form posterior); the old name will be removed in the next release")
         return ReferencePosterior
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
