@@ -197,7 +197,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     try:
         post = build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol,
-                               max_iters, progress, True, cls=DualPosterior)
+                               max_iters, progress, True, cls=DualPosterior, operation="dual_form")
     except (ConvergenceError, NonFiniteResultError) as err:
         if not refine:
             raise
@@ -205,9 +205,9 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         # unscaled data) is replaced by the MAP/Laplace start, and the record says so
         start = default_start(spec, data, family, None, q.mean.dtype)
         post = build_posterior(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine,
-                               tol, max_iters, progress, raise_on_failure, cls=DualPosterior)
+                               tol, max_iters, progress, raise_on_failure, cls=DualPosterior, operation="dual_form")
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
-        return post.evolve(record=dict(post.record or {}, start=dict(kind=start.kind, reason=reason)))
+        return post.evolve(record=post.record.replace(start=start.info(reason)))
     if not refine or rule.kind == "delta":  # unrefined: nothing converged; delta: the MAP is its fixed point
         return post
     # a converged guide can still sit where a scale collapsed: a fixed point, but a local optimum
@@ -215,7 +215,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     warn_if_worse_optimum(found)
     if not (found.flagged or found.skipped):
         return post
-    return post.evolve(record=dict(post.record or {}, boundary=found.as_record()))
+    return post.evolve(record=post.record.replace(boundary=found.as_record()))
 
 
 def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
@@ -278,8 +278,7 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     post = build_posterior(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                            max_iters, progress, raise_on_failure, cls=DualPosterior)
-    info = {k: v for k, v in start._asdict().items() if k != "start"}
-    return post.evolve(record=dict(post.record or {}, start=info))
+    return post.evolve(record=post.record.replace(start=start.info()))
 
 
 def _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed) -> None:

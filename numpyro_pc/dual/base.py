@@ -32,6 +32,7 @@ from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_dev
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.protocols.records import RefineInfo
 from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.gaussian import solve, solve_init
 from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
@@ -301,7 +302,9 @@ class DualPosteriorBase(Posterior):
             (carrying the last posterior as ``err.posterior``) when ``tol`` is not reached;
             ``False`` warns instead.
         :param bool progress: show a progress bar.
-        :return: a new :class:`DualPosterior` whose ``history`` records every step.
+        :return: a new :class:`DualPosterior` whose ``history`` records every step
+            (:class:`~numpyro_pc.protocols.records.IterationInfo`) and ``record`` the solve
+            (:class:`~numpyro_pc.protocols.records.RefineInfo`).
         """
         check_solver_options(tol, max_iters)
         step_size = check_finite(step_size, "step_size", low=2.0**-30, high=1.0)
@@ -321,12 +324,14 @@ class DualPosteriorBase(Posterior):
                                       sites=start_sites, sums=start_sums)
         except ConvergenceError as err:
             q, sites = err.posterior
-            partial = self.evolve(state=q, sites=assemble(sites), history=err.history, stale_sites=False)
+            partial = self.evolve(state=q, sites=assemble(sites), history=err.history, stale_sites=False,
+                                  record=RefineInfo(iterations=len(err.history) - 1, converged=False))
             if raise_on_failure:
                 raise type(err)(str(err), posterior=partial, history=err.history) from None
             warnings.warn(str(err), RuntimeWarning, stacklevel=2)
             return partial
-        return self.evolve(state=q, sites=assemble(sites), history=history, stale_sites=False)
+        return self.evolve(state=q, sites=assemble(sites), history=history, stale_sites=False,
+                           record=RefineInfo(iterations=len(history) - 1, converged=True))
 
     # ------------------------------------------------------------------ probability
     @in_own_precision

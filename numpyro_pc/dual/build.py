@@ -17,6 +17,7 @@ import numpy as np
 from numpyro_pc.errors import MonteCarloErrorWarning
 from numpyro_pc.model.rows import pad_to_bucket, to_device
 from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.records import ExpectationError, FitInfo
 from numpyro_pc.sites.expectations import prepare_rule
 from numpyro_pc.sites.gaussian import mc_along_subspace
 from numpyro_pc.solvers.gaussian import default_tol
@@ -28,12 +29,13 @@ __all__ = ["build_posterior"]
 
 
 def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol, max_iters,
-                    progress, raise_on_failure, cls=None) -> DualPosteriorBase:
+                    progress, raise_on_failure, cls=None, operation="fit") -> DualPosteriorBase:
     """A posterior of ``q`` (an instance of ``cls``, default :class:`DualPosteriorBase`): sites computed
     for ``data`` and, with ``refine``, solved to the fixed point.
 
     The constructor shared by :func:`fit`, :func:`dual_form`, merging and the federated run; the
-    data are padded to a bucket internally and the result holds one site per real example.
+    data are padded to a bucket internally and the result holds one site per real example. Its
+    ``record`` is a :class:`~numpyro_pc.protocols.records.FitInfo` naming ``operation``.
     """
     rule = prepare_rule(rule, spec, data, q.mean)
     if rule.kind == "mc" and rule.subspace_dim and not mc_along_subspace(rule, curvature):
@@ -45,15 +47,18 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(family).dense_sum)
     cls = DualPosteriorBase if cls is None else cls
     post = cls(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (), guide)
-    if refine:  # the solver starts from the sites just computed
-        post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
-                           _start=(sites, sums))
-        if rule.kind == "mc":
-            post = post.evolve(record=dict(expectation_error=_monte_carlo_error(post, problem, num)))
-    return post
+    if not refine:
+        return post.evolve(record=FitInfo(operation=operation))
+    # the solver starts from the sites just computed
+    post = post.refine(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
+                       _start=(sites, sums))
+    record = FitInfo(operation=operation, **post.record.solve_fields())
+    if rule.kind == "mc":
+        record = record.replace(expectation_error=_monte_carlo_error(post, problem, num))
+    return post.evolve(record=record)
 
 
-def _monte_carlo_error(post, problem, num) -> dict[str, float]:
+def _monte_carlo_error(post, problem, num) -> ExpectationError:
     """The dual-form residual of the posterior under an independent set of Monte Carlo draws.
 
     The solver reaches the fixed point of the expectations under *its* fixed draws; the
@@ -71,6 +76,6 @@ def _monte_carlo_error(post, problem, num) -> dict[str, float]:
                       "only as accurate as the Monte Carlo error; raise num_samples, or use a model whose examples "
                       "have a low-dimensional dependence subspace (expectation='gh').", MonteCarloErrorWarning,
                       stacklevel=4)
-    return dict(independent_draws_residual=float(residual), num_samples=int(post.rule.num_samples))
+    return ExpectationError(independent_draws_residual=float(residual), num_samples=int(post.rule.num_samples))
 
 

@@ -23,7 +23,7 @@ sites are exact and constant, so all of these are exact Bayes.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ from numpyro_pc.families.product import (  # noqa: F401  (importable from here, 
     family_for_model,
     site_names,
 )
-from numpyro_pc.guides.expfam import read_guide, write_params
+from numpyro_pc.guides.expfam import GuideMap, read_guide, write_params
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
 from numpyro_pc.sites.expfam_eval import inference_data
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from arviz import InferenceData
     from numpyro.distributions import Distribution
 
-    from numpyro_pc.model.terms import ModelSpec
+    from numpyro_pc.model.terms import ModelData, ModelSpec
 
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 
@@ -101,6 +101,16 @@ class EFPosterior(Posterior):
 
     __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record", "stale_sites", "tombstones",
                  "next_id")
+    # the slots' types (set once, by __init__ through object.__setattr__)
+    config: EFConfig
+    data: ModelData
+    state: EFState
+    conjugate_prior: bool
+    guide_map: GuideMap | None
+    record: Any  # a Record; an empty dict before any operation
+    stale_sites: bool
+    tombstones: tuple[int, ...]
+    next_id: int
 
     def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None, stale_sites=False,
                  tombstones=(), next_id=0):

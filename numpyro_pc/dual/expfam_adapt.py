@@ -34,6 +34,7 @@ from numpyro_pc.model.likelihood import ModelData, bind_model
 from numpyro_pc.model.rows import as_ids, concat_data, join_rows, positions, take_rows
 from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
 from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.protocols.records import DeleteInfo, RefineInfo, UpdateInfo
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
 from numpyro_pc.solvers.expfam import SolveInfo, blr_solve, bucketed_target, config_rows, solve_every_site
@@ -101,8 +102,8 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
         data = concat_data(post.data, new)
         solved = solve_every_site(post, data, jnp.concatenate([post.ids, ids]), post.natural, tol, max_iters,
                                   raise_on_failure, progress)
-        return solved.evolve(record=dict(solved.record, operation="update", correction="exact",
-                                         corrected=int(post.num_examples), new=int(spec.num_examples)))
+        return solved.evolve(record=UpdateInfo(**solved.record.solve_fields(), correction="exact",
+                                               corrected=int(post.num_examples), new=int(spec.num_examples)))
     rows = positions(post.ids, corrected) if corrected.size else np.zeros(0, np.int64)
     prior_active = correction != "none" and not post.conjugate_prior
     active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(post.data.per_example,
@@ -113,8 +114,8 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     state = EFState(lam, post.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
     return post.evolve(config=config_rows(post.config, post.num_examples + spec.num_examples),
                        data=concat_data(post.data, new), state=state,
-                       record=dict(operation="update", correction=correction, corrected=int(rows.size),
-                                   new=int(spec.num_examples), **info._asdict()))
+                       record=UpdateInfo(correction=correction, corrected=int(rows.size),
+                                         new=int(spec.num_examples), **info._asdict()))
 
 
 def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False) -> tuple[jax.Array, object, SolveInfo]:
@@ -136,6 +137,7 @@ def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters
         raise InvalidOptionError(f"the stochastic correction needs epochs, a whole number ≥ 1; got {epochs!r}")
     if isinstance(batch_fraction, (bool, np.bool_)) or not 0.0 < float(batch_fraction) <= 1.0:
         raise InvalidOptionError(f"the stochastic correction needs 0 < batch_fraction ≤ 1; got {batch_fraction!r}")
+    past = post.num_examples
     post = update_ef(post, *args, correction="prior", tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
                      **kwargs)
     rng = np.random.default_rng(seed)
@@ -150,8 +152,9 @@ def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters
     finally:
         if bar is not None:
             bar.close()
-    return post.evolve(record=dict(post.record, operation="update", correction="stochastic",
-                                   batch_fraction=float(batch_fraction), epochs=int(epochs)))
+    return post.evolve(record=UpdateInfo(**post.record.solve_fields(), correction="stochastic",
+                                         corrected=past, new=post.num_examples - past,
+                                         batch_fraction=float(batch_fraction), epochs=int(epochs)))
 
 
 def recompute_rows(post: Posterior, rows: np.ndarray, tol: float | None, max_iters: int | None,
@@ -163,7 +166,7 @@ def recompute_rows(post: Posterior, rows: np.ndarray, tol: float | None, max_ite
     lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure)
     table = post.sites.with_rows(rows, sites.grads)
     state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)
-    return post.evolve(state=state, record=info._asdict())
+    return post.evolve(state=state, record=RefineInfo(**info._asdict()))
 
 
 def delete_ef(post: Posterior, ids, method: str = "remove_site", damping: bool = False, tol: float | None = None,
@@ -205,7 +208,7 @@ def delete_ef(post: Posterior, ids, method: str = "remove_site", damping: bool =
             removed = post.natural - alpha * removal
         state = EFState(removed, post.sites.take(keep))
         return post.evolve(config=config_rows(post.config, int(keep.size)), data=data, state=state,
-                           record=dict(operation="delete", method=method, deleted=int(drop.sum()), damping=alpha),
+                           record=DeleteInfo(method=method, deleted=int(drop.sum()), damping=alpha),
                            stale_sites=True, tombstones=tombstones)
     if keep.size == 0:
         raise DataShapeError(f"{method} deletion needs at least one retained example")
@@ -214,8 +217,8 @@ def delete_ef(post: Posterior, ids, method: str = "remove_site", damping: bool =
         start = (post.sites.prior_natural() if post.conjugate_prior
                  else post.family.default_natural(post.natural.dtype))
     solved = solve_every_site(post, data, post.ids[keep], start, tol, max_iters, raise_on_failure)
-    return solved.evolve(record=dict(solved.record, operation="delete", method=method, deleted=int(drop.sum()),
-                                     damping=1.0), tombstones=tombstones)
+    return solved.evolve(record=DeleteInfo(**solved.record.solve_fields(), method=method, deleted=int(drop.sum()),
+                                           damping=1.0), tombstones=tombstones)
 
 
 def refine_ef(post: Posterior, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
@@ -232,11 +235,11 @@ def refine_ef(post: Posterior, tol: float | None = None, max_iters: int | None =
         warnings.simplefilter("ignore", RuntimeWarning)
         solved = solve_every_site(post, post.data, post.ids, post.natural, tol, max_iters, False, progress,
                                   step_size)
-    record = dict(solved.record, operation="refine")
+    record = RefineInfo(**solved.record.solve_fields())
     solved = solved.evolve(record=record)
-    if not record["converged"]:
+    if not record.converged:
         message = (f"refine did not reach tol={default_tol(post.natural.dtype) if tol is None else tol:g} in "
-                   f"{record['iterations']} iterations (relative residual {record['residual']:.3g})")
+                   f"{record.iterations} iterations (relative residual {record.residual:.3g})")
         if raise_on_failure:
             raise ConvergenceError(message, posterior=solved, history=[record])
         warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -14,6 +14,7 @@ from numpyro_pc.errors import InvalidOptionError, OutOfDomainError, UnsupportedG
 from numpyro_pc.families.product import family_for_model, make_factor, site_names, site_shape, site_supports
 from numpyro_pc.guides.expfam import read_guide
 from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.protocols.records import FitInfo
 from numpyro_pc.sites.expfam import EFConfig, conjugate_rtol, prior_form_residual
 from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
@@ -23,7 +24,7 @@ from .expfam import EFPosterior, EFState
 __all__ = ["fit_ef", "dual_form_ef"]
 
 
-def _build(spec, data, fam, lam, guide_map, options):
+def _build(spec, data, fam, lam, guide_map, options, operation) -> EFPosterior:
     opts = dict(options)
     cfg = EFConfig.make(spec, fam, opts.pop("expectation", "auto"), opts.pop("num_nodes", 32),
                         opts.pop("num_samples", None), opts.pop("seed", 0))
@@ -39,11 +40,12 @@ def _build(spec, data, fam, lam, guide_map, options):
     ids = jnp.arange(spec.num_examples)
     post = EFPosterior(cfg, data, EFState(lam, EFSiteTable(sites.grads, sites.prior, ids)), conjugate, guide_map)
     if not refine:
-        return post.evolve(record=dict(operation="read", residual=post.residual))
+        return post.evolve(record=FitInfo(operation="read", residual=post.residual))
     if guide_map is None and conjugate:
         lam = -sites.prior  # from the prior itself
         post = post.evolve(state=post.state._replace(natural=lam))
-    return solve_every_site(post, data, ids, lam, tol, max_iters, raise_on_failure)
+    solved = solve_every_site(post, data, ids, lam, tol, max_iters, raise_on_failure)
+    return solved.evolve(record=solved.record.replace(operation=operation))
 
 
 def fit_ef(model, *args, family, data_plate=None, shared=(), **options) -> EFPosterior:
@@ -59,7 +61,7 @@ def fit_ef(model, *args, family, data_plate=None, shared=(), **options) -> EFPos
     opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
     spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
     fam = family_for_model(spec, data, family)
-    return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts)
+    return _build(spec, data, fam, fam.default_natural(jnp.result_type(float)), None, opts, "fit")
 
 
 def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **options) -> EFPosterior:
@@ -75,7 +77,7 @@ def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **opti
         if expected.size != f.size:
             raise UnsupportedGuideError(f"guide site {f.site!r} has {f.size} natural parameters but the model's site "
                                         f"needs {expected.size} (shape {site_shape(spec, f.site)})")
-    return _build(spec, data, gmap.family, lam, gmap, opts)
+    return _build(spec, data, gmap.family, lam, gmap, opts, "dual_form")
 
 
 _OPTIONS = ("expectation", "num_nodes", "num_samples", "seed", "tol", "max_iters", "raise_on_failure", "refine")

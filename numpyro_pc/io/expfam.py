@@ -39,6 +39,7 @@ from numpyro_pc.dual.expfam import EFConfig, EFPosterior, EFState, family_for_mo
 from numpyro_pc.errors import InconsistentFileError, PosteriorCorrectionError, SavedModelMismatchError
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.model.rows import to_device
+from numpyro_pc.protocols.records import LoadInfo
 from numpyro_pc.sites.expfam_eval import factor_prior_loss
 from numpyro_pc.sites.expfam_table import EFSiteTable
 
@@ -145,7 +146,7 @@ def load_ef(path, model, manifest: dict, arrays: dict) -> EFPosterior:
         check_residual(manifest.get("residual"), residual, dtype)
         if post.conjugate_prior:
             _check_conjugate_prior(path, post, probe)
-    return post.evolve(record=dict(operation="load", residual=residual),
+    return post.evolve(record=LoadInfo(residual=residual),
                        stale_sites=manifest["stale_sites"])
 
 

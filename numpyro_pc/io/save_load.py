@@ -48,6 +48,7 @@ from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
 from numpyro_pc.model.rows import to_device
 from numpyro_pc.options import check_path
 from numpyro_pc.protocols.posterior import by_site_table, provides
+from numpyro_pc.protocols.records import LoadInfo
 from numpyro_pc.sites.expectations import ExpectationRule
 from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.sites.gaussian import Sites
@@ -172,4 +173,5 @@ def _load_gaussian(path, model, manifest, arrays) -> DualPosteriorBase:
     return DualPosteriorBase(spec, data, family, state, sites, ExpectationRule(**part["rule"]),
                              part["curvature"], part["storage"], part["chunk_size"], (), None,
                              data_ids=to_device(arrays["data_ids"]), tombstones=read_tombstones(arrays),
-                             next_id=part["next_id"], offset=offset, stale_sites=manifest["stale_sites"])
+                             next_id=part["next_id"], offset=offset, stale_sites=manifest["stale_sites"],
+                             record=LoadInfo(residual=float(residual)))

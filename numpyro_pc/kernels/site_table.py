@@ -65,6 +65,7 @@ from numpyro_pc.errors import ConvergenceError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.protocols.capabilities import SiteSum, require
+from numpyro_pc.protocols.records import ExportInfo
 from numpyro_pc.sites.gaussian import Sites
 from numpyro_pc.solvers.fixed_point import default_tol
 from numpyro_pc.solvers.site_problem import live_totals
@@ -477,4 +478,4 @@ def to_posterior(config: TableConfig, state: TableState, like) -> DualPosteriorB
     pstate = PosteriorState(state.q, sites, offset, jnp.asarray(ids[data_rows]), jnp.asarray(tombstones),
                             jnp.asarray(int(state.next_id)))
     return type(like).from_tree(pconfig, pstate, data, history=(), guide=like.guide,
-                                record={"operation": "site_table"})
+                                record=ExportInfo(operation="site_table"))

@@ -46,6 +46,7 @@ from numpyro_pc.errors import ConvergenceError, DataShapeError, InvalidOptionErr
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.records import ExportInfo
 from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.fixed_point import (
     anderson_init,
@@ -418,5 +419,6 @@ def to_posterior(config: StreamConfig, state: StreamState, like) -> DualPosterio
     live = np.flatnonzero(np.asarray(state.weights) > 0)
     data = ModelData(tuple(x[live] for x in state.data.per_example), state.data.shared)
     spec = replace(config.spec, num_examples=int(live.size))
-    return build_posterior(spec, data, config.family, state.q, config.rule, config.curvature, config.storage,
+    post = build_posterior(spec, data, config.family, state.q, config.rule, config.curvature, config.storage,
                            config.chunk_size, like.guide, False, None, 0, False, True, cls=type(like))
+    return post.evolve(record=ExportInfo(operation="stream_state"))

@@ -8,7 +8,6 @@ whose live terms are the new examples and the corrected examples ``C``.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from numpyro_pc.errors import ConvergenceError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, take_data
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
+from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import SiteSums, compute_sites
 from numpyro_pc.solvers.gaussian import solve
@@ -55,7 +55,7 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False) -> G
 
 
 def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure,
-                 stale=None) -> tuple[Gaussian, Sites, list[dict[str, Any]], GaussianNatural | None]:
+                 stale=None) -> tuple[Gaussian, Sites, list[IterationInfo], GaussianNatural | None]:
     """Solve the corrected update of ``post`` with a new batch (docs/adapting.md, "Adding data").
 
     The live terms are the new examples and the ``corrected`` ones (weighted by ``weight``),
@@ -63,7 +63,7 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     ``q_t`` with the corrected examples' cached sites where they are fresh. When every site and
     the prior are corrected (the exact update, whose fixed point is the batch fit's) and the solve
     from ``q_t`` fails, it is repeated from the batch fit's start
-    (:func:`~numpyro_pc.solvers.start.default_start`); ``history[0]["restart"]`` says so and why.
+    (:func:`~numpyro_pc.solvers.start.default_start`); ``history[0].restart`` says so and why.
 
     :param post: the :class:`~numpyro_pc.posterior.DualPosterior` ``q_t``.
     :param new_data: the new batch's :class:`~numpyro_pc.model.likelihood.ModelData`.
@@ -102,15 +102,14 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     try:
         q, fresh, history = solve(problem, post.state, raise_on_failure=raise_on_failure or batch_problem,
                                   sites=start_sites, sums=start_sums, **solve_options)
-        history[0]["reused_sites"] = 0 if start_sites is None else int(corrected.size)
+        history[0] = history[0].replace(reused_sites=0 if start_sites is None else int(corrected.size))
     except ConvergenceError as err:
         if not batch_problem:
             raise
         cold = default_start(replace(post.spec, num_examples=num_active), unpadded, family, None, dtype)
         q, fresh, history = solve(problem, cold.start, raise_on_failure=raise_on_failure, **solve_options)
-        history[0]["reused_sites"] = 0
-        history[0]["restart"] = dict(kind=cold.kind, candidates=cold.candidates,
-                                     reason=f"from q_t: {type(err).__name__}: {str(err).split(';')[0]}")
+        restart = cold.info(reason=f"from q_t: {type(err).__name__}: {str(err).split(';')[0]}")
+        history[0] = history[0].replace(reused_sites=0, restart=restart)
     fresh = fresh.take(np.arange(num_active))
     offset = post.offset
     if weight != 1.0:  # λ_{t+1} − Σ sites: the part of the scaled correction no single site holds

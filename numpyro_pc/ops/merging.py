@@ -74,6 +74,7 @@ from numpyro_pc.model.terms import ModelData
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior, by_site_table, provides
+from numpyro_pc.protocols.records import MergeInfo
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.solvers.fixed_point import default_tol
@@ -329,9 +330,10 @@ def _merge_gaussian(first, base, posteriors, alphas, method, rule) -> Posterior:
         family.check_positive_definite(q.precision, what=f"{method}-merged precision")
         spec = replace(first.spec, num_examples=int(data.per_example[0].shape[0]))
         post = build_posterior(spec, data, family, q, rule if rule is not None else first.rule, first.curvature,
-                               first.storage, first.chunk_size, None, False, None, 0, False, True, cls=type(first))
-    return post.evolve(record={"operation": "merge", "method": method, "alphas": tuple(alphas),
-                                 "num_tasks": len(posts), "task_examples": tuple(int(r.size) for r in task_rows)})
+                               first.storage, first.chunk_size, None, False, None, 0, False, True, cls=type(first),
+                               operation="merge")
+    return post.evolve(record=MergeInfo(method=method, alphas=tuple(alphas), num_tasks=len(posts),
+                                        task_examples=tuple(int(r.size) for r in task_rows)))
 
 
 def _merge_ef(base, posteriors, alphas, method, rule) -> EFPosterior:
@@ -433,5 +435,5 @@ def _merge_ef(base, posteriors, alphas, method, rule) -> EFPosterior:
         config = replace(first.config, spec=replace(first.config.spec, num_examples=int(ids.shape[0])))
         state = EFState(lam, EFSiteTable(all_grads, prior, ids))
     return first.evolve(config=config, data=data, state=state, tombstones=tuple(sorted(gone)),
-                        record=dict(operation="merge", method="bayesian", alphas=tuple(alphas),
-                                    num_tasks=len(posteriors), renumbered=renumbered))
+                        record=MergeInfo(method="bayesian", alphas=tuple(alphas), num_tasks=len(posteriors),
+                                         renumbered=renumbered))

@@ -35,7 +35,6 @@ import time
 import warnings
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NotPositiveD
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site
 from numpyro_pc.model.rows import bucket_size, concat_data, join_rows, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
+from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import compute_sites
 from numpyro_pc.solvers.gaussian import default_tol
@@ -138,7 +138,7 @@ class _Shuffler:
 
 
 def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_options, raise_on_failure,
-                      epochs=None) -> tuple[Gaussian, Sites, list[dict[str, Any]], int]:
+                      epochs=None) -> tuple[Gaussian, Sites, list[IterationInfo], int]:
     """SAG iterations for :func:`numpyro_pc.ops.streaming.update` with ``correction="stochastic"``.
 
     The table holds the corrected (retained) examples and the new ones, all starting at
@@ -213,7 +213,8 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     rng = np.random.default_rng(seed)
     past_rows, new_rows = _Shuffler(rng, n, past_batch), _Shuffler(rng, num_new, new_batch)
     q, rho = post.state, jnp.asarray(1.0, dtype)
-    history, touched, start = [], 0, time.perf_counter()
+    steps: list[IterationInfo] = []
+    touched, start = 0, time.perf_counter()
     for it in range(max_iters):
         chosen_past, chosen_new = past_rows.next(), new_rows.next()
         pick_past, w_past = _pad_rows(chosen_past, pick_sizes[0])
@@ -231,8 +232,9 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
             raise NotPositiveDefiniteError("the stochastic correction's curvature estimate is not positive "
                                            "definite; use a larger batch_fraction or correction='exact'")
         res_mean, res_prec = float(res_mean), float(res_prec)
-        history.append(dict(iteration=it + 1, residual=max(res_mean, res_prec), residual_mean=res_mean,
-                            residual_precision=res_prec, step=float(step), seconds=time.perf_counter() - start))
+        steps.append(IterationInfo(iteration=it + 1, residual=max(res_mean, res_prec), residual_mean=res_mean,
+                                     residual_precision=res_prec, step=float(step),
+                                     seconds=time.perf_counter() - start))
         if it + 1 >= min_iters and max(res_mean, res_prec) < tol:
             break
 
@@ -240,11 +242,11 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     used, ref_index = np.unique(row_ref[keep], return_inverse=True)
     fresh = replace(table.take(keep), ref_means=to_device(np.concatenate(ref_pool)[used]),
                     ref_index=to_device(ref_index.astype(np.int32)))
-    if history[-1]["residual"] > tol and epochs is None:
-        message = (f"stochastic correction stopped at estimated residual {history[-1]['residual']:.2e} after "
-                   f"{len(history)} iterations")
+    if steps[-1].residual > tol and epochs is None:
+        message = (f"stochastic correction stopped at estimated residual {steps[-1].residual:.2e} after "
+                   f"{len(steps)} iterations")
         if raise_on_failure:
-            raise ConvergenceError(message, posterior=(q, fresh), history=history)
+            raise ConvergenceError(message, posterior=(q, fresh), history=steps)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-    history.insert(0, dict(iteration=0, residual=float("nan"), step=0.0, seconds=0.0))
-    return q, fresh, history, touched
+    steps.insert(0, IterationInfo(iteration=0, residual=float("nan"), step=0.0, seconds=0.0))
+    return q, fresh, steps, touched

@@ -47,6 +47,7 @@ from numpyro_pc.model.batches import bind_batch
 from numpyro_pc.model.rows import concat_data, positions, take_data, to_device
 from numpyro_pc.model.terms import ModelData
 from numpyro_pc.protocols.posterior import Posterior, provides
+from numpyro_pc.protocols.records import CorrectionMagnitude, UpdateInfo
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
 from numpyro_pc.solvers.gaussian import default_tol
 
@@ -116,20 +117,20 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
     data, data_ids = _retain(post, new_data, new_ids, keep, seed)
-    record = dict(operation="update", correction=correction, corrected=int(corrected.size), new=num_new,
-                  iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
-                  weight=weight, fallback=fallback, past_examples_touched=int(touched),
-                  reused_sites=int(history[0].get("reused_sites", 0)))
-    if "restart" in history[0]:
-        record["restart"] = history[0]["restart"]
+    magnitude = None
     if corrected.size and correction != "stochastic":
-
         # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
-        magnitude = site_mismatch(stale.bucketed()[0], fresh.take(np.arange(corrected.size)).bucketed()[0], q,
-                                  post.family, post.spec.affine)[0]
-        magnitude = np.asarray(magnitude)[:corrected.size]
-        record["correction_magnitude"] = dict(ids=corrected, magnitude=magnitude, total=float(np.sum(magnitude)))
-    record["seconds"] = time.perf_counter() - start
+        mismatch = site_mismatch(stale.bucketed()[0], fresh.take(np.arange(corrected.size)).bucketed()[0], q,
+                                 post.family, post.spec.affine)[0]
+        mismatch = np.asarray(mismatch)[:corrected.size]
+        magnitude = CorrectionMagnitude(ids=corrected, magnitude=mismatch, total=float(np.sum(mismatch)))
+    record = UpdateInfo(correction=correction, corrected=int(corrected.size), new=num_new,
+                        iterations=len(history) - 1, kl_to_previous=float(post.family.kl(q, post.state)),
+                        weight=weight, fallback=fallback, past_examples_touched=int(touched),
+                        reused_sites=int(history[0].reused_sites or 0), restart=history[0].restart,
+                        correction_magnitude=magnitude, seconds=time.perf_counter() - start,
+                        **(dict(batch_fraction=float(batch_fraction), epochs=epochs) if correction == "stochastic"
+                           else {}))
     return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset,

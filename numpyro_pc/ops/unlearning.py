@@ -46,6 +46,7 @@ from numpyro_pc.model.rows import as_ids, bucket_size, pad_to_bucket, positions,
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import SiteSum, capability, require
 from numpyro_pc.protocols.posterior import provides
+from numpyro_pc.protocols.records import DeleteInfo
 from numpyro_pc.sites.expectations import get_rule
 from numpyro_pc.sites.gaussian import compute_sites
 from numpyro_pc.solvers.fixed_point import largest_inside_fraction
@@ -158,8 +159,7 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
     start = time.perf_counter()
     ids = as_ids(ids)  # once: an iterator of ids is consumed by reading it
     if ids.size == 0:  # nothing to delete: the same posterior, with a record saying so
-        return post.evolve(record=dict(operation="delete", method=method, deleted=0, damping=1.0, seconds=0.0,
-                                         kl_to_previous=0.0))
+        return post.evolve(record=DeleteInfo(method=method, deleted=0, damping=1.0, seconds=0.0, kl_to_previous=0.0))
     ids, site_rows = _check_ids(post, ids)
     family = post.family
     keep_rows = np.delete(np.arange(post.num_examples), site_rows)
@@ -238,8 +238,8 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
         family.check_positive_definite(q.precision, f"posterior after deletion ({method})")  # raises
     if not bool(finite):
         raise NotPositiveDefiniteError(f"deletion ({method}) produced a non-finite mean")
-    record = dict(operation="delete", method=method, deleted=int(ids.size), damping=alpha,
-                  seconds=time.perf_counter() - start, kl_to_previous=float(kl_to_previous))
+    record = DeleteInfo(method=method, deleted=int(ids.size), damping=alpha, seconds=time.perf_counter() - start,
+                        kl_to_previous=float(kl_to_previous), iterations=len(history) - 1 if history else None)
     return post.evolve(spec=replace(post.spec, num_examples=int(data_keep.size)),
                          data=RowSelection.of(post.raw_data, data_keep), data_ids=to_device(retained[data_keep]), state=q,
                          sites=sites, history=history, tombstones=post.tombstones + tuple(int(i) for i in ids),

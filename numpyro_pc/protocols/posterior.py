@@ -21,7 +21,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, Self
 from pathlib import Path
 
 import jax
@@ -116,6 +116,9 @@ class Posterior(ABC):
     """
 
     __slots__ = ()
+    #: What the operation that returned this posterior did (a :class:`~numpyro_pc.protocols.records.Record`:
+    #: ``FitInfo``, ``UpdateInfo``, …).
+    record: Any
 
     # ------------------------------------------------------------------ what it is
     @property
@@ -267,7 +270,7 @@ class Posterior(ABC):
         """The guide's params that describe this posterior."""
 
     @abstractmethod
-    def evolve(self, **changes) -> Posterior:
+    def evolve(self, **changes) -> Self:
         """A copy with the given fields changed, of this posterior's class (nothing recomputed)."""
 
     # ------------------------------------------------------------------ what changes it

@@ -9,7 +9,7 @@ does not apply to this call, or was not computed, is ``None``). :meth:`Record.as
 plain dicts for JSON.
 
 One record type per operation: :class:`FitInfo`, :class:`UpdateInfo`, :class:`DeleteInfo`,
-:class:`RefineInfo`, :class:`MergeInfo`, :class:`LoadInfo`; the solver's fields
+:class:`RefineInfo`, :class:`MergeInfo`, :class:`LoadInfo` (and :class:`ExportInfo` for a kernel's export); the solver's fields
 (:class:`SolveFields`) are common to those that solve. Nested: :class:`StartInfo` (how the
 solver's start was chosen), :class:`CorrectionMagnitude` (how far the corrected sites moved),
 :class:`ExpectationError` (the fixed point seen through independent draws) and
@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
-from typing import Any, Self
+from typing import Any, Self, dataclass_transform
 
 import numpy as np
 
 __all__ = ["Record", "record", "IterationInfo", "SolveFields", "StartInfo", "CorrectionMagnitude", "ExpectationError",
-           "FitInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "plain"]
+           "FitInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "ExportInfo", "plain"]
 
 
 class Record(Mapping[str, Any]):
@@ -76,6 +76,7 @@ def _field_order(cls: type) -> tuple[str, ...]:
     return tuple([n for n in names if n not in inherited] + [n for n in names if n in inherited])
 
 
+@dataclass_transform(kw_only_default=True, frozen_default=True)
 def record(cls: type) -> type:
     """Declare a :class:`Record` subclass: a frozen, keyword-only dataclass (mapping equality kept)."""
     return dataclasses.dataclass(frozen=True, eq=False, kw_only=True, repr=False)(cls)
@@ -302,6 +303,13 @@ class MergeInfo(Record):
     num_tasks: int | None = None
     task_examples: tuple | None = None
     renumbered: Any = None
+
+
+@record
+class ExportInfo(Record):
+    """A posterior rebuilt from a pure kernel's state (:mod:`numpyro_pc.kernels`); ``operation`` names the kernel."""
+
+    operation: str
 
 
 @record

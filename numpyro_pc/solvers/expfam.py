@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,7 @@ import numpy as np
 from numpyro_pc.errors import ConvergenceError, MonteCarloErrorWarning, NonFiniteResultError, OutOfDomainError
 from numpyro_pc.model.rows import pad_to_bucket
 from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.protocols.records import ExpectationError, FitInfo
 from numpyro_pc.sites.expfam import EFConfig, compute_sites
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "solve_every_site"]
+
+_P = TypeVar("_P", bound=Posterior)
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -68,10 +71,12 @@ def config_rows(config: EFConfig, num: int) -> EFConfig:
     return replace(config, spec=replace(config.spec, num_examples=num))
 
 
-def solve_every_site(post: Posterior, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
-                     rho=1.0) -> Posterior:
+def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
+                     rho=1.0) -> _P:
     """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
-    natural parameters ``start``; the prior term is active unless conjugate-form."""
+    natural parameters ``start``; the prior term is active unless conjugate-form. Its ``record`` is a
+    :class:`~numpyro_pc.protocols.records.FitInfo` (callers that are not a fit take its
+    :meth:`~numpyro_pc.protocols.records.SolveFields.solve_fields`)."""
     num = int(ids.shape[0])
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
@@ -81,13 +86,13 @@ def solve_every_site(post: Posterior, data, ids, start, tol, max_iters, raise_on
                                  raise_on_failure=raise_on_failure, progress=progress)
     prior = post.sites.prior if post.conjugate_prior else sites.prior
     state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
-    record = dict(info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)))
-    if cfg.rule != "quadrature" and info.converged:
-        record["expectation_error"] = _draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
+    error = (_draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
+             if cfg.rule != "quadrature" and info.converged else None)
+    record = FitInfo(**info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)), expectation_error=error)
     return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
 
 
-def _draw_error(config, data, prior_active, const, lam, tol) -> dict[Any, Any]:
+def _draw_error(config, data, prior_active, const, lam, tol) -> ExpectationError:
     """The fixed point's residual under an independent set of points (seed + 1): other draws,
     or the cubature rotated by another orthogonal matrix.
 
@@ -113,8 +118,8 @@ def _draw_error(config, data, prior_active, const, lam, tol) -> dict[Any, Any]:
                     "sites scalar factors with Gauss rules)")
         warnings.warn(f"the fixed point's residual is below {tol:g} for {what}", MonteCarloErrorWarning, stacklevel=4)
     if cubature:
-        return dict(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
-    return dict(independent_draws_residual=residual, num_samples=int(config.num_samples))
+        return ExpectationError(rotated_cubature_residual=residual, num_points=config.family.cubature_size())
+    return ExpectationError(independent_draws_residual=residual, num_samples=int(config.num_samples))
 
 
 # --------------------------------------------------------------------------- the BLR fixed point

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from numpyro_pc.curvature.stores import FULL, NONE
 from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.records import IterationInfo
 
 from . import newton_polish
 from .fixed_point import (
@@ -61,10 +62,6 @@ from .fixed_point import (
     stagnation,
 )
 from .site_problem import Point, check_finite_sites, evaluate, fixed_point_map
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from typing import Any
 
 __all__ = ["SolveState", "SolveOptions", "solve", "solve_init", "solve_step", "solve_converged", "default_tol"]
 
@@ -88,7 +85,7 @@ class SolveState(NamedTuple):
 
     :ivar point: the current iterate, evaluated (sites, totals, residual, objective).
     :ivar anderson: the :class:`~numpyro_pc.solvers.fixed_point.AndersonHistory` of undamped steps.
-    :ivar history: one dict per accepted iterate, the start first (a tuple: the carry is never mutated).
+    :ivar history: one :class:`~numpyro_pc.protocols.records.IterationInfo` per accepted iterate, the start first (a tuple: the carry is never mutated).
     :ivar iteration: accepted steps so far (a watchdog path counts each of its steps).
     :ivar stagnant: why the run is stagnant (:func:`~numpyro_pc.solvers.fixed_point.stagnation`), or ``None``.
     :ivar stalled: no proposal made progress at the last step: the iteration cannot go on.
@@ -286,7 +283,7 @@ def solve(problem, q, tol=None, max_iters=None, step_size=1.0, min_step=2.0**-30
         reached (the error carries the last iterate); otherwise warn.
     :param bool progress: show a progress bar.
     :param int memory: Anderson history length (``0`` disables acceleration).
-    :return: ``(q, sites, history)`` where history is a list of per-iteration dicts.
+    :return: ``(q, sites, history)`` where history is a list of :class:`~numpyro_pc.protocols.records.IterationInfo`.
     """
     tol = default_tol(q.mean.dtype) if tol is None else float(tol)
     options = SolveOptions(float(step_size), float(min_step), int(memory))
@@ -442,9 +439,9 @@ def _advice(point, history) -> str:
             "covariates, family='diagonal', expectation='delta' for a Laplace-like answer, or a larger max_iters.")
 
 
-def _history_entry(iteration, point, step, accelerated, start) -> dict[Any, Any]:
-    return dict(iteration=iteration, residual=point.residual, residual_mean=point.parts["mean"],
-                residual_precision=point.parts["precision"], objective=point.objective, step=step,
-                accelerated=accelerated, seconds=time.perf_counter() - start)
+def _history_entry(iteration, point, step, accelerated, start) -> IterationInfo:
+    return IterationInfo(iteration=iteration, residual=point.residual, residual_mean=point.parts["mean"],
+                         residual_precision=point.parts["precision"], objective=point.objective, step=step,
+                         accelerated=accelerated, seconds=time.perf_counter() - start)
 
 

@@ -37,6 +37,7 @@ from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import example_loss, prior_loss
 from numpyro_pc.model.rows import pad_to_bucket
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability, site_curvature
+from numpyro_pc.protocols.records import StartInfo
 from numpyro_pc.sites.expectations import prior_is_separable, prior_structure
 from numpyro_pc.sites.prior import prior_diagonal_at
 from typing import TYPE_CHECKING
@@ -376,7 +377,7 @@ def mean_field_elbo(spec, data, family, z0, weights=None, num_pairs=ELBO_DRAWS, 
 
 
 class StartChoice(NamedTuple):
-    """The solver's start and how it was chosen (``record["start"]`` of a fit holds all but ``start``)."""
+    """The solver's start and how it was chosen (``record.start`` of a fit holds :meth:`info`)."""
 
 
     start: Gaussian
@@ -387,6 +388,12 @@ class StartChoice(NamedTuple):
     converged: bool = False
     saddle_escapes: int = 0
     candidates: dict | None = None  # objective value of each start compared (lower is better), when compared
+
+    def info(self, reason: str | None = None) -> StartInfo:
+        """What a record keeps of this choice (all but ``start``), with the ``reason`` it was taken, if any."""
+        return StartInfo(kind=self.kind, reason=reason, iterations=self.iterations, grad_norm=self.grad_norm,
+                         value=self.value, converged=self.converged, saddle_escapes=self.saddle_escapes,
+                         candidates=self.candidates)
 
 
 def default_start(spec, data, family, init, dtype) -> StartChoice:

@@ -144,4 +144,4 @@ def test_no_check_without_refinement(admissions, x64):
     with warnings.catch_warnings():
         warnings.simplefilter("error", BoundaryOptimumWarning)
         post = pc.dual_form(model, guide, params, *args, admit, refine=False)
-    assert "boundary" not in (post.record or {})
+    assert post.record.boundary is None
