@@ -19,9 +19,9 @@ def demo_hierarchical() -> dict:
     t0 = time.perf_counter()
     post = pc.fit(problem.model, *problem.args)
     seconds = time.perf_counter() - t0
-    start = post.record["start"]
-    scores = ", ".join(f"{k} {v:.1f}" for k, v in (start.get("candidates") or {}).items())
-    print(f"  the joint density has no maximum (tau -> 0): start '{start['kind']}' chosen by objective ({scores})")
+    start = post.record.start
+    scores = ", ".join(f"{k} {v:.1f}" for k, v in (start.candidates or {}).items())
+    print(f"  the joint density has no maximum (tau -> 0): start '{start.kind}' chosen by objective ({scores})")
     print(f"  converged: residual {post.residual:.1e}, {seconds:.1f} s; "
           f"tau {float(post.sample(jax.random.PRNGKey(0), 2000)['tau'].mean()):.2f} (posterior mean)")
     half = pc.fit(problem.model, *(a[:4] for a in problem.args))

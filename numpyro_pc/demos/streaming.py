@@ -44,8 +44,8 @@ def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
                 warnings.filterwarnings("ignore", "weighted correction failed", RuntimeWarning)
                 post = post.update(Xs[part], ys[part], correction=name, **opts)
             seconds += time.perf_counter() - t0
-            if post.record.get("fallback"):
-                fallbacks.setdefault(name, []).append((k + 1, post.record["fallback"]))
+            if post.record.fallback:
+                fallbacks.setdefault(name, []).append((k + 1, post.record.fallback))
             kls.append(max(float(post.kl(batches[k - 1])), 1e-16))
         kl_curves[name] = kls
         finals[name] = post

@@ -24,9 +24,9 @@ def demo_trust() -> dict:
     t0 = time.perf_counter()
     post = pc.fit(raw_diabetes_regression, bmi, bp, y)
     seconds = time.perf_counter() - t0
-    start = post.record["start"]
+    start = post.record.start
     sd = jnp.sqrt(jnp.diag(post.covariance))
-    print(f"  start: MAP by L-BFGS ({start['iterations']} it.) + Laplace precision; rule "
+    print(f"  start: MAP by L-BFGS ({start.iterations} it.) + Laplace precision; rule "
           f"'{post.rule.kind}' over a {post.rule.subspace_dim}-dimensional subspace per example")
     print(f"  converged: residual {post.residual:.1e} in {len(post.history) - 1} iterations, {seconds:.1f} s; "
           f"slope of bmi {float(post.mean[1]):.2f} ± {float(sd[1]):.2f}")

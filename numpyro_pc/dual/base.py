@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
+from numpyro import distributions as dist
+from numpyro.distributions.transforms import IdentityTransform, ReshapeTransform
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
 from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.latent import LatentSpace
-from numpyro_pc.model.terms import ModelSpec
-from numpyro_pc.model.likelihood import ModelData, constrain, example_site_log_likelihoods, trace_at
+from numpyro_pc.model.terms import ModelSpec, site_log_likelihoods
+from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
@@ -41,6 +43,7 @@ from .state import PosteriorConfig, PosteriorState
 
 if TYPE_CHECKING:
     from arviz import InferenceData
+    from numpyro.distributions import Distribution
 
 __all__ = ["DualPosteriorBase", "PosteriorConfig", "PosteriorState", "RowSelection", "by_posterior_kind"]
 
@@ -374,6 +377,27 @@ class DualPosteriorBase(Posterior):
         offsets = jax.random.normal(jax.random.PRNGKey(7), (num, self.dim), self.mean.dtype)
         return [(z, None) for z in self.mean[None, :] + 0.5 * offsets]
 
+    @in_own_precision
+    def distributions(self) -> dict[str, Distribution]:
+        """Each latent site's marginal under ``q`` as a NumPyro distribution of the site's constrained
+        value: the Gaussian block of its unconstrained coordinates, pushed through the site's bijection
+        (as an exponential-family product's :meth:`~numpyro_pc.dual.expfam.EFPosterior.distributions`
+        gives its factors, which are its marginals). The blocks are read from ``Σ E`` for each site's
+        selection ``E``, never from a dense ``(d, d)`` covariance of a diagonal or low-rank family.
+        """
+        latent, q = self.spec.latent, self.state
+        cov = self.family.covariance_operand(q)
+        out = {}
+        for name, transform, ushape, start, size in zip(latent.names, latent.transforms, latent.unconstrained_shapes,
+                                                        latent.offsets, latent.sizes):
+            select = jnp.zeros((self.dim, size), q.mean.dtype).at[start + jnp.arange(size), jnp.arange(size)].set(1.0)
+            block = self.family.cov_times(q, cov, select)[start:start + size]
+            gaussian = dist.MultivariateNormal(q.mean[start:start + size], covariance_matrix=0.5 * (block + block.T))
+            parts = [] if tuple(ushape) == (size,) else [ReshapeTransform(tuple(ushape), (size,))]
+            parts += [] if isinstance(transform, IdentityTransform) else [transform]
+            out[name] = dist.TransformedDistribution(gaussian, parts) if parts else gaussian
+        return out
+
     def latent_factors(self) -> None:
         """``None``: one joint density over the flat latents."""
         return None
@@ -413,12 +437,7 @@ class DualPosteriorBase(Posterior):
     @in_own_precision
     def log_likelihood(self, z: ArrayLike) -> dict[str, jax.Array]:
         """Per-site, per-example log-likelihood at flat values ``z`` (``{site: (..., N)}``)."""
-        z = jnp.asarray(z)
-        fn = lambda zz: jax.vmap(lambda ex: example_site_log_likelihoods(self.spec, zz, ex, self.data.shared))(  # noqa: E731
-            self.data.per_example)
-        values = jax.vmap(fn)(jnp.reshape(z, (-1, self.dim)))
-        return {name: jnp.reshape(v.T if v.ndim == 1 else v, z.shape[:-1] + (-1,))
-                for name, v in zip(self.spec.observed, values)}
+        return site_log_likelihoods(self.spec, self.data, z)
 
     @in_own_precision
     def to_arviz(self, key: jax.Array, num_samples: int = 1000) -> InferenceData:

@@ -29,13 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.errors import InvalidOptionError
+from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
 from numpyro_pc.families.product import (  # noqa: F401  (importable from here, as before)
     ProductFamily,
     family_for_model,
     site_names,
 )
 from numpyro_pc.guides.expfam import GuideMap, read_guide, write_params
+from numpyro_pc.model.terms import site_log_likelihoods
+from numpyro_pc.options import check_count, check_key
+from numpyro_pc.protocols.capabilities import SiteCurvature, require
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
 from numpyro_pc.sites.expfam_eval import inference_data
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from arviz import InferenceData
     from numpyro.distributions import Distribution
 
+    from numpyro_pc.model.latent import LatentSpace
     from numpyro_pc.model.terms import ModelData, ModelSpec
 
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
@@ -163,6 +167,46 @@ class EFPosterior(Posterior):
         return self.config.spec
 
     @property
+    def latent(self) -> LatentSpace:
+        """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
+        return self.spec.latent
+
+    @property
+    def dim(self) -> int:
+        """Dimension ``d`` of the flat unconstrained vector of the continuous latent sites."""
+        return self.spec.latent.dim
+
+    @property
+    def history(self) -> tuple:
+        """``()``: the natural-gradient solve keeps no per-iterate record (``record.iterations``
+        counts its iterations; a Gaussian posterior's ``history`` lists them)."""
+        return ()
+
+    @property
+    def offset(self) -> None:
+        r"""``None``: the natural parameters are exactly the prior term plus the sites
+        (:math:`\lambda = \lambda_0 + \sum_i \hat\lambda_i`); no correction leaves a part no site holds."""
+        return None
+
+    @property
+    def is_point_estimate(self) -> bool:
+        """``False``: every factor is a distribution with learned natural parameters."""
+        return False
+
+    def tree(self) -> tuple[EFConfig, EFState, ModelData]:
+        """``(config, state, data)``: the static configuration (hashable), the numeric state (a
+        pytree) and the data, as a Gaussian posterior's :meth:`~numpyro_pc.dual.base.DualPosteriorBase.tree`;
+        :meth:`from_tree` rebuilds the posterior (the provenance, ``record``, is not part of it)."""
+        return self.config, self.state, self.data
+
+    @classmethod
+    def from_tree(cls, config: EFConfig, state: EFState, data: ModelData, conjugate_prior: bool = False,
+                  guide_map: GuideMap | None = None, record=None, tombstones=(), next_id: int = 0) -> EFPosterior:
+        """The posterior of :meth:`tree`'s parts (``conjugate_prior``: whether the prior term is
+        conjugate-form, so that its site stays constant)."""
+        return cls(config, data, state, conjugate_prior, guide_map, record, False, tombstones, next_id)
+
+    @property
     def data_ids(self) -> jax.Array:
         """Ids of the examples whose data is retained: every example's (the sites need their data)."""
         return self.sites.ids
@@ -226,6 +270,61 @@ class EFPosterior(Posterior):
         """Every example's site (and the prior term) recomputed at natural parameters ``q``."""
         fresh = compute_sites(self.config, q, self.data)  # the config is sized to the data
         return EFSiteTable(fresh.grads, fresh.prior, self.ids)
+
+    @property
+    def residual_parts(self) -> dict[str, float]:
+        """``{"natural": residual}``: the one identity of the fixed point, in natural parameters
+        (a Gaussian posterior's splits into its mean and precision parts)."""
+        return {"natural": float(self.residual)}
+
+    @property
+    def precision(self) -> NoReturn:
+        """Refused: a precision matrix belongs to a Gaussian over all latent coordinates."""
+        raise self._not_one_gaussian("post.precision")
+
+    @property
+    def covariance(self) -> NoReturn:
+        """Refused: a covariance matrix belongs to a Gaussian over all latent coordinates."""
+        raise self._not_one_gaussian("post.covariance")
+
+    def _not_one_gaussian(self, operation: str) -> MissingCapabilityError:
+        factors = ", ".join(f"{f.site}: {type(f).family_name or type(f).__name__}" for f in self.family.factors)
+        return MissingCapabilityError(
+            f"{operation} needs q to be one Gaussian over every latent coordinate; this posterior is a product of "
+            f"factors ({factors}) whose natural parameters are post.natural — post.distributions() gives each "
+            "factor as a distribution, and post.sample_unconstrained(key, n) draws from it for moments")
+
+    def site_curvature(self) -> NoReturn:
+        """Refused: the sites are natural-parameter sites, with no stored curvature
+        (:class:`~numpyro_pc.protocols.capabilities.SiteCurvature`)."""
+        require(self.family, SiteCurvature, "post.site_curvature()")
+        raise AssertionError("unreachable: a product family has no stored site curvature")
+
+    def log_prob(self, point) -> jax.Array:
+        r""":math:`\log q` at ``point``, each factor's coordinates (:meth:`point_of` of constrained values;
+        a leading batch axis allowed), as a Gaussian posterior's ``log_prob(post.point_of(values))``."""
+        return self.family.log_prob(self.natural, point)
+
+    def sample_unconstrained(self, key: jax.Array, num_samples: int) -> jax.Array:
+        """Draws of the flat unconstrained vector of the continuous latent sites, shape ``(num_samples, d)``
+        (each factor's draws mapped to the model's unconstrained coordinates)."""
+        check_key(key)
+        num_samples = check_count(num_samples, "num_samples", allow_none=False)
+        draws = self.family.sample(key, self.natural, num_samples)
+        return jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
+
+    def log_likelihood(self, z) -> dict[str, jax.Array]:
+        """Per-site, per-example log-likelihood at flat unconstrained values ``z`` of the continuous
+        latent sites (``{site: (..., N)}``), as on Gaussian posteriors.
+
+        :raises MissingCapabilityError: the model has discrete latent sites, which ``z`` does not hold.
+        """
+        if self.spec.latent.discrete_names:
+            raise MissingCapabilityError(
+                f"post.log_likelihood(z) evaluates the model at the continuous latents z alone; this model also has "
+                f"discrete latent sites {list(self.spec.latent.discrete_names)}, whose values z does not hold — "
+                "sum over them with post.to_arviz(key), whose log_likelihood group draws them")
+        return site_log_likelihoods(self.spec, self.data, z)
 
     def distributions(self) -> dict[str, Distribution]:
         """Each latent site's factor as a NumPyro distribution of the site's constrained value

@@ -203,6 +203,16 @@ def example_site_log_likelihoods(spec, z, example, shared, discrete=None) -> tup
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
 
+def site_log_likelihoods(spec, data, z) -> dict[str, jax.Array]:
+    """Per observed site, each example's log-likelihood at flat unconstrained latents ``z``
+    (trailing axis ``d``, any leading axes): ``{site: (..., N)}``."""
+    z = jnp.asarray(z)
+    per_point = lambda zz: jax.vmap(lambda ex: example_site_log_likelihoods(spec, zz, ex, data.shared))(  # noqa: E731
+        data.per_example)
+    values = jax.vmap(per_point)(jnp.reshape(z, (-1, spec.latent.dim)))
+    return {name: jnp.reshape(v.T if v.ndim == 1 else v, z.shape[:-1] + (-1,)) for name, v in zip(spec.observed, values)}
+
+
 def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     """Split ``ℓ_i`` into distribution parameters and a loss of those parameters.
 
