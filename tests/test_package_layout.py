@@ -1,6 +1,7 @@
 """The package's folders: the old module names of the flat layout, the packages that took a
 module's name, and the size rules the layout keeps (docs/architecture.md, "Layers")."""
 
+import functools
 import importlib
 import os
 import subprocess
@@ -8,7 +9,9 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+from models import beta_bernoulli, logistic_model, make_logistic
 
 import numpyro_pc
 from numpyro_pc import KEPT_MODULE_NAMES, MOVED_MODULES
@@ -157,6 +160,26 @@ def _from_gp_import_renamed_class():
     from numpyro_pc.gp import StreamConfig  # noqa: F401
 
 
+def _call_expected_site_values():
+    post = _gaussian_posterior()
+    numpyro_pc.ops.diagnostics.expected_site_values(post.sites, post.mean, post.covariance)
+
+
+@functools.cache
+def _gaussian_posterior():
+    X, y = make_logistic(12, 2, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return numpyro_pc.fit(logistic_model, X, y)
+
+
+@functools.cache
+def _beta_posterior():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return numpyro_pc.fit(beta_bernoulli, y=np.array([1.0, 0.0, 1.0, 1.0]), family={"p": "beta"})
+
+
 _OLD_NAME_USES = {
     "import numpyro_pc.<old>": _import_old_module,
     "importlib.import_module('numpyro_pc.<old>')": lambda: importlib.import_module("numpyro_pc.likelihood"),
@@ -176,6 +199,12 @@ _OLD_NAME_USES = {
     "from numpyro_pc.posteriordb import Posterior": _from_posteriordb_import_renamed_class,
     "numpyro_pc.gp.StreamConfig": lambda: numpyro_pc.gp.StreamConfig,
     "from numpyro_pc.gp import StreamConfig": _from_gp_import_renamed_class,
+    "numpyro_pc.ops.expfam_handlers.bind_like": lambda: numpyro_pc.ops.expfam_handlers.bind_like,
+    "numpyro_pc.io.expfam.check_ef_manifest": lambda: numpyro_pc.io.expfam.check_ef_manifest,
+    "numpyro_pc.gp.corrected.Sites": lambda: numpyro_pc.gp.corrected.Sites,
+    "numpyro_pc.ops.diagnostics.expected_site_values": _call_expected_site_values,
+    "EFPosterior.residual()": lambda: _beta_posterior().residual(),
+    "numpyro_pc.dual.expfam.merge_ef": lambda: numpyro_pc.dual.expfam.merge_ef(_beta_posterior(), _beta_posterior()),
 }
 
 
@@ -184,7 +213,9 @@ def test_the_warning_about_an_old_name_names_the_line_that_used_it(use):
     if ".gp" in use:
         pytest.importorskip("gpjax", reason="the gp extra (GPJax) is not installed")
     for module in ("numpyro_pc.dual.expfam", "numpyro_pc.io.validation", "numpyro_pc.sites.expfam",
-                   "numpyro_pc.curvature.stores", "numpyro_pc.posteriordb", "numpyro_pc.gp" if ".gp" in use else "json"):
+                   "numpyro_pc.curvature.stores", "numpyro_pc.posteriordb", "numpyro_pc.ops.expfam_handlers",
+                   "numpyro_pc.io.expfam", "numpyro_pc.ops.diagnostics",
+                   "numpyro_pc.gp.corrected" if ".gp" in use else "json"):
         importlib.import_module(module)  # the new modules, imported before: only the old name is left to warn
     sys.modules.pop("numpyro_pc.likelihood", None)
     vars(numpyro_pc).pop("likelihood", None)  # bound on the package by an earlier import under the old name

@@ -7,8 +7,8 @@ with a ``FutureWarning``, the names that moved between its modules: ``numpyro_pc
 exponential-family posterior's module (now in :mod:`numpyro_pc.dual.expfam_fit`).
 """
 
-import warnings as _warnings
 
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.dual import base as _base
 from numpyro_pc.dual import build as _build
 from numpyro_pc.dual import expfam as _expfam
@@ -19,8 +19,7 @@ __all__ = list(_base.__all__)
 
 
 def _moved(old: str, new: str, value):
-    _warnings.warn(f"{old} moved to {new}; the old location is removed in the next release", FutureWarning,
-                   stacklevel=3)
+    warn_renamed(f"{old} moved to {new}; the old location is removed in the next release")
     return value
 
 

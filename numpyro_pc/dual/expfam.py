@@ -22,13 +22,13 @@ sites are exact and constant, so all of these are exact Bayes.
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
 from numpyro_pc.families.product import (  # noqa: F401  (importable from here, as before)
     ProductFamily,
@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 __all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
 
 def _called(name) -> None:
-    warnings.warn(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
-                  f"post.{name}(); the call form will be removed in the next release", FutureWarning, stacklevel=3)
+    warn_renamed(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
+                 f"post.{name}(); the call form will be removed in the next release")
 
 
 class _Residual(float):
@@ -458,6 +458,6 @@ class EFPosterior(Posterior):
 def merge_ef(a, b, refine=False, tol=None, max_iters=200) -> EFPosterior:
     """Deprecated: ``a.merge(b, refine=refine)`` (:meth:`EFPosterior.merge`, which also takes several
     posteriors and weights); this alias stays for one release."""
-    warnings.warn("numpyro_pc.dual.expfam.merge_ef is deprecated: write a.merge(b) or pc.merge(None, [a, b]); "
-                  "the alias will be removed in the next release", FutureWarning, stacklevel=2)
+    warn_renamed("numpyro_pc.dual.expfam.merge_ef is deprecated: write a.merge(b) or pc.merge(None, [a, b]); "
+                 "the alias will be removed in the next release")
     return a.merge(b, refine=refine, tol=tol, max_iters=max_iters)

@@ -19,7 +19,6 @@ stream), padded and masked so that its shape never changes.
 
 from __future__ import annotations
 
-import warnings
 
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from .state import kernel_diag, kernel_matrix, mean_vector, noise_variance, predict_from_q
 from .uncollapsed import expected_log_lik, marginals
+from numpyro_pc.deprecation import warn_renamed
 
 __all__ = ["Memory", "FunctionSites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "gaussian_sites",
            "correction_term"]
@@ -133,7 +133,7 @@ def correction_term(hyper, Lb, q, X, y, mask, sites) -> jax.Array:
 
 def __getattr__(name: str):
     if name == "Sites":  # renamed: numpyro_pc.sites.cached.Sites are a dual-form posterior's sites
-        warnings.warn("numpyro_pc.gp.corrected.Sites is now FunctionSites (Sites are a dual-form posterior's, "
-                      "numpyro_pc.sites); the old name will be removed in the next release", FutureWarning, stacklevel=2)
+        warn_renamed("numpyro_pc.gp.corrected.Sites is now FunctionSites (Sites are a dual-form posterior's, "
+                     "numpyro_pc.sites); the old name will be removed in the next release")
         return FunctionSites
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,6 @@ pass it to :meth:`~numpyro_pc.dual.expfam.EFPosterior.to_guide_params` after loa
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -42,6 +41,7 @@ from numpyro_pc.model.rows import to_device
 from numpyro_pc.protocols.records import LoadInfo
 from numpyro_pc.sites.expfam_eval import factor_prior_loss
 from numpyro_pc.sites.expfam_table import EFSiteTable
+from numpyro_pc.deprecation import warn_renamed
 
 from .file_format import build_manifest, check_file
 from .file_format import check_manifest as _check_manifest
@@ -70,8 +70,8 @@ def __getattr__(name: str) -> Callable[..., Any]:
     release, with a ``FutureWarning`` naming the replacement."""
     if name in _REPLACED:
         new, value, what = _REPLACED[name]
-        warnings.warn(f"numpyro_pc.ef_io.{name} was replaced by {new} (it checks {what}); the old name is removed "
-                      "in the next release", FutureWarning, stacklevel=2)
+        warn_renamed(f"numpyro_pc.ef_io.{name} was replaced by {new} (it checks {what}); the old name is removed "
+                     "in the next release")
         return value
     raise AttributeError(f"module 'numpyro_pc.io.expfam' has no attribute {name!r}")
 

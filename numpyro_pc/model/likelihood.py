@@ -31,6 +31,7 @@ from numpyro_pc.errors import (
 )
 from numpyro_pc.options import check_name, check_names
 
+from . import probes
 from .data_support import as_data_array, check_support, latent_free_supports
 from .latent import LatentSpace
 from .rows import all_finite, take_rows, to_device
@@ -229,8 +230,8 @@ def _prototype_value(site) -> jax.Array | None:
         return None
     transform = biject_to(site["fn"].support)
     shape = tuple(transform.inverse_shape(site["fn"].shape()))
-    key = jax.random.PRNGKey(zlib.crc32(site["name"].encode()))  # deterministic across processes
-    return transform(jax.random.uniform(key, shape, minval=-2.0, maxval=2.0, dtype=jnp.result_type(float)))
+    seed = zlib.crc32(site["name"].encode())  # deterministic across processes
+    return transform(probes.uniform(seed, shape, -2.0, 2.0, jnp.result_type(float)))
 
 
 def _leaf_names(args, kwargs, names_by_position) -> list[Any]:
@@ -361,8 +362,7 @@ def _analyse_params(spec, data, z0):
     if k > 0:
         n_probe = min(8, spec.num_examples)
         probe = tuple(take_rows(x, np.arange(n_probe)) for x in data.per_example)
-        key = jax.random.PRNGKey(17)
-        z1 = z0 + jax.random.normal(key, z0.shape, z0.dtype)
+        z1 = z0 + probes.normal(17, z0.shape, z0.dtype)
         j0, j1 = _param_jacobians(replace(spec, num_examples=n_probe), jnp.stack([z0, z1]), probe, data.shared)
         affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
     return replace(spec, num_params=k, affine=affine)
@@ -391,10 +391,10 @@ def verify_binding(spec, data, z0, num_probes=3) -> None:
     sub = ModelData(tuple(take_rows(x, np.arange(num)) for x in data.per_example), data.shared)
     dtype = jnp.result_type(z0)
     rtol = 1e-6 if dtype == jnp.float64 else 1e-3
-    noise = jax.random.normal(jax.random.PRNGKey(20261123), (num_probes - 1,) + z0.shape, dtype)
-    probes = jnp.concatenate([z0[None], z0[None] + 0.5 * noise], 0)
+    noise = probes.normal(20261123, (num_probes - 1,) + z0.shape, dtype)
+    points = jnp.concatenate([z0[None], z0[None] + 0.5 * noise], 0)
     try:
-        full, prior, per = _identity_terms(replace(spec, num_examples=num), sub, probes)
+        full, prior, per = _identity_terms(replace(spec, num_examples=num), sub, points)
     except Exception as err:  # the model cannot run on a subset of its data plate
         raise ModelBindingError(_binding_diagnosis(spec, data, z0, f"the model fails when called on the first "
                                                    f"{num} examples ({type(err).__name__}: {err})")) from err

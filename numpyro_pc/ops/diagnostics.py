@@ -29,7 +29,6 @@ deviation under ``q`` of the log-ratio of the two site factors:
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from numpyro_pc.model.rows import positions
 from numpyro_pc.protocols.capabilities import SiteDivision, require
 from numpyro_pc.protocols.posterior import Posterior, require_posterior
 from numpyro_pc.sites.cached import site_mismatch
+from numpyro_pc.deprecation import warn_renamed
 
 __all__ = ["kl", "information_gain", "correction_magnitude", "site_mismatch", "expected_site_values",
            "log_normaliser", "count_compilations"]
@@ -53,8 +53,8 @@ def kl(q, p) -> jax.Array:
 def expected_site_values(sites, mean, cov) -> tuple[jax.Array, jax.Array]:
     """Deprecated: ``sites.expected_values(family, q)`` (:meth:`~numpyro_pc.protocols.sites.SiteTable.expected_values`),
     which every family's site table answers; this name is removed in the next release."""
-    warnings.warn("pc.diagnostics.expected_site_values is deprecated: use post.sites.expected_values(post.family, "
-                  "post.q), defined for every family", FutureWarning, stacklevel=2)
+    warn_renamed("pc.diagnostics.expected_site_values is deprecated: use post.sites.expected_values(post.family, "
+                 "post.q), defined for every family")
     return sites.expected_values_at(mean, cov)
 
 

@@ -10,11 +10,11 @@ values)`` is ``post.point_of(values)``, and ``bind_like`` and ``check_terms_agre
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import handlers as _handlers
+from numpyro_pc.deprecation import warn_renamed
 
 if TYPE_CHECKING:
     import jax
@@ -40,7 +40,7 @@ _MOVED: dict[str, tuple[str, Callable[..., Any]]] = {
 def __getattr__(name: str) -> Callable[..., Any]:
     if name in _MOVED:
         new, value = _MOVED[name]
-        warnings.warn(f"numpyro_pc.ef_handlers.{name} is deprecated: use {new} (one function for every family); "
-                      "numpyro_pc.ef_handlers is removed in the next release", FutureWarning, stacklevel=2)
+        warn_renamed(f"numpyro_pc.ef_handlers.{name} is deprecated: use {new} (one function for every family); "
+                     "numpyro_pc.ef_handlers is removed in the next release")
         return value
     raise AttributeError(f"module 'numpyro_pc.ops.expfam_handlers' has no attribute {name!r}")

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import ExpectationRuleError, InvalidOptionError
+from numpyro_pc.model import probes
 from numpyro_pc.model.likelihood import ModelData, example_params, prior_loss
 from numpyro_pc.model.rows import take_rows
 from numpyro_pc.options import is_choice
@@ -175,10 +176,10 @@ def tensor_hermite_nodes(num_nodes, dim, dtype) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(nodes, dtype), jnp.asarray(weights.ravel(), dtype)
 
 
-def _probe_offsets(dim, count, dtype, seed=5) -> jax.Array:
+def _probe_offsets(dim, count, dtype, seed=5) -> np.ndarray:
     """Fixed offsets around the mean at which the parameter Jacobians span the dependence subspace."""
-    noise = jax.random.normal(jax.random.PRNGKey(seed), (count - 1, dim), dtype)
-    return jnp.concatenate([jnp.zeros((1, dim), dtype), 0.5 * noise], 0)
+    noise = 0.5 * probes.normal(seed, (count - 1, dim), dtype)
+    return np.concatenate([np.zeros((1, dim), noise.dtype), noise], 0)
 
 
 def _unit_rows(jac) -> jax.Array:
@@ -325,7 +326,7 @@ def prior_structure(spec, data, z) -> str:
     hierarchy (group effects whose prior depends on other latents), which :func:`numpyro_pc.fit`
     uses to decide whether the MAP is a trustworthy start.
     """
-    z1 = z + 0.37 * jax.random.normal(jax.random.PRNGKey(3), z.shape, z.dtype)
+    z1 = z + 0.37 * probes.normal(3, z.shape, z.dtype)
     if prior_is_separable(spec, data, z, z1):
         return "separable"
     hv0, hv1 = _prior_hvps(replace(spec, num_examples=1), jnp.stack([z, z1]), _first(data), data.shared,
@@ -350,12 +351,11 @@ def prior_is_separable(spec, data, z, z1=None) -> bool:
     prior Hessians (40 GB each at ``d = 100,000`` in float32).
     """
     if z1 is None:
-        z1 = z + 0.37 * jax.random.normal(jax.random.PRNGKey(3), z.shape, z.dtype)
+        z1 = z + 0.37 * probes.normal(3, z.shape, z.dtype)
     dim = z.shape[0]
-    keys = jax.random.split(jax.random.PRNGKey(7))
-    side = jax.random.bernoulli(keys[0], 0.5, (_SPLITS, dim))
-    weights = jax.random.uniform(keys[1], (_SPLITS, dim), z.dtype, 0.5, 1.5)
-    vectors = jnp.concatenate([jnp.where(side, weights, 0.0), jnp.where(side, 0.0, weights)])
+    side = probes.coin_flips(7, (_SPLITS, dim))
+    weights = probes.uniform(8, (_SPLITS, dim), 0.5, 1.5, z.dtype)
+    vectors = np.concatenate([np.where(side, weights, 0.0), np.where(side, 0.0, weights)])
     hv = _prior_hvps(replace(spec, num_examples=1), jnp.stack([z, z1]), _first(data), data.shared, vectors)
     off = jnp.where(jnp.concatenate([side, ~side])[None], 0.0, hv)
     return bool(jnp.all(off == 0))
@@ -365,8 +365,8 @@ def _first(data) -> tuple[Any, ...]:
     return tuple(take_rows(x, np.arange(1)) for x in data.per_example)
 
 
-def _probe_vectors(dim, dtype, count=3) -> jax.Array:
-    return jax.random.normal(jax.random.PRNGKey(9), (count, dim), dtype)
+def _probe_vectors(dim, dtype, count=3) -> np.ndarray:
+    return probes.normal(9, (count, dim), dtype)
 
 
 @partial(jax.jit, static_argnums=0)

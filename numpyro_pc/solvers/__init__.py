@@ -7,12 +7,12 @@ The package namespace re-exports :mod:`numpyro_pc.solvers.gaussian`.
 
 from __future__ import annotations
 
-import warnings as _warnings
 
 from numpyro_pc.sites import expfam as _sites_expfam
 from numpyro_pc.solvers import expfam as _expfam
 from numpyro_pc.solvers import gaussian as _gaussian
 from numpyro_pc.solvers.gaussian import *  # noqa: F401,F403
+from numpyro_pc.deprecation import warn_renamed
 
 __all__ = list(_gaussian.__all__)
 
@@ -21,8 +21,8 @@ _MOVED_FROM_SITES = ("blr_solve", "SolveInfo", "relative_residual", "EF_MAX_ITER
 
 def _sites_expfam_getattr(name: str) -> object:
     if name in _MOVED_FROM_SITES:
-        _warnings.warn(f"numpyro_pc.ef_sites.{name} moved to numpyro_pc.solvers.expfam.{name}; the old location is "
-                       "removed in the next release", FutureWarning, stacklevel=2)
+        warn_renamed(f"numpyro_pc.ef_sites.{name} moved to numpyro_pc.solvers.expfam.{name}; the old location is "
+                     "removed in the next release")
         return getattr(_expfam, name)
     raise AttributeError(f"module 'numpyro_pc.sites.expfam' has no attribute {name!r}")
 
