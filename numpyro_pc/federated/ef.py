@@ -460,11 +460,10 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     result = FederatedResult(posterior, state, state.sites, history, status == "converged", status, algorithm, rho)
     if status != "converged":
         last = history[-1] if history else {}
-        value = lambda key: float("nan") if last.get(key) is None else last[key]  # noqa: E731
         msg = (f"federated {algorithm} over an exponential-family posterior (ρ={rho:g}, damping={damping:g}) "
                f"stopped after {len(history)} round(s) ({status}): {last.get('failure') or 'rounds reached'}; "
-               f"last KL to the previous round {value('kl_to_previous'):.3e}, residual "
-               f"{value('residual'):.3e} (a residual that cycles or stalls: increase rho)")
+               f"last KL to the previous round {last.get('kl_to_previous', float('nan')):.3e}, residual "
+               f"{last.get('residual', float('nan')):.3e} (a residual that cycles or stalls: increase rho)")
         if raise_on_failure:
             raise ConvergenceError(msg, posterior=result, history=history)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)

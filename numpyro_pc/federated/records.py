@@ -7,7 +7,8 @@ cross-process transports (:class:`~numpyro_pc.federated.server.ServerLogic`,
 A :class:`RoundInfo` is a :class:`~numpyro_pc.protocols.records.Record`: its fields are attributes
 (``info.kl_to_reference``) and, as before, keys of a read-only mapping
 (``history[-1]["kl_to_reference"]``); a field that the path does not write, or that does not apply to the
-run (no ``reference``, no ``privacy``), is ``None``. :func:`round_dicts` gives the plain dicts the history
+run (no ``reference``, no ``privacy``), is ``None`` (and :meth:`RoundInfo.get` gives its default there,
+as ``dict.get`` did). :func:`round_dicts` gives the plain dicts the history
 held before the typed records (only the fields that apply), which the transports save as JSON.
 """
 
@@ -82,6 +83,13 @@ class RoundInfo(Record):
     failure: str | None = None
     rejected: Mapping[str, str] | None = None
     dropped: int | None = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``, or ``default`` where it is ``None`` (does not apply) or is no field: as
+        ``dict.get`` on the dicts of the fields that apply (:func:`round_dicts`), which ``history`` held
+        before, so that ``h.get("kl_to_reference", nan)`` still gives ``nan`` on a run without a reference."""
+        value = getattr(self, key, None) if key in self._names() else None
+        return default if value is None else value
 
 
 def round_dicts(history: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -129,6 +129,8 @@ def test_the_flat_keywords_give_the_same_gaussian_run_to_the_bit(x64):
     assert seen == new.history and isinstance(seen[0], RoundInfo)
     last = new.history[-1]
     assert last["round"] == last.round == 3 and last["kl_to_reference"] is None and last["clipped"] == 0
+    assert math.isnan(last.get("kl_to_reference", math.nan)) and last.get("nonsense", 1) == 1
+    assert last.get("retries", 5) == 0 and last.get("epsilon") is None
     assert np.isnan(new.column("kl_to_reference")).all() and new.column("round").tolist() == [1, 2, 3]
     saved = json.loads(json.dumps(plain(new.history)))
     assert saved[-1]["bytes"] == last["bytes"] and saved[-1]["epsilon"] is None
