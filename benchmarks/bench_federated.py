@@ -107,7 +107,8 @@ def methods(num_clients):
     out += [(f"fedpc ρ={r:g}", dict(algorithm="fedpc", rho=r)) for r in (0.05, 0.1, 0.2, 0.5, 1.0)]
     out += [("fedpc ρ=0.2 no safeguard", dict(algorithm="fedpc", rho=0.2, safeguard=False)),
             ("pvi δ=0.5", dict(algorithm="pvi", damping=0.5)), ("admm", dict(algorithm="admm")),
-            ("fedpc bounded", dict(algorithm="fedpc", max_share=1.0, max_shift=3.0))]
+            ("fedpc bounded", dict(algorithm="fedpc",
+                                       robust=pc.federated.Robustness(max_share=1.0, max_shift=3.0)))]
     return out
 
 

@@ -6,14 +6,18 @@ or machines with Flower (optional extra ``numpyro-pc[federated]``, imported lazi
 :class:`GaussianMechanism` makes the clients' sites differentially private;
 :mod:`numpyro_pc.federated.ef` runs exponential-family product posteriors with FedPC, PVI or ADMM
 (:func:`run_ef`, or :func:`run` with a dict ``family``; AMA needs a precision fixed by the prior and
-refuses them).
+refuses them). Their options come in groups (:mod:`numpyro_pc.federated.options`: :class:`LocalSolve`,
+:class:`StopRule`, :class:`Safeguard`, :class:`Robustness`), and each round's report is a
+:class:`RoundInfo` (:mod:`numpyro_pc.federated.records`).
 """
 
 from .algorithms import ALGORITHMS, FederatedResult, run
 from .core import ClientStack, LocalConfig, bind_clients, global_state, local_update
 from .ef import EFServerState, aggregate_ef, bind_ef_clients, init_ef, round_ef, run_ef
+from .options import LocalSolve, Robustness, Safeguard, StopRule
 from .privacy import GaussianMechanism
+from .records import RoundInfo
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run", "ClientStack", "LocalConfig", "bind_clients", "global_state",
            "local_update", "GaussianMechanism", "EFServerState", "aggregate_ef", "bind_ef_clients", "init_ef",
-           "round_ef", "run_ef"]
+           "round_ef", "run_ef", "LocalSolve", "StopRule", "Safeguard", "Robustness", "RoundInfo"]

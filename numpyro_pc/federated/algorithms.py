@@ -85,7 +85,9 @@ from .core import (
     release_site,
 )
 from .ef import run_ef
+from .options import resolve_options
 from .privacy import check_gaussian_prior_data_free
+from .records import RoundInfo
 from .robust import aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
@@ -186,12 +188,19 @@ def _initial_sites(cfg, q, stack, key) -> GaussianNatural:
                                                                                          keys)
 
 
-def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
-        expectation=None, tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=50,
-        local_tol=None, num_nodes=None, admm_alpha=None, raise_on_failure=False, kwargs=None, data_plate=None,
-        shared=(), callback=None, init="auto", safeguard=None, safeguard_margin=0.3, max_retries=6,
-        max_share=None, max_shift=None, privacy=None) -> FederatedResult:
+def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0, *,
+        seed=0, reference=None, keep_data=True, admm_alpha=None, raise_on_failure=False, kwargs=None,
+        data_plate=None, shared=(), callback=None, init="auto", local=None, stop=None, safeguard=None, robust=None,
+        privacy=None, **deprecated) -> FederatedResult:
     """Run a federated algorithm over client shards in one process.
+
+    The options of the local solve, the stop rule, the safeguard and bounded aggregation come in groups
+    (:mod:`numpyro_pc.federated.options`): ``local=LocalSolve(...)``, ``stop=StopRule(...)``,
+    ``safeguard=Safeguard(...)`` and ``robust=Robustness(...)``. The flat keywords they replace
+    (``expectation``, ``tol``, ``residual_tol``, ``local_iters``, ``local_tol``, ``num_nodes``,
+    ``safeguard_margin``, ``max_retries``, ``max_share``, ``max_shift``) still work for one release with a
+    ``FutureWarning``; one given together with its group is refused. Keywords after ``fraction`` are
+    keyword-only.
 
     :param model: the NumPyro model (one data plate, global latents, a prior that is
         Gaussian on the unconstrained latents).
@@ -209,40 +218,39 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     :param int rounds: maximum number of rounds.
     :param float damping: PVI-style site damping ``δ ∈ (0, 1]`` (default ``1``: none).
     :param float fraction: share of clients taking part in each round.
-    :param str expectation: ``"gh"`` (default for GLMs) or ``"delta"``.
-    :param float tol: stop when ``KL(q_t ‖ q_{t−1})`` is below this (default ``1e-14`` in
-        float64, ``1e-8`` in float32) *and* the residual is below ``residual_tol``
-        (default ``1e-7`` / ``1e-4``).
     :param int seed: seed of the client sampling.
     :param reference: a posterior (or :class:`~numpyro_pc.families.registry.Gaussian`) to report
         ``kl_to_reference = KL(q_t ‖ reference)`` against each round.
     :param bool keep_data: build ``result.posterior`` on the union of the shards.
-    :param int local_iters: Newton iterations of each local update.
-    :param float local_tol: relative change stopping a local update.
-    :param int num_nodes: Gauss–Hermite nodes (default 64, as :func:`numpyro_pc.fit`).
     :param float admm_alpha: override of ``α`` in the ADMM server step.
     :param bool raise_on_failure: raise :class:`~numpyro_pc.errors.ConvergenceError`
         (carrying the result as ``err.posterior``) when the run diverges or ends before the
         tolerances; otherwise warn.
-    :param callback: called as ``callback(round_record)`` after every round.
+    :param callback: called as ``callback(info)`` after every round, ``info`` the round's
+        :class:`~numpyro_pc.federated.records.RoundInfo`.
     :param str init: first guess of the sites: ``"prior"`` (each client's site at the prior,
         so the first global posterior is one natural-gradient step from the prior),
         ``"zero"`` (sites equal to one, as in PVI; the first local step then starts from the
         prior and, for a small ``ρ``, weights the client's loss by ``1/ρ``) or ``"auto"``:
         ``"zero"`` for the isotropic family (whose step from the prior is a plain gradient
         step of size ``1/τ`` and can land where a logistic loss saturates), else ``"prior"``.
-    :param bool safeguard: adapt each client's ``ρ_k ≥ ρ`` every round so that its local
-        problem is convex (:func:`~numpyro_pc.federated.core.safe_rho`), and retry a round that
-        still fails with the floor ``ρ`` doubled (at most ``max_retries`` times). Default: on for
-        ``"fedpc"`` and ``"admm"``, off for ``"pvi"`` (``ρ = 1`` by definition) and ``"ama"``.
-        The fixed point does not depend on ``ρ``, so it stays the joint posterior.
-    :param float safeguard_margin: ``ρ_k = max(ρ, (1 + margin) λ_max(P_jnt⁻¹ S_k))``.
-    :param int max_retries: retries of a failed round under the safeguard.
-    :param float max_share: bounded aggregation (:mod:`~numpyro_pc.federated.robust`): one
-        client's site may raise the global precision by at most the factor ``1 + max_share``
-        over the others' (default: no bound; not with ADMM).
-    :param float max_shift: bounded aggregation: one client may move the global mean by at
-        most this many standard deviations of the others' posterior (default: no bound).
+    :param LocalSolve local: the clients' local solve (:class:`~numpyro_pc.federated.options.LocalSolve`:
+        ``iters`` default 50 Newton iterations, ``tol`` default ``1e-12`` / ``1e-6`` in float32, ``expectation``
+        ``"gh"`` (default for GLMs) or ``"delta"``, ``num_nodes`` Gauss–Hermite nodes, default 64).
+    :param StopRule stop: stop when ``KL(q_t ‖ q_{t−1})`` is below ``stop.tol`` (default ``1e-14`` in
+        float64, ``1e-8`` in float32) *and* the residual is below ``stop.residual_tol`` (default ``1e-7`` /
+        ``1e-4``) (:class:`~numpyro_pc.federated.options.StopRule`).
+    :param safeguard: a :class:`~numpyro_pc.federated.options.Safeguard`, or ``True``/``False``/``None`` for
+        ``Safeguard(enabled=...)``: adapt each client's ``ρ_k ≥ ρ`` every round so that its local
+        problem is convex (:func:`~numpyro_pc.federated.core.safe_rho`,
+        ``ρ_k = max(ρ, (1 + margin) λ_max(P_jnt⁻¹ S_k))``), and retry a round that still fails with the floor
+        ``ρ`` doubled (at most ``max_retries`` times). Default: on for ``"fedpc"`` and ``"admm"``, off for
+        ``"pvi"`` (``ρ = 1`` by definition) and ``"ama"``. The fixed point does not depend on ``ρ``, so it
+        stays the joint posterior.
+    :param Robustness robust: bounded aggregation (:mod:`~numpyro_pc.federated.robust`,
+        :class:`~numpyro_pc.federated.options.Robustness`): one client's site may raise the global precision
+        by at most the factor ``1 + max_share`` over the others', and move the global mean by at most
+        ``max_shift`` standard deviations of the others' posterior (default: no bound; not with ADMM).
     :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a
         client sends is clipped per example and noised to the mechanism's ``(ε, δ)``
         (FedPC, PVI and AMA; not ADMM, whose server step needs the exact local posteriors).
@@ -250,31 +258,32 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         failed rounds are not retried (a retry is one more release). The run then ends on
         its round budget rather than on the tolerances, and its fixed point is perturbed
         (``history`` records ``epsilon``, the privacy loss spent so far).
-    :return: :class:`FederatedResult`; ``history`` also holds ``rho_min``/``rho_max`` (the
+    :return: :class:`FederatedResult`; ``history`` holds one
+        :class:`~numpyro_pc.federated.records.RoundInfo` per round, with ``rho_min``/``rho_max`` (the
         weights the clients used), ``rho_floor``, ``clipped`` (how many clients were bounded that round)
         and ``clipped_clients`` (which).
     """
+    local, stop, guard, robust = resolve_options("run", deprecated, local, stop, safeguard, robust)
     if isinstance(family, dict):
-        if expectation in ("gh", "delta"):
-            raise InvalidOptionError(f"expectation {expectation!r} is a rule of Gaussian posteriors' sites, not of an "
-                                     "exponential-family family dict (see numpyro_pc.fit's expectation options)")
+        if local.expectation in ("gh", "delta"):
+            raise InvalidOptionError(f"expectation {local.expectation!r} is a rule of Gaussian posteriors' sites, not "
+                                     "of an exponential-family family dict (see numpyro_pc.fit's expectation options)")
         return run_ef(model, client_data, family, algorithm=algorithm, rho=rho, rounds=rounds, damping=damping,
-                      fraction=fraction, tol=tol, residual_tol=residual_tol, seed=seed, reference=reference,
-                      keep_data=keep_data, local_iters=local_iters, local_tol=local_tol,
+                      fraction=fraction, seed=seed, reference=reference, keep_data=keep_data,
                       raise_on_failure=raise_on_failure, kwargs=kwargs, data_plate=data_plate, shared=shared,
-                      callback=callback, init="zero" if init == "auto" else init, max_retries=max_retries,
-                      safeguard=safeguard, safeguard_margin=safeguard_margin, expectation=expectation or "auto",
-                      num_nodes=32 if num_nodes is None else num_nodes, admm_alpha=admm_alpha, privacy=privacy,
-                      max_share=max_share, max_shift=max_shift)
-    num_nodes = 64 if num_nodes is None else num_nodes
+                      callback=callback, init="zero" if init == "auto" else init, admm_alpha=admm_alpha,
+                      privacy=privacy, local=local, stop=stop, safeguard=guard, robust=robust)
+    num_nodes = 64 if local.num_nodes is None else local.num_nodes
+    local_iters = 50 if local.iters is None else local.iters
+    max_retries, max_share, max_shift = guard.max_retries, robust.max_share, robust.max_shift
     spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
-    family, rho, damping, rule = check_settings(algorithm, family, rho, damping, expectation, spec, len(datas))
-    safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
+    family, rho, damping, rule = check_settings(algorithm, family, rho, damping, local.expectation, spec, len(datas))
+    safeguard = guard.on(algorithm)
     dtype = stack.mask.dtype
     x64 = dtype == jnp.float64
-    tol = (1e-14 if x64 else 1e-8) if tol is None else float(tol)
-    residual_tol = (1e-7 if x64 else 1e-4) if residual_tol is None else float(residual_tol)
-    local_tol = (1e-12 if x64 else 1e-6) if local_tol is None else float(local_tol)
+    tol = (1e-14 if x64 else 1e-8) if stop.tol is None else stop.tol
+    residual_tol = (1e-7 if x64 else 1e-4) if stop.residual_tol is None else stop.residual_tol
+    local_tol = (1e-12 if x64 else 1e-6) if local.tol is None else local.tol
     num_clients = int(stack.mask.shape[0])
     if not 0 < fraction <= 1:
         raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
@@ -295,7 +304,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         check_gaussian_prior_data_free(spec, datas)
         max_retries = 0
     cfg = LocalConfig(spec, family, rule, int(num_nodes), int(local_iters), local_tol, safeguard=safeguard,
-                      margin=float(safeguard_margin), privacy=privacy)
+                      margin=guard.margin, privacy=privacy)
     if algorithm == "admm" and (max_share is not None or max_shift is not None):
         raise InvalidOptionError("bounded aggregation (max_share/max_shift) bounds the clients' sites, but ADMM's "
                                  "server step also averages their local posteriors; use algorithm='fedpc'")
@@ -340,7 +349,7 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
             record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if not good:
             record["kl_to_previous"] = float("nan")
-            history.append(record)
+            history.append(RoundInfo(**record))
             status = "diverged"
             break
         eta, q = eta_new, q_new

@@ -50,19 +50,23 @@ from ..errors import (
     NonFiniteDataError,
 )
 from .privacy import GaussianMechanism, add_noise, clip_factors
+from .records import RoundInfo
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
 
 
 
-def record_round(record: dict, history: list, callback, tol: float, residual_tol: float) -> bool:
-    """Append a round's ``record`` to ``history``, hand it to ``callback``, and say whether the run has
-    converged: the KL to the previous round and the residual both within their tolerances (a NaN never is)."""
-    history.append(record)
+def record_round(record, history: list, callback, tol: float, residual_tol: float) -> bool:
+    """Append a round's ``record`` (a dict of :class:`~numpyro_pc.federated.records.RoundInfo` fields, or one)
+    to ``history`` as a :class:`~numpyro_pc.federated.records.RoundInfo`, hand it to ``callback``, and say
+    whether the run has converged: the KL to the previous round and the residual both within their
+    tolerances (a NaN never is)."""
+    info = record if isinstance(record, RoundInfo) else RoundInfo(**record)
+    history.append(info)
     if callback is not None:
-        callback(record)
-    return bool(record["kl_to_previous"] <= tol and record["residual"] <= residual_tol)
+        callback(info)
+    return bool(info.kl_to_previous <= tol and info.residual <= residual_tol)
 
 class ClientStack(NamedTuple):
     """Client shards stacked on a leading axis ``K`` and padded to ``N_max`` rows.
@@ -453,10 +457,14 @@ class FederatedResult:
         ``None`` with ``keep_data=False``.
     :ivar state: the final global :class:`~numpyro_pc.families.registry.Gaussian`.
     :ivar sites: the clients' site natural parameters, stacked on a leading axis.
-    :ivar history: one dict per round: ``round``, ``kl_to_previous``, ``residual``
+    :ivar history: one :class:`~numpyro_pc.federated.records.RoundInfo` per round (a read-only mapping
+        too: ``history[-1]["kl_to_reference"]``): ``round``, ``kl_to_previous``, ``residual``
         (largest ``‖λ_k − λ_jnt‖ / ‖λ_jnt‖`` over the round's clients), ``participants``,
         ``local_iterations`` (largest), ``bytes_up``, ``bytes_down``, ``bytes`` (cumulative),
-        ``seconds`` (cumulative) and ``kl_to_reference`` when a reference was given.
+        ``seconds`` (cumulative) and ``kl_to_reference`` when a reference was given; the fields that do
+        not apply are ``None``. ``json.dumps(plain(result.history))`` saves it
+        (:func:`~numpyro_pc.protocols.records.plain`; :func:`~numpyro_pc.federated.records.round_dicts`
+        keeps only the fields that apply).
     :ivar converged: whether both tolerances were met.
     :ivar status: ``"converged"``, ``"max_rounds"`` or ``"diverged"``.
     """
@@ -476,5 +484,5 @@ class FederatedResult:
         return len(self.history)
 
     def column(self, key) -> np.ndarray:
-        """One history entry across rounds as a NumPy array."""
-        return np.asarray([h.get(key, np.nan) for h in self.history], dtype=float)
+        """One history entry across rounds as a NumPy array (``nan`` where it does not apply)."""
+        return np.asarray([np.nan if h.get(key) is None else h.get(key) for h in self.history], dtype=float)

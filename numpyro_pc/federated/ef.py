@@ -108,6 +108,8 @@ from .ef_server import (  # noqa: F401
     site_natural,
     validate_ef_message,
 )
+from .options import resolve_options
+from .records import RoundInfo
 from .robust import robust_bounds
 
 __all__ = ["EFClients", "EFLocalResult", "bind_ef_clients", "check_prior_data_free", "init_ef", "safe_rho_ef", "local_update_ef",
@@ -296,34 +298,39 @@ def posterior_ef(clients, state, record=None) -> EFPosterior:
                        dict(operation="federated", **(record or {})))
 
 
-def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0,
-           tol=None, residual_tol=None, seed=0, reference=None, keep_data=True, local_iters=200, local_tol=None,
-           raise_on_failure=False, kwargs=None, data_plate=None, shared=(), callback=None, init="zero",
-           max_retries=6, safeguard=None, safeguard_margin=0.3, expectation="auto", num_nodes=32, num_samples=None,
-           draw_seed=0, admm_alpha=None, privacy=None, max_share=None, max_shift=None) -> FederatedResult:
+def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0, *,
+           seed=0, reference=None, keep_data=True, raise_on_failure=False, kwargs=None, data_plate=None, shared=(),
+           callback=None, init="zero", admm_alpha=None, local=None, stop=None, safeguard=None, robust=None,
+           privacy=None, **deprecated) -> FederatedResult:
     """Federated posterior correction of an exponential-family product posterior over client shards in one
     process (clients ``vmap``-ed); :func:`numpyro_pc.federated.run` with a dict ``family`` calls this.
+
+    The option groups are :func:`~numpyro_pc.federated.run`'s (:mod:`numpyro_pc.federated.options`), with this
+    path's defaults; the flat keywords they replace (``tol``, ``residual_tol``, ``local_iters``, ``local_tol``,
+    ``expectation``, ``num_nodes``, ``num_samples``, ``draw_seed``, ``safeguard_margin``, ``max_retries``,
+    ``max_share``, ``max_shift``) still work for one release with a ``FutureWarning``. Keywords after
+    ``fraction`` are keyword-only.
 
     :param dict family: ``{latent site: family name}`` as for :func:`numpyro_pc.fit`.
     :param str algorithm: ``"fedpc"`` (``ρ`` default ``1/K``), ``"pvi"`` (``ρ = 1``, sites damped by ``damping``)
         or ``"admm"`` (FedPC's local step, the server step of :func:`~numpyro_pc.federated.ef_server.admm_server_ef`; ``ρ`` default ``1/K``).
         ``"ama"`` is refused: it is MAP with a precision fixed by the prior, and these families learn theirs.
-    :param float rho: local weight ``ρ``, a floor when ``safeguard`` (default on for FedPC and ADMM) raises each
-        client's
-        to :func:`safe_rho_ef`; a round that fails (a local fixed point or the global :math:`\\lambda` outside the
-        domain) is repeated with the floor doubled, at most ``max_retries`` times. The fixed point does not depend
-        on ``ρ``.
+    :param float rho: local weight ``ρ``, a floor when the safeguard (default on for FedPC and ADMM) raises each
+        client's to :func:`safe_rho_ef`.
+    :param safeguard: a :class:`~numpyro_pc.federated.options.Safeguard` (or ``True``/``False``/``None``):
+        ``margin`` of :func:`safe_rho_ef` (default 0.3); a round that fails (a local fixed point or the global
+        :math:`\\lambda` outside the domain) is repeated with the floor doubled, at most ``max_retries`` times
+        (default 6; on this path whether or not the safeguard is on). The fixed point does not depend on ``ρ``.
     :param float damping: PVI site damping ``δ ∈ (0, 1]``; ``fraction``: share of clients per round (drawn with
         ``seed``); ``callback(record)`` after every round.
-    :param float tol: stop when ``KL(q_t ‖ q_{t−1})`` is below this (default ``1e-16`` / ``1e-8`` in float32),
-        or below the KL's own rounding error (:func:`kl_rounding`, recorded per round as ``kl_rounding``),
-        *and* the residual is below ``residual_tol`` (default ``1e-10`` / ``1e-5``).
+    :param StopRule stop: stop when ``KL(q_t ‖ q_{t−1})`` is below ``stop.tol`` (default ``1e-16`` / ``1e-8`` in
+        float32), or below the KL's own rounding error (:func:`kl_rounding`, recorded per round as
+        ``kl_rounding``), *and* the residual is below ``stop.residual_tol`` (default ``1e-10`` / ``1e-5``).
     :param reference: an :class:`~numpyro_pc.dual.expfam.EFPosterior` (or natural vector) to compare with.
-    :param int local_iters: iterations of each local fixed point; ``local_tol`` its tolerance
-        (default ``1e-12`` / ``1e-6``).
+    :param LocalSolve local: ``iters``: iterations of each local fixed point (default 200); ``tol`` its
+        tolerance (default ``1e-12`` / ``1e-6``); ``expectation``, ``num_nodes`` (default 32), ``num_samples``,
+        ``draw_seed``: the site rule, as ``fit``'s ``expectation``, ``num_nodes``, ``num_samples``, ``seed``.
     :param str init: ``"zero"`` or ``"prior"`` (:func:`init_ef`).
-    :param expectation, num_nodes, num_samples, draw_seed: the site rule, as ``fit``'s ``expectation``,
-        ``num_nodes``, ``num_samples``, ``seed``.
     :param float admm_alpha: ADMM's step :math:`\\alpha > 0` (default ``1/(1 + ρM)``, ``M`` clients per round,
         with the ``ρ`` given; a retry's doubled floor does not change it).
     :param privacy: a :class:`~numpyro_pc.federated.privacy.GaussianMechanism`: every site a client sends is
@@ -333,20 +340,23 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         FedPC and PVI (not ADMM), ``releases`` must cover ``rounds`` plus the initial sites of ``init="prior"``,
         failed rounds are not retried, and the run ends on its round budget at a perturbed fixed point. A noised
         sum outside the domain is pulled back by :func:`~numpyro_pc.federated.ef_robust.retreat_ef` (``history["domain_step"]``).
-    :param float max_share: bounded aggregation (:func:`~numpyro_pc.federated.ef_robust.bound_sites_ef`): one client's site at most
-        ``max_share`` times the others' together, in the Fisher metric (needs two clients or more; not ADMM).
-    :param float max_shift: bounded aggregation: :math:`\\mathrm{KL}(q \\| q_{-k}) \\le` ``max_shift² / 2``
+    :param Robustness robust: bounded aggregation (:func:`~numpyro_pc.federated.ef_robust.bound_sites_ef`):
+        ``max_share``: one client's site at most ``max_share`` times the others' together, in the Fisher metric
+        (needs two clients or more; not ADMM); ``max_shift``: :math:`\\mathrm{KL}(q \\| q_{-k}) \\le` ``max_shift² / 2``
         for every client ``k`` (for a Gaussian this implies the Gaussian path's bound of ``max_shift`` standard
         deviations on the mean). ``history["clipped"]`` counts the tempered clients, ``clipped_clients`` names
         them. Where the other clients' posterior lies outside the domain the shift bound is not defined and the
         round fails (:class:`~numpyro_pc.errors.OutOfDomainError`; retried with a larger ``ρ``, except in a
         private run, which then stops as ``"diverged"``).
     :return: :class:`~numpyro_pc.federated.core.FederatedResult` with ``state`` the final
-        :class:`~numpyro_pc.federated.ef_server.EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` per round: ``kl_to_previous``,
+        :class:`~numpyro_pc.federated.ef_server.EFServerState` and ``sites`` its ``(K, P)`` sites; ``history`` one
+        :class:`~numpyro_pc.federated.records.RoundInfo` per round: ``kl_to_previous``,
         ``residual`` (largest ``‖λ_k − λ‖ / (1 + ‖λ‖)``; ADMM: also ``‖λ_jnt − λ_0 − Σ_k η_k‖``),
         ``local_iterations``, ``local_residual``,
         ``rho_min``/``rho_max``/``rho_floor``, ``retries``, ``bytes``, ``seconds``; with a reference also
-        ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``).
+        ``kl_to_reference`` and ``error_to_reference`` (``‖λ − λ_ref‖ / ‖λ_ref‖``). ``result.posterior.record``
+        stays a plain dict: ``operation`` ``"federated"``, ``algorithm``, ``rho``, ``rounds``, ``status`` and,
+        with ADMM, ``admm_alpha``.
     :raises ConvergenceError: with ``raise_on_failure``, a run that diverged or ended before the tolerances.
     :raises MissingCapabilityError: ``algorithm="ama"``.
     :raises PrivacyError: ``privacy`` with a prior that depends on the data (:func:`check_prior_data_free`).
@@ -354,6 +364,10 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         clients' exact local posteriors, which neither the mechanism nor the bounds cover), a mechanism with
         fewer ``releases`` than the run may send, bounds with one client.
     """
+    local, stop, guard, robust = resolve_options("run_ef", deprecated, local, stop, safeguard, robust)
+    local_iters = 200 if local.iters is None else local.iters
+    max_retries, safeguard_margin = guard.max_retries, guard.margin
+    max_share, max_shift = robust.max_share, robust.max_shift
     if algorithm not in ("fedpc", "pvi", "ama", "admm"):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected 'fedpc', 'pvi' or 'admm' ('ama' needs "
                                  "a precision fixed by the prior)")
@@ -362,8 +376,8 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     if admm_alpha is not None and (algorithm != "admm" or not float(admm_alpha) > 0):
         raise InvalidOptionError(f"admm_alpha is ADMM's server step, a positive number; got {admm_alpha!r} with "
                                  f"algorithm={algorithm!r}")
-    clients = bind_ef_clients(model, client_data, family, kwargs, data_plate, shared, expectation, num_nodes,
-                              num_samples, draw_seed)
+    clients = bind_ef_clients(model, client_data, family, kwargs, data_plate, shared, local.expectation or "auto",
+                              32 if local.num_nodes is None else local.num_nodes, local.num_samples, local.draw_seed)
     if algorithm == "ama":
         require(clients.config.family, FixedPrecision, "algorithm='ama'",
                 advice="AMA is MAP estimation of the mean under a precision τI fixed by the prior (paper theorem "
@@ -371,14 +385,14 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
                        "'pvi' or 'admm', or fit a Gaussian with family='isotropic' for AMA.")
     num = int(clients.stack.mask.shape[0])
     rho = (1.0 / num if algorithm in ("fedpc", "admm") else 1.0) if rho is None else float(rho)
-    safeguard = algorithm in ("fedpc", "admm") if safeguard is None else bool(safeguard)
+    safeguard = guard.on(algorithm)
     damping = 1.0 if damping is None else float(damping)
     if not (rho > 0 and 0 < damping <= 1 and 0 < fraction <= 1):
         raise InvalidOptionError(f"need rho > 0, damping in (0, 1] and fraction in (0, 1]; got {rho}, {damping}, "
                                  f"{fraction}")
     x64 = clients.prior.dtype == jnp.float64
-    tol = (1e-16 if x64 else 1e-8) if tol is None else float(tol)
-    residual_tol = (1e-10 if x64 else 1e-5) if residual_tol is None else float(residual_tol)
+    tol = (1e-16 if x64 else 1e-8) if stop.tol is None else stop.tol
+    residual_tol = (1e-10 if x64 else 1e-5) if stop.residual_tol is None else stop.residual_tol
     participants = max(1, int(round(fraction * num)))
     alpha = None  # FedPC and PVI: the global λ is the sites' sum
     if algorithm == "admm":
@@ -415,7 +429,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         for attempt in range(int(max_retries) + 1):
             total += per_round
             try:
-                new, info = round_ef(clients, state, floor, damping, participants, sub, local_tol, local_iters,
+                new, info = round_ef(clients, state, floor, damping, participants, sub, local.tol, local_iters,
                                      safeguard_margin if safeguard else None, alpha, privacy, bounds)
                 failure = None
                 break
@@ -426,7 +440,7 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
         if privacy is not None:
             record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if failure is not None:
-            history.append(dict(record, kl_to_previous=float("nan"), failure=failure))
+            history.append(RoundInfo(**record, kl_to_previous=float("nan"), failure=failure))
             status = "diverged"
             break
         state = new

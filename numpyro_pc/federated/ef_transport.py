@@ -49,6 +49,7 @@ from .ef_clients import EFClients
 from .ef_describe import describe_family, family_from_description, family_json, is_ef_family, parse_family  # noqa: F401
 from .ef_robust import release_ef
 from .ef_server import EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef, site_natural
+from .records import RoundInfo, round_dicts
 from .robust import robust_bounds
 from .server import keep_majority
 
@@ -455,7 +456,7 @@ class EFServerLogic:
             message = size * self.dtype.itemsize
             up, sent = message * count, len(replies)
             self.total_bytes += sent * (up + message)
-            self.history.append(dict(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(lam_new, lam)),
+            self.history.append(RoundInfo(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(lam_new, lam)),
                                      kl_rounding=float(kl_rounding(self.family, lam_new, lam)), residual=residual,
                                      participants=len(good), local_iterations=max(iterations) if iterations else 0,
                                      bytes_up=sent * up, bytes_down=sent * message, bytes=self.total_bytes,
@@ -471,5 +472,5 @@ class EFServerLogic:
                  prior=empty if self.state is None else np.asarray(self.state.prior),
                  sites=empty if self.state is None else np.asarray(self.state.sites),
                  clients=json.dumps([str(c) for c in self.ids]), family=json.dumps(self.description),
-                 history=json.dumps(self.history, default=str), config=json.dumps(self.config),
+                 history=json.dumps(round_dicts(self.history), default=str), config=json.dumps(self.config),
                  failure=json.dumps(self.failure))

@@ -69,6 +69,7 @@ from ..errors import DataShapeError, InvalidOptionError, TooFewClientsError
 from .ef_transport import EFClientLogic, EFServerLogic
 from .logic import ClientByFamily, ClientLogic, server_logic
 from .privacy import GaussianMechanism
+from .records import round_dicts
 from .server import ServerLogic
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def make_strategy(logic, connect_timeout=120.0, out=None) -> Strategy:
                 if logic.kind == "ef":
                     kw["residuals"] = [r.metrics["residual"] for _, r in results if "residual" in r.metrics]
                 logic.aggregate(replies, iterations, examples, **kw)
-                logic.history[-1]["dropped"] = len(failures)
+                logic.history[-1] = logic.history[-1].replace(dropped=len(failures))
             return ndarrays_to_parameters(logic.broadcast()), {}
 
         def configure_evaluate(self, server_round, parameters, client_manager) -> list[tuple[ClientProxy, EvaluateIns]]:
@@ -394,7 +395,7 @@ def _serve(args) -> int:
         code = 1
     if args.out:
         logic.save(args.out)
-    last = logic.history[-1] if logic.history else {}
+    last = round_dicts(logic.history[-1:])[0] if logic.history else {}
     print(json.dumps({"rounds": len(logic.history), "last": last, "failure": logic.failure}, default=str),
           flush=True)
     return code

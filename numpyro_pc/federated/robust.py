@@ -41,18 +41,36 @@ from numpyro_pc.families.registry import Gaussian, GaussianNatural
 from ..errors import ClientMessageError, InvalidOptionError
 from .core import relative_top
 
-__all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds"]
+__all__ = ["aggregate_sites", "leave_one_out", "site_shapes", "validate_site", "robust_bounds", "check_bounds"]
 
 
 def robust_bounds(max_share=None, max_shift=None, dtype=float) -> tuple[jax.Array, jax.Array] | None:
     """The ``(γ, c)`` pair of :func:`aggregate_sites` (``None``: no bounds at all)."""
     if max_share is None and max_shift is None:
         return None
-    share = np.inf if max_share is None else float(max_share)
-    shift = np.inf if max_shift is None else float(max_shift)
+    share, shift = check_bounds(max_share, max_shift)
+    return jnp.asarray(share, dtype), jnp.asarray(shift, dtype)
+
+
+def check_bounds(max_share=None, max_shift=None) -> tuple[float, float]:
+    """The bounds of bounded aggregation as floats (``inf``: unbounded), each ``None`` or positive.
+
+    :raises InvalidOptionError: a bound that is not a positive number (NaN, a string, ``True`` included).
+    """
+    def number(value) -> float:
+        if value is None:
+            return np.inf
+        try:
+            if isinstance(value, (bool, str, bytes)):
+                raise TypeError
+            return float(value)
+        except (TypeError, ValueError):
+            return np.nan  # refused below, with the message of every other bad bound
+
+    share, shift = number(max_share), number(max_shift)
     if not (share > 0 and shift > 0):
         raise InvalidOptionError(f"max_share and max_shift must be positive, got {max_share}, {max_shift}")
-    return jnp.asarray(share, dtype), jnp.asarray(shift, dtype)
+    return share, shift
 
 
 def _dense(family, mean, precision) -> jax.Array:

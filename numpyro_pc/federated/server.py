@@ -34,6 +34,7 @@ from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultErro
 from ..options import is_choice
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
+from .records import RoundInfo, round_dicts
 from .robust import aggregate_sites, robust_bounds, validate_site
 
 __all__ = ["ServerLogic", "keep_majority"]
@@ -229,7 +230,7 @@ class ServerLogic:
             up = message * (2 if self.algorithm == "admm" else 1)
             sent = len(replies)
             self.total_bytes += sent * (up + message)
-            self.history.append(dict(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(new, old)),
+            self.history.append(RoundInfo(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(new, old)),
                                      residual=residual, participants=len(good), local_iterations=max(iterations)
                                      if iterations else 0, bytes_up=sent * up, bytes_down=sent * message,
                                      bytes=self.total_bytes, rejected=rejected, clipped=int(jnp.sum(clipped))))
@@ -240,5 +241,5 @@ class ServerLogic:
         """Write the last good global Gaussian, the history, the config and the failure reason (``.npz``)."""
         mean = np.asarray(self.state.mean) if self.state is not None else np.zeros(0)
         precision = np.asarray(self.state.precision) if self.state is not None else np.zeros(0)
-        np.savez(path, mean=mean, precision=precision, history=json.dumps(self.history, default=str),
+        np.savez(path, mean=mean, precision=precision, history=json.dumps(round_dicts(self.history), default=str),
                  config=json.dumps(self.config), failure=json.dumps(self.failure))

@@ -10,6 +10,7 @@ import pytest
 import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.datasets.loaders import load_breast_cancer
+from numpyro_pc.federated.options import LocalSolve
 
 from models import linear_model, logistic_model, make_linear, make_logistic
 
@@ -139,7 +140,7 @@ def test_ama_is_isotropic_delta_fedpc(x64, ridge_case):
     clients = non_iid(X, y, 10)
     ama = federated.run(linear_model, clients, algorithm="ama", rho=0.15, rounds=5, kwargs=PVI_CASE,
                         raise_on_failure=False, keep_data=False)
-    iso = federated.run(linear_model, clients, family="isotropic", expectation="delta", rho=0.15, rounds=5,
+    iso = federated.run(linear_model, clients, family="isotropic", local=LocalSolve(expectation="delta"), rho=0.15, rounds=5,
                         kwargs=PVI_CASE, keep_data=False)
     np.testing.assert_allclose(np.asarray(ama.state.mean), np.asarray(iso.state.mean), rtol=1e-12)
     # the AMA global step is the MAP condition of the prior plus linear sites: P0 (m − m0) = −Σ ĝ_k
@@ -176,7 +177,7 @@ def test_bad_input_raises():
     with pytest.raises(pc.DataShapeError, match="client 1"):
         federated.run(linear_model, [(X, y), (X[:, :1], y)])
     with pytest.raises(pc.ExpectationRuleError):
-        federated.run(linear_model, [(X, y)], expectation="mc")
+        federated.run(linear_model, [(X, y)], local=LocalSolve(expectation="mc"))
 
 
 def test_a_client_with_another_number_of_features_is_told_both_shapes():

@@ -36,6 +36,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.errors import ClientMessageError, InvalidOptionError, MissingCapabilityError, OutOfDomainError
 from numpyro_pc.federated import ef
+from numpyro_pc.federated.options import LocalSolve, Robustness, StopRule
 from numpyro_pc.federated.privacy import GaussianMechanism
 
 from models import (_best_beta, _best_gamma, _data, _y, beta_bernoulli, closed_form,
@@ -256,7 +257,7 @@ def test_option_refusals(x64):
     with pytest.raises(InvalidOptionError, match="PVI"):
         ef.run_ef(beta_bernoulli, shards, {"p": "beta"}, algorithm="pvi", rho=0.5)
     with pytest.raises(InvalidOptionError, match="Gaussian posteriors"):
-        federated.run(beta_bernoulli, shards, family={"p": "beta"}, expectation="gh")
+        federated.run(beta_bernoulli, shards, family={"p": "beta"}, local=LocalSolve(expectation="gh"))
 
 
 # ---------------------------------------------------------------- privacy and bounded aggregation (issue 26)
@@ -289,10 +290,10 @@ def test_private_run_without_noise_is_the_exact_run(x64):
     y = _data(4, n=40)["bern"]
     shards = [(jnp.asarray(p),) for p in np.split(y, [4, 12, 22])]
     steps = _quiet(ef.run_ef, misclassified, shards, {"p": "beta"}, rounds=4, rho=1e30, safeguard=False,
-                   tol=0.0, residual_tol=0.0)
+                   stop=StopRule(tol=0.0, residual_tol=0.0))
     mech = GaussianMechanism(1e30, 1e-5, releases=4, clip_natural=1e3)  # noise sd ~1e-12
-    private = _quiet(federated.run, misclassified, shards, family={"p": "beta"}, rounds=4, privacy=mech, tol=0.0,
-                     residual_tol=0.0)
+    private = _quiet(federated.run, misclassified, shards, family={"p": "beta"}, rounds=4, privacy=mech,
+                     stop=StopRule(tol=0.0, residual_tol=0.0))
     assert private.rounds == steps.rounds == 4
     np.testing.assert_allclose(private.posterior.natural, steps.posterior.natural, rtol=1e-10)
     np.testing.assert_allclose(np.asarray(private.sites), np.asarray(steps.sites), rtol=1e-10, atol=1e-10)
@@ -364,8 +365,8 @@ def _rogue_shards():
 def test_bounded_aggregation_with_a_huge_bound_is_the_unbounded_run(x64):
     shards = _rogue_shards()
     plain = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2)
-    huge = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_share=1e300,
-                  max_shift=1e300)
+    huge = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2,
+                  robust=Robustness(max_share=1e300, max_shift=1e300))
     np.testing.assert_array_equal(np.asarray(huge.posterior.natural), np.asarray(plain.posterior.natural))
     np.testing.assert_array_equal(np.asarray(huge.sites), np.asarray(plain.sites))
     assert all(h["clipped"] == 0 and h["clipped_clients"] == [] for h in huge.history)
@@ -376,7 +377,8 @@ def test_bounded_aggregation_limits_a_client_with_scaled_data(x64):
     # bounds it by 4.5
     shards, shift = _rogue_shards(), 3.0
     plain = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2)
-    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_shift=shift)
+    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2,
+                 robust=Robustness(max_shift=shift))
     fam, sites = res.posterior.family, np.asarray(res.sites)
     rest = np.asarray(res.state.prior) + sites[:3].sum(0)  # the posterior of the honest clients
     print("KL to the honest clients' posterior, unbounded / bounded:", float(fam.kl(plain.posterior.natural, rest)),
@@ -396,8 +398,8 @@ def test_private_and_bounded_together(x64):
     clients' posterior as the server holds it."""
     shards, shift = _rogue_shards(), 3.0
     mech = GaussianMechanism(1e4, 1e-5, releases=2, clip_natural=1.0)
-    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2, max_shift=shift,
-                 privacy=mech)
+    res = _quiet(federated.run, beta_bernoulli, shards, family={"p": "beta"}, rounds=2,
+                 robust=Robustness(max_shift=shift), privacy=mech)
     fam, sites = res.posterior.family, np.asarray(res.sites)
     rest = np.asarray(res.state.prior) + sites[:3].sum(0)
     assert res.history[-1]["clipped_clients"] == [3] and res.history[-1]["epsilon"] == pytest.approx(1e4)
@@ -429,13 +431,13 @@ def test_privacy_and_bound_refusals(x64):
     with pytest.raises(InvalidOptionError, match="admm"):
         run(algorithm="admm", rounds=3, privacy=GaussianMechanism(1.0, 1e-5, 4))
     with pytest.raises(InvalidOptionError, match="ADMM"):
-        run(algorithm="admm", max_share=1.0)
+        run(algorithm="admm", robust=Robustness(max_share=1.0))
     with pytest.raises(InvalidOptionError, match="calibrated for 3 release"):
         run(rounds=3, init="prior", privacy=GaussianMechanism(1.0, 1e-5, 3))
     with pytest.raises(InvalidOptionError, match="one client"):
-        federated.run(beta_bernoulli, [(y,)], family={"p": "beta"}, max_shift=1.0)
+        federated.run(beta_bernoulli, [(y,)], family={"p": "beta"}, robust=Robustness(max_shift=1.0))
     with pytest.raises(InvalidOptionError, match="positive"):
-        run(max_share=-1.0)
+        run(robust=Robustness(max_share=-1.0))
 
 
 def test_a_private_round_needs_its_own_key(x64):

@@ -19,6 +19,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.federated import ef, ef_transport
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
+from numpyro_pc.federated.options import Robustness, StopRule
 
 from models import logistic_model, make_logistic
 from models import gamma_poisson, misclassified
@@ -46,7 +47,7 @@ def test_server_and_client_logic_equal_the_in_process_run(x64):
         arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
         replies = {k: c.update(arrays, server.config)[0] for k, c in enumerate(clients)}
         server.aggregate(replies)
-    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
+    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False)
     np.testing.assert_allclose(np.asarray(server.state.mean), np.asarray(ref.state.mean), rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(np.asarray(server.state.precision), np.asarray(ref.state.precision), rtol=1e-9)
     np.testing.assert_allclose([h["kl_to_previous"] for h in server.history], ref.column("kl_to_previous"),
@@ -135,7 +136,7 @@ def test_admm_server_checks_the_local_posteriors_it_averages(x64):
     with pytest.raises(pc.errors.InvalidOptionError, match="ADMM"):
         ServerLogic(4, "admm", "full", max_share=1.0)
     with pytest.raises(pc.errors.InvalidOptionError, match="ADMM"):
-        federated.run(logistic_model, parts, algorithm="admm", max_shift=3.0)
+        federated.run(logistic_model, parts, algorithm="admm", robust=Robustness(max_shift=3.0))
     with pytest.raises(pc.errors.InvalidOptionError, match="unknown algorithm"):
         ServerLogic(4, "fedavg")
 
@@ -441,7 +442,7 @@ def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tm
     assert "Run finished" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
     with np.load(tmp_path / "result.npz") as res:
         assert json.loads(str(res["failure"])) is None
-        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, tol=0.0, residual_tol=0.0, keep_data=False)
+        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False)
         np.testing.assert_allclose(res["mean"], np.asarray(ref.state.mean), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(res["precision"], np.asarray(ref.state.precision), rtol=1e-9)
 
@@ -475,7 +476,7 @@ def test_ef_server_and_client_logic_equal_the_in_process_run(x64, algorithm):
     parts = _ef_shards()
     server = EFServerLogic(len(parts), {"p": "beta"}, algorithm, x64=True)
     _ef_by_hand(server, parts, ROUNDS)
-    ref = run_ef(misclassified, parts, {"p": "beta"}, algorithm, rounds=ROUNDS, tol=0.0, residual_tol=0.0,
+    ref = run_ef(misclassified, parts, {"p": "beta"}, algorithm, rounds=ROUNDS, stop=StopRule(tol=0.0, residual_tol=0.0),
                  keep_data=False)
     assert ref.rounds == ROUNDS and ref.history[0]["kl_to_previous"] > 1e-3  # the rounds move the posterior
     fam = server.family
@@ -545,7 +546,7 @@ def test_flower_processes_carry_exponential_family_sites(x64, tmp_path):
     code, log, out = _launch(tmp_path, parts, ["--clients", "3", "--rounds", str(ROUNDS), "--family", "p=beta"],
                              ["honest"] * 3, model="models:misclassified")
     assert code == 0, log[-6000:]
-    ref = run_ef(misclassified, parts, {"p": "beta"}, rounds=ROUNDS, tol=0.0, residual_tol=0.0, keep_data=False)
+    ref = run_ef(misclassified, parts, {"p": "beta"}, rounds=ROUNDS, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False)
     with np.load(out) as res:
         natural, history = res["natural"], json.loads(str(res["history"]))
         fam = ef_transport.family_from_description(json.loads(str(res["family"])))
