@@ -66,7 +66,9 @@ def record_round(record, history: list, callback, tol: float, residual_tol: floa
     history.append(info)
     if callback is not None:
         callback(info)
-    return bool(info.kl_to_previous <= tol and info.residual <= residual_tol)
+    kl, residual = info.kl_to_previous, info.residual
+    return kl is not None and residual is not None and bool(kl <= tol and residual <= residual_tol)
+
 
 class ClientStack(NamedTuple):
     """Client shards stacked on a leading axis ``K`` and padded to ``N_max`` rows.

@@ -84,13 +84,6 @@ class RoundInfo(Record):
     rejected: Mapping[str, str] | None = None
     dropped: int | None = None
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """The field ``key``, or ``default`` where it is ``None`` (does not apply) or is no field: as
-        ``dict.get`` on the dicts of the fields that apply (:func:`round_dicts`), which ``history`` held
-        before, so that ``h.get("kl_to_reference", nan)`` still gives ``nan`` on a run without a reference."""
-        value = getattr(self, key, None) if key in self._names() else None
-        return default if value is None else value
-
 
 def round_dicts(history: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The rounds as plain, JSON-friendly dicts of the fields that apply (those not ``None``): the dicts

@@ -54,6 +54,13 @@ class Record(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._names())
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``, or ``default`` where it is ``None`` (does not apply) or is no field: as
+        ``dict.get`` on the dicts these records replaced, which held only the keys that applied
+        (``h.get("kl_to_reference", nan)`` is ``nan`` on a run without a reference)."""
+        value = getattr(self, key) if key in self._names() else None
+        return default if value is None else value
+
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (field names only: an unknown one is a ``TypeError``)."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]

@@ -31,6 +31,7 @@ from scipy import special, stats
 import numpyro_pc as pc
 from numpyro_pc import errors, federated
 from numpyro_pc.federated.ef import global_natural
+from numpyro_pc.federated.options import Robustness, StopRule
 from numpyro_pc.federated.privacy import GaussianMechanism
 from numpyro_pc.sites.memory_sets import select_memory, selection_scores
 from numpyro_pc.model.rows import positions
@@ -371,8 +372,9 @@ def federated_private(name):
     # isotropic (AMA's local step): from round 2 on the ρ = 1e30 run takes another path (measured: equal after
     # round 1, apart after round 2; both diverge here, AMA with ρ ≫ 2/K), so the identity is checked on round 1
     rounds = 1 if name == "isotropic" else 3
-    private, got = _federated(name, rounds=rounds, privacy=mech, tol=0.0, residual_tol=0.0)
-    _, want = _federated(name, rounds=rounds, rho=1e30, safeguard=False, tol=0.0, residual_tol=0.0)
+    never = StopRule(tol=0.0, residual_tol=0.0)
+    private, got = _federated(name, rounds=rounds, privacy=mech, stop=never)
+    _, want = _federated(name, rounds=rounds, rho=1e30, safeguard=False, stop=never)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
     assert private.column("epsilon")[-1] == mech.epsilon_after(rounds + (name in ("full", "diagonal")))
 
@@ -380,7 +382,7 @@ def federated_private(name):
 def federated_bounded(name):
     """A bound no client reaches leaves the run as it was (Gaussian sites are rebuilt from their parts: to
     rounding; exponential-family sites untouched: exactly), and no client is named."""
-    bounded, got = _federated(name, rounds=3, max_share=1e300, max_shift=1e300)
+    bounded, got = _federated(name, rounds=3, robust=Robustness(max_share=1e300, max_shift=1e300))
     _, want = _federated(name, rounds=3)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     if name not in GAUSSIAN:

@@ -33,7 +33,8 @@ def test_mapping_view_lists_every_field_own_fields_first():
     assert len(info) == len(dataclasses.fields(UpdateInfo))
     assert info["corrected"] == info.corrected == 3
     assert info["fallback"] is None and "fallback" in info  # a field that does not apply is None, not absent
-    assert dict(info)["new"] == 2 and info.get("weight", "missing") is None
+    assert dict(info)["new"] == 2 and info.get("new", 0) == 2
+    assert info.get("weight", "missing") == "missing" and info.get("nothing", 1.5) == 1.5  # as dict.get did
 
 
 def test_unknown_field_is_refused_when_read_and_when_built():
