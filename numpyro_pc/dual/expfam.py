@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from numpyro_pc.model.latent import LatentSpace
     from numpyro_pc.model.terms import ModelData, ModelSpec
 
-__all__ = ["EFState", "EFPosterior", "merge_ef", "default_tol"]
+__all__ = ["EFPosterior", "merge_ef", "default_tol"]  # EFState stays importable from here, as before
 
 def _called(name) -> None:
     warn_renamed(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
@@ -201,7 +201,7 @@ class EFPosterior(Posterior):
 
     @classmethod
     def from_tree(cls, config: EFConfig, state: EFState, data: ModelData, conjugate_prior: bool = False,
-                  guide_map: GuideMap | None = None, record=None, tombstones=(), next_id: int = 0) -> EFPosterior:
+                  guide_map: GuideMap | None = None, record=None, tombstones=(), next_id: int = 0) -> Self:
         """The posterior of :meth:`tree`'s parts (``conjugate_prior``: whether the prior term is
         conjugate-form, so that its site stays constant)."""
         return cls(config, data, state, conjugate_prior, guide_map, record, False, tombstones, next_id)

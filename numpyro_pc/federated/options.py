@@ -6,16 +6,16 @@ included. ``None`` means "the path's default", documented per field: the Gaussia
 (:func:`~numpyro_pc.federated.run`) and the exponential-family path (:func:`~numpyro_pc.federated.ef.run_ef`)
 differ in some.
 
-=====================  ===============================  =============================================================
-keyword                group                            fields
-=====================  ===============================  =============================================================
-``local=``             :class:`LocalSolve`              ``iters``, ``tol``, ``expectation``, ``num_nodes``,
-                                                        ``num_samples``, ``draw_seed``
-``stop=``              :class:`StopRule`                ``tol``, ``residual_tol``
-``safeguard=``         :class:`Safeguard` (or a bool)   ``enabled``, ``margin``, ``max_retries``
-``robust=``            :class:`Robustness`              ``max_share``, ``max_shift``
-``privacy=``           :class:`~numpyro_pc.federated.privacy.GaussianMechanism` (unchanged)
-=====================  ===============================  =============================================================
+===============  =========================================================  ============================================
+keyword          group                                                      fields
+===============  =========================================================  ============================================
+``local=``       :class:`LocalSolve`                                        ``iters``, ``tol``, ``expectation``,
+                                                                            ``num_nodes``, ``num_samples``, ``draw_seed``
+``stop=``        :class:`StopRule`                                          ``tol``, ``residual_tol``
+``safeguard=``   :class:`Safeguard` (or a bool)                              ``enabled``, ``margin``, ``max_retries``
+``robust=``      :class:`Robustness`                                        ``max_share``, ``max_shift``
+``privacy=``     :class:`~numpyro_pc.federated.privacy.GaussianMechanism`   (unchanged)
+===============  =========================================================  ============================================
 
 The flat keywords these replace (``local_iters=``, ``tol=``, ``safeguard_margin=``, ``max_share=``, …;
 :data:`MOVED`) still work for one release with a ``FutureWarning`` naming the new spelling; giving one
