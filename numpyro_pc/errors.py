@@ -36,6 +36,11 @@ class MissingCapabilityError(UnsupportedGuideError, UnsupportedModelError):
     and, in mathematical terms, why the family lacks it. Caught as either of its bases."""
 
 
+class MissingMemberError(MissingCapabilityError, AttributeError):
+    """A member of :class:`~numpyro_pc.protocols.posterior.Posterior` that has no meaning for this posterior's
+    family (a product's ``covariance``): also an ``AttributeError``, so ``hasattr`` is ``False``."""
+
+
 class DataShapeError(PosteriorCorrectionError, ValueError):
     """A data argument's leading size disagrees with the data plate."""
 

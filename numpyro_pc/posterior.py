@@ -54,7 +54,7 @@ class DualPosterior(DualPosteriorBase):
     :ivar state: the :class:`~numpyro_pc.families.registry.Gaussian` ``(mean, precision)``.
     :ivar sites: the :class:`~numpyro_pc.sites.gaussian.Sites` at ``state``.
     :ivar rule: the expectation rule used for the sites and the refinement.
-    :ivar history: the refinement record (list of dicts).
+    :ivar history: the last solve's iterates (a tuple of :class:`~numpyro_pc.protocols.records.IterationInfo`).
     :ivar offset: natural parameters not attributed to any single site (left by weighted
         corrections), or ``None``: ``λ = offset + Σ_i λ̂_i``.
     """
@@ -197,7 +197,8 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
     try:
         post = build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size, guide, refine, tol,
-                               max_iters, progress, True, cls=DualPosterior, operation="dual_form")
+                               max_iters, progress, True, cls=DualPosterior,
+                               operation="dual_form" if refine else "read")
     except (ConvergenceError, NonFiniteResultError) as err:
         if not refine:
             raise
@@ -205,7 +206,8 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         # unscaled data) is replaced by the MAP/Laplace start, and the record says so
         start = default_start(spec, data, family, None, q.mean.dtype)
         post = build_posterior(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine,
-                               tol, max_iters, progress, raise_on_failure, cls=DualPosterior, operation="dual_form")
+                               tol, max_iters, progress, raise_on_failure, cls=DualPosterior,
+                               operation="dual_form" if refine else "read")
         reason = f"refinement from the guide stopped ({type(err).__name__}: {str(err).split(';')[0]})"
         return post.evolve(record=post.record.replace(start=start.info(reason)))
     if not refine or rule.kind == "delta":  # unrefined: nothing converged; delta: the MAP is its fixed point

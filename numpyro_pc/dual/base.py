@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
-from numpyro import distributions as dist
-from numpyro.distributions.transforms import IdentityTransform, ReshapeTransform
 
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
 from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
@@ -39,6 +37,7 @@ from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.gaussian import solve, solve_init
 from numpyro_pc.solvers.site_problem import SiteProblem, dual_residual
 
+from .marginals import site_marginals
 from .state import PosteriorConfig, PosteriorState
 
 if TYPE_CHECKING:
@@ -93,6 +92,8 @@ class DualPosteriorBase(Posterior):
     spec: ModelSpec
     family: ExponentialFamily
     stale_sites: bool
+    history: tuple
+    offset: GaussianNatural | None
 
     def __init__(self, spec, data, family, state, sites, rule, curvature="hessian", storage="auto",
                  chunk_size=None, history=(), guide=None, data_ids=None, tombstones=(), next_id=None, record=None,
@@ -380,23 +381,17 @@ class DualPosteriorBase(Posterior):
     @in_own_precision
     def distributions(self) -> dict[str, Distribution]:
         """Each latent site's marginal under ``q`` as a NumPyro distribution of the site's constrained
-        value: the Gaussian block of its unconstrained coordinates, pushed through the site's bijection
-        (as an exponential-family product's :meth:`~numpyro_pc.dual.expfam.EFPosterior.distributions`
-        gives its factors, which are its marginals). The blocks are read from ``Σ E`` for each site's
-        selection ``E``, never from a dense ``(d, d)`` covariance of a diagonal or low-rank family.
+        value: the Gaussian block of its unconstrained coordinates pushed through the site's bijection
+        (an exponential-family product's :meth:`~numpyro_pc.dual.expfam.EFPosterior.distributions` gives
+        its factors, which are its marginals). A diagonal or isotropic family's blocks are independent
+        normals (``O(d)``); a full or low-rank family's block of a site with ``s`` coordinates is a dense
+        ``(s, s)`` covariance, read from ``Σ E`` for the site's selection ``E`` (``O(d s)``). A point
+        estimate (:attr:`is_point_estimate`) gives a ``Delta`` at its point.
+
+        :raises MissingCapabilityError: a site's support depends on other latents (``Uniform(0, tau)``):
+            its marginal is not a transformed Gaussian of its own coordinates (:meth:`sample` draws it).
         """
-        latent, q = self.spec.latent, self.state
-        cov = self.family.covariance_operand(q)
-        out = {}
-        for name, transform, ushape, start, size in zip(latent.names, latent.transforms, latent.unconstrained_shapes,
-                                                        latent.offsets, latent.sizes):
-            select = jnp.zeros((self.dim, size), q.mean.dtype).at[start + jnp.arange(size), jnp.arange(size)].set(1.0)
-            block = self.family.cov_times(q, cov, select)[start:start + size]
-            gaussian = dist.MultivariateNormal(q.mean[start:start + size], covariance_matrix=0.5 * (block + block.T))
-            parts = [] if tuple(ushape) == (size,) else [ReshapeTransform(tuple(ushape), (size,))]
-            parts += [] if isinstance(transform, IdentityTransform) else [transform]
-            out[name] = dist.TransformedDistribution(gaussian, parts) if parts else gaussian
-        return out
+        return site_marginals(self)
 
     def latent_factors(self) -> None:
         """``None``: one joint density over the flat latents."""

@@ -22,14 +22,14 @@ sites are exact and constant, so all of these are exact Bayes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.deprecation import warn_renamed
-from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError
+from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError, MissingMemberError
 from numpyro_pc.families.product import (  # noqa: F401  (importable from here, as before)
     ProductFamily,
     family_for_model,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from numpyro_pc.model.latent import LatentSpace
     from numpyro_pc.model.terms import ModelData, ModelSpec
 
-__all__ = ["EFPosterior", "merge_ef", "default_tol"]  # EFState stays importable from here, as before
+__all__ = ["EFPosterior", "EFTree", "merge_ef", "default_tol"]  # EFState stays importable from here, as before
 
 def _called(name) -> None:
     warn_renamed(f"EFPosterior.{name} is a property, as on Gaussian posteriors: write post.{name} instead of "
@@ -87,6 +87,21 @@ class _Means(dict):
 jax.tree_util.register_pytree_with_keys(
     _Means, lambda d: ([(jax.tree_util.DictKey(k), v) for k, v in d.items()], tuple(d)),
     lambda keys, values: _Means(zip(keys, values)))
+
+
+class EFTree(NamedTuple):
+    """The numeric state of an :class:`EFPosterior` (a pytree; :meth:`EFPosterior.tree`).
+
+    :ivar state: the :class:`~numpyro_pc.sites.expfam_table.EFState` (natural parameters and sites).
+    :ivar stale_sites: a boolean scalar: the sites belong to an earlier ``λ`` (after ``remove_site``).
+    :ivar tombstones: ids of deleted examples (never reused).
+    :ivar next_id: the id the next new example gets.
+    """
+
+    state: EFState
+    stale_sites: jax.Array
+    tombstones: jax.Array
+    next_id: jax.Array
 
 
 class EFPosterior(Posterior):
@@ -193,18 +208,24 @@ class EFPosterior(Posterior):
         """``False``: every factor is a distribution with learned natural parameters."""
         return False
 
-    def tree(self) -> tuple[EFConfig, EFState, ModelData]:
-        """``(config, state, data)``: the static configuration (hashable), the numeric state (a
-        pytree) and the data, as a Gaussian posterior's :meth:`~numpyro_pc.dual.base.DualPosteriorBase.tree`;
-        :meth:`from_tree` rebuilds the posterior (the provenance, ``record``, is not part of it)."""
-        return self.config, self.state, self.data
+    def tree(self) -> tuple[EFConfig, EFTree, ModelData]:
+        """``(config, state, data)``: the static configuration (hashable), the numeric state (an
+        :class:`EFTree` pytree: the natural parameters and sites, whether the sites are stale, the deleted
+        ids and the next id) and the data, as a Gaussian posterior's
+        :meth:`~numpyro_pc.dual.base.DualPosteriorBase.tree`; :meth:`from_tree` rebuilds the posterior
+        (the provenance, ``record`` and ``guide_map``, is not part of it)."""
+        state = EFTree(self.state, jnp.asarray(self.stale_sites), jnp.asarray(self.tombstones, jnp.int32),
+                       jnp.asarray(self.next_id, jnp.int32))
+        return self.config, state, self.data
 
     @classmethod
-    def from_tree(cls, config: EFConfig, state: EFState, data: ModelData, conjugate_prior: bool = False,
-                  guide_map: GuideMap | None = None, record=None, tombstones=(), next_id: int = 0) -> Self:
-        """The posterior of :meth:`tree`'s parts (``conjugate_prior``: whether the prior term is
-        conjugate-form, so that its site stays constant)."""
-        return cls(config, data, state, conjugate_prior, guide_map, record, False, tombstones, next_id)
+    def from_tree(cls, config: EFConfig, state: EFTree, data: ModelData, *, conjugate_prior: bool,
+                  guide_map: GuideMap | None = None, record=None) -> Self:
+        """The posterior of :meth:`tree`'s parts; ``conjugate_prior``: whether the prior term is
+        conjugate-form, so that its site stays constant (:attr:`conjugate_prior` of the posterior the tree
+        came from)."""
+        return cls(config, data, state.state, bool(conjugate_prior), guide_map, record, bool(state.stale_sites),
+                   tuple(int(i) for i in np.asarray(state.tombstones)), int(state.next_id))
 
     @property
     def data_ids(self) -> jax.Array:
@@ -287,9 +308,9 @@ class EFPosterior(Posterior):
         """Refused: a covariance matrix belongs to a Gaussian over all latent coordinates."""
         raise self._not_one_gaussian("post.covariance")
 
-    def _not_one_gaussian(self, operation: str) -> MissingCapabilityError:
+    def _not_one_gaussian(self, operation: str) -> MissingMemberError:
         factors = ", ".join(f"{f.site}: {type(f).family_name or type(f).__name__}" for f in self.family.factors)
-        return MissingCapabilityError(
+        return MissingMemberError(
             f"{operation} needs q to be one Gaussian over every latent coordinate; this posterior is a product of "
             f"factors ({factors}) whose natural parameters are post.natural — post.distributions() gives each "
             "factor as a distribution, and post.sample_unconstrained(key, n) draws from it for moments")
@@ -303,15 +324,17 @@ class EFPosterior(Posterior):
     def log_prob(self, point) -> jax.Array:
         r""":math:`\log q` at ``point``, each factor's coordinates (:meth:`point_of` of constrained values;
         a leading batch axis allowed), as a Gaussian posterior's ``log_prob(post.point_of(values))``."""
-        return self.family.log_prob(self.natural, point)
+        with jax.enable_x64(self.natural.dtype == jnp.float64):
+            return self.family.log_prob(self.natural, point)
 
     def sample_unconstrained(self, key: jax.Array, num_samples: int) -> jax.Array:
         """Draws of the flat unconstrained vector of the continuous latent sites, shape ``(num_samples, d)``
         (each factor's draws mapped to the model's unconstrained coordinates)."""
         check_key(key)
         num_samples = check_count(num_samples, "num_samples", allow_none=False)
-        draws = self.family.sample(key, self.natural, num_samples)
-        return jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
+        with jax.enable_x64(self.natural.dtype == jnp.float64):
+            draws = self.family.sample(key, self.natural, num_samples)
+            return jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
 
     def log_likelihood(self, z) -> dict[str, jax.Array]:
         """Per-site, per-example log-likelihood at flat unconstrained values ``z`` of the continuous
@@ -324,7 +347,8 @@ class EFPosterior(Posterior):
                 f"post.log_likelihood(z) evaluates the model at the continuous latents z alone; this model also has "
                 f"discrete latent sites {list(self.spec.latent.discrete_names)}, whose values z does not hold — "
                 "sum over them with post.to_arviz(key), whose log_likelihood group draws them")
-        return site_log_likelihoods(self.spec, self.data, z)
+        with jax.enable_x64(self.natural.dtype == jnp.float64):
+            return site_log_likelihoods(self.spec, self.data, z)
 
     def distributions(self) -> dict[str, Distribution]:
         """Each latent site's factor as a NumPyro distribution of the site's constrained value
@@ -447,7 +471,8 @@ class EFPosterior(Posterior):
         """
         merged = super().merge(*others, alphas=alphas, method=method)
         if refine:
-            merged = solve_every_site(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
+            solved = solve_every_site(merged, merged.data, merged.ids, merged.natural, tol, max_iters, True)
+            merged = solved.evolve(record=merged.record.replace(**solved.record.solve_fields()))
         return merged
 
     def __repr__(self) -> str:

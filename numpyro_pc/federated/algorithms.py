@@ -66,6 +66,7 @@ from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import gaussian_prior, prior_natural
 from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
+from numpyro_pc.protocols.records import FederatedInfo
 from numpyro_pc.sites.expectations import ExpectationRule
 
 from ..errors import ConvergenceError, InvalidOptionError, MissingCapabilityError
@@ -273,6 +274,10 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       raise_on_failure=raise_on_failure, kwargs=kwargs, data_plate=data_plate, shared=shared,
                       callback=callback, init="zero" if init == "auto" else init, admm_alpha=admm_alpha,
                       privacy=privacy, local=local, stop=stop, safeguard=guard, robust=robust)
+    if local.num_samples is not None or local.draw_seed != 0:
+        raise InvalidOptionError("LocalSolve.num_samples and draw_seed set the Monte Carlo draws of an "
+                                 "exponential-family run (a dict family); a Gaussian family's local solve takes "
+                                 f"none (got num_samples={local.num_samples!r}, draw_seed={local.draw_seed!r})")
     num_nodes = 64 if local.num_nodes is None else local.num_nodes
     local_iters = 50 if local.iters is None else local.iters
     max_retries, max_share, max_shift = guard.max_retries, robust.max_share, robust.max_shift
@@ -366,6 +371,9 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         posterior = build_posterior(joint_spec(spec, data.per_example[0].shape[0]), data, family, q,
                                     ExpectationRule(kind=rule, num_nodes=int(num_nodes)), "hessian", "auto", None, None,
                                     False, None, 0, False, True, cls=DualPosterior)
+        posterior = posterior.evolve(record=FederatedInfo(
+            algorithm=algorithm, rho=float(rho), rounds=len(history), status=status,
+            admm_alpha=float(alpha) if algorithm == "admm" else None))
     result = FederatedResult(posterior, q, eta, history, status == "converged", status, algorithm, rho)
     if status != "converged":
         why = ("a local update or the global posterior lost finiteness or positive definiteness (for losses "

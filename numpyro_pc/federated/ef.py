@@ -88,6 +88,7 @@ import numpy as np
 from numpyro_pc.dual.expfam import EFPosterior, EFState
 from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, require
+from numpyro_pc.protocols.records import FederatedInfo
 from numpyro_pc.sites.expfam import compute_sites
 from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.solvers.fixed_point import natural_solve
@@ -284,7 +285,7 @@ def round_ef(clients, state, rho, damping=1.0, participants=None, key=None, loca
     return new, info
 
 
-def posterior_ef(clients, state, record=None) -> EFPosterior:
+def posterior_ef(clients, state, record: dict | None = None) -> EFPosterior:
     """The global :class:`~numpyro_pc.dual.expfam.EFPosterior` on the union of the shards (sites at the global
     :math:`\\lambda`; ``prior`` :math:`-\\lambda_0` for a conjugate-form prior, else the prior term at :math:`q`)."""
     data = concat_datas(clients.datas)
@@ -294,8 +295,7 @@ def posterior_ef(clients, state, record=None) -> EFPosterior:
     sites = compute_sites(cfg, lam, data)
     prior = -clients.prior if clients.conjugate else sites.prior
     table = EFSiteTable(sites.grads, prior, jnp.arange(num))
-    return EFPosterior(cfg, data, EFState(lam, table), clients.conjugate, None,
-                       dict(operation="federated", **(record or {})))
+    return EFPosterior(cfg, data, EFState(lam, table), clients.conjugate, None, FederatedInfo(**(record or {})))
 
 
 def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0, *,

@@ -33,7 +33,7 @@ import numpy as np
 from numpyro_pc.deprecation import warn_renamed
 
 from ..errors import InvalidOptionError
-from ..options import MAX_SEED, check_count, check_finite, check_flag, check_name, check_tol
+from ..options import MAX_SEED, check_count, check_finite, check_flag, check_name
 from .robust import check_bounds
 
 __all__ = ["LocalSolve", "StopRule", "Safeguard", "Robustness", "MOVED", "resolve_options"]
@@ -69,7 +69,7 @@ class LocalSolve:
     draw_seed: int = 0
 
     def __post_init__(self):
-        _set(self, iters=check_count(self.iters, "LocalSolve.iters"), tol=check_tol(self.tol, "LocalSolve.tol"),
+        _set(self, iters=check_count(self.iters, "LocalSolve.iters"), tol=None if self.tol is None else check_finite(self.tol, "LocalSolve.tol", 0.0),
              expectation=check_name(self.expectation, "LocalSolve.expectation"),
              num_nodes=check_count(self.num_nodes, "LocalSolve.num_nodes"),
              num_samples=check_count(self.num_samples, "LocalSolve.num_samples"),

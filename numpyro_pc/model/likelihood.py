@@ -231,7 +231,7 @@ def _prototype_value(site) -> jax.Array | None:
     transform = biject_to(site["fn"].support)
     shape = tuple(transform.inverse_shape(site["fn"].shape()))
     seed = zlib.crc32(site["name"].encode())  # deterministic across processes
-    return transform(probes.uniform(seed, shape, -2.0, 2.0, jnp.result_type(float)))
+    return transform(jnp.asarray(probes.uniform(seed, shape, -2.0, 2.0, jnp.result_type(float))))  # a device array, as before
 
 
 def _leaf_names(args, kwargs, names_by_position) -> list[Any]:

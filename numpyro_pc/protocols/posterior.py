@@ -244,6 +244,73 @@ class Posterior(ABC):
     def kl(self, other: Posterior) -> jax.Array:
         """:math:`KL(q \\| q_{other})` to a posterior of the same family."""
 
+    # ------------------------------------------------------------------ members every family answers
+    # (or, where one has no meaning for the family, refuses with MissingMemberError / MissingCapabilityError)
+    @property
+    @abstractmethod
+    def latent(self) -> Any:
+        """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
+
+    @property
+    @abstractmethod
+    def dim(self) -> int:
+        """Dimension of the flat unconstrained vector of the continuous latent sites."""
+
+    @property
+    @abstractmethod
+    def history(self) -> tuple:
+        """The last solve's iterates (:class:`~numpyro_pc.protocols.records.IterationInfo`), where the
+        family's solver records them (``()`` where it does not)."""
+
+    @property
+    @abstractmethod
+    def offset(self) -> Any:
+        """Natural parameters no single site holds (``λ = λ₀ + offset + Σᵢ λ̂ᵢ``), or ``None``."""
+
+    @property
+    @abstractmethod
+    def is_point_estimate(self) -> bool:
+        """Whether the posterior is a point (MAP / ERM), whose samples are the point itself."""
+
+    @property
+    @abstractmethod
+    def residual_parts(self) -> dict[str, float]:
+        """The residual of each identity the fixed point satisfies (names depend on the family)."""
+
+    @property
+    @abstractmethod
+    def precision(self) -> Any:
+        """The precision matrix of a posterior that is one Gaussian over every latent coordinate."""
+
+    @property
+    @abstractmethod
+    def covariance(self) -> Any:
+        """The covariance matrix of a posterior that is one Gaussian over every latent coordinate."""
+
+    @abstractmethod
+    def tree(self) -> tuple:
+        """``(config, state, data)``: static configuration, numeric state (a pytree) and data."""
+
+    @abstractmethod
+    def distributions(self) -> dict:
+        """Each latent site's marginal as a NumPyro distribution of its constrained value."""
+
+    @abstractmethod
+    def log_prob(self, point) -> jax.Array:
+        r""":math:`\log q` at ``point`` (the family's coordinates: :meth:`point_of` of constrained values)."""
+
+    @abstractmethod
+    def sample_unconstrained(self, key, num_samples: int) -> jax.Array:
+        """Draws of the flat unconstrained vector of the continuous latent sites ``(num_samples, d)``."""
+
+    @abstractmethod
+    def log_likelihood(self, z) -> dict[str, jax.Array]:
+        """Per-site, per-example log-likelihood at flat unconstrained values ``z`` (``{site: (..., N)}``)."""
+
+    @abstractmethod
+    def site_curvature(self) -> Any:
+        """Per-example ``tr Ĥᵢ``, for families whose sites store a curvature."""
+
     def check_comparable(self, other: object, operation: str) -> None:
         """Refuse ``other`` unless it is a posterior of the same model's latent sites in the same family
         (what a KL or a comparison between two posteriors needs).

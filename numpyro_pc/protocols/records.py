@@ -5,11 +5,12 @@ solve leaves one entry per iterate (``post.history``). These are :class:`Record`
 dataclasses whose fields are documented and checked when built (a misspelt field is a
 ``TypeError``, not a silent extra key), read as attributes (``post.record.damping``) or, as
 before, as a read-only mapping over *every* field (``post.record["damping"]``; a field that
-does not apply to this call, or was not computed, is ``None``). :meth:`Record.as_dict` gives
-plain dicts for JSON.
+does not apply to this call, or was not computed, is ``None``, and ``record.get(key, default)``
+gives ``default`` there, as ``dict.get`` did for a key the old dicts left out). ``"key" in record``
+is true for every field of the type; :meth:`Record.as_dict` gives plain dicts for JSON.
 
 One record type per operation: :class:`FitInfo`, :class:`UpdateInfo`, :class:`DeleteInfo`,
-:class:`RefineInfo`, :class:`MergeInfo`, :class:`LoadInfo` (and :class:`ExportInfo` for a kernel's export); the solver's fields
+:class:`RefineInfo`, :class:`MergeInfo`, :class:`LoadInfo`, :class:`FederatedInfo` (and :class:`ExportInfo` for a kernel's export); the solver's fields
 (:class:`SolveFields`) are common to those that solve. Nested: :class:`StartInfo` (how the
 solver's start was chosen), :class:`CorrectionMagnitude` (how far the corrected sites moved),
 :class:`ExpectationError` (the fixed point seen through independent draws) and
@@ -26,16 +27,19 @@ from typing import Any, Self, dataclass_transform
 import numpy as np
 
 __all__ = ["Record", "record", "IterationInfo", "SolveFields", "StartInfo", "CorrectionMagnitude", "ExpectationError",
-           "FitInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "ExportInfo", "plain"]
+           "FitInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "ExportInfo", "FederatedInfo", "plain"]
 
 
 class Record(Mapping[str, Any]):
     """Base of the typed records: a frozen dataclass (declare subclasses with :func:`record`) that is
     also a read-only :class:`~collections.abc.Mapping` over its fields, in declaration order.
 
-    Equality is the mapping's (a record equals a dict with the same items), so records compare with
-    the dicts they replaced. Iteration lists the record type's own fields first, then those it
-    shares (e.g. :class:`SolveFields`).
+    Equality is the mapping's: a record equals a dict with the same items, every field included (those
+    that do not apply are ``None``), so it does not equal the shorter dict an operation returned before
+    the typed records. Iteration lists the record type's own fields first, then those it shares (e.g.
+    :class:`SolveFields`). A record is read-only (no item assignment, ``update`` or ``copy``: build
+    another with :meth:`replace`), unhashable like a dict, and not a ``dict`` for :func:`json.dumps`
+    (:meth:`as_dict` or :func:`plain` gives one).
     """
 
     __slots__ = ()
@@ -90,7 +94,8 @@ def record(cls: type) -> type:
 
 
 def plain(value: Any) -> Any:
-    """``value`` with records and mappings as dicts, tuples as lists and NumPy scalars as Python numbers."""
+    """``value`` with records and mappings as dicts, tuples as lists, arrays (NumPy or JAX) as nested lists
+    and NumPy scalars as Python numbers: what :func:`json.dumps` takes."""
     if isinstance(value, Record):
         return value.as_dict()
     if isinstance(value, Mapping):
@@ -99,6 +104,8 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, np.generic):
         return value.item()
+    if hasattr(value, "__array__") and hasattr(value, "shape"):
+        return np.asarray(value).tolist()
     return value
 
 
@@ -293,8 +300,8 @@ class RefineInfo(SolveFields):
 
 
 @record
-class MergeInfo(Record):
-    """What a merge did (:func:`numpyro_pc.ops.merging.merge`).
+class MergeInfo(SolveFields):
+    """What a merge did (:func:`numpyro_pc.ops.merging.merge`; the solve's fields when it refined).
 
     :ivar str operation: ``"merge"``.
     :ivar str method: the merge method.
@@ -310,6 +317,27 @@ class MergeInfo(Record):
     num_tasks: int | None = None
     task_examples: tuple | None = None
     renumbered: Any = None
+
+
+@record
+class FederatedInfo(Record):
+    """The global posterior of a federated run (:func:`numpyro_pc.federated.run`); the rounds' own
+    records are ``FederatedResult.history``.
+
+    :ivar str operation: ``"federated"``.
+    :ivar str algorithm: ``"fedpc"``, ``"pvi"``, ``"admm"`` or ``"ama"``.
+    :ivar float rho: the local weight ``ρ`` the run used.
+    :ivar int rounds: rounds run.
+    :ivar str status: ``"converged"``, ``"max_rounds"`` or ``"diverged"``.
+    :ivar float admm_alpha: ADMM's relaxation, when run.
+    """
+
+    operation: str = "federated"
+    algorithm: str | None = None
+    rho: Any = None
+    rounds: int | None = None
+    status: str | None = None
+    admm_alpha: float | None = None
 
 
 @record

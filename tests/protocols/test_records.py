@@ -3,6 +3,7 @@ record each operation leaves on the posterior it returns."""
 
 import dataclasses
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,8 @@ from numpyro_pc.protocols.records import (
     UpdateInfo,
     plain,
 )
+from numpyro_pc import federated
+from numpyro_pc.protocols.records import FederatedInfo
 
 
 def test_mapping_view_lists_every_field_own_fields_first():
@@ -139,3 +142,29 @@ def test_exponential_family_records_have_the_same_types():
         assert isinstance(refined.record, RefineInfo) and refined.record.converged
         merged = pc.merge(post, [updated, post.update(y=y[6:7], correction="exact")])
     assert isinstance(merged.record, MergeInfo) and merged.record.num_tasks == 2
+
+
+def test_a_refined_product_merge_reports_the_merge_and_its_solve():
+    y = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    with jax.enable_x64():
+        a = pc.fit(beta_bernoulli, y=y[:4], family={"p": "beta"})
+        b = pc.fit(beta_bernoulli, y=y[4:], family={"p": "beta"})
+        merged = a.merge(b, refine=True)
+    assert isinstance(merged.record, MergeInfo) and merged.record.operation == "merge"
+    assert merged.record.converged and merged.record.iterations is not None and merged.record.num_tasks == 2
+
+
+@pytest.mark.parametrize("family", [pytest.param("full", marks=pytest.mark.slow), {"p": "beta"}],
+                         ids=["gaussian", "product"])  # the Gaussian run takes 7 s: slow tier (tests/tiers.py)
+def test_a_federated_run_s_posterior_records_the_run(family):
+    with jax.enable_x64(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # three rounds stop before the tolerances: not judged here
+        if isinstance(family, dict):  # beta_bernoulli(y): each client's shard is its y
+            shards = [(jnp.array(v),) for v in ([1.0, 0.0, 1.0], [1.0, 1.0, 0.0])]
+            result = federated.run(beta_bernoulli, shards, family=family, rounds=3)
+        else:
+            X, y = make_logistic(24, 2, seed=3)
+            result = federated.run(logistic_model, [(X[:12], y[:12]), (X[12:], y[12:])], family=family, rounds=3)
+    record = result.posterior.record
+    assert isinstance(record, FederatedInfo) and record.operation == "federated"
+    assert (record.algorithm, record.rounds, record.status) == ("fedpc", len(result.history), result.status)
