@@ -25,7 +25,6 @@ from jax.typing import ArrayLike
 from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
 from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
 from numpyro_pc.guides import gaussian as _guides
-from numpyro_pc.model.latent import LatentSpace
 from numpyro_pc.model.terms import ModelSpec, site_log_likelihoods
 from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
@@ -124,16 +123,6 @@ class DualPosteriorBase(Posterior):
     def data(self) -> ModelData:
         """The retained data (gathered on first use after a deletion)."""
         return self._data.value() if isinstance(self._data, RowSelection) else self._data
-
-    @property
-    def latent(self) -> LatentSpace:
-        """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
-        return self.spec.latent
-
-    @property
-    def dim(self) -> int:
-        """Dimension ``d`` of the flat unconstrained latent vector."""
-        return self.spec.latent.dim
 
     @property
     def num_examples(self) -> int:

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from arviz import InferenceData
     from numpyro.distributions import Distribution
 
-    from numpyro_pc.model.latent import LatentSpace
     from numpyro_pc.model.terms import ModelData, ModelSpec
 
 __all__ = ["EFPosterior", "EFTree", "merge_ef", "default_tol"]  # EFState stays importable from here, as before
@@ -180,16 +179,6 @@ class EFPosterior(Posterior):
     def spec(self) -> ModelSpec:
         """The model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`), as on Gaussian posteriors."""
         return self.config.spec
-
-    @property
-    def latent(self) -> LatentSpace:
-        """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
-        return self.spec.latent
-
-    @property
-    def dim(self) -> int:
-        """Dimension ``d`` of the flat unconstrained vector of the continuous latent sites."""
-        return self.spec.latent.dim
 
     @property
     def history(self) -> tuple:

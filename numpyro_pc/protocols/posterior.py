@@ -247,14 +247,14 @@ class Posterior(ABC):
     # ------------------------------------------------------------------ members every family answers
     # (or, where one has no meaning for the family, refuses with MissingMemberError / MissingCapabilityError)
     @property
-    @abstractmethod
     def latent(self) -> Any:
         """The :class:`~numpyro_pc.model.latent.LatentSpace` (site names, shapes, order)."""
+        return self.spec.latent  # type: ignore[attr-defined]  # a ModelSpec (the model layer sits above)
 
     @property
-    @abstractmethod
     def dim(self) -> int:
-        """Dimension of the flat unconstrained vector of the continuous latent sites."""
+        """Dimension ``d`` of the flat unconstrained vector of the continuous latent sites."""
+        return int(self.latent.dim)
 
     @property
     @abstractmethod
