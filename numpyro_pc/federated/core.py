@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNa
 from numpyro_pc.model.likelihood import ModelData, bind_model, example_loss, example_params
 from numpyro_pc.model.terms import ModelSpec
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
+from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expectations import hermite_nodes
 from numpyro_pc.solvers.fixed_point import backtrack
 
@@ -51,6 +52,9 @@ from ..errors import (
 )
 from .privacy import GaussianMechanism, add_noise, clip_factors
 from .records import RoundInfo
+
+if TYPE_CHECKING:
+    from .ef_server import EFServerState
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
@@ -454,11 +458,15 @@ class FederatedResult:
     """Outcome of :func:`numpyro_pc.federated.run` (and of the exponential-family
     :func:`~numpyro_pc.federated.ef.run_ef`).
 
-    :ivar posterior: the global posterior as a :class:`~numpyro_pc.posterior.DualPosterior`
-        over the union of the shards (sites evaluated at the final global Gaussian), or
-        ``None`` with ``keep_data=False``.
-    :ivar state: the final global :class:`~numpyro_pc.families.registry.Gaussian`.
-    :ivar sites: the clients' site natural parameters, stacked on a leading axis.
+    :ivar posterior: the global posterior (a :class:`~numpyro_pc.protocols.posterior.Posterior` of the
+        run's family) over the union of the shards, sites evaluated at the final global parameters, or
+        ``None`` with ``keep_data=False``; its ``record`` is a
+        :class:`~numpyro_pc.protocols.records.FederatedInfo`.
+    :ivar state: the final global state: a :class:`~numpyro_pc.families.registry.Gaussian` (Gaussian
+        families) or the server's :class:`~numpyro_pc.federated.ef_server.EFServerState` (an
+        exponential-family product; :func:`~numpyro_pc.federated.ef.global_natural` gives its ``λ``).
+    :ivar sites: the clients' site natural parameters, stacked on a leading axis (a
+        :class:`~numpyro_pc.families.registry.GaussianNatural`, or a ``(K, P)`` array of a product's).
     :ivar history: one :class:`~numpyro_pc.federated.records.RoundInfo` per round (a read-only mapping
         too: ``history[-1]["kl_to_reference"]``): ``round``, ``kl_to_previous``, ``residual``
         (largest ``‖λ_k − λ_jnt‖ / ‖λ_jnt‖`` over the round's clients), ``participants``,
@@ -471,9 +479,9 @@ class FederatedResult:
     :ivar status: ``"converged"``, ``"max_rounds"`` or ``"diverged"``.
     """
 
-    posterior: object
-    state: Gaussian
-    sites: GaussianNatural
+    posterior: Posterior | None
+    state: Gaussian | EFServerState
+    sites: GaussianNatural | jax.Array
     history: list = field(default_factory=list)
     converged: bool = False
     status: str = "max_rounds"
