@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +52,6 @@ from ..errors import (
 )
 from .privacy import GaussianMechanism, add_noise, clip_factors
 from .records import RoundInfo
-
-if TYPE_CHECKING:
-    from .ef_server import EFServerState
 
 __all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
@@ -480,7 +477,7 @@ class FederatedResult:
     """
 
     posterior: Posterior | None
-    state: Gaussian | EFServerState
+    state: Any  # a Gaussian, or an exponential-family run's EFServerState (which this module cannot import)
     sites: GaussianNatural | jax.Array
     history: list = field(default_factory=list)
     converged: bool = False
