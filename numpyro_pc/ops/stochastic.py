@@ -242,7 +242,7 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
     used, ref_index = np.unique(row_ref[keep], return_inverse=True)
     fresh = replace(table.take(keep), ref_means=to_device(np.concatenate(ref_pool)[used]),
                     ref_index=to_device(ref_index.astype(np.int32)))
-    if steps[-1].residual > tol and epochs is None:
+    if not steps[-1].residual <= tol and epochs is None:  # a NaN estimate is not converged either
         message = (f"stochastic correction stopped at estimated residual {steps[-1].residual:.2e} after "
                    f"{len(steps)} iterations")
         if raise_on_failure:

@@ -129,8 +129,8 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                         weight=weight, fallback=fallback, past_examples_touched=int(touched),
                         reused_sites=int(history[0].reused_sites or 0), restart=history[0].restart,
                         correction_magnitude=magnitude, seconds=time.perf_counter() - start,
-                        **(dict(batch_fraction=float(batch_fraction), epochs=epochs) if correction == "stochastic"
-                           else {}))
+                        batch_fraction=float(batch_fraction) if correction == "stochastic" else None,
+                        epochs=epochs if correction == "stochastic" else None)
     return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset,
