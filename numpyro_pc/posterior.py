@@ -29,6 +29,7 @@ from numpyro_pc.guides import expfam as _ef_guides
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.io.save_load import load as _load
 from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.model.local_binding import refuse_guide_over_locals
 from numpyro_pc.ops.streaming import update as _update
 from numpyro_pc.ops.unlearning import delete as _delete
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
@@ -191,6 +192,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
                             tol=tol, max_iters=max_iters, refine=refine,
                             raise_on_failure=raise_on_failure, data_plate=data_plate, shared=shared, **kwargs)
     spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
+    refuse_guide_over_locals(spec)
     family, q = _guides.from_guide(guide, params, spec.latent, args, kwargs, dtype=_float_dtype())
     if expectation is None:
         expectation = _guides.default_expectation(guide, spec)

@@ -310,3 +310,28 @@ def _fit(name):
     if name == "beta":
         return pc.fit(beta_bernoulli, y=jnp.asarray(_bern(N, seed=1)), family=family, tol=TOL)
     return pc.fit(lognormal_poisson, y=jnp.asarray(_pois(N, seed=2)), family=family, tol=TOL)
+
+
+# ---------------------------------------------------------------- local latents (one latent per unit of the data plate)
+UNIT_TAU = 2.0  # known scale of the conjugate normal hierarchy's unit effects
+
+
+def normal_hierarchy(sigma, y=None):
+    """Conjugate normal hierarchy: mu ~ N(0, 10), a_i ~ N(mu, UNIT_TAU), y_i ~ N(a_i, sigma_i)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("units", sigma.shape[0]):
+        a = numpyro.sample("a", dist.Normal(mu, UNIT_TAU))
+        numpyro.sample("y", dist.Normal(a, sigma), obs=y)
+
+
+def normal_hierarchy_data(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    sigma = rng.uniform(0.5, 3.0, n)
+    return jnp.asarray(sigma), jnp.asarray(1.5 + UNIT_TAU * rng.normal(size=n) + sigma * rng.normal(size=n))
+
+
+def normal_hierarchy_posterior(sigma, y):
+    """Exact posterior of mu, ``(mean, precision)``: each unit's marginal is N(mu, sigma_i² + tau²)."""
+    w = 1.0 / (np.asarray(sigma) ** 2 + UNIT_TAU ** 2)
+    precision = 1.0 / 100.0 + w.sum()
+    return float(np.sum(w * np.asarray(y)) / precision), float(precision)

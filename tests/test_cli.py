@@ -39,6 +39,7 @@ def test_demo_fast(part, tmp_path, capsys):
         assert "row 100: 2.0" in result["trust"]["support_refused"]
         hierarchical = result["hierarchical"]  # a centred hierarchy from the ELBO start, updated exactly
         assert hierarchical["start"] == "elbo" and hierarchical["residual"] < 1e-8 and hierarchical["update_kl"] < 1e-8
+        assert hierarchical["local_residual"] < 1e-8 and hierarchical["local_update_kl"] < 1e-8  # theta inside the plate
         criticism = result["criticism"]  # all-N LOO: finite, the richer model preferred, refits of the flagged ones
         assert np.isfinite(criticism["elpd_loo"]) and criticism["best"] == "30 features"
         assert np.isfinite(criticism["refitted_elpd"]) and (tmp_path / "criticism.png").stat().st_size > 10_000

@@ -87,7 +87,9 @@ def predictive_draws(post, draws, key, var_name=None) -> tuple[np.ndarray, np.nd
 
 def _predictive(spec, data, values, observed, key, var_name) -> tuple[np.ndarray, np.ndarray]:
     """Predictive draws of ``var_name`` with the latent sites set to each of ``values`` (a dict of
-    ``(S, ...)`` site values), and the observations read from the trace ``observed``."""
+    ``(S, ...)`` site values), and the observations read from the trace ``observed``. Local latents
+    (docs/hierarchical.md) are not in ``values``: they are drawn from their prior given the globals,
+    which is what the leave-one-unit-out predictive ``∫ p(y_i | z, u) p(u | z) du`` needs."""
     names = spec.observed
     var_name = var_name or names[0]
     if var_name not in names:

@@ -69,7 +69,7 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None) -> type[
     d, n = spec.latent.dim, spec.num_examples
     family.check_dimension(d)
     factorisable = (rule.kind == "gh" or spec.affine or (curvature == "ggn" and rule.kind == "delta")
-                    or mc_along_subspace(rule, curvature)) and spec.num_params > 0
+                    or mc_along_subspace(rule, curvature)) and spec.num_params > 0 and spec.local is None
     if isinstance(storage, str) and storage == "auto":
         needs = site_curvature(family)
         if needs.default_storage is not None:
@@ -111,6 +111,9 @@ def mc_along_subspace(rule, curvature) -> bool:
 
 
 def _why(spec, rule) -> str:
+    if spec.local is not None:
+        return (f"each example's loss integrates its local latents {list(spec.local.names)}: a marginal likelihood "
+                "whose Hessian in z has no Jacobian factor")
     if spec.num_params == 0:
         return "its likelihood has no distribution parameters that depend on z"
     if rule.kind == "delta":
@@ -122,7 +125,7 @@ def _why(spec, rule) -> str:
 
 def _factorised(spec, rule) -> list[tuple[dict[str, str], str]]:
     """The options under which this model's sites factorise (Gauss–Newton at the mean), with their meaning."""
-    if spec.num_params == 0:
+    if spec.num_params == 0 or spec.local is not None:
         return []
     if rule.kind == "delta":
         return [({"curvature": "ggn"}, "Gauss–Newton, stored factorised")]

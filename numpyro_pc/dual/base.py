@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from numpyro_pc.errors import ConvergenceError, InvalidOptionError, PointEstimateWarning, UnsupportedGuideError
+from numpyro_pc.errors import (ConvergenceError, InvalidOptionError, MissingCapabilityError, PointEstimateWarning,
+                               UnsupportedGuideError)
 from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
 from numpyro_pc.guides import gaussian as _guides
-from numpyro_pc.model.terms import ModelSpec, site_log_likelihoods
+from numpyro_pc.model.terms import ModelSpec, local_draws, site_log_likelihoods
 from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
@@ -414,9 +415,18 @@ class DualPosteriorBase(Posterior):
 
     @in_own_precision
     def sample(self, key: jax.Array, num_samples: int) -> dict[str, jax.Array]:
-        """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``."""
+        """Constrained samples per latent site, like ``Predictive``: ``{name: (num_samples, *shape)}``; local
+        latents (docs/hierarchical.md) one value per row, from ``N(u*_i(z), H_i^{-1})`` given each global draw.
+
+        :raises MissingCapabilityError: local latents of a posterior that no longer holds all its rows."""
         z = self.sample_unconstrained(key, num_samples)
-        return jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+        values = jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+        if self.spec.local is not None:
+            if self.num_retained != self.num_examples:
+                raise MissingCapabilityError(f"the local latents {list(self.spec.local.names)} are drawn per row, and "
+                                             f"this posterior holds {self.num_retained} of its {self.num_examples} rows")
+            values.update(local_draws(self.spec, self.data, z, jax.random.fold_in(key, 1)))
+        return values
 
     @in_own_precision
     def log_likelihood(self, z: ArrayLike) -> dict[str, jax.Array]:
@@ -436,7 +446,8 @@ class DualPosteriorBase(Posterior):
         import arviz as az
 
         z = self.sample_unconstrained(key, num_samples)
-        values = jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
+        values = self.sample(key, num_samples) if self.spec.local is not None else \
+            jax.vmap(lambda zz: constrain(self.spec, zz, self.data))(z)
         loglik = self.log_likelihood(z)
         if len(loglik) > 1 and "joint" not in loglik:
             loglik["joint"] = sum(loglik.values())

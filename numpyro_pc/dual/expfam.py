@@ -36,7 +36,7 @@ from numpyro_pc.families.product import (  # noqa: F401  (importable from here, 
     site_names,
 )
 from numpyro_pc.guides.expfam import GuideMap, read_guide, write_params
-from numpyro_pc.model.terms import site_log_likelihoods
+from numpyro_pc.model.terms import local_draws, site_log_likelihoods
 from numpyro_pc.options import check_count, check_key
 from numpyro_pc.protocols.capabilities import SiteCurvature, require
 from numpyro_pc.protocols.posterior import Posterior
@@ -251,8 +251,15 @@ class EFPosterior(Posterior):
         return _Means(self.family.mean(self.natural))
 
     def sample(self, key, num_samples) -> dict[str, jax.Array]:
-        """``num_samples`` draws per latent site (constrained values, as the model's sites hold them)."""
-        return self.family.to_constrained(self.family.sample(key, self.natural, num_samples))
+        """``num_samples`` draws per latent site (constrained values, as the model's sites hold them);
+        local latents (docs/hierarchical.md) one value per row, from their local factor given each draw."""
+        draws = self.family.sample(key, self.natural, num_samples)
+        values = self.family.to_constrained(draws)
+        if self.spec.local is not None:
+            with jax.enable_x64(self.natural.dtype == jnp.float64):
+                z = jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
+                values.update(local_draws(self.spec, self.data, z, jax.random.fold_in(key, 1)))
+        return values
 
     @property
     def q(self) -> jax.Array:

@@ -14,6 +14,7 @@ from numpyro_pc.errors import InvalidOptionError, OutOfDomainError, UnsupportedG
 from numpyro_pc.families.product import family_for_model, make_factor, site_names, site_shape, site_supports
 from numpyro_pc.guides.expfam import read_guide
 from numpyro_pc.model.likelihood import bind_model
+from numpyro_pc.model.local_binding import refuse_guide_over_locals
 from numpyro_pc.protocols.records import FitInfo
 from numpyro_pc.sites.expfam import EFConfig, conjugate_rtol, prior_form_residual
 from numpyro_pc.sites.expfam_table import EFSiteTable
@@ -70,6 +71,7 @@ def dual_form_ef(model, guide, params, *args, data_plate=None, shared=(), **opti
     to the fixed point unless ``refine=False``)."""
     opts = {k: options.pop(k) for k in list(options) if k in _OPTIONS}
     spec, data = bind_model(model, args, options, data_plate=data_plate, shared=shared, allow_discrete=True)
+    refuse_guide_over_locals(spec)
     supports = site_supports(spec, data)
     gmap, lam = read_guide(guide, params, site_names(spec), args, options, supports)
     for f in gmap.family.factors:  # the guide's factors must fit the model's supports and shapes

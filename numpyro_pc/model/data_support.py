@@ -114,8 +114,8 @@ def _checkable(site) -> bool:
     return not constraints.is_dependent(support)
 
 
-def _example_support(spec: ModelSpec, names: tuple, z, example, shared, discrete=None) -> tuple:
-    trace = trace_at(spec, z, example_args(example), shared, discrete)
+def _example_support(spec: ModelSpec, names: tuple, z, example, shared, discrete=None, local=None) -> tuple:
+    trace = trace_at(spec, z, example_args(example), shared, discrete, local)
     return tuple(_support_ok(trace[name]) for name in names)
 
 
@@ -137,9 +137,10 @@ def latent_free_supports(spec: ModelSpec, data: ModelData, z0) -> tuple:
     for name in spec.observed:
         if not _checkable(trace[name]):
             continue
-        try:  # the latents, continuous and discrete, are the jaxpr's inputs: a support that reads them is left out
-            jaxpr = jax.make_jaxpr(lambda z, d, name=name: _example_support(spec, (name,), z, first, data.shared, d))(
-                z0, discrete)
+        local = None if spec.local is None else jnp.zeros((spec.local.dim,), jnp.result_type(z0))
+        try:  # every latent — continuous, discrete, local — is a jaxpr input: a support that reads one is left out
+            jaxpr = jax.make_jaxpr(lambda z, d, u, name=name: _example_support(spec, (name,), z, first, data.shared, d,
+                                                                               u))(z0, discrete, local)
         except Exception:  # noqa: BLE001 - a support test that cannot be traced is left to the likelihood
             continue
         if not any(output_dependence(jaxpr)):

@@ -84,6 +84,12 @@ class LatentSpace:
             raise UnsupportedModelError("the model has no latent sample site to place a posterior on.")
         return cls(tuple(names), tuple(shapes), tuple(ushapes), tuple(transforms), tuple(discrete), tuple(dshapes))
 
+    def select(self, names) -> LatentSpace:
+        """The space of the continuous sites ``names`` only, in this space's order (no discrete sites)."""
+        keep = [i for i, n in enumerate(self.names) if n in set(names)]
+        pick = lambda seq: tuple(seq[i] for i in keep)  # noqa: E731
+        return LatentSpace(pick(self.names), pick(self.shapes), pick(self.unconstrained_shapes), pick(self.transforms))
+
     @property
     def sizes(self) -> tuple[Any, ...]:
         """Number of unconstrained coordinates of each site."""

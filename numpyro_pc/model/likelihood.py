@@ -11,7 +11,6 @@ the model's log density (docs/models.md, "What binding checks"). The losses them
 from __future__ import annotations
 
 import inspect
-import zlib
 from dataclasses import replace
 from functools import partial
 
@@ -20,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 from numpyro import handlers
-from numpyro.distributions.transforms import biject_to
 
 from numpyro_pc.errors import (
     DataShapeError,
@@ -34,6 +32,8 @@ from numpyro_pc.options import check_name, check_names
 from . import probes
 from .data_support import as_data_array, check_support, latent_free_supports
 from .latent import LatentSpace
+from .local_binding import bind_locals, check_local_modes, split_local_latents
+from .locals import stack_rows
 from .rows import all_finite, take_rows, to_device
 from .terms import (  # noqa: F401  (re-exported: the package imports them from here)
     IMPLICIT_PLATE,
@@ -42,6 +42,7 @@ from .terms import (  # noqa: F401  (re-exported: the package imports them from 
     ModelSpec,
     constrain,
     example_args,
+    example_joint_loss,
     example_loss,
     example_params,
     example_site_log_likelihoods,
@@ -109,8 +110,14 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
         ``spec.latent.discrete_names``, outside ``z``) for exponential-family posteriors.
     :raises NonFiniteDataError: NaN or infinite values in a float argument.
     :raises DataShapeError: an argument's leading size disagrees with the data plate.
-    :raises UnsupportedModelError: local latents, no data plate (and no implicit one),
-        ambiguous plates, subsampled plates, discrete latents.
+    :raises UnsupportedModelError: no data plate (and no implicit one), ambiguous plates,
+        subsampled plates, discrete latents (local ones, or global ones beside local latents),
+        a model whose every latent is local.
+
+    **Local latents.** Continuous latent sites inside the data plate are *local*: the unit
+    of the plate is the example, and its loss integrates the unit's local latents by
+    Laplace's method given the global ones (:mod:`numpyro_pc.model.locals`); ``spec.latent``
+    then holds the global sites and ``spec.local`` the local ones.
     """
     data_plate = check_name(data_plate, "data_plate")
     shared = check_names(shared, "shared")
@@ -132,7 +139,7 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
                                  "least one example.")
     try:
         with handlers.block():
-            trace = handlers.trace(handlers.substitute(handlers.seed(model, 0), substitute_fn=_prototype_value)
+            trace = handlers.trace(handlers.substitute(handlers.seed(model, 0), substitute_fn=probes.prototype_value)
                                    ).get_trace(*args, **kwargs)
     except Exception as err:  # the user's model failed on these arguments: say so with their shapes
         text = f"{type(err).__name__}: {err}"
@@ -149,13 +156,8 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     latent = LatentSpace.from_trace(trace, allow_discrete)  # first: a discrete "latent" is often a forgotten observation
     plate, size, observed = _find_data_plate(trace, data_plate, leaf_names, leaves, shared)
     _check_rows_observed(trace, plate, size, observed, leaves)
-    for name in latent.names + latent.discrete_names:
-        if in_plate(trace[name], plate):
-            raise UnsupportedModelError(
-                f"latent site {name!r} lies inside the data plate {plate!r} (a local latent variable); "
-                "the dual form supports global latent variables only: marginalise the local latent "
-                "or move it out of the plate."
-            )
+    local_names = split_local_latents(trace, plate, latent)
+    global_latent = latent.select([n for n in latent.names if n not in local_names]) if local_names else latent
 
     kinds, statics = [], []
     for name, leaf in zip(leaf_names, leaves):
@@ -176,14 +178,16 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     if "example" not in kinds:
         raise UnsupportedModelError("no argument of the model has the data plate's size as leading dimension; "
                                     "pass the data to the model as arguments.")
-    spec = ModelSpec(model=model, latent=latent, plate=plate, num_examples=int(size), treedef=treedef,
+    spec = ModelSpec(model=model, latent=global_latent, plate=plate, num_examples=int(size), treedef=treedef,
                      kinds=tuple(kinds), statics=tuple(statics), observed=observed,
                      arg_names=tuple(leaf_names))
     data = ModelData(
         per_example=tuple(to_device(leaf) for leaf, k in zip(leaves, kinds) if k == "example"),
         shared=tuple(to_device(leaf) for leaf, k in zip(leaves, kinds) if k == "shared"),
     )
-    z0 = latent.unconstrain({n: trace[n]["value"] for n in latent.names})
+    if local_names:
+        spec = bind_locals(spec, data, local_names)
+    z0 = global_latent.unconstrain({n: trace[n]["value"] for n in global_latent.names})
     spec = replace(spec, support_sites=latent_free_supports(spec, data, z0))
     check_support(spec, data)  # first: a label outside the support can also break the binding's identity check
     verify_binding(spec, data, z0)
@@ -216,22 +220,6 @@ def _check_rows_observed(trace, plate, size, observed, leaves) -> None:
                 f"the observed site {name!r} has a value of shape {shape} while its distribution has shape {full} "
                 f"with the data plate {plate!r} (size {size}) at axis {position}: one observation would be "
                 f"broadcast to every row. Pass one value per row (e.g. y of shape ({size},)).")
-
-
-def _prototype_value(site) -> jax.Array | None:
-    """A value for a continuous latent site that does not call its sampler.
-
-    Uniform in ``(−2, 2)`` in unconstrained space (as NumPyro's ``init_to_uniform``), built
-    from the distribution's shape and support alone, so priors without a sampler — Stan's
-    flat priors as ``ImproperUniform``, truncated distributions whose sampler needs an
-    optional dependency — bind like any other.
-    """
-    if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
-        return None
-    transform = biject_to(site["fn"].support)
-    shape = tuple(transform.inverse_shape(site["fn"].shape()))
-    seed = zlib.crc32(site["name"].encode())  # deterministic across processes
-    return transform(jnp.asarray(probes.uniform(seed, shape, -2.0, 2.0, jnp.result_type(float))))  # a device array, as before
 
 
 def _leaf_names(args, kwargs, names_by_position) -> list[Any]:
@@ -341,7 +329,13 @@ def _implicit_rows(observed, leaf_names, leaves, shared) -> int:
 
 
 def _analyse_params(spec, data, z0):
-    """Find which distribution leaves depend on ``z``, their count and whether affine."""
+    """Find which distribution leaves depend on ``z``, their count and whether affine.
+
+    A model with local latents has the marginal of :mod:`numpyro_pc.model.locals` as ``ℓ_i``,
+    whose parameter is ``z`` itself (:func:`~numpyro_pc.model.terms.example_params`).
+    """
+    if spec.local is not None:
+        return replace(spec, num_params=spec.latent.dim, affine=True)
     first = tuple(take_rows(x, 0) for x in data.per_example)
     trace = trace_at(spec, z0, example_args(first), data.shared)
     masks = []
@@ -393,8 +387,9 @@ def verify_binding(spec, data, z0, num_probes=3) -> None:
     rtol = 1e-6 if dtype == jnp.float64 else 1e-3
     noise = probes.normal(20261123, (num_probes - 1,) + z0.shape, dtype)
     points = jnp.concatenate([z0[None], z0[None] + 0.5 * noise], 0)
+    local = None if spec.local is None else probes.normal(20261128, (num_probes, num, spec.local.dim), dtype)
     try:
-        full, prior, per = _identity_terms(replace(spec, num_examples=num), sub, points)
+        full, prior, per = _identity_terms(replace(spec, num_examples=num), sub, points, local)
     except Exception as err:  # the model cannot run on a subset of its data plate
         raise ModelBindingError(_binding_diagnosis(spec, data, z0, f"the model fails when called on the first "
                                                    f"{num} examples ({type(err).__name__}: {err})")) from err
@@ -414,21 +409,33 @@ def verify_binding(spec, data, z0, num_probes=3) -> None:
         raise ModelBindingError(_binding_diagnosis(
             spec, data, z0, f"on the first {num} examples the per-example losses add up to {total[j]:.6g} "
             f"(prior term included) but the model's negative log joint is {full[j]:.6g}"))
+    if spec.local is not None:
+        check_local_modes(spec, data, z0)
 
 
 @partial(jax.jit, static_argnums=0)
-def _identity_terms(spec, sub, probes):
-    """NumPyro's potential energy on the subset, the prior term and the per-example losses at each probe."""
+def _identity_terms(spec, sub, probes, local=None):
+    """NumPyro's potential energy on the subset, the prior term and the per-example losses at each probe.
+
+    With local latents the identity is the joint one: ``ℓ_0(z) + Σ_i f_i(z, u_i)`` against the
+    potential energy at ``(z, u)``, with ``local`` the probe values ``(probes, rows, m)``.
+    """
     args, kwargs = spec.build_args(sub.per_example, sub.shared)
 
-    def at(z) -> tuple[Any, Any, Any]:
+    def at(point) -> tuple[Any, Any, Any]:
+        z, u = point
+        params = spec.latent.unravel(z)
+        if u is not None:
+            params = {**params, **stack_rows(spec.local, spec.local_axes, u)}
         with handlers.block():
-            full = numpyro.infer.util.potential_energy(handlers.seed(spec.model, 0), args, kwargs,
-                                                       spec.latent.unravel(z))
-        per = jax.vmap(lambda ex: example_loss(spec, z, ex, sub.shared))(sub.per_example)
+            full = numpyro.infer.util.potential_energy(handlers.seed(spec.model, 0), args, kwargs, params)
+        if u is None:
+            per = jax.vmap(lambda ex: example_loss(spec, z, ex, sub.shared))(sub.per_example)
+        else:
+            per = jax.vmap(lambda ex, ui: example_joint_loss(spec, z, ui, ex, sub.shared))(sub.per_example, u)
         return full, prior_loss(spec, z, sub), per
 
-    return jax.lax.map(at, probes)
+    return jax.lax.map(at, (probes, local))
 
 
 def _binding_diagnosis(spec, data, z0, finding) -> str:

@@ -11,9 +11,14 @@ reproducible. Drawn with NumPy they cost nothing to compile; drawn with ``jax.ra
 
 from __future__ import annotations
 
-import numpy as np
+import zlib
 
-__all__ = ["normal", "uniform", "coin_flips"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.distributions.transforms import biject_to
+
+__all__ = ["normal", "uniform", "coin_flips", "prototype_value"]
 
 
 def _generator(seed: int) -> np.random.Generator:
@@ -34,3 +39,20 @@ def uniform(seed: int, shape: tuple[int, ...], low: float, high: float, dtype) -
 def coin_flips(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     """Fair boolean draws of ``shape``, the same for the same ``seed``."""
     return _generator(seed).random(shape) < 0.5
+
+
+
+def prototype_value(site) -> jax.Array | None:
+    """A value for a continuous latent site that does not call its sampler (a ``substitute_fn``).
+
+    Uniform in ``(−2, 2)`` in unconstrained space (as NumPyro's ``init_to_uniform``), built
+    from the distribution's shape and support alone, so priors without a sampler — Stan's
+    flat priors as ``ImproperUniform``, truncated distributions whose sampler needs an
+    optional dependency — bind like any other.
+    """
+    if site["type"] != "sample" or site["is_observed"] or site["fn"].support.is_discrete:
+        return None
+    transform = biject_to(site["fn"].support)
+    shape = tuple(transform.inverse_shape(site["fn"].shape()))
+    seed = zlib.crc32(site["name"].encode())  # deterministic across processes
+    return transform(jnp.asarray(uniform(seed, shape, -2.0, 2.0, jnp.result_type(float))))

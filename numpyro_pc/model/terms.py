@@ -27,6 +27,7 @@ and its arguments into ``(spec, data)`` — and checking the binding — is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -38,14 +39,18 @@ from numpyro.distributions import constraints
 from numpyro.distributions.transforms import biject_to
 from numpyro.distributions.util import sum_rightmost
 
+from numpyro_pc.errors import NonFiniteResultError, UnsupportedModelError
+
 from .latent import LatentSpace
+from .locals import conditional_draw, laplace_marginal, stack_rows
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["LOG_DET_PREFIX", "IMPLICIT_PLATE", "ModelSpec", "ModelData", "trace_at", "prior_loss", "example_loss", "example_params",
-           "example_site_log_likelihoods", "losses", "constrain", "is_array", "output_dependence"]
+           "example_site_log_likelihoods", "example_joint_loss", "local_draws", "losses", "constrain", "is_array",
+           "output_dependence"]
 
 
 LOG_DET_PREFIX = "_pc_log_det_"
@@ -80,6 +85,10 @@ class ModelSpec:
         Hessian equals the Gauss–Newton matrix and sites factorise exactly.
     :ivar support_sites: the observed sites whose values are checked against their
         distribution's support on every batch (:mod:`numpyro_pc.model.data_support`).
+    :ivar local: the latent sites inside the data plate, as one example sees them (plate
+        axis of size one), or ``None``; they are integrated per example
+        (:mod:`numpyro_pc.model.locals`) and ``latent`` holds the global sites only.
+    :ivar local_axes: per local site, the axis of its value that the data plate indexes.
     """
 
     model: object
@@ -94,6 +103,8 @@ class ModelSpec:
     num_params: int = 0
     affine: bool = False
     support_sites: tuple = ()
+    local: LatentSpace | None = None
+    local_axes: tuple = ()
     arg_names: tuple = field(default=(), compare=False, hash=False)
 
     def build_args(self, per_example, shared) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -140,10 +151,21 @@ def _substitute_unconstrained(values, site):
     return value
 
 
-def trace_at(spec, z, per_example, shared, discrete=None) -> dict[str, Any]:
-    """The model's trace at flat unconstrained ``z`` (and values of its discrete latents)."""
+def trace_at(spec, z, per_example, shared, discrete=None, local=None) -> dict[str, Any]:
+    """The model's trace at flat unconstrained ``z`` (and values of its discrete latents).
+
+    ``local`` holds the unconstrained values of the local latents for the rows given, flat
+    ``(m,)`` for one example or a dict of whole-plate values; without it they are fixed at
+    ``0`` in unconstrained space (a trace that reads only globals and observations, with no
+    sampler called and nothing random)."""
     args, kwargs = spec.build_args(per_example, shared)
     values = spec.latent.unravel(z)
+    if spec.local is not None:
+        if local is None:
+            rows = int(jnp.shape(per_example[0])[0]) if per_example else 1
+            local = {name: jnp.zeros(shape[:axis] + (rows,) + shape[axis + 1:], jnp.result_type(z))
+                     for name, shape, axis in zip(spec.local.names, spec.local.unconstrained_shapes, spec.local_axes)}
+        values = {**values, **(local if isinstance(local, dict) else spec.local.unravel(local))}
     discrete = discrete or {}
 
     def sub(site):
@@ -182,6 +204,8 @@ def prior_loss(spec, z, data, discrete=None) -> jax.Array:
             continue
         if site["is_observed"] and (site["name"] in spec.observed or in_plate(site, spec.plate)):
             continue
+        if spec.local is not None and site["name"] in spec.local.names:  # integrated in ℓ_i
+            continue
         total = total + _site_log_prob(site)
     return -total
 
@@ -192,13 +216,39 @@ def example_args(example) -> tuple[Any, ...]:
 
 
 def example_loss(spec, z, example, shared, discrete=None) -> jax.Array:
-    """``ℓ_i(z)`` for one example (per-example leaves without their leading axis)."""
+    """``ℓ_i(z)`` for one example (per-example leaves without their leading axis); with local
+    latents, the unit's negative log marginal likelihood (:mod:`numpyro_pc.model.locals`)."""
+    if spec.local is not None:
+        return laplace_marginal(lambda zz, u: example_joint_loss(spec, zz, u, example, shared), z, spec.local.dim)
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
 
+def example_joint_loss(spec, z, u, example, shared) -> jax.Array:
+    """``f_i(z, u) = −log p(y_i | z, u) − log p(u | z)`` of one example with local latents
+    at unconstrained ``u`` (log-Jacobian of their constraining transforms included)."""
+    trace = trace_at(spec, z, example_args(example), shared, local=u)
+    total = sum(_site_log_prob(trace[name]) for name in spec.observed)
+    for name in spec.local.names:
+        total = total + _site_log_prob(trace[name])
+        if LOG_DET_PREFIX + name in trace:
+            total = total + _site_log_prob(trace[LOG_DET_PREFIX + name])
+    return -total
+
+
 def example_site_log_likelihoods(spec, z, example, shared, discrete=None) -> tuple[Any, ...]:
-    """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order)."""
+    """Log-likelihood of one example per observed site (a tuple in ``spec.observed`` order).
+
+    With local latents the sites of a unit share its integrated latents, so only their
+    joint marginal exists: it is returned for a single observed site, and refused for several.
+    """
+    if spec.local is not None:
+        if len(spec.observed) > 1:
+            raise UnsupportedModelError(
+                f"the observed sites {list(spec.observed)} of a unit share its local latents "
+                f"{list(spec.local.names)}, which are integrated out: only their joint marginal "
+                "log-likelihood -ℓ_i exists, not one per site (use the per-example losses).")
+        return (-example_loss(spec, z, example, shared),)
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return tuple(_site_log_prob(trace[name]) for name in spec.observed)
 
@@ -218,8 +268,11 @@ def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
 
     :return: ``(theta, loss_fn)`` with ``theta`` the ``k`` z-dependent float parameters
         of the example's observed distributions (flattened) and ``loss_fn(theta)`` the
-        negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``.
+        negative log-likelihood, so that ``ℓ_i(z) = loss_fn(theta(z))``. With local latents
+        the marginal ``ℓ_i`` has no such parameters: ``theta = z`` (``k = d``, affine).
     """
+    if spec.local is not None:
+        return z, lambda theta: example_loss(spec, theta, example, shared)
     trace = trace_at(spec, z, example_args(example), shared)
     pieces, rebuild = [], []
     for name, mask in zip(spec.observed, spec.param_leaves):
@@ -249,6 +302,43 @@ def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     return theta, loss_fn
 
 
+def local_draws(spec, data, z, key) -> dict[str, jax.Array]:
+    """Constrained draws of the local latents of every row of ``data``, one per global draw
+    ``z`` ``(S, d)``: ``u_i ~ N(u*_i(z), H_i^{-1})``, the local factor of
+    :mod:`numpyro_pc.model.locals`. Returns ``{site: (S, *shape)}`` with each site laid out
+    over the whole data plate, as NumPyro's ``Predictive`` gives it.
+
+    :raises NonFiniteResultError: a unit whose local latents have no conditional mode at some draw.
+    """
+    draws = _local_draws(spec, data, z, key)
+    bad = {name: int(np.sum(~np.all(np.isfinite(np.asarray(v)).reshape(v.shape[0], -1), axis=1)))
+           for name, v in draws.items()}
+    if any(bad.values()):
+        raise NonFiniteResultError(
+            f"the local latents have no conditional mode for some units at {max(bad.values())} of {z.shape[0]} global "
+            "draws (Newton's search found no point with a positive-definite Hessian), so those units cannot be drawn; "
+            "the global draws reach a region where a unit's local posterior is improper.")
+    return draws
+
+
+@partial(jax.jit, static_argnums=0)
+def _local_draws(spec, data, z, key) -> dict[str, jax.Array]:
+    keys = jax.random.split(key, z.shape[0] * data.per_example[0].shape[0])
+    keys = jnp.reshape(keys, (z.shape[0], data.per_example[0].shape[0]) + keys.shape[1:])
+
+    def per_draw(zz, row_keys) -> dict[str, jax.Array]:
+        def row(example, k) -> dict[str, jax.Array]:
+            u = conditional_draw(lambda uu: example_joint_loss(spec, zz, uu, example, data.shared),
+                                 spec.local.dim, k, zz.dtype)
+            trace = trace_at(spec, zz, example_args(example), data.shared, local=u)
+            return {name: trace[name]["value"] for name in spec.local.names}
+
+        rows = jax.vmap(row)(data.per_example, row_keys)
+        return stack_rows(spec.local, spec.local_axes, rows, spec.local.shapes)
+
+    return jax.lax.map(lambda args: per_draw(*args), (z, keys))
+
+
 def losses(spec, z, data) -> jax.Array:
     """Vector ``(ℓ_1(z), …, ℓ_N(z))`` over the data plate (vmapped over examples)."""
     return jax.vmap(lambda ex: example_loss(spec, z, ex, data.shared))(data.per_example)
@@ -257,8 +347,9 @@ def losses(spec, z, data) -> jax.Array:
 def constrain(spec, z, data) -> dict[Any, Any]:
     """Constrained values of the latent sites at ``z`` (a dict in trace order).
 
-    The values do not depend on the examples (per-example latents are refused at binding),
-    so a posterior that keeps no data rows traces the model on one zero-valued row.
+    The global sites' values do not depend on the examples (local latents are not among
+    them: :func:`local_draws` draws those), so a posterior that keeps no data rows traces the
+    model on one zero-valued row.
     """
     first = tuple(x[:1] if x.shape[0] else jnp.zeros((1,) + tuple(x.shape[1:]), x.dtype) for x in data.per_example)
     trace = trace_at(spec, z, first, data.shared)

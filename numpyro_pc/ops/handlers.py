@@ -71,6 +71,7 @@ class posterior_prior(Messenger):
         self._factors = posterior.latent_factors()
         self._shapes = dict(zip(latent.names + latent.discrete_names, latent.shapes + latent.discrete_shapes))
         self._latent = posterior.spec.latent
+        self._local = () if posterior.spec.local is None else posterior.spec.local.names
         self.posterior = posterior
         self.extra = extra_log_density
         self._values = {}
@@ -99,6 +100,8 @@ class posterior_prior(Messenger):
 
     def postprocess_message(self, msg) -> None:
         if msg["type"] != "sample" or msg["is_observed"] or msg["infer"].get("is_auxiliary"):
+            return
+        if msg["name"] in self._local:  # a unit's latent keeps its prior given the globals: p(u | z)
             return
         if msg["name"] not in self._shapes:
             raise ModelMismatchError(

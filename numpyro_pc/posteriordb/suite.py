@@ -31,10 +31,13 @@ from numpyro_pc.errors import InvalidOptionError
 from .hierarchical import UCBADMIT
 
 __all__ = ["HierarchicalProblem", "varying_regression", "eight_schools", "correlated_admissions", "suite",
+           "baseball", "eight_schools_as_written", "local_latent_examples",
            "EIGHT_SCHOOLS_Y", "EIGHT_SCHOOLS_SIGMA"]
 
 EIGHT_SCHOOLS_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
 EIGHT_SCHOOLS_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+BASEBALL_AT_BATS = np.full(18, 45.0)  # Efron & Morris (1975): 18 players' first 45 at-bats of 1970
+BASEBALL_HITS = np.array([18, 17, 16, 15, 14, 14, 13, 12, 11, 11, 10, 10, 10, 10, 10, 9, 8, 7], dtype=float)
 
 _SCALES = {
     "halfnormal": lambda: dist.HalfNormal(1.0),
@@ -192,3 +195,38 @@ def suite(fast: bool = False) -> list[HierarchicalProblem]:
     if not fast:
         problems.append(varying_regression(200, 2000, "normal", True, "halfnormal", seed=4))
     return problems
+
+
+def baseball() -> HierarchicalProblem:
+    """NumPyro's baseball example (``partially_pooled``) as written, on Efron & Morris's 18 players:
+    ``φ_i ~ Beta(m κ, (1 − m) κ)`` inside the players plate (a local latent per player),
+    ``hits_i ~ Binomial(45, φ_i)``, ``m ~ Uniform(0, 1)``, ``κ ~ Pareto(1, 1.5)``."""
+    def partially_pooled(at_bats, hits=None) -> None:
+        m = numpyro.sample("m", dist.Uniform(0, 1))
+        kappa = numpyro.sample("kappa", dist.Pareto(1, 1.5))
+        with numpyro.plate("num_players", at_bats.shape[0]):
+            phi = numpyro.sample("phi", dist.Beta(m * kappa, (1 - m) * kappa))
+            numpyro.sample("obs", dist.Binomial(at_bats, probs=phi), obs=hits)
+
+    return HierarchicalProblem("baseball as written (local abilities)", partially_pooled,
+                               (BASEBALL_AT_BATS.copy(), BASEBALL_HITS.copy()), 18)
+
+
+def eight_schools_as_written() -> HierarchicalProblem:
+    """Eight schools, centred, as NumPyro's documentation writes it: ``θ_j`` inside the schools plate,
+    which is also the data plate (a local latent per school; the plate's size from the data)."""
+    def eight_schools(sigma, y=None) -> None:
+        mu = numpyro.sample("mu", dist.Normal(0, 5))
+        tau = numpyro.sample("tau", dist.HalfCauchy(5))
+        with numpyro.plate("J", len(sigma)):
+            theta = numpyro.sample("theta", dist.Normal(mu, tau))
+            numpyro.sample("obs", dist.Normal(theta, sigma), obs=y)
+
+    return HierarchicalProblem("eight schools as written (local effects)", eight_schools,
+                               (EIGHT_SCHOOLS_SIGMA.copy(), EIGHT_SCHOOLS_Y.copy()), 8)
+
+
+def local_latent_examples() -> list[HierarchicalProblem]:
+    """NumPyro's examples whose units' latents lie inside the data plate (docs/hierarchical.md,
+    "Local latent variables"): :func:`baseball` and :func:`eight_schools_as_written`."""
+    return [baseball(), eight_schools_as_written()]

@@ -63,22 +63,13 @@ def test_masks_are_respected(x64):
     np.testing.assert_allclose(ell.sum(), total, rtol=1e-12)
 
 
-def local_latent_model(X, y=None):
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
-    with numpyro.plate("data", X.shape[0]):
-        u = numpyro.sample("u", dist.Normal(0.0, 1.0))
-        numpyro.sample("y", dist.Normal(X @ w + u, 1.0), obs=y)
-
-
 def no_plate_model(X, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
     numpyro.sample("y", dist.Normal(X @ w, 1.0).to_event(1), obs=y)
 
 
-def test_local_latent_and_missing_plate_are_rejected():
+def test_missing_plate_is_rejected():
     X, y = make_linear(8, 2)
-    with pytest.raises(pc.UnsupportedModelError, match="local latent"):
-        bind_model(local_latent_model, (X, y))
     with pytest.raises(pc.UnsupportedModelError, match="plate"):
         bind_model(no_plate_model, (X, y))
 
