@@ -96,8 +96,8 @@ def check_local_modes(spec: ModelSpec, data: ModelData, z0) -> None:
     """
     marginal = np.asarray(jax.jit(losses, static_argnums=0)(spec, z0, data))
     if not np.all(np.isfinite(marginal)):
-        rows = np.flatnonzero(~np.isfinite(marginal)).tolist()
-        rows = rows if len(rows) <= 10 else rows[:10] + [f"… {len(rows)} in all"]
+        bad = np.flatnonzero(~np.isfinite(marginal)).tolist()
+        rows = str(bad) if len(bad) <= 10 else f"{bad[:10]} … ({len(bad)} in all)"
         names = list(spec.local.names) if spec.local is not None else []
         raise ModelBindingError(
             f"the local latents {names} have no conditional mode for example(s) {rows} at the "
