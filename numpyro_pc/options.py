@@ -11,6 +11,7 @@ negative array size, are never what a user sees.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -21,7 +22,7 @@ import numpy as np
 from .errors import InvalidOptionError
 
 __all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path", "check_flag",
-           "check_name", "check_names", "is_choice", "MAX_COUNT", "MAX_SEED"]
+           "check_name", "check_names", "is_choice", "MAX_COUNT", "MAX_SEED", "SolverOptions", "resolve_solver"]
 
 
 def _describe(value) -> str:
@@ -134,3 +135,48 @@ def check_path(path, name: str = "path") -> None:
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidOptionError(f"{name} must be a str or os.PathLike file path; got {_describe(path)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    """How the natural-gradient solve runs: the ``solver=`` group of :func:`numpyro_pc.fit` and
+    :func:`numpyro_pc.dual_form` (the keywords ``tol=``, ``max_iters=``, ``progress=`` and
+    ``raise_on_failure=`` are the same options spelled flat; give one spelling or the other).
+    Values are checked when the group is built; its ``repr`` prints every field.
+
+    :param float tol: relative residual at which the solve stops; ``None``: ``1e-8``.
+    :param int max_iters: iterations; ``None``: 100, extended while the run converges linearly
+        (:func:`numpyro_pc.solvers.gaussian.solve`).
+    :param bool progress: show a progress bar.
+    :param bool raise_on_failure: raise when the solve misses ``tol`` (``False``: warn and
+        return the last iterate, with the record saying so).
+    """
+
+    tol: float | None = None
+    max_iters: int | None = None
+    progress: bool = False
+    raise_on_failure: bool = True
+
+    def __post_init__(self) -> None:
+        check_solver_options(self.tol, self.max_iters)
+        check_flag(self.progress, "progress")
+        check_flag(self.raise_on_failure, "raise_on_failure")
+
+
+def resolve_solver(solver, tol=None, max_iters=None, progress=False, raise_on_failure=True) -> SolverOptions:
+    """The solver options of a call that takes both ``solver=`` and the flat keywords.
+
+    :raises InvalidOptionError: ``solver`` is not a :class:`SolverOptions`, or it is given together
+        with a flat keyword set away from its default (two spellings of one option).
+    """
+    flat = SolverOptions(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure)
+    if solver is None:
+        return flat
+    if not isinstance(solver, SolverOptions):
+        raise InvalidOptionError(f"solver= takes a numpyro_pc.SolverOptions; got {solver!r} ({type(solver).__name__})")
+    changed = [f.name for f in dataclasses.fields(SolverOptions)
+               if getattr(flat, f.name) != getattr(SolverOptions(), f.name)]
+    if changed:
+        raise InvalidOptionError(f"the solver's options were given twice: solver={solver!r} and the keyword(s) "
+                                 f"{changed}; give them in one place (e.g. SolverOptions({changed[0]}=...)).")
+    return solver

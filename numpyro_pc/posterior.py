@@ -34,12 +34,12 @@ from numpyro_pc.ops.streaming import update as _update
 from numpyro_pc.ops.unlearning import delete as _delete
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
-from numpyro_pc.sites.expectations import get_rule
+from numpyro_pc.sites.expectations import ExpectationRule, get_rule
 from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
 from numpyro_pc.solvers.start import default_start
 
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
-from .options import MAX_SEED, check_count, check_flag, check_solver_options
+from .options import MAX_SEED, SolverOptions, check_count, check_flag, check_solver_options, resolve_solver
 
 __all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 
@@ -129,12 +129,14 @@ _as_held.register(EFPosterior, lambda post: post)
 _as_held.register(DualPosteriorBase, DualPosterior.adopt)
 
 
-def dual_form(model: Callable, guide, params: dict, *args, expectation: str | None = None, curvature: str = "hessian",
+def dual_form(model: Callable, guide, params: dict, *args, expectation: str | ExpectationRule | None = None,
+              curvature: str = "hessian",
               storage: str = "auto", refine: bool = True, tol: float | None = None, max_iters: int | None = None,
               num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None,
               chunk_size: int | None = None,
               data_plate: str | None = None, shared: tuple = (), progress: bool = False,
-              raise_on_failure: bool = True, **kwargs) -> DualPosterior | EFPosterior:
+              raise_on_failure: bool = True, solver: SolverOptions | None = None,
+              **kwargs) -> DualPosterior | EFPosterior:
     """Turn a fitted guide into a :class:`DualPosterior` (sites computed, refined to the optimum).
 
     A hand-written guide (a plain function, not an autoguide) or an ``AutoGuideList`` whose
@@ -180,12 +182,15 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
         that equals the per-example arguments' length (the rule of
         :func:`~numpyro_pc.model.likelihood.bind_model`, docs/models.md).
     :param tuple shared: names of array arguments that are not per-example.
+    :param SolverOptions solver: ``tol``, ``max_iters``, ``progress`` and ``raise_on_failure`` as one
+        group (:class:`~numpyro_pc.options.SolverOptions`); give either it or those keywords.
     :param kwargs: the model's keyword arguments.
     """
+    options = resolve_solver(solver, tol, max_iters, progress, raise_on_failure)
+    tol, max_iters, progress, raise_on_failure = (options.tol, options.max_iters, options.progress,
+                                                  options.raise_on_failure)
     _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
     check_flag(refine, "refine")
-    check_flag(progress, "progress")
-    check_flag(raise_on_failure, "raise_on_failure")
     if _ef_guides.is_hand_written(guide) and not _guides.is_registered(guide):
         return dual_form_ef(model, guide, params, *args, expectation=expectation or "auto",
                             **_given(num_nodes=num_nodes, num_samples=num_samples), seed=seed,
@@ -222,12 +227,13 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | No
     return post.evolve(record=post.record.replace(boundary=found.as_record()))
 
 
-def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full", expectation: str | None = None,
+def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
+        expectation: str | ExpectationRule | None = None,
         curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int | None = None,
         num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,
         chunk_size: int | None = None,
         data_plate: str | None = None, shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
-        rank: int | None = None, **kwargs) -> DualPosterior | EFPosterior:
+        rank: int | None = None, solver: SolverOptions | None = None, **kwargs) -> DualPosterior | EFPosterior:
     """Variational Bayes with the natural-gradient solver, from a MAP/Laplace or mean-field ELBO start.
 
     The default start (``init=None`` or ``"map"``) is the MAP found by L-BFGS from ``0`` in
@@ -262,9 +268,10 @@ def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
 
     See :func:`dual_form` for the other options.
     """
+    options = resolve_solver(solver, tol, max_iters, progress, raise_on_failure)
+    tol, max_iters, progress, raise_on_failure = (options.tol, options.max_iters, options.progress,
+                                                  options.raise_on_failure)
     _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
-    check_flag(progress, "progress")
-    check_flag(raise_on_failure, "raise_on_failure")
     if isinstance(family, dict):
         if rank is not None:
             raise InvalidOptionError(f"rank={rank} is an option of family='lowrank'; a dict of per-site families takes none")

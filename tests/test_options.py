@@ -35,10 +35,10 @@ def _guide_params(post):
 
 _CALLS = {
     "fit": (("tol", "max_iters", "num_samples", "num_nodes", "chunk_size", "seed", "family", "expectation",
-             "curvature", "storage", "init", "rank", "progress", "raise_on_failure", "data_plate", "shared"),
+             "curvature", "storage", "init", "rank", "progress", "raise_on_failure", "data_plate", "shared", "solver"),
             lambda post, X, y, kw: pc.fit(logistic_model, X, y, **kw)),
     "dual_form": (("tol", "max_iters", "num_samples", "num_nodes", "chunk_size", "seed", "expectation", "curvature",
-                   "storage", "refine", "progress", "raise_on_failure", "data_plate", "shared"),
+                   "storage", "refine", "progress", "raise_on_failure", "data_plate", "shared", "solver"),
                   lambda post, X, y, kw: pc.dual_form(logistic_model, _GUIDE, _guide_params(post), X, y, **kw)),
     "update": (("tol", "max_iters", "seed", "correction", "memory", "selection", "keep", "batch_fraction", "epochs"),
                lambda post, X, y, kw: post.update(X[:4], y[:4], **kw)),
@@ -94,3 +94,24 @@ def test_counts_are_never_rounded():
         options.check_count(2.5, "n")
     with pytest.raises(errors.InvalidOptionError):
         options.check_count(True, "n")
+
+
+def test_solver_options_are_one_group_of_the_flat_keywords(fitted, x64):
+    """``solver=SolverOptions(...)`` is the flat ``tol``/``max_iters``/``progress``/``raise_on_failure``:
+    the same iterates (bit-identical), the group's budget obeyed (2 iterations, where the default
+    runs to convergence), two spellings at once refused, values checked when the group is built."""
+    _, X, y = fitted
+    with pytest.warns(RuntimeWarning, match="max_iters=2 reached"):
+        grouped = pc.fit(logistic_model, X, y, solver=pc.SolverOptions(max_iters=2, raise_on_failure=False))
+    with pytest.warns(RuntimeWarning, match="max_iters=2 reached"):
+        flat = pc.fit(logistic_model, X, y, max_iters=2, raise_on_failure=False)
+    assert grouped.record["iterations"] == flat.record["iterations"] == 2
+    np.testing.assert_array_equal(grouped.mean, flat.mean)
+    np.testing.assert_array_equal(grouped.precision, flat.precision)
+    with pytest.raises(errors.InvalidOptionError, match="given twice"):
+        pc.fit(logistic_model, X, y, tol=1e-9, solver=pc.SolverOptions())
+    with pytest.raises(errors.InvalidOptionError, match="SolverOptions"):
+        pc.dual_form(logistic_model, _GUIDE, {}, X, y, solver={"tol": 1e-9})
+    with pytest.raises(errors.InvalidOptionError, match="max_iters"):
+        pc.SolverOptions(max_iters=0)
+    assert repr(pc.SolverOptions()) == "SolverOptions(tol=None, max_iters=None, progress=False, raise_on_failure=True)"
