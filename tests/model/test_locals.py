@@ -37,6 +37,7 @@ def _kl_both(a, b) -> float:
     return max(float(a.kl(b)), float(b.kl(a)))
 
 
+@pytest.mark.slow
 def test_conjugate_hierarchy_is_exact(x64):
     """The unit marginal N(y_i | mu, sqrt(sigma_i² + tau²)) is Gaussian in mu, so Laplace's integral
     is exact and the full family holds the exact posterior of mu (1e-10: a solve to tol 1e-12)."""
