@@ -61,6 +61,8 @@ def test_demo_fast(part, tmp_path, capsys):
         # FedPC with its default ρ and with the floor ρ = 0.5 that diverged here before the safeguard
         assert all(fed[name][0] < 1e-8 and fed[name][1] == "converged" for name in ("fedpc", "fedpc ρ=0.5", "pvi"))
         assert not [line for line in printed.splitlines() if line.startswith("fedpc") and "diverged" in line]
+        skew = {name: (kl, status) for name, _, kl, status in result["merging_federated"]["label_skew"]}
+        assert skew["line search (default)"][0] < 1e-8 and skew["line search (default)"][1] == "converged"
         assert (tmp_path / "merging_federated.png").stat().st_size > 10_000
         assert (tmp_path / "expfam.png").stat().st_size > 10_000
         expfam = result["expfam"]  # LOO from the cavities agrees with exact refits of the least reliable examples

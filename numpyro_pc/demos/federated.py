@@ -9,6 +9,7 @@ import numpy as np
 
 from numpyro_pc.demos.plotting import save_figure
 from numpyro_pc.federated.algorithms import run
+from numpyro_pc.federated.options import Safeguard
 from numpyro_pc.ops import merging
 from numpyro_pc.posterior import fit
 
@@ -24,7 +25,8 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
     :param plt: ``matplotlib.pyplot``.
     :param bool fast: fewer algorithms.
     :param joint: the full-data posterior (fitted here when ``None``).
-    :return: ``dict(merge=[(method, KL)], federated=[(name, rounds, KL, kB, status)], plot=path)``.
+    :return: ``dict(merge=[(method, KL)], federated=[(name, rounds, KL, kB, status)],
+        label_skew=[(global step, rounds, KL, status)], plot=path)``.
     """
     if joint is None:
         joint = fit(model, X, y, family="full")
@@ -67,6 +69,8 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
         print(f"{name:12s} {result.rounds:6d} {kl[-1]:12.3e} {result.history[-1]['bytes'] / 1e3:8.1f} {seconds:9.2f} "
               f"{result.status}")
 
+    skew_rows = _label_skew_diagonal(model, X, y, fast)
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     ax = axes[0]
     ax.bar([r[0] for r in merge_rows], [max(r[1], 1e-16) for r in merge_rows], color="tab:green")
@@ -82,4 +86,28 @@ def demo_merging_federated(model, X, y, out, plt, fast=False, joint=None, num_cl
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = save_figure(fig, out, "merging_federated.png")
-    return dict(merge=merge_rows, federated=fed_rows, plot=str(path))
+    return dict(merge=merge_rows, federated=fed_rows, label_skew=skew_rows, plot=str(path))
+
+
+def _label_skew_diagonal(model, X, y, fast) -> list[tuple[str, int, float, str]]:
+    """FedPC with the diagonal family on six label-sorted shards (some clients hold one class only): with the
+    line search of the global step (the default) and, outside fast mode, without it (the plain rounds)."""
+    order = np.argsort(np.asarray(y), kind="stable")
+    clients = [(X[i], y[i]) for i in np.array_split(order, 6)]
+    joint = fit(model, X, y, family="diagonal", tol=1e-12, max_iters=2000)
+    runs = [("line search (default)", {})]
+    if not fast:
+        runs.append(("plain rounds", dict(safeguard=Safeguard(line_search=False))))
+    print("\nFederated: 6 clients holding label-sorted shards (two with class 0 only, three with class 1 only), "
+          "diagonal Gaussian")
+    print(f"{'global step':22s} {'rounds':>6s} {'KL to joint':>12s} status")
+    rows = []
+    for name, opts in runs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the plain run ends on its round budget
+            result = run(model, clients, family="diagonal", rounds=150 if name != "plain rounds" else 60,
+                         reference=joint, keep_data=False, **opts)
+        kl = float(result.history[-1]["kl_to_reference"])
+        rows.append((name, result.rounds, kl, result.status))
+        print(f"{name:22s} {result.rounds:6d} {kl:12.3e} {result.status}")
+    return rows

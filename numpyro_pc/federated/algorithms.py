@@ -88,6 +88,7 @@ from .core import (
 from .ef import run_ef
 from .options import resolve_options
 from .privacy import check_gaussian_prior_data_free
+from .line_search import search_init, search_step
 from .records import RoundInfo
 from .robust import aggregate_sites, robust_bounds
 
@@ -330,7 +331,11 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     ref_state = getattr(reference, "state", reference)
     message = natural_nbytes(family, spec.latent.dim, dtype)
     up = message * (2 if algorithm == "admm" else 1)
-    history, total_bytes, status = [], 0, "max_rounds"
+    history: list[RoundInfo] = []
+    total_bytes, status = 0, "max_rounds"
+    searching = guard.searches(algorithm, privacy is not None)
+    search = search_init(cfg, prior, prior_nat, eta, q, stack, bounds) if searching else None
+    value_bytes = jnp.dtype(dtype).itemsize  # one number per client and candidate
     start = time.perf_counter()
     floor = rho
     for t in range(1, int(rounds) + 1):
@@ -352,6 +357,23 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
                       clipped_clients=np.flatnonzero(np.asarray(diag["clipped"])).tolist())
         if privacy is not None:
             record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
+        if search is not None and good:
+            found, search = search_step(cfg, prior, prior_nat, eta, eta_new, q, stack, bounds, search)
+            total_bytes += num_clients * (found.trials * value_bytes + (found.trials - 1) * message)
+            record.update(step=found.step, step_trials=found.trials, step_kind=found.kind, bytes=total_bytes,
+                          bytes_up=record["bytes_up"] + num_clients * found.trials * value_bytes,
+                          bytes_down=record["bytes_down"] + num_clients * (found.trials - 1) * message)
+            if found.candidate is None:  # neither J nor the residual can be lowered: stationary to rounding
+                record.update(kl_to_previous=0.0, objective=float(search.current.objective),
+                              natural_residual=float(search.current.residual))
+                converged = record_round(record, history, callback, tol, residual_tol)
+                status = "converged" if converged else "stagnated"
+                break
+            eta_new, q_new = found.candidate.eta, found.candidate.q
+            record.update(kl_to_previous=float(found.candidate.kl), objective=float(found.candidate.objective),
+                          natural_residual=float(found.candidate.residual),
+                          clipped=int(np.sum(found.candidate.clipped)),
+                          clipped_clients=np.flatnonzero(np.asarray(found.candidate.clipped)).tolist())
         if not good:
             record["kl_to_previous"] = float("nan")
             history.append(RoundInfo(**record))
@@ -376,10 +398,13 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
             admm_alpha=float(alpha) if algorithm == "admm" else None))
     result = FederatedResult(posterior, q, eta, history, status == "converged", status, algorithm, rho)
     if status != "converged":
-        why = ("a local update or the global posterior lost finiteness or positive definiteness (for losses "
-               "growing slower than quadratically, e.g. logistic, the local problem is unbounded once the ρ-cavity "
-               "λ_jnt − η_k/ρ is indefinite: increase ρ)"
-               if status == "diverged" else f"rounds={rounds} reached before the tolerances")
+        why = {"diverged": "a local update or the global posterior lost finiteness or positive definiteness (for "
+                           "losses growing slower than quadratically, e.g. logistic, the local problem is unbounded "
+                           "once the ρ-cavity λ_jnt − η_k/ρ is indefinite: increase ρ)",
+               "stagnated": "no damping of the round's proposal down to β = 2⁻²⁰, nor of the natural-gradient step, "
+                            "lowers the joint objective J beyond its rounding, while the residual is above its "
+                            "tolerance (J is stationary to float rounding: loosen stop.residual_tol, or run in "
+                            "float64)"}.get(status, f"rounds={rounds} reached before the tolerances")
         msg = (f"federated {algorithm} (ρ={rho:g}, damping={damping:g}) stopped after {len(history)} round(s): {why}; "
                f"last KL to the previous round {history[-1]['kl_to_previous']:.3e}, residual "
                f"{history[-1]['residual']:.3e}.")

@@ -40,7 +40,7 @@ from numpyro_pc.model.terms import ModelSpec
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expectations import hermite_nodes
-from numpyro_pc.solvers.fixed_point import backtrack
+from numpyro_pc.solvers.fixed_point import Damping, backtrack, damping_init, damping_observe
 
 from ..errors import (
     DataShapeError,
@@ -339,11 +339,13 @@ _MIN_HALF = 2.0**-20  # shortest fraction of a local Newton step tried before th
 
 
 class _LocalState(NamedTuple):
-    """The carry of a client's local solve: iterate, steps taken, last relative change (−1: not finite)."""
+    """The carry of a client's local solve: iterate, steps taken, the undamped step's relative change (−1: not
+    finite), and the non-monotone damping of the step."""
 
     q: Gaussian
     iteration: jax.Array
     change: jax.Array
+    damping: Damping
 
 
 def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> LocalResult:
@@ -353,9 +355,14 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> L
     ``(b, B) = λ_jnt − η_k/ρ``; the precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the
     isotropic family); a step that would leave an improper Gaussian is halved down to
     ``2⁻²⁰`` (:func:`~numpyro_pc.solvers.fixed_point.backtrack`). Starting from ``q_jnt``, iterations
-    stop once the relative change is below ``cfg.tol`` or after ``cfg.max_iters``: each is a
-    Newton step on a strongly convex problem (the cavity keeps it so, see :func:`safe_rho`), so
-    the step length itself bounds the distance to the solution and no acceleration is needed.
+    stop once the relative change of the undamped step is below ``cfg.tol`` or after ``cfg.max_iters``.
+    The mean's step is a Newton step on a strongly convex problem (the cavity keeps it so, see
+    :func:`safe_rho`), but the precision's is a fixed-point step, and on a client whose shard is
+    separable (one class only) the pair alternated between two iterates for ever (breast cancer, ten
+    label-sorted clients: the local posteriors stayed 6–21 % from the global one at the joint posterior).
+    The step is therefore damped by the non-monotone rule of
+    :func:`~numpyro_pc.solvers.fixed_point.damping_observe`: halved while the undamped change grows
+    past the largest of the last three, doubled back towards 1 while it falls.
 
     With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
     ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
@@ -388,16 +395,18 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> L
     def valid(q) -> jax.Array:
         return jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
 
-    def step(q) -> Gaussian:
+    def undamped(q) -> Gaussian:
         grad, hess = client_terms(cfg, q, per_example, mask, shared)
         dense = b_dense + hess / rho
         chol = jnp.linalg.cholesky(dense)
         mean = q.mean - cho_solve((chol, True), b_dense @ q.mean - b_lin + grad / rho)
         prec = family.keep_fixed(q_jnt.precision, b_prec + family.project_curvature(hess) / rho)
-        full = Gaussian(mean, prec)
-        # halve the step (in mean and precision) until the iterate is a proper Gaussian
+        return Gaussian(mean, prec)
+
+    def step(q, full, size) -> Gaussian:
+        # the damped step, halved further (in mean and precision) until the iterate is a proper Gaussian
         shrink = lambda beta: jax.tree.map(lambda a, b: a + beta * (b - a), q, full)  # noqa: E731
-        return shrink(backtrack(lambda beta: valid(shrink(beta)), jnp.asarray(1.0, q.mean.dtype), _MIN_HALF))
+        return shrink(backtrack(lambda beta: valid(shrink(beta)), size, _MIN_HALF))
 
     def change(new, old) -> jax.Array:
         dm = jnp.max(jnp.abs(new.mean - old.mean)) / (1.0 + jnp.max(jnp.abs(old.mean)))
@@ -408,12 +417,18 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> L
         return (state.iteration < cfg.max_iters) & (state.change > cfg.tol)
 
     def body(state) -> _LocalState:
-        new = step(state.q)
-        delta = change(new, state.q)
-        return _LocalState(new, state.iteration + 1, jnp.where(jnp.isfinite(delta), delta, -1.0))  # NaN stops
+        # the mean's Newton step and the precision's fixed-point step alternate between two iterates on a client
+        # whose shard is separable (one class only): the damping halves the step while the undamped change
+        # grows, and lets it recover while it falls
+        full = undamped(state.q)
+        delta = change(full, state.q)
+        delta = jnp.where(jnp.isfinite(delta), delta, -1.0)  # NaN stops
+        damping, _ = damping_observe(state.damping, delta, jnp.asarray(False), 1.0)
+        return _LocalState(step(state.q, full, damping.step), state.iteration + 1, delta, damping)
 
-    start = _LocalState(q_jnt, jnp.asarray(0), jnp.asarray(jnp.inf, q_jnt.mean.dtype))
-    q, iters, delta = jax.lax.while_loop(cond, body, start)
+    dtype = q_jnt.mean.dtype
+    start = _LocalState(q_jnt, jnp.asarray(0), jnp.asarray(jnp.inf, dtype), damping_init(1.0, dtype))
+    q, iters, delta, _ = jax.lax.while_loop(cond, body, start)
     site = client_site(cfg, q, per_example, mask, shared)
     ok = (delta >= 0) & jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
     ok = ok & jnp.all(jnp.isfinite(site.linear))

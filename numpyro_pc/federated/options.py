@@ -112,20 +112,42 @@ class Safeguard:
     :param float margin: relative margin above the convexity (domain) bound; default ``0.3``.
     :param int max_retries: repetitions of a failed round with the floor doubled; default ``6`` (the Gaussian
         path retries only with the safeguard on; a private run never retries).
+    :param bool line_search: damp each round's global step until the joint objective does not increase
+        (:mod:`~numpyro_pc.federated.line_search`; Gaussian families). Default ``None``: on for ``"fedpc"``
+        without privacy (a client's reported objective value is not protected by the mechanism), off for
+        ``"pvi"`` (its fixed damping is the method), ``"ama"`` and ``"admm"`` (whose server step also averages
+        the local posteriors); ``True`` is refused with ADMM and with privacy.
     """
 
     enabled: bool | None = None
     margin: float = 0.3
     max_retries: int = 6
+    line_search: bool | None = None
 
     def __post_init__(self):
         _set(self, enabled=None if self.enabled is None else check_flag(self.enabled, "Safeguard.enabled"),
              margin=check_finite(self.margin, "Safeguard.margin", 0.0),
-             max_retries=check_count(self.max_retries, "Safeguard.max_retries", minimum=0, allow_none=False))
+             max_retries=check_count(self.max_retries, "Safeguard.max_retries", minimum=0, allow_none=False),
+             line_search=None if self.line_search is None else check_flag(self.line_search,
+                                                                           "Safeguard.line_search"))
 
     def on(self, algorithm: str) -> bool:
         """Whether the safeguard is on for ``algorithm`` (``enabled``, or its default)."""
         return algorithm in ("fedpc", "admm") if self.enabled is None else self.enabled
+
+    def searches(self, algorithm: str, private: bool) -> bool:
+        """Whether the global step is line-searched (``line_search``, or its default) for ``algorithm``.
+
+        :raises InvalidOptionError: ``line_search=True`` with ADMM or with privacy.
+        """
+        if self.line_search is None:
+            return algorithm == "fedpc" and not private
+        if self.line_search and (algorithm == "admm" or private):
+            raise InvalidOptionError("Safeguard(line_search=True) damps the global step by the clients' reported "
+                                     "objective values: not with algorithm='admm' (its server step also averages the "
+                                     "local posteriors) nor with privacy (the values are not released through the "
+                                     f"mechanism); got algorithm={algorithm!r}, privacy={'on' if private else 'off'}")
+        return self.line_search
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,15 @@ class RoundInfo(Record):
     :ivar float rho_max: the largest one.
     :ivar float rho_floor: the floor ``ρ`` after the round's retries (doubled at each; in-process runs).
     :ivar int retries: failed attempts of this round repeated under the safeguard (in-process runs).
+    :ivar float step: the damping ``β`` of the global step the line search accepted (``0``: none decreased the
+        joint objective; :mod:`~numpyro_pc.federated.line_search`).
+    :ivar float objective: the joint objective ``J`` at the round's global posterior (with the line search).
+    :ivar float natural_residual: with the line search: the fixed-point residual of the global posterior itself,
+        ``‖λ(q⁺) − λ(q)‖ / ‖λ(q)‖`` with ``q⁺`` the global posterior of every client's site at ``q`` (zero exactly
+        at the joint posterior of the family); the stop rule's residual when the line search is on.
+    :ivar int step_trials: candidates the clients evaluated this round (with the line search).
+    :ivar str step_kind: which candidate the line search accepted: ``"anderson"``, ``"proposal"`` (the
+        clients' local solves, damped by ``step``), ``"natural_gradient"`` (the fallback) or ``"none"``.
     :ivar int clipped: clients whose sites bounded aggregation tempered this round.
     :ivar list clipped_clients: which (their indices; on a transport, their ids).
     :ivar float domain_step: private exponential-family runs: how far a noised sum was pulled back into the
@@ -74,6 +83,11 @@ class RoundInfo(Record):
     rho_max: float | None = None
     rho_floor: float | None = None
     retries: int | None = None
+    step: float | None = None
+    objective: float | None = None
+    natural_residual: float | None = None
+    step_trials: int | None = None
+    step_kind: str | None = None
     clipped: int | None = None
     clipped_clients: list | None = None
     domain_step: float | None = None

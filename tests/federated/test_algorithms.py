@@ -10,7 +10,7 @@ import pytest
 import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.datasets.loaders import load_breast_cancer
-from numpyro_pc.federated.options import LocalSolve
+from numpyro_pc.federated.options import LocalSolve, Safeguard
 
 from models import linear_model, logistic_model, make_linear, make_logistic
 
@@ -107,20 +107,27 @@ def ridge_case():
 def test_undamped_pvi_diverges_where_fedpc_with_small_rho_converges(x64, ridge_case):
     # the paper's claim (§3.4, after Tseng 1991): with a quadratic regulariser every ρ in (0, 2/K)
     # converges, to the joint solution; ρ = 1 (PVI) is outside that range for K > 2 and diverges here
+    # (the plain iteration: the line search of the global step off)
     X, y, joint = ridge_case
     clients = non_iid(X, y, 10)
+    plain = Safeguard(line_search=False)
     for rho in (0.05, 0.1, 0.19):  # across (0, 2/K) = (0, 0.2); rounds grow like 1/ρ (809 at ρ = 0.05)
         fedpc = federated.run(linear_model, clients, family="isotropic", algorithm="fedpc", rho=rho, rounds=1000,
-                              reference=joint, kwargs=PVI_CASE, keep_data=False)
+                              reference=joint, kwargs=PVI_CASE, keep_data=False, safeguard=plain)
         assert fedpc.converged, (rho, fedpc.history[-1])
         assert fedpc.history[-1]["kl_to_reference"] < 1e-10
         np.testing.assert_allclose(np.asarray(fedpc.state.mean), np.asarray(joint.mean), rtol=1e-6, atol=1e-8)
     # outside the range nothing is promised: here ρ = 0.25 > 2/K already diverges
     with pytest.warns(RuntimeWarning, match="stopped after"):
         beyond = federated.run(linear_model, clients, family="isotropic", rho=0.25, rounds=100, reference=joint,
-                               kwargs=PVI_CASE, keep_data=False)
+                               kwargs=PVI_CASE, keep_data=False, safeguard=plain)
     kl = beyond.column("kl_to_reference")
     assert kl[-1] > 1e3 * kl[0]
+    # with the line search (the default) the same ρ converges: a round that raises the MAP objective is damped
+    searched = federated.run(linear_model, clients, family="isotropic", rho=0.25, rounds=300, reference=joint,
+                             kwargs=PVI_CASE, keep_data=False)
+    assert searched.converged, searched.history[-1]
+    assert searched.history[-1]["kl_to_reference"] < 1e-10
     with pytest.warns(RuntimeWarning, match="stopped after"):
         pvi = federated.run(linear_model, clients, family="isotropic", algorithm="pvi", rounds=30, reference=joint,
                             kwargs=PVI_CASE)
@@ -141,7 +148,7 @@ def test_ama_is_isotropic_delta_fedpc(x64, ridge_case):
     ama = federated.run(linear_model, clients, algorithm="ama", rho=0.15, rounds=5, kwargs=PVI_CASE,
                         raise_on_failure=False, keep_data=False)
     iso = federated.run(linear_model, clients, family="isotropic", local=LocalSolve(expectation="delta"), rho=0.15, rounds=5,
-                        kwargs=PVI_CASE, keep_data=False)
+                        kwargs=PVI_CASE, keep_data=False, safeguard=Safeguard(line_search=False))
     np.testing.assert_allclose(np.asarray(ama.state.mean), np.asarray(iso.state.mean), rtol=1e-12)
     # the AMA global step is the MAP condition of the prior plus linear sites: P0 (m − m0) = −Σ ĝ_k
     g = -jnp.sum(ama.sites.linear, 0)

@@ -19,7 +19,7 @@ import numpyro_pc as pc
 from numpyro_pc import federated
 from numpyro_pc.federated import ef, ef_transport
 from numpyro_pc.federated.flower import ClientLogic, ServerLogic
-from numpyro_pc.federated.options import Robustness, StopRule
+from numpyro_pc.federated.options import Robustness, Safeguard, StopRule
 
 from models import logistic_model, make_logistic
 from models import gamma_poisson, misclassified
@@ -47,7 +47,8 @@ def test_server_and_client_logic_equal_the_in_process_run(x64):
         arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
         replies = {k: c.update(arrays, server.config)[0] for k, c in enumerate(clients)}
         server.aggregate(replies)
-    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False)
+    ref = federated.run(logistic_model, parts, rho=0.5, rounds=ROUNDS, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False,
+                        safeguard=Safeguard(line_search=False))  # the Flower server takes the plain global step
     np.testing.assert_allclose(np.asarray(server.state.mean), np.asarray(ref.state.mean), rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(np.asarray(server.state.precision), np.asarray(ref.state.precision), rtol=1e-9)
     np.testing.assert_allclose([h["kl_to_previous"] for h in server.history], ref.column("kl_to_previous"),
@@ -442,7 +443,8 @@ def test_flower_apps_run_with_flwr_run_on_a_superlink_and_two_supernodes(x64, tm
     assert "Run finished" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
     with np.load(tmp_path / "result.npz") as res:
         assert json.loads(str(res["failure"])) is None
-        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False)
+        ref = federated.run(logistic_model, parts, rho=0.5, rounds=1, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False,
+                        safeguard=Safeguard(line_search=False))  # the Flower server takes the plain global step
         np.testing.assert_allclose(res["mean"], np.asarray(ref.state.mean), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(res["precision"], np.asarray(ref.state.precision), rtol=1e-9)
 

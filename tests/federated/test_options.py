@@ -27,9 +27,9 @@ def test_each_group_prints_its_defaults():
     assert repr(LocalSolve()) == ("LocalSolve(iters=None, tol=None, expectation=None, num_nodes=None, "
                                   "num_samples=None, draw_seed=0)")
     assert repr(StopRule()) == "StopRule(tol=None, residual_tol=None)"
-    assert repr(Safeguard()) == "Safeguard(enabled=None, margin=0.3, max_retries=6)"
+    assert repr(Safeguard()) == "Safeguard(enabled=None, margin=0.3, max_retries=6, line_search=None)"
     assert repr(Robustness()) == "Robustness(max_share=None, max_shift=None)"
-    assert repr(Safeguard(margin=0.5)) == "Safeguard(enabled=None, margin=0.5, max_retries=6)"
+    assert repr(Safeguard(margin=0.5)) == "Safeguard(enabled=None, margin=0.5, max_retries=6, line_search=None)"
     with pytest.raises(AttributeError):
         Safeguard().margin = 1.0  # frozen
     with pytest.raises(TypeError):
@@ -123,21 +123,22 @@ def test_the_flat_keywords_give_the_same_gaussian_run_to_the_bit(x64):
     assert "use local=LocalSolve(iters=...)" in " ".join(str(w.message) for w in future)
     np.testing.assert_array_equal(np.asarray(new.state.mean), np.asarray(old.state.mean))
     np.testing.assert_array_equal(np.asarray(new.state.precision), np.asarray(old.state.precision))
-    assert new.rounds == old.rounds == 3
+    assert new.rounds == old.rounds  # both stop at the same round (an exact posterior may stop before the 3rd)
     # the history: RoundInfo records, read as the dicts they replaced, and saved as JSON
     assert all(isinstance(h, RoundInfo) and isinstance(h, Record) for h in new.history)
     assert seen == new.history and isinstance(seen[0], RoundInfo)
     last = new.history[-1]
-    assert last["round"] == last.round == 3 and last["kl_to_reference"] is None and last["clipped"] == 0
+    assert last["round"] == last.round == new.rounds and last["kl_to_reference"] is None and last["clipped"] == 0
     assert math.isnan(last.get("kl_to_reference", math.nan)) and last.get("nonsense", 1) == 1
     assert last.get("retries", 5) == 0 and last.get("epsilon") is None
-    assert np.isnan(new.column("kl_to_reference")).all() and new.column("round").tolist() == [1, 2, 3]
+    assert np.isnan(new.column("kl_to_reference")).all() and new.column("round").tolist() == list(range(1, new.rounds + 1))
     saved = json.loads(json.dumps(plain(new.history)))
     assert saved[-1]["bytes"] == last["bytes"] and saved[-1]["epsilon"] is None
     compact = round_dicts(new.history)
     assert set(compact[0]) == {"round", "kl_to_previous", "residual", "participants", "local_iterations",
                                "bytes_up", "bytes_down", "bytes", "seconds", "rho_min", "rho_max", "rho_floor",
-                               "retries", "clipped", "clipped_clients"}
+                               "retries", "clipped", "clipped_clients", "step", "step_kind", "step_trials",
+                               "objective", "natural_residual"}
     with pytest.raises(TypeError):
         last["round"] = 4  # read-only
     with pytest.raises(TypeError):

@@ -31,7 +31,7 @@ from scipy import special, stats
 import numpyro_pc as pc
 from numpyro_pc import errors, federated
 from numpyro_pc.federated.ef import global_natural
-from numpyro_pc.federated.options import Robustness, StopRule
+from numpyro_pc.federated.options import Robustness, Safeguard, StopRule
 from numpyro_pc.federated.privacy import GaussianMechanism
 from numpyro_pc.sites.memory_sets import select_memory, selection_scores
 from numpyro_pc.model.rows import positions
@@ -374,7 +374,8 @@ def federated_private(name):
     rounds = 1 if name == "isotropic" else 3
     never = StopRule(tol=0.0, residual_tol=0.0)
     private, got = _federated(name, rounds=rounds, privacy=mech, stop=never)
-    _, want = _federated(name, rounds=rounds, rho=1e30, safeguard=False, stop=never)
+    _, want = _federated(name, rounds=rounds, rho=1e30, safeguard=Safeguard(enabled=False, line_search=False),
+                         stop=never)
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
     assert private.column("epsilon")[-1] == mech.epsilon_after(rounds + (name in ("full", "diagonal")))
 
