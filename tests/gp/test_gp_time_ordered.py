@@ -59,8 +59,8 @@ def test_a_column_constant_in_the_first_batch_gets_a_lengthscale_not_rounding_er
     """Sorted along PC1, UCI energy's first four batches hold one value of its binary column 4 (overall
     height, -1.00435099951788 once standardised). The standard deviation of 70 copies of that value is
     4.4e-16, not 0: it used to become the column's starting lengthscale (and its unit for Z), the
-    kernel then ignored the column, and when the other value arrived at batch 5 the test NLPD rose
-    from 1.0 to 62 and the bound was not finite at batch 7. It now falls back like a zero spread."""
+    kernel then ignored the column, and once the other value arrived (batch 5 of 10) the test NLPD rose
+    from 1.0 to 62 and the bound was not finite at batch 8. It now falls back like a zero spread."""
     from numpyro_pc.gp.datainit import input_scales
 
     rng = np.random.default_rng(0)
