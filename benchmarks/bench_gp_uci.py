@@ -112,6 +112,13 @@ def metrics(mu: np.ndarray, var: np.ndarray, y: np.ndarray) -> dict:
 
 # ----------------------------------------------------------------------------------------------- child
 def _child(cfg: dict) -> dict:
+    """One configuration in this (fresh) process: cold and warm fits, test metrics.
+
+    :param dict cfg: ``dataset``, ``M``, ``seed``, ``n_train``, ``batches``, ``baseline_iters``, ``method``
+        (``"gpjax"`` or ``"stream"``) and ``order`` (``"iid"`` or ``"pc1"``, streams only).
+    :return: times (``cold_s``, ``warm_s`` and XLA compile seconds), ``nlpd``, ``rmse`` and, for streams,
+        the NLPD curve and the first region's NLPD after the first and the last batch.
+    """
     import jax
 
     jax.config.update("jax_enable_x64", True)
