@@ -9,7 +9,9 @@ batch:
 * lengthscale ``ℓ_d`` = the median of ``|x_d − x'_d|`` over pairs of batch rows (ARD: one per
   input column of the kernel's ``active_dims``; isotropic: the median of ``‖x − x'‖ / √D``); a
   constant column (median 0) falls back to its standard deviation, then to the median of the
-  other columns' values, then to ``max |x_d|``, then to 1;
+  other columns' values, then to ``max |x_d|``, then to 1; a median or standard deviation at the
+  level of rounding (``≤ ROUNDING · max |x_d|``; a constant column's standard deviation is not
+  exactly 0) counts as 0;
 * kernel variance = the mean squared residual ``mean((y − m(X))²)`` about the (initialised) mean
   function, i.e. ``var(y)`` with a constant mean; a ``SumKernel`` splits it equally among its
   summands, a ``ProductKernel`` gives it to its first factor;
@@ -36,10 +38,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["input_scales", "init_from_data", "to_search", "from_search", "NOISE_RATIO", "MAX_PAIRS"]
+__all__ = ["input_scales", "init_from_data", "to_search", "from_search", "NOISE_RATIO", "MAX_PAIRS", "ROUNDING"]
 
 NOISE_RATIO = 0.01
 MAX_PAIRS = 4096
+#: a spread at most ``ROUNDING · max |x_d|`` is rounding error: the column counts as constant
+ROUNDING = 64 * float(np.finfo(float).eps)
 
 
 def _pairs(n, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +65,10 @@ def input_scales(X, rng=None) -> np.ndarray:
     i, j = _pairs(X.shape[0], rng)
     med = np.median(np.abs(X[i] - X[j]), axis=0) if i.size else np.zeros(X.shape[1])
     std = X.std(0) if X.shape[0] > 1 else np.zeros(X.shape[1])
-    out = np.where(med > 0, med, std)
+    # a constant column's std is rounding, not 0 (70 copies of -1.0043510: 4.4e-16): spreads at that level
+    # count as zero, else they would become lengthscales and Z's search units
+    tiny = ROUNDING * (np.max(np.abs(X), axis=0) if X.shape[0] else np.zeros(X.shape[1]))
+    out = np.where(med > tiny, med, np.where(std > tiny, std, 0.0))
     good = out > 0
     for d in np.flatnonzero(~good):
         if good.any():
