@@ -37,7 +37,7 @@ from .core import global_state, natural_nbytes
 from .records import RoundInfo, round_dicts
 from .robust import aggregate_sites, robust_bounds, validate_site
 
-__all__ = ["ServerLogic", "keep_majority"]
+__all__ = ["ServerLogic", "keep_majority", "refuse_replays"]
 
 
 def keep_majority(good: dict, rejected: dict, key, what: str) -> list:
@@ -55,6 +55,33 @@ def keep_majority(good: dict, rejected: dict, key, what: str) -> list:
             rejected[cid] = f"client {cid} reports {what} than the majority of clients"
             del good[cid]
     return majority
+
+
+def refuse_replays(good: dict, rejected: dict, previous: dict | None = None) -> None:
+    """Move to ``rejected`` every message of ``good`` (client id → arrays) that another client also sent this round,
+    or that equals another client's last accepted site in ``previous`` (client id → arrays): a replay or a
+    duplicate, counted twice otherwise. Both copies of a message sent twice in one round are refused (the server
+    cannot tell the original from the copy; two clients with the same data send the same site and are refused
+    too). A client re-sending its own last site is not a replay (a converged client does)."""
+    def content(arrays) -> bytes:
+        return b"".join(np.ascontiguousarray(np.asarray(a)).tobytes() for a in arrays)
+
+    groups: dict[bytes, list] = {}
+    for cid, arrays in good.items():
+        groups.setdefault(content(arrays[:2]), []).append(cid)
+    seen = {content(arrays[:2]): cid for cid, arrays in (previous or {}).items()}
+    for key, cids in groups.items():
+        owner = seen.get(key)
+        for cid in cids:
+            others = [c for c in cids if c != cid]
+            if others:
+                rejected[cid] = (f"client {cid} sent the same site as client(s) {', '.join(map(str, others))} this "
+                                 "round: a replayed or duplicated message (both copies refused)")
+            elif owner is not None and owner != cid:
+                rejected[cid] = f"client {cid} sent client {owner}'s last accepted site: a replayed message"
+            else:
+                continue
+            del good[cid]
 
 
 class ServerLogic:
@@ -154,6 +181,8 @@ class ServerLogic:
                                               max_abs=self.max_abs, psd=(1, 3) if self.algorithm == "admm" else (1,))
             except ClientMessageError as err:
                 rejected[cid] = str(err)
+        last = {cid: [np.asarray(s.linear), np.asarray(s.precision)] for cid, s in (self.sites or {}).items()}
+        refuse_replays(good, rejected, last)
         return good, rejected
 
     def _initial_message(self, cid, arrays) -> list[np.ndarray]:

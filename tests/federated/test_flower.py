@@ -74,8 +74,8 @@ def _round(server, clients, extra=None):
 def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
     server, clients = _honest_server()
     init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-    # the rogue registers with a valid first message (a copy of client 0's), then misbehaves
-    server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+    # the rogue registers with a valid first message (client 0's site at half weight), then misbehaves
+    server.aggregate_initial(dict(init, rogue=[0.5 * init["node0"][0], 0.5 * init["node0"][1], *init["node0"][2:]]))
     assert sorted(server.sites) == ["node0", "node1", "node2", "rogue"]
     d = server.dim
     stored = server.sites["rogue"]
@@ -115,6 +115,34 @@ def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
         np.testing.assert_array_equal(res["mean"], np.asarray(last.mean))
         assert "min_clients" in json.loads(str(res["failure"]))
         assert len(json.loads(str(res["history"]))) == len(server.history)
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_replayed_and_duplicated_messages_are_refused(x64):
+    # the issue's replay: a client sending another client's message under a new id was admitted and counted twice
+    parts = shards()
+    server = ServerLogic(4, "fedpc", "full", rho=0.5, x64=True, min_clients=1)
+    clients = [ClientLogic(logistic_model, p) for p in parts]
+    init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
+    server.aggregate_initial(dict(init, copycat=[a.copy() for a in init["node1"]]))
+    assert sorted(server.sites) == ["node0", "node2"]
+    for cid in ("node1", "copycat"):
+        assert "replayed or duplicated" in server.rejected_initial[cid]
+    # the same message under two ids later on: both refused; another client's last accepted site: refused
+    arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
+    replies = {f"node{k}": clients[k].update(arrays, server.config)[0] for k in (0, 2)}
+    last_of_node2 = [np.asarray(server.sites["node2"].linear), np.asarray(server.sites["node2"].precision)]
+    server.aggregate(dict(replies, node0=last_of_node2 + replies["node0"][2:]))
+    assert "node2's last accepted site" in server.history[-1]["rejected"]["node0"]
+    assert server.history[-1]["participants"] == 1
+    arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
+    message = clients[2].update(arrays, server.config)[0]
+    with pytest.raises(pc.TooFewClientsError, match="replayed or duplicated"):  # no valid reply is left
+        server.aggregate({"node0": [a.copy() for a in message], "node2": message})
+    # a client re-sending its own last site (a converged client does) is not a replay
+    own = [np.asarray(server.sites["node2"].linear), np.asarray(server.sites["node2"].precision)]
+    server.aggregate({"node0": clients[0].update(arrays, server.config)[0], "node2": own + message[2:]})
+    assert not server.history[-1]["rejected"]
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
