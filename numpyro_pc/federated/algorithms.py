@@ -333,9 +333,11 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     up = message * (2 if algorithm == "admm" else 1)
     history: list[RoundInfo] = []
     total_bytes, status = 0, "max_rounds"
-    searching = guard.searches(algorithm, privacy is not None)
+    searching = guard.searches(algorithm, privacy is not None, bounds is not None, num_participants < num_clients)
     search = search_init(cfg, prior, prior_nat, eta, q, stack, bounds) if searching else None
-    value_bytes = jnp.dtype(dtype).itemsize  # one number per client and candidate
+    # each candidate: the clients download it and report their term of J and their site there
+    report = jnp.dtype(dtype).itemsize + message
+    first_report = num_clients * report  # the first global posterior's, counted with round 1
     start = time.perf_counter()
     floor = rho
     for t in range(1, int(rounds) + 1):
@@ -359,13 +361,17 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
             record["epsilon"] = privacy.epsilon_after(t + (init == "prior"))
         if search is not None and good:
             found, search = search_step(cfg, prior, prior_nat, eta, eta_new, q, stack, bounds, search)
-            total_bytes += num_clients * (found.trials * value_bytes + (found.trials - 1) * message)
+            # the accepted candidate's download is the next round's broadcast
+            extra_up = num_clients * found.trials * report + (first_report if t == 1 else 0)
+            extra_down = num_clients * (found.trials - 1) * message
+            total_bytes += extra_up + extra_down
             record.update(step=found.step, step_trials=found.trials, step_kind=found.kind, bytes=total_bytes,
-                          bytes_up=record["bytes_up"] + num_clients * found.trials * value_bytes,
-                          bytes_down=record["bytes_down"] + num_clients * (found.trials - 1) * message)
+                          bytes_up=record["bytes_up"] + extra_up, bytes_down=record["bytes_down"] + extra_down)
             if found.candidate is None:  # neither J nor the residual can be lowered: stationary to rounding
                 record.update(kl_to_previous=0.0, objective=float(search.current.objective),
-                              natural_residual=float(search.current.residual))
+                              natural_residual=float(search.current.residual),
+                              clipped=int(np.sum(search.current.clipped)),
+                              clipped_clients=np.flatnonzero(np.asarray(search.current.clipped)).tolist())
                 converged = record_round(record, history, callback, tol, residual_tol)
                 status = "converged" if converged else "stagnated"
                 break
@@ -401,10 +407,14 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         why = {"diverged": "a local update or the global posterior lost finiteness or positive definiteness (for "
                            "losses growing slower than quadratically, e.g. logistic, the local problem is unbounded "
                            "once the ρ-cavity λ_jnt − η_k/ρ is indefinite: increase ρ)",
-               "stagnated": "no damping of the round's proposal down to β = 2⁻²⁰, nor of the natural-gradient step, "
-                            "lowers the joint objective J beyond its rounding, while the residual is above its "
-                            "tolerance (J is stationary to float rounding: loosen stop.residual_tol, or run in "
-                            "float64)"}.get(status, f"rounds={rounds} reached before the tolerances")
+               "stagnated": "no candidate of the line search (the Anderson step, the round's proposal damped down "
+                            "to β = 1/16, the natural-gradient step damped down to 2⁻²⁰) lowered the joint "
+                            "objective J beyond its rounding, or near the fixed point the residual, while the "
+                            "residual is above stop.residual_tol (J is stationary to float rounding: loosen "
+                            "stop.residual_tol; in float32, run in float64; or take the plain step with "
+                            "safeguard=Safeguard(line_search=False))"}.get(status,
+                                                                              f"rounds={rounds} reached before the "
+                                                                              "tolerances")
         msg = (f"federated {algorithm} (ρ={rho:g}, damping={damping:g}) stopped after {len(history)} round(s): {why}; "
                f"last KL to the previous round {history[-1]['kl_to_previous']:.3e}, residual "
                f"{history[-1]['residual']:.3e}.")

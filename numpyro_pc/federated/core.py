@@ -361,8 +361,10 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> L
     separable (one class only) the pair alternated between two iterates for ever (breast cancer, ten
     label-sorted clients: the local posteriors stayed 6–21 % from the global one at the joint posterior).
     The step is therefore damped by the non-monotone rule of
-    :func:`~numpyro_pc.solvers.fixed_point.damping_observe`: halved while the undamped change grows
-    past the largest of the last three, doubled back towards 1 while it falls.
+    :func:`~numpyro_pc.solvers.fixed_point.damping_observe` (``strict=False``): halved while the undamped
+    change does not fall below the largest of the last three, doubled back towards 1 while it falls. This
+    is every Gaussian client's local solve: FedPC, PVI, ADMM, AMA and the Flower clients
+    (:class:`~numpyro_pc.federated.logic.ClientLogic`).
 
     With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
     ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
@@ -423,7 +425,7 @@ def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> L
         full = undamped(state.q)
         delta = change(full, state.q)
         delta = jnp.where(jnp.isfinite(delta), delta, -1.0)  # NaN stops
-        damping, _ = damping_observe(state.damping, delta, jnp.asarray(False), 1.0)
+        damping, _ = damping_observe(state.damping, delta, jnp.asarray(False), 1.0, strict=False)
         return _LocalState(step(state.q, full, damping.step), state.iteration + 1, delta, damping)
 
     dtype = q_jnt.mean.dtype

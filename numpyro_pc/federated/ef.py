@@ -368,6 +368,10 @@ def run_ef(model, client_data, family, algorithm="fedpc", rho=None, rounds=50, d
     local_iters = 200 if local.iters is None else local.iters
     max_retries, safeguard_margin = guard.max_retries, guard.margin
     max_share, max_shift = robust.max_share, robust.max_shift
+    if guard.line_search:
+        raise InvalidOptionError("Safeguard(line_search=True) searches the global step of Gaussian posteriors "
+                                 "(numpyro_pc.federated.line_search); an exponential-family run takes the plain step "
+                                 "with its own domain safeguard. Leave line_search unset.")
     if algorithm not in ("fedpc", "pvi", "ama", "admm"):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected 'fedpc', 'pvi' or 'admm' ('ama' needs "
                                  "a precision fixed by the prior)")

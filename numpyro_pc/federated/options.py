@@ -113,10 +113,14 @@ class Safeguard:
     :param int max_retries: repetitions of a failed round with the floor doubled; default ``6`` (the Gaussian
         path retries only with the safeguard on; a private run never retries).
     :param bool line_search: damp each round's global step until the joint objective does not increase
-        (:mod:`~numpyro_pc.federated.line_search`; Gaussian families). Default ``None``: on for ``"fedpc"``
-        without privacy (a client's reported objective value is not protected by the mechanism), off for
-        ``"pvi"`` (its fixed damping is the method), ``"ama"`` and ``"admm"`` (whose server step also averages
-        the local posteriors); ``True`` is refused with ADMM and with privacy.
+        (:mod:`~numpyro_pc.federated.line_search`; Gaussian families, :func:`~numpyro_pc.federated.run` in one
+        process). Default ``None``: on for ``"fedpc"`` with every client taking part, no privacy and no bounded
+        aggregation; off for ``"pvi"`` (its fixed damping is the method), ``"ama"``, ``"admm"`` (whose server step
+        also averages the local posteriors), with privacy (a client's reported values are not protected by the
+        mechanism), with ``Robustness`` bounds (a tempered site breaks ``λ = λ_0 + Σ η``, so the bounded fixed
+        point is not a stationary point of the objective), and with ``fraction < 1`` (every candidate is
+        evaluated by every client). ``True`` is refused with ADMM, privacy and bounds; with ``fraction < 1`` it
+        asks every client each round. Exponential-family runs and the Flower server take the plain step.
     """
 
     enabled: bool | None = None
@@ -135,18 +139,22 @@ class Safeguard:
         """Whether the safeguard is on for ``algorithm`` (``enabled``, or its default)."""
         return algorithm in ("fedpc", "admm") if self.enabled is None else self.enabled
 
-    def searches(self, algorithm: str, private: bool) -> bool:
+    def searches(self, algorithm: str, private: bool, bounded: bool = False, partial: bool = False) -> bool:
         """Whether the global step is line-searched (``line_search``, or its default) for ``algorithm``.
 
-        :raises InvalidOptionError: ``line_search=True`` with ADMM or with privacy.
+        :param bool private: a privacy mechanism is on. :param bool bounded: ``Robustness`` bounds are on.
+        :param bool partial: only a fraction of the clients takes part in each round.
+        :raises InvalidOptionError: ``line_search=True`` with ADMM, privacy or bounds.
         """
         if self.line_search is None:
-            return algorithm == "fedpc" and not private
-        if self.line_search and (algorithm == "admm" or private):
+            return algorithm == "fedpc" and not (private or bounded or partial)
+        if self.line_search and (algorithm == "admm" or private or bounded):
             raise InvalidOptionError("Safeguard(line_search=True) damps the global step by the clients' reported "
                                      "objective values: not with algorithm='admm' (its server step also averages the "
-                                     "local posteriors) nor with privacy (the values are not released through the "
-                                     f"mechanism); got algorithm={algorithm!r}, privacy={'on' if private else 'off'}")
+                                     "local posteriors), with privacy (the values are not released through the "
+                                     "mechanism) nor with Robustness bounds (a tempered site moves the fixed point "
+                                     f"off the objective's stationary point); got algorithm={algorithm!r}, privacy="
+                                     f"{'on' if private else 'off'}, bounds={'on' if bounded else 'off'}")
         return self.line_search
 
 

@@ -51,7 +51,7 @@ class RoundInfo(Record):
     :ivar float objective: the joint objective ``J`` at the round's global posterior (with the line search).
     :ivar float natural_residual: with the line search: the fixed-point residual of the global posterior itself,
         ``‖λ(q⁺) − λ(q)‖ / ‖λ(q)‖`` with ``q⁺`` the global posterior of every client's site at ``q`` (zero exactly
-        at the joint posterior of the family); the stop rule's residual when the line search is on.
+        at the joint posterior of the family). Recorded only; the stop rule reads ``residual``.
     :ivar int step_trials: candidates the clients evaluated this round (with the line search).
     :ivar str step_kind: which candidate the line search accepted: ``"anderson"``, ``"proposal"`` (the
         clients' local solves, damped by ``step``), ``"natural_gradient"`` (the fallback) or ``"none"``.

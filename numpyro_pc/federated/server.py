@@ -87,6 +87,10 @@ def refuse_replays(good: dict, rejected: dict, previous: dict | None = None) -> 
 class ServerLogic:
     """The server's aggregation, without any transport.
 
+    Its global step is the plain one: the same rounds as :func:`~numpyro_pc.federated.run` with
+    ``safeguard=Safeguard(line_search=False)`` (the line search of :mod:`~numpyro_pc.federated.line_search`
+    runs in one process only).
+
     :param int num_clients: clients admitted in round 1 (and expected to register).
     :param str algorithm: ``"fedpc"``, ``"pvi"``, ``"ama"`` or ``"admm"``.
     :param str family: ``"full"``, ``"diagonal"`` or ``"isotropic"``.

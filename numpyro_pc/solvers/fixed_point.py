@@ -158,14 +158,18 @@ def damping_init(rho, dtype) -> Damping:
     return Damping(jnp.asarray(rho, dtype), jnp.zeros(_RECENT, dtype), jnp.asarray(0))
 
 
-def damping_observe(damping: Damping, residual, accelerated, rho_max) -> tuple[Damping, jax.Array]:
+def damping_observe(damping: Damping, residual, accelerated, rho_max, strict=True) -> tuple[Damping, jax.Array]:
     """Update the damping from the residual at the new iterate.
 
+    :param bool strict: ``worse`` needs the residual strictly above the largest of the last three; with
+        ``False`` equal counts too, so that an iteration cycling between two iterates with a constant
+        residual is damped as well (the federated clients' local solve).
     :return: ``(damping, worse)``; ``worse`` — the residual exceeds the largest of the last
         three — means the secant history is stale.
     """
     filled = jnp.arange(_RECENT) >= _RECENT - damping.seen
-    worse = (damping.seen > 0) & (residual > jnp.max(jnp.where(filled, damping.recent, -jnp.inf)))
+    largest = jnp.max(jnp.where(filled, damping.recent, -jnp.inf))
+    worse = (damping.seen > 0) & ((residual > largest) if strict else (residual >= largest))
     better = (damping.seen > 0) & (residual < jnp.min(jnp.where(filled, damping.recent, jnp.inf)))
     step = jnp.where(worse & ~accelerated, jnp.maximum(0.5 * damping.step, _MIN_DAMPING),
                      jnp.where(better, jnp.minimum(2.0 * damping.step, rho_max), damping.step))

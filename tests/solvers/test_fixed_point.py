@@ -262,3 +262,17 @@ def test_an_automatic_budget_lets_a_linearly_converging_fit_finish(x64, monkeypa
     assert post.residual <= 1e-8 and len(post.history) - 1 > 11
     with pytest.raises(ConvergenceError, match="max_iters=11 reached"):
         pc.fit(logistic_model, X * 3, y, init="prior", max_iters=11)
+
+
+def test_non_strict_damping_damps_a_constant_two_cycle():
+    # an iteration alternating between two iterates repeats its residuals a, b, a, b, ...: the strict rule never
+    # sees a residual above the largest of the last three, the non-strict one (federated local solves) halves
+    def steps(strict):
+        damping = fixed_point.damping_init(1.0, jnp.float32)
+        for residual in (0.2, 0.05, 0.2, 0.05, 0.2, 0.05, 0.2):
+            damping, _ = fixed_point.damping_observe(damping, jnp.float32(residual), jnp.asarray(False), 1.0,
+                                                     strict=strict)
+        return float(damping.step)
+
+    assert steps(strict=True) == 1.0
+    assert steps(strict=False) < 0.5
