@@ -56,6 +56,11 @@ def test_server_and_client_logic_equal_the_in_process_run(x64):
     assert [h["bytes"] for h in server.history] == [h["bytes"] for h in ref.history]
 
 
+def _registered_copy(message):
+    """A valid first message that is not a replay: the site at half weight, the same prior."""
+    return [0.5 * message[0], 0.5 * message[1], *[a.copy() for a in message[2:]]]
+
+
 def _honest_server(num_clients=4, **kw):
     parts = shards()
     server = ServerLogic(num_clients, "fedpc", "full", rho=0.5, x64=True, min_clients=3, **kw)
@@ -75,7 +80,7 @@ def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
     server, clients = _honest_server()
     init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
     # the rogue registers with a valid first message (client 0's site at half weight), then misbehaves
-    server.aggregate_initial(dict(init, rogue=[0.5 * init["node0"][0], 0.5 * init["node0"][1], *init["node0"][2:]]))
+    server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
     assert sorted(server.sites) == ["node0", "node1", "node2", "rogue"]
     d = server.dim
     stored = server.sites["rogue"]
@@ -153,7 +158,7 @@ def test_admm_server_checks_the_local_posteriors_it_averages(x64):
     server = ServerLogic(4, "admm", "full", rho=0.5, x64=True, min_clients=3)
     clients = [ClientLogic(logistic_model, p) for p in parts]
     init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-    server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+    server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
     arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
     message = clients[0].update(arrays, server.config)[0]
     clients[0].site = server.sites["node0"]  # undo: the honest round below updates it again
@@ -207,7 +212,7 @@ def test_bounded_aggregation_limits_a_rogue_client(x64):
         kw = dict(max_share=share, max_shift=shift) if bounded else {}
         server, clients = _honest_server(**kw)
         init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-        server.aggregate_initial(dict(init, rogue=[a.copy() for a in init["node0"]]))
+        server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
         d = server.dim
         target = np.full(d, 50.0)
         huge = [1e9 * target, 1e9 * np.eye(d)] * 2  # precision 1e9·I pulling the mean to the target
