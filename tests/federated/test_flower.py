@@ -370,9 +370,10 @@ def _launch(tmp_path, parts, server_args, roles, tls=False, model="models:logist
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
 def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run(x64, tmp_path):
     pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
-    parts = shards(2)
-    # client 2 sends NaN sites (refused in round 1, never admitted); client 3 (shard 1) is honest in
-    # round 1, then dies in its first update: the run goes on with the two others (min-clients 2)
+    parts = shards(4)
+    # client 2 sends NaN sites (refused in round 1, never admitted); client 3 (its own shard: a copy of another
+    # client's data would be refused as a duplicate) is honest in round 1, then dies in its first update: the run
+    # goes on with the two others (min-clients 2)
     code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
                                                "--rho", "0.5"], ["honest", "honest", "nan", "crash-update"], tls=True)
     assert code == 0, log[-6000:]
@@ -381,8 +382,8 @@ def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run
     assert len(history) == ROUNDS and all(h["participants"] == 2 for h in history)
     # the same by hand: the killed client keeps its round-1 site, the honest two update every round
     server = ServerLogic(4, "fedpc", "full", rho=0.5, x64=True, min_clients=2)
-    honest = [ClientLogic(logistic_model, p) for p in parts]
-    killed = ClientLogic(logistic_model, parts[1])
+    honest = [ClientLogic(logistic_model, p) for p in parts[:2]]
+    killed = ClientLogic(logistic_model, parts[3])
     server.aggregate_initial(dict({f"node{k}": c.initial(server.config) for k, c in enumerate(honest)},
                                   killed=killed.initial(server.config)))
     for _ in range(ROUNDS):
