@@ -351,35 +351,23 @@ class _LocalState(NamedTuple):
 def local_update(cfg, q_jnt, eta, rho, per_example, mask, shared, key=None) -> LocalResult:
     r"""Solve ``λ_k = λ_jnt + (λ̂_k(q_k) − η_k)/ρ`` for one client (paper eq. ``local_update``).
 
-    The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity
-    ``(b, B) = λ_jnt − η_k/ρ``; the precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the
-    isotropic family); a step that would leave an improper Gaussian is halved down to
-    ``2⁻²⁰`` (:func:`~numpyro_pc.solvers.fixed_point.backtrack`). Starting from ``q_jnt``, iterations
-    stop once the relative change of the undamped step is below ``cfg.tol`` or after ``cfg.max_iters``.
-    The mean's step is a Newton step on a strongly convex problem (the cavity keeps it so, see
-    :func:`safe_rho`), but the precision's is a fixed-point step, and on a client whose shard is
-    separable (one class only) the pair alternated between two iterates for ever (breast cancer, ten
-    label-sorted clients: the local posteriors stayed 6–21 % from the global one at the joint posterior).
-    The step is therefore damped by the non-monotone rule of
-    :func:`~numpyro_pc.solvers.fixed_point.damping_observe` (``strict=False``): halved while the undamped
-    change does not fall below the largest of the last three, doubled back towards 1 while it falls. This
-    is every Gaussian client's local solve: FedPC, PVI, ADMM, AMA and the Flower clients
-    (:class:`~numpyro_pc.federated.logic.ClientLogic`).
+    The mean takes Newton steps on ``(1/ρ) E_q[ℓ_k] + ½ mᵀB m − bᵀm`` with the cavity ``(b, B) = λ_jnt − η_k/ρ``
+    (strongly convex under :func:`safe_rho`, used with ``cfg.safeguard`` and returned as ``LocalResult.rho``); the
+    precision is set to ``B + Ê[∇²ℓ_k]/ρ`` (fixed for the isotropic family). From ``q_jnt``, iterations stop once
+    the undamped step's relative change is below ``cfg.tol`` or after ``cfg.max_iters``. On a separable shard
+    (one class only) the mean's and the precision's steps alternated between two iterates for ever (ten
+    label-sorted breast-cancer clients: local posteriors 6–21 % from the global one at the joint posterior), so
+    the step is damped by :func:`~numpyro_pc.solvers.fixed_point.damping_observe` (``strict=False``) and halved
+    further until the iterate is a proper Gaussian (:func:`~numpyro_pc.solvers.fixed_point.backtrack`, down to
+    ``2⁻²⁰``). Every Gaussian client's local solve is this one (FedPC, PVI, ADMM, AMA, the Flower clients).
 
-    With ``cfg.safeguard`` the weight used is :func:`safe_rho` ``≥ ρ`` (returned as
-    ``LocalResult.rho``), which keeps the local problem of a convex loss strongly convex.
+    With ``cfg.privacy`` the site is :func:`release_site`'s clipped and noised one at the global ``q_jnt``
+    (``key`` seeds the noise) and no local problem is solved: a local optimum depends on all of the client's
+    examples, so the per-example sensitivity of :mod:`~numpyro_pc.federated.privacy` would not hold. This is the
+    ``ρ → ∞`` limit of the local step, with the same fixed point; the local parameters are recomputed from the
+    noised site, ``λ_jnt + (η̃_k − η_k)/ρ``, so nothing else the client sends depends on its data.
 
-    With ``cfg.privacy`` the site is :func:`release_site`'s clipped and noised one, evaluated
-    at the global ``q_jnt`` the server sent (``key`` seeds the noise), and no local problem is
-    solved: a local optimum depends on all of the client's examples, so the other examples'
-    terms at it would move when one example is removed and the per-example sensitivity of
-    :mod:`~numpyro_pc.federated.privacy` would not hold. This is the ``ρ → ∞`` limit of the
-    local step (one natural-gradient step of the client's loss), with the same fixed point.
-    The returned local parameters are recomputed from the noised site,
-    ``λ_jnt + (η̃_k − η_k)/ρ``, so nothing else the client sends depends on its data.
-
-    :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or
-        positive definiteness).
+    :return: :class:`LocalResult` (``ok`` is false when an iterate lost finiteness or positive definiteness).
     """
     family = cfg.family
     lam_jnt = family.natural(q_jnt)

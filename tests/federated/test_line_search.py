@@ -162,6 +162,7 @@ def test_acceptance_rule_refuses_nan_and_rises_and_accepts_what_it_promises():
     assert accept(100.0 * (1 + 1e-10), near, 100.0, near, 100.0, 100.0, near, eps32)
 
 
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")  # the partial run ends on its round budget
 def test_bounded_aggregation_and_partial_participation_take_the_plain_step_by_default(x64):
     # a tempered site breaks λ = λ_0 + Σ η: the search would stall (measured: 'stagnated' in round 2)
     X, y = make_logistic(200, 3, seed=4)
@@ -178,6 +179,7 @@ def test_bounded_aggregation_and_partial_participation_take_the_plain_step_by_de
     assert all(h.step is None for h in partial.history)
 
 
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")  # four rounds, before the tolerances
 def test_the_bytes_count_every_candidate(x64):
     X, y = make_logistic(200, 3, seed=4)
     clients = [(X[:100], y[:100]), (X[100:], y[100:])]
