@@ -142,12 +142,10 @@ def prior_term(cfg, prior, prior_nat, q) -> jax.Array:
     return 0.5 * diff @ (family.dense_precision(q0) @ diff)
 
 
-def objective_slack(objective, magnitude) -> jax.Array:
-    """How much ``J`` may exceed the current value and still count as no increase: its float rounding,
-    ``64 ε`` times the sum of its terms' magnitudes (a sum of ``N`` log-losses carries about ``√N ε`` of
-    that; near the fixed point successive values differ by less than this and a strict comparison would
-    halve the step for ever)."""
-    eps = jnp.finfo(jnp.result_type(objective)).eps
+def objective_slack(magnitude, eps) -> float:
+    """``J``'s float rounding: ``OBJECTIVE_ROUNDING · ε`` times the sum of its terms' magnitudes (a sum of ``N``
+    log-losses carries about ``√N ε`` of that; near the fixed point successive values differ by less than
+    this, and a strict comparison would halve the step for ever). ``eps`` is the run's machine epsilon."""
     return OBJECTIVE_ROUNDING * eps * magnitude
 
 
@@ -237,11 +235,11 @@ def acceptable(value, residual, magnitude, current_residual, current_magnitude, 
     if not math.isfinite(best):
         return True
     scale = max(magnitude, current_magnitude if math.isfinite(current_magnitude) else 0.0)
-    slack = OBJECTIVE_ROUNDING * eps * scale
+    slack = objective_slack(scale, eps)
     if value < best - slack:  # a decrease beyond rounding
         return True
     near = max(residual, current_residual) < NEAR_RESIDUAL
-    floor = OBJECTIVE_ROUNDING * eps  # an exact fixed point's residual is rounding
+    floor = objective_slack(1.0, eps)  # an exact fixed point's residual is rounding
     return near and value <= best + max(slack, NEAR_BAND * (1.0 + abs(best))) and residual <= max(reference, floor)
 
 
