@@ -51,7 +51,7 @@ from .ef_robust import release_ef
 from .ef_server import EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef, site_natural
 from .records import RoundInfo, round_dicts
 from .robust import robust_bounds
-from .server import keep_majority
+from .server import keep_majority, refuse_replays
 
 __all__ = ["EFClientLogic", "EFServerLogic", "is_ef_family", "parse_family", "describe_family",
            "family_from_description"]
@@ -224,7 +224,8 @@ class EFServerLogic:
 
     Its rules are :class:`~numpyro_pc.federated.server.ServerLogic`'s: identity is the transport's, every
     message is checked before anything is stored (a refused client is left out of the round and named in
-    ``history[-1]["rejected"]``), a round needs ``min_clients`` valid replies
+    ``history[-1]["rejected"]``), replays and duplicates are refused
+    (:func:`~numpyro_pc.federated.server.refuse_replays`), a round needs ``min_clients`` valid replies
     (:class:`~numpyro_pc.errors.TooFewClientsError`, :attr:`failure`), :meth:`save` writes the last good state.
 
     :param int num_clients: clients admitted in round 1.
@@ -383,6 +384,7 @@ class EFServerLogic:
                         good[cid] = self._initial_message(cid, list(arrays))
                     except ClientMessageError as err:
                         rejected[cid] = str(err)
+            refuse_replays(good, rejected, site=lambda message: message[0])
             keep_majority(good, rejected, lambda message: (message[1].tobytes(), message[2]),
                           "another prior or family")
             self._need(good, rejected, "round 1")
@@ -414,7 +416,7 @@ class EFServerLogic:
         """
         with jax.enable_x64(self.x64):
             size, count = self.family.size, 2 if self.algorithm == "admm" else 1
-            messages, locals_, rejected = {}, {}, {}
+            arrived, locals_, rejected = {}, {}, {}
             for cid in sorted(replies, key=str):
                 arrays = list(replies[cid])
                 try:
@@ -431,9 +433,12 @@ class EFServerLogic:
                             raise ClientMessageError(f"client {cid}: expected a local posterior inside the "
                                                      "family's domain", client=cid)
                         locals_[cid] = local
-                    messages[self.ids.index(cid)] = arrays[0]
+                    arrived[cid] = arrays[0]
                 except ClientMessageError as err:
                     rejected[cid] = str(err)
+            refuse_replays(arrived, rejected, {c: np.asarray(v) for c, v in self.sites.items()}, site=lambda m: m)
+            messages = {self.ids.index(cid): site for cid, site in arrived.items()}
+            locals_ = {cid: local for cid, local in locals_.items() if cid in arrived}
             old, lam = self.state, global_natural(self.state)
             new, bad = aggregate_ef(self.family, old, messages, strict=False, max_abs=self.max_abs,
                                     domain=not self.private)

@@ -57,19 +57,32 @@ def keep_majority(good: dict, rejected: dict, key, what: str) -> list:
     return majority
 
 
-def refuse_replays(good: dict, rejected: dict, previous: dict | None = None) -> None:
-    """Move to ``rejected`` every message of ``good`` (client id → arrays) that another client also sent this round,
-    or that equals another client's last accepted site in ``previous`` (client id → arrays): a replay or a
+def _content(site) -> bytes:
+    """A site's exact content: every leaf's dtype, shape and bytes (any pytree of arrays)."""
+    leaves = [np.ascontiguousarray(np.asarray(a)) for a in jax.tree.leaves(site)]
+    return b"".join(f"{a.dtype}{a.shape}".encode() + a.tobytes() for a in leaves)
+
+
+def refuse_replays(good: dict, rejected: dict, previous: dict | None = None, site=lambda m: m[:2]) -> None:
+    """Move to ``rejected`` every message of ``good`` (client id → message) whose site another client also sent
+    this round, or that equals another client's last accepted site in ``previous`` (client id → site): a replay or a
     duplicate, counted twice otherwise. Both copies of a message sent twice in one round are refused (the server
     cannot tell the original from the copy; two clients with the same data send the same site and are refused
-    too). A client re-sending its own last site is not a replay (a converged client does)."""
-    def content(arrays) -> bytes:
-        return b"".join(np.ascontiguousarray(np.asarray(a)).tobytes() for a in arrays)
+    too). A client re-sending its own last site is not a replay (a converged client does), nor is a site of
+    zeros (it adds nothing: the first sites of the isotropic family and of ``init="zero"``).
+
+    :param site: the site in a message, any pytree of arrays compared bit for bit (default: a Gaussian
+        message's first two arrays, ``[linear, precision]``; an exponential-family server passes its flat
+        site ``(P,)``).
+    """
+    def empty(value) -> bool:
+        return all(not np.any(np.asarray(a)) for a in jax.tree.leaves(value))
 
     groups: dict[bytes, list] = {}
-    for cid, arrays in good.items():
-        groups.setdefault(content(arrays[:2]), []).append(cid)
-    seen = {content(arrays[:2]): cid for cid, arrays in (previous or {}).items()}
+    for cid, message in good.items():
+        if not empty(site(message)):
+            groups.setdefault(_content(site(message)), []).append(cid)
+    seen = {_content(value): cid for cid, value in (previous or {}).items()}
     for key, cids in groups.items():
         owner = seen.get(key)
         for cid in cids:

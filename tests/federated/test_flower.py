@@ -148,6 +148,10 @@ def test_replayed_and_duplicated_messages_are_refused(x64):
     own = [np.asarray(server.sites["node2"].linear), np.asarray(server.sites["node2"].precision)]
     server.aggregate({"node0": clients[0].update(arrays, server.config)[0], "node2": own + message[2:]})
     assert not server.history[-1]["rejected"]
+    # sites of zeros count nothing twice: the isotropic family's first sites (AMA) are all zero and all admitted
+    ama = ServerLogic(3, "ama", x64=True)
+    ama.aggregate_initial({k: c.initial(ama.config) for k, c in enumerate(clients)})
+    assert sorted(ama.sites) == [0, 1, 2] and not ama.rejected_initial
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
@@ -571,6 +575,38 @@ def test_ef_server_refuses_bad_messages_and_goes_on(x64, tmp_path):
                  '[{"family": "beta", "site": "p", "shape": [-1]}]', "x" * 70000, 3):
         with pytest.raises(pc.ClientMessageError, match="family description"):
             ef_transport.family_from_description(text)
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_ef_server_refuses_replayed_and_duplicated_sites(x64):
+    # the Gaussian server's rule (refuse_replays) on exponential-family sites; init="prior": first sites not zero
+    from numpyro_pc.federated.ef_transport import EFClientLogic, EFServerLogic
+
+    parts = _ef_shards()[1:]
+    server = EFServerLogic(4, "p=beta", x64=True, min_clients=1, init="prior")
+    clients = [EFClientLogic(misclassified, p) for p in parts]
+    init = {f"node{k}": c.initial(server.fit_config(f"node{k}", "init")) for k, c in enumerate(clients)}
+    server.aggregate_initial(dict(init, copycat=[a.copy() for a in init["node1"]]))
+    assert server.ids == ["node0", "node2"]
+    for cid in ("node1", "copycat"):
+        assert "replayed or duplicated" in server.rejected_initial[cid]
+
+    def update(k):
+        return clients[k].update(server.broadcast(), server.fit_config(f"node{k}", "update"))[0]
+
+    # another client's last accepted site: refused, the round goes on with the other
+    last_of_node2 = np.asarray(server.sites["node2"]).copy()
+    server.aggregate({"node0": [last_of_node2], "node2": update(2)})
+    assert "node2's last accepted site" in server.history[-1]["rejected"]["node0"]
+    assert server.history[-1]["participants"] == 1
+    np.testing.assert_array_equal(np.asarray(server.sites["node0"]), init["node0"][0])  # nothing of it stored
+    # the same site under two ids in one round: both refused, no valid reply left
+    message = update(2)
+    with pytest.raises(pc.TooFewClientsError, match="replayed or duplicated"):
+        server.aggregate({"node0": [message[0].copy()], "node2": message})
+    # a client re-sending its own last site is not a replay
+    server.aggregate({"node0": update(0), "node2": [np.asarray(server.sites["node2"]).copy()]})
+    assert not server.history[-1]["rejected"] and server.history[-1]["participants"] == 2
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
