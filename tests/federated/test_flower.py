@@ -61,11 +61,19 @@ def _registered_copy(message):
     return [0.5 * message[0], 0.5 * message[1], *[a.copy() for a in message[2:]]]
 
 
-def _honest_server(num_clients=4, **kw):
-    parts = shards()
-    server = ServerLogic(num_clients, "fedpc", "full", rho=0.5, x64=True, min_clients=3, **kw)
-    clients = [ClientLogic(logistic_model, p) for p in parts]
-    return server, clients
+@pytest.fixture
+def with_rogue(x64):
+    """A factory ``(algorithm="fedpc", **ServerLogic options) → (server, honest clients)``: a float64 server with
+    4 slots (3 valid replies needed), the three honest clients ``node0..2`` and a ``rogue`` registered; the
+    rogue's first message is valid (client 0's site at half weight), what it sends later is the test's."""
+    def make(algorithm="fedpc", **kw):
+        server = ServerLogic(4, algorithm, "full", rho=0.5, x64=True, min_clients=3, **kw)
+        clients = [ClientLogic(logistic_model, p) for p in shards()]
+        init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
+        server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
+        return server, clients
+
+    return make
 
 
 def _round(server, clients, extra=None):
@@ -76,11 +84,8 @@ def _round(server, clients, extra=None):
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_server_rejects_bad_messages_and_goes_on_with_the_others(x64, tmp_path):
-    server, clients = _honest_server()
-    init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-    # the rogue registers with a valid first message (client 0's site at half weight), then misbehaves
-    server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
+def test_server_rejects_bad_messages_and_goes_on_with_the_others(with_rogue, tmp_path):
+    server, clients = with_rogue()  # the rogue registers with a valid first message, then misbehaves
     assert sorted(server.sites) == ["node0", "node1", "node2", "rogue"]
     d = server.dim
     stored = server.sites["rogue"]
@@ -155,14 +160,11 @@ def test_replayed_and_duplicated_messages_are_refused(x64):
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_admm_server_checks_the_local_posteriors_it_averages(x64):
+def test_admm_server_checks_the_local_posteriors_it_averages(with_rogue):
     # ADMM's server step averages the clients' local natural parameters: an indefinite local
     # precision (with a valid site) would make the global precision indefinite and stop the run
     parts = shards()
-    server = ServerLogic(4, "admm", "full", rho=0.5, x64=True, min_clients=3)
-    clients = [ClientLogic(logistic_model, p) for p in parts]
-    init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-    server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
+    server, clients = with_rogue("admm")
     arrays = [np.asarray(server.state.mean), np.asarray(server.state.precision)]
     message = clients[0].update(arrays, server.config)[0]
     clients[0].site = server.sites["node0"]  # undo: the honest round below updates it again
@@ -209,14 +211,12 @@ def test_client_message_error_names_the_client():
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
-def test_bounded_aggregation_limits_a_rogue_client(x64):
+def test_bounded_aggregation_limits_a_rogue_client(with_rogue):
     share, shift = 1.0, 2.0
     results = {}
     for bounded in (False, True):
         kw = dict(max_share=share, max_shift=shift) if bounded else {}
-        server, clients = _honest_server(**kw)
-        init = {f"node{k}": c.initial(server.config) for k, c in enumerate(clients)}
-        server.aggregate_initial(dict(init, rogue=_registered_copy(init["node0"])))
+        server, clients = with_rogue(**kw)
         d = server.dim
         target = np.full(d, 50.0)
         huge = [1e9 * target, 1e9 * np.eye(d)] * 2  # precision 1e9·I pulling the mean to the target
