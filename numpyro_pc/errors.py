@@ -242,3 +242,25 @@ class PrivacyError(PosteriorCorrectionError, RuntimeError):
     would reveal them) or when its differential-privacy budget (the number of releases its
     noise was calibrated for) is spent.
     """
+
+
+class SuspectClientsError(PosteriorCorrectionError, RuntimeError):
+    """A federated run ended its rounds, but the server refused or bounded messages of some clients.
+
+    Raised by the cross-process servers at the end of a run
+    (:meth:`~numpyro_pc.federated.server.ServerLogic.check_clients`,
+    :func:`~numpyro_pc.federated.flower.start_server`): a message refused by the checks (shape, dtype,
+    finiteness, domain, a replay) or a site tempered by bounded aggregation means the result is not the plain
+    aggregate of every admitted client's own site, so the run does not end as a silent success. The result
+    itself is the server's last good one (the refused messages never entered it, the bounded sites only up to
+    their bounds).
+
+    :ivar clients: ``{client id: [incident, …]}``, each incident a dict with ``round`` (0: the registration
+        round, ``r``: ``history[r - 1]``), ``action`` (``"rejected"`` or ``"clipped"``) and ``reason``.
+    :ivar result: the server logic holding the last good posterior and the history, when there is one.
+    """
+
+    def __init__(self, message, clients=None, result=None):
+        super().__init__(message)
+        self.clients = dict(clients or {})
+        self.result = result

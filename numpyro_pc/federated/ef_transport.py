@@ -51,7 +51,7 @@ from .ef_robust import release_ef
 from .ef_server import EFServerState, admm_server_ef, aggregate_ef, global_natural, server_step_ef, site_natural
 from .records import RoundInfo, round_dicts
 from .robust import robust_bounds
-from .server import keep_majority, refuse_replays
+from .server import ClientReport, keep_majority, refuse_replays
 
 __all__ = ["EFClientLogic", "EFServerLogic", "is_ef_family", "parse_family", "describe_family",
            "family_from_description"]
@@ -219,7 +219,7 @@ class EFClientLogic:
         self.releases, self.seed = (int(v) for v in arrays[1])
 
 
-class EFServerLogic:
+class EFServerLogic(ClientReport):
     """The server's aggregation of exponential-family sites, without any transport.
 
     Its rules are :class:`~numpyro_pc.federated.server.ServerLogic`'s: identity is the transport's, every
@@ -302,6 +302,7 @@ class EFServerLogic:
                            min_examples=self.min_examples, init=init)
         self.family, self.ids, self.state, self.description = None, [], None, None
         self.history, self.total_bytes, self.failure, self.rejected_initial = [], 0, None, {}
+        self.clipped_initial = []
 
     @property
     def sites(self) -> dict:
@@ -400,7 +401,8 @@ class EFServerLogic:
                 state, ids = state._replace(sites=state.sites[np.asarray(keep, dtype=np.int64)]), [ids[k] for k in keep]
                 self._need(ids, rejected, "round 1")
             if self.private or self.bounds is not None:
-                state = server_step_ef(family, state, state.prior, self.bounds, self.private)[0]
+                state, info = server_step_ef(family, state, state.prior, self.bounds, self.private)
+                self.clipped_initial = [ids[k] for k in info["clipped_clients"]]
             self.family, self.ids, self.state, self.description = family, ids, state, text.decode()
             self.rejected_initial = rejected
         return self.state
@@ -471,11 +473,13 @@ class EFServerLogic:
 
     def save(self, path) -> None:
         """Write the last good global natural parameters ``natural``, the ``prior``, the clients' ``sites`` (in the
-        order of ``clients``), the ``family`` description, the history, the config and the failure reason (``.npz``)."""
+        order of ``clients``), the ``family`` description, the history, the config, the failure reason and the
+        ``incidents`` (:meth:`~numpyro_pc.federated.server.ClientReport.incidents`) (``.npz``)."""
         empty = np.zeros(0)
         np.savez(path, natural=empty if self.state is None else np.asarray(self.natural),
                  prior=empty if self.state is None else np.asarray(self.state.prior),
                  sites=empty if self.state is None else np.asarray(self.state.sites),
                  clients=json.dumps([str(c) for c in self.ids]), family=json.dumps(self.description),
+                 incidents=json.dumps(self.incidents(), default=str),
                  history=json.dumps(round_dicts(self.history), default=str), config=json.dumps(self.config),
                  failure=json.dumps(self.failure))

@@ -45,7 +45,9 @@ The server binds to loopback unless ``--address`` says otherwise; across machine
 plus one) to send differentially private sites
 (:class:`~numpyro_pc.federated.privacy.GaussianMechanism`, its own setting, not the
 server's). The server exits with status 1 and still writes ``--out`` (last good posterior,
-history, ``failure``) when a run cannot go on. This module needs the optional extra
+history, ``failure``) when a run cannot go on, and with status 3 when it ran its rounds but refused or
+bounded some client's message (``incidents`` in ``--out`` and ``suspect_clients`` in the summary name
+them; see :func:`main`). This module needs the optional extra
 ``numpyro-pc[federated]`` (``flwr``); it imports Flower only when a server or client is
 started.
 """
@@ -70,7 +72,7 @@ from .ef_transport import EFClientLogic, EFServerLogic
 from .logic import ClientByFamily, ClientLogic, server_logic
 from .privacy import GaussianMechanism
 from .records import round_dicts
-from .server import ServerLogic
+from .server import ServerLogic, describe_incidents
 
 if TYPE_CHECKING:
     from flwr.client import Client, NumPyClient
@@ -93,7 +95,7 @@ def _require_flwr() -> None:
         raise ImportError("the Flower transport needs the optional extra: pip install 'numpyro-pc[federated]'") from err
 
 
-def make_strategy(logic, connect_timeout=120.0, out=None) -> Strategy:
+def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strategy:
     """A Flower :class:`~flwr.server.strategy.Strategy` driving a :class:`ServerLogic` or an
     :class:`~numpyro_pc.federated.ef_transport.EFServerLogic` (:func:`~numpyro_pc.federated.logic.server_logic`).
 
@@ -101,7 +103,11 @@ def make_strategy(logic, connect_timeout=120.0, out=None) -> Strategy:
     up to ``connect_timeout`` seconds for ``num_clients`` nodes; later rounds ask the admitted
     nodes that are still connected. A failed or timed-out client is left out of the round; an
     error of the logic (too few valid replies, …) is recorded in ``logic.failure`` and raised.
-    With ``out`` (a path) the result is written after every round and on failure.
+    With ``out`` (a path) the result is written after every round and on failure. With ``rounds`` (the
+    algorithm's rounds, as the ``ServerApp`` runs them) the last round ends with
+    :meth:`~numpyro_pc.federated.server.ClientReport.check_clients`: a run that refused or bounded a
+    client's message raises :class:`~numpyro_pc.errors.SuspectClientsError` (after writing ``out``), which
+    Flower turns into the ``ServerApp``'s non-zero exit code.
     """
     _require_flwr()
     from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
@@ -150,8 +156,14 @@ def make_strategy(logic, connect_timeout=120.0, out=None) -> Strategy:
             parameters = ndarrays_to_parameters(arrays)
             return [(c, FitIns(parameters, logic.fit_config(c.cid, phase))) for c in clients]
 
-        @recorded
         def aggregate_fit(self, server_round, results, failures) -> tuple[Parameters, dict[str, Any]]:
+            value = self._aggregate(server_round, results, failures)
+            if rounds is not None and server_round == int(rounds) + 1:
+                logic.check_clients()
+            return value
+
+        @recorded
+        def _aggregate(self, server_round, results, failures) -> tuple[Parameters, dict[str, Any]]:
             replies = {proxy.cid: parameters_to_ndarrays(r.parameters) for proxy, r in results}
             examples = {proxy.cid: r.num_examples for proxy, r in results}
             if server_round == 1:
@@ -232,7 +244,8 @@ def _server_fn(context) -> ServerAppComponents:
                          min_examples=int(cfg.get("min-examples", 1)), max_share=_opt(cfg, "max-share"),
                          max_shift=_opt(cfg, "max-shift"), private=bool(cfg.get("private", False)) or None,
                          init=_opt(cfg, "init", str))
-    strategy = make_strategy(logic, float(cfg.get("connect-timeout", 120.0)), out=_opt(cfg, "out", str))
+    strategy = make_strategy(logic, float(cfg.get("connect-timeout", 120.0)), out=_opt(cfg, "out", str),
+                             rounds=int(cfg.get("rounds", 20)))
     return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=int(cfg.get("rounds", 20)) + 1,
                                                                       round_timeout=float(cfg.get("round-timeout",
                                                                                                   120.0))))
@@ -282,13 +295,18 @@ def _read(path) -> bytes:
         return fh.read()
 
 
-def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None) -> ServerLogic | EFServerLogic:
+def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None,
+                 strict=True) -> ServerLogic | EFServerLogic:
     """Run the Flower server for ``rounds`` algorithm rounds (plus the initial round).
 
     :param tuple certificates: ``(CA certificate, server certificate, server key)`` as bytes or
         paths, for TLS (default: none, plain gRPC — loopback or a trusted network only).
     :param float round_timeout: seconds a round waits for its clients; the late ones are
         left out of the round.
+    :param bool strict: end a run that refused or bounded a client's message with
+        :class:`~numpyro_pc.errors.SuspectClientsError` (``False``: return; ``logic.incidents()`` says who).
+    :raises SuspectClientsError: (``strict``) after all rounds, naming the clients whose messages were
+        refused or whose sites were bounded, the rounds and why; ``err.result`` is ``logic``.
     :raises: whatever stopped the run; ``logic.failure`` then holds the reason and
         ``logic.state`` the last good posterior.
     """
@@ -301,6 +319,8 @@ def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=12
                              config=flwr.server.ServerConfig(num_rounds=int(rounds) + 1,
                                                              round_timeout=float(round_timeout)),
                              certificates=certificates)
+    if strict:
+        logic.check_clients()
     return logic
 
 
@@ -386,26 +406,35 @@ def _serve(args) -> int:
                          expectation=args.expectation, fraction=args.fraction, x64=args.x64,
                          min_clients=args.min_clients, min_examples=args.min_examples, max_share=args.max_share,
                          max_shift=args.max_shift, init=args.init, private=args.private or None)
-    code = 0
     try:
-        start_server(args.address, logic, args.rounds, args.round_timeout, args.connect_timeout, args.certificates)
+        start_server(args.address, logic, args.rounds, args.round_timeout, args.connect_timeout, args.certificates,
+                     strict=False)
     except BaseException as err:  # noqa: BLE001 - any error ends the run with a partial result
         logic.failure = logic.failure or f"{type(err).__name__}: {err}"
-    if logic.failure is not None:
-        code = 1
+    incidents = logic.incidents()
+    code, status = (1, "failed") if logic.failure is not None else (3, "suspect") if incidents else (0, "ok")
     if args.out:
         logic.save(args.out)
+    if incidents:
+        print(describe_incidents(incidents), file=sys.stderr, flush=True)
     last = round_dicts(logic.history[-1:])[0] if logic.history else {}
-    print(json.dumps({"rounds": len(logic.history), "last": last, "failure": logic.failure}, default=str),
-          flush=True)
+    print(json.dumps({"status": status, "rounds": len(logic.history), "last": last, "failure": logic.failure,
+                      "suspect_clients": incidents}, default=str), flush=True)
     return code
 
 
 def main(argv=None) -> int:
     """Command-line entry point: ``server`` or ``client`` (see the module docstring).
 
-    The server exits with status ``0`` after its rounds, ``1`` after any error (too few
-    valid clients, a client that never connected, …), writing ``--out`` in both cases.
+    The server exits with status ``0`` after its rounds when every message was accepted and no site bounded,
+    ``1`` after any error (too few valid clients, a client that never connected, …) and ``3`` after its rounds
+    when it refused a client's message (the checks, a replay) or bounded a site (``--max-share``,
+    ``--max-shift``): the result is then the server's last good one, but not the plain aggregate of every
+    client's own site. It writes ``--out`` in every case (``incidents``: per client, the round, ``rejected``
+    or ``clipped`` and why) and prints one JSON line: ``status`` (``"ok"``, ``"failed"``, ``"suspect"``),
+    ``rounds``, ``last`` (the last round's record), ``failure`` and ``suspect_clients`` (the incidents);
+    a status 3 run also prints the incidents, one line per client, on standard error. A client that
+    merely drops out is not an incident (``dropped`` in the history).
     """
     args = _parser().parse_args(argv)
     with jax.enable_x64(args.x64):

@@ -14,8 +14,13 @@ drives; it can be driven by hand (tests, other transports). Its rules:
   :class:`~numpyro_pc.errors.TooFewClientsError` is raised and :attr:`ServerLogic.failure` says
   why. :meth:`ServerLogic.save` always writes the last good global posterior, the history
   and the reason, so a failed run leaves a partial result.
+* **Replays and duplicates** are refused (:func:`refuse_replays`).
 * **Bounded aggregation** with ``max_share``/``max_shift``
-  (:func:`~numpyro_pc.federated.robust.aggregate_sites`).
+  (:func:`~numpyro_pc.federated.robust.aggregate_sites`); ``history[-1]["clipped_clients"]`` names the
+  clients whose sites it tempered.
+* **No silent success.** :meth:`ClientReport.incidents` lists every refused message and bounded site by
+  client; :meth:`ClientReport.check_clients` ends a run that had any with
+  :class:`~numpyro_pc.errors.SuspectClientsError` (the Flower server: exit status 3).
 """
 
 from __future__ import annotations
@@ -30,14 +35,15 @@ import numpy as np
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import prior_natural
 
-from ..errors import ClientMessageError, InvalidOptionError, NonFiniteResultError, TooFewClientsError
+from ..errors import (ClientMessageError, InvalidOptionError, NonFiniteResultError, SuspectClientsError,
+                      TooFewClientsError)
 from ..options import is_choice
 from .algorithms import ALGORITHMS
 from .core import global_state, natural_nbytes
 from .records import RoundInfo, round_dicts
 from .robust import aggregate_sites, robust_bounds, validate_site
 
-__all__ = ["ServerLogic", "keep_majority", "refuse_replays"]
+__all__ = ["ServerLogic", "ClientReport", "keep_majority", "refuse_replays", "describe_incidents"]
 
 
 def keep_majority(good: dict, rejected: dict, key, what: str) -> list:
@@ -97,7 +103,59 @@ def refuse_replays(good: dict, rejected: dict, previous: dict | None = None, sit
             del good[cid]
 
 
-class ServerLogic:
+class ClientReport:
+    """What both servers (:class:`ServerLogic`, :class:`~numpyro_pc.federated.ef_transport.EFServerLogic`)
+    report about their clients at the end of a run: who was refused or bounded, when and why.
+
+    Reads ``history`` (each round's ``rejected`` and ``clipped_clients``), ``rejected_initial`` and
+    ``clipped_initial`` (the registration round's).
+    """
+
+    history: list
+    rejected_initial: dict
+    clipped_initial: list
+
+    def incidents(self) -> dict:
+        """``{client id: [{"round", "action", "reason"}, …]}`` of every message refused (``"rejected"``) or site
+        tempered by bounded aggregation (``"clipped"``); round 0 is the registration round, ``r`` is
+        ``history[r - 1]`` (Flower's round ``r + 1``). Empty for a clean run."""
+        clip = ("bounded aggregation tempered its site (more than max_share of the information, or a shift of the "
+                "posterior beyond max_shift)")
+        rounds = [(0, self.rejected_initial or {}, self.clipped_initial or [])]
+        rounds += [(h["round"], h["rejected"] or {}, h["clipped_clients"] or []) for h in self.history]
+        out: dict = {}
+        for r, rejected, clipped in rounds:
+            for cid, reason in rejected.items():
+                out.setdefault(cid, []).append(dict(round=r, action="rejected", reason=str(reason)))
+            for cid in clipped:
+                out.setdefault(cid, []).append(dict(round=r, action="clipped", reason=clip))
+        return out
+
+    def check_clients(self) -> None:
+        """End a run: nothing when every message was accepted and no site bounded.
+
+        :raises SuspectClientsError: naming each client refused or bounded, the rounds and why (its
+            ``clients`` is :meth:`incidents`, its ``result`` this server, which keeps the last good posterior).
+        """
+        found = self.incidents()
+        if found:
+            raise SuspectClientsError(describe_incidents(found), clients=found, result=self)
+
+
+def describe_incidents(incidents: dict) -> str:
+    """One line per client of :meth:`ClientReport.incidents`: what happened to its messages, in which rounds."""
+    lines = []
+    for cid, events in incidents.items():
+        actions: dict[str, list] = {}
+        for e in events:
+            actions.setdefault(e["action"], []).append(e)
+        lines.append(f"client {cid}: " + "; ".join(
+            f"{a} in round(s) {', '.join(str(e['round']) for e in es)} (first: {es[0]['reason']})"
+            for a, es in actions.items()))
+    return "messages refused or bounded during the run:\n" + "\n".join(lines)
+
+
+class ServerLogic(ClientReport):
     """The server's aggregation, without any transport.
 
     Its global step is the plain one: the same rounds as :func:`~numpyro_pc.federated.run` with
@@ -155,6 +213,7 @@ class ServerLogic:
                            min_examples=self.min_examples)
         self.sites, self.prior, self.prior_nat, self.state = {}, None, None, None
         self.history, self.total_bytes, self.failure, self.rejected_initial = [], 0, None, {}
+        self.clipped_initial = []
 
     kind = "gaussian"
 
@@ -171,10 +230,12 @@ class ServerLogic:
         """Dimension of the latent vector (known after round 1)."""
         return None if self.prior is None else int(self.prior.mean.shape[0])
 
-    def _sum(self) -> tuple[GaussianNatural, jax.Array]:
+    def _sum(self) -> tuple[GaussianNatural, list]:
+        """The bounded sum of the stored sites and the ids of the clients whose sites the bounds tempered."""
         ids = sorted(self.sites)
         eta = jax.tree.map(lambda *xs: jnp.stack(xs), *[self.sites[k] for k in ids])
-        return aggregate_sites(self.family, self.prior_nat, eta, robust_bounds(*self.bounds, self.dtype))
+        total, clipped = aggregate_sites(self.family, self.prior_nat, eta, robust_bounds(*self.bounds, self.dtype))
+        return total, [cid for cid, c in zip(ids, np.asarray(clipped)) if c]
 
     def _check_state(self, state, what) -> None:
         if not (bool(jnp.all(jnp.isfinite(state.mean))) and bool(self.family.is_positive_definite(state.precision))):
@@ -237,7 +298,8 @@ class ServerLogic:
             tau = self.family.prior_tau(self.prior)
             self.prior_nat = prior_natural(self.family, self.prior, tau)
             self.sites = {cid: GaussianNatural(jnp.asarray(a[0]), jnp.asarray(a[1])) for cid, a in good.items()}
-            self.state = global_state(self.family, self.prior, self.prior_nat, self._sum()[0])
+            eta_sum, self.clipped_initial = self._sum()
+            self.state = global_state(self.family, self.prior, self.prior_nat, eta_sum)
             self._check_state(self.state, "round 1")
             self.rejected_initial = rejected
         return self.state
@@ -279,13 +341,16 @@ class ServerLogic:
             self.history.append(RoundInfo(round=len(self.history) + 1, kl_to_previous=float(self.family.kl(new, old)),
                                      residual=residual, participants=len(good), local_iterations=max(iterations)
                                      if iterations else 0, bytes_up=sent * up, bytes_down=sent * message,
-                                     bytes=self.total_bytes, rejected=rejected, clipped=int(jnp.sum(clipped))))
+                                     bytes=self.total_bytes, rejected=rejected, clipped=len(clipped),
+                                     clipped_clients=clipped))
             self.state = new
         return new
 
     def save(self, path) -> None:
-        """Write the last good global Gaussian, the history, the config and the failure reason (``.npz``)."""
+        """Write the last good global Gaussian, the history, the config, the failure reason and the clients refused or
+        bounded (``incidents``: :meth:`~ClientReport.incidents`) (``.npz``)."""
         mean = np.asarray(self.state.mean) if self.state is not None else np.zeros(0)
         precision = np.asarray(self.state.precision) if self.state is not None else np.zeros(0)
         np.savez(path, mean=mean, precision=precision, history=json.dumps(round_dicts(self.history), default=str),
-                 config=json.dumps(self.config), failure=json.dumps(self.failure))
+                 config=json.dumps(self.config), failure=json.dumps(self.failure),
+                 incidents=json.dumps(self.incidents(), default=str))

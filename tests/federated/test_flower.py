@@ -234,7 +234,63 @@ def test_bounded_aggregation_limits_a_rogue_client(with_rogue):
     # P ⪯ (1 + γ) P_{-k}: the rogue sharpens the posterior by at most 1 + γ in any direction
     top = np.linalg.eigvalsh(np.linalg.solve(np.asarray(lam.precision), np.asarray(q.precision))).max()
     assert top <= 1 + share + 1e-9
-    assert server.history[-1]["clipped"] >= 1
+    assert server.history[-1]["clipped"] == 1 and server.history[-1]["clipped_clients"] == ["rogue"]
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_a_run_that_refused_or_bounded_a_message_ends_with_an_error_naming_the_client(with_rogue, tmp_path):
+    # issue 28: a poisoned run (a site that passes the checks: finite, below max_abs, PSD, but pulling the mean
+    # far away with a huge precision) must not end as a silent success; an honest run must end cleanly
+    server, clients = with_rogue()
+    own = [np.asarray(server.sites["rogue"].linear), np.asarray(server.sites["rogue"].precision)] * 2
+    _round(server, clients, {"rogue": own})  # re-sending its own site is honest
+    assert server.incidents() == {} and server.check_clients() is None
+    server, clients = with_rogue(max_share=1.0, max_shift=2.0)
+    poison = [1e9 * np.full(server.dim, 50.0), 1e9 * np.eye(server.dim)] * 2
+    _round(server, clients, {"rogue": poison})
+    _round(server, clients, {"rogue": [np.full_like(a, np.nan) for a in poison]})
+    with pytest.raises(pc.SuspectClientsError, match="rogue") as err:
+        server.check_clients()
+    # the stored poisoned site (the rogue's last accepted one) is bounded again in round 2, when its NaN is refused
+    assert list(err.value.clients) == ["rogue"] and err.value.result is server
+    events = err.value.clients["rogue"]
+    assert [(e["round"], e["action"]) for e in events] == [(1, "clipped"), (2, "rejected"), (2, "clipped")]
+    assert "NaN" in events[1]["reason"] and "max_shift" in events[0]["reason"]
+    assert "clipped in round(s) 1, 2" in str(err.value) and "rejected in round(s) 2" in str(err.value)
+    assert server.failure is None  # the run itself did not fail: its result is the bounded one
+    server.save(tmp_path / "result.npz")
+    with np.load(tmp_path / "result.npz") as res:
+        assert json.loads(str(res["incidents"])) == err.value.clients
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_server_app_ends_a_run_that_refused_a_message_with_a_typed_error(x64, tmp_path):
+    # what the ServerApp runs: after the last round a refused client raises (Flower exits non-zero), `out` names it
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    from types import SimpleNamespace
+
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+
+    from numpyro_pc.federated import flower
+
+    logic = ServerLogic(3, "fedpc", "full", rho=0.5, x64=True, min_clients=2)
+    strategy = flower.make_strategy(logic, out=str(tmp_path / "result.npz"), rounds=1)
+    clients = [ClientLogic(logistic_model, p) for p in shards(2)]
+
+    def results(messages):
+        return [(SimpleNamespace(cid=cid), FitRes(Status(Code.OK, ""), ndarrays_to_parameters(m), 50, {}))
+                for cid, m in messages.items()]
+
+    init = {f"node{k}": c.initial(logic.config) for k, c in enumerate(clients)}
+    strategy.aggregate_fit(1, results(dict(init, rogue=[np.full_like(a, np.nan) for a in init["node0"]])), [])
+    arrays = [np.asarray(logic.state.mean), np.asarray(logic.state.precision)]
+    update = {f"node{k}": c.update(arrays, logic.config)[0] for k, c in enumerate(clients)}
+    with pytest.raises(pc.SuspectClientsError, match="client rogue: rejected in round"):
+        strategy.aggregate_fit(2, results(update), [])
+    assert logic.failure is None and len(logic.history) == 1
+    with np.load(tmp_path / "result.npz") as res:
+        assert list(json.loads(str(res["incidents"]))) == ["rogue"]
+        np.testing.assert_array_equal(res["mean"], np.asarray(logic.state.mean))  # the last round is written
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
@@ -377,12 +433,18 @@ def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run
     parts = shards(4)
     # client 2 sends NaN sites (refused in round 1, never admitted); client 3 (its own shard: a copy of another
     # client's data would be refused as a duplicate) is honest in round 1, then dies in its first update: the run
-    # goes on with the two others (min-clients 2)
+    # goes on with the two others (min-clients 2) and ends with status 3, naming the refused client (a client
+    # that drops out is not named)
     code, log, out = _launch(tmp_path, parts, ["--clients", "4", "--min-clients", "2", "--rounds", str(ROUNDS),
                                                "--rho", "0.5"], ["honest", "honest", "nan", "crash-update"], tls=True)
-    assert code == 0, log[-6000:]
+    assert code == 3, log[-6000:]
+    summary = _summary(log)
+    assert summary["status"] == "suspect" and summary["failure"] is None
+    (rogue, events), = summary["suspect_clients"].items()
+    assert [(e["round"], e["action"]) for e in events] == [(0, "rejected")] and "NaN" in events[0]["reason"]
     with np.load(out) as res:
         mean, precision, history = res["mean"], res["precision"], json.loads(str(res["history"]))
+        assert json.loads(str(res["incidents"])) == summary["suspect_clients"]
     assert len(history) == ROUNDS and all(h["participants"] == 2 for h in history)
     # the same by hand: the killed client keeps its round-1 site, the honest two update every round
     server = ServerLogic(4, "fedpc", "full", rho=0.5, x64=True, min_clients=2)
@@ -396,6 +458,35 @@ def test_flower_processes_over_tls_leave_out_a_rogue_and_a_client_killed_mid_run
     np.testing.assert_allclose(precision, np.asarray(server.state.precision), rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_flower_server_exits_3_naming_a_client_whose_sites_were_bounded(x64, tmp_path):
+    # issue 28: a rogue whose sites pass every check (finite, below max_abs, PSD) but would own the mean is
+    # bounded every round (--max-share/--max-shift); the run ends with status 3 and names it, and only it
+    pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
+    rounds = 2
+    code, log, out = _launch(tmp_path, shards(4), ["--clients", "4", "--min-clients", "3", "--rounds", str(rounds),
+                                                   "--rho", "0.5", "--max-share", "1", "--max-shift", "2"],
+                             ["honest", "honest", "honest", "pull"])
+    assert code == 3, log[-6000:]
+    summary = _summary(log)
+    assert summary["status"] == "suspect" and summary["failure"] is None
+    (rogue, events), = summary["suspect_clients"].items()
+    assert [(e["round"], e["action"]) for e in events] == [(r, "clipped") for r in range(1, rounds + 1)]
+    assert f"client {rogue}: clipped in round(s) 1, 2" in log
+    with np.load(out) as res:
+        history = json.loads(str(res["history"]))
+        assert np.all(np.abs(res["mean"]) < 10)  # the bound held: the mean is not pulled to 5e10 / 1e9 = 50
+    assert [h["clipped_clients"] for h in history] == [[rogue]] * rounds
+
+
+def _summary(log):
+    """The server's one-line JSON summary in its log."""
+    lines = [line for line in log.splitlines() if line.startswith('{"status"')]
+    assert len(lines) == 1, log[-6000:]
+    return json.loads(lines[0])
+
+
 def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x64, tmp_path):
     pytest.importorskip("flwr", reason="Flower is not installed (optional extra numpyro-pc[federated])")
     parts = shards(2)
@@ -406,6 +497,7 @@ def test_flower_server_exits_with_a_partial_result_when_too_few_clients_remain(x
         failure = json.loads(str(res["failure"]))
         assert res["mean"].shape == (4,) and np.all(np.isfinite(res["mean"]))  # the last good posterior
     assert "min_clients=2" in failure, failure
+    assert _summary(log)["status"] == "failed"
 
 
 APP_TOML = """[build-system]
@@ -607,6 +699,8 @@ def test_ef_server_refuses_replayed_and_duplicated_sites(x64):
     # a client re-sending its own last site is not a replay
     server.aggregate({"node0": update(0), "node2": [np.asarray(server.sites["node2"]).copy()]})
     assert not server.history[-1]["rejected"] and server.history[-1]["participants"] == 2
+    with pytest.raises(pc.SuspectClientsError, match="client node0: rejected in round"):
+        server.check_clients()
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
