@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.model.likelihood import ModelData, example_loss
+from numpyro_pc.model.rows import positions
 from numpyro_pc.sites.expfam import design, model_point, point_losses
 
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["EFCavities", "EF_ESTIMATORS", "ef_block_density", "ef_cavities", "ef_influence", "ef_num_points",
-           "ef_predictive", "ef_loo_values", "mean_labels"]
+           "ef_predictive", "ef_loo_values", "mean_labels", "retained_grads"]
 
 _ROWS_PER_BATCH = 64  # examples whose points are evaluated at once (memory: rows × points × model)
 
@@ -66,8 +67,17 @@ class EFCavities(NamedTuple):
 
 
 def ef_cavities(post) -> EFCavities:
-    """All ``N`` cavities :math:`\\lambda + g_i` of an :class:`~numpyro_pc.dual.expfam.EFPosterior`."""
-    return _cavities(post.family, post.natural, post.sites.grads)
+    """The cavities :math:`\\lambda + g_i` of the examples whose data an
+    :class:`~numpyro_pc.dual.expfam.EFPosterior` retains, in :attr:`data_ids` order (every example's
+    unless an update dropped data)."""
+    return _cavities(post.family, post.natural, retained_grads(post))
+
+
+def retained_grads(post) -> jax.Array:
+    """The sites :math:`g_i` of the retained examples, rows in ``post.data_ids`` order."""
+    if post.num_retained == post.num_examples:
+        return post.sites.grads
+    return post.sites.grads[positions(np.asarray(post.sites.ids), np.asarray(post.data_ids))]
 
 
 @partial(jax.jit, static_argnums=0)
@@ -121,7 +131,7 @@ def ef_loo_values(post, method: str, chosen, tol: float | None, max_iters: int) 
             "mean; an exponential-family product's sites are already linear in its sufficient statistics T(x), so "
             "there is nothing to expand. Use method='remove_site' (exact when the retained sites are conjugate) "
             "or method='corrected' (exact refits).")
-    ids = np.asarray(post.ids)
+    ids = np.asarray(post.data_ids)
     rows = np.arange(ids.size)
     with jax.enable_x64(post.natural.dtype == jnp.float64):
         cav = ef_cavities(post)
@@ -224,7 +234,7 @@ def ef_influence(post, fn, estimators) -> tuple:
             "an exponential-family posterior lives in natural parameters over its sites' own values, where removing "
             "a site is exact (Δλ = g_i). Use estimators=('remove_site', 'influence').")
     family, lam = post.family, post.natural
-    ids = np.asarray(post.ids)
+    ids = np.asarray(post.data_ids)
     with jax.enable_x64(lam.dtype == jnp.float64):
         cav = ef_cavities(post)
         khat = kl_shape(np.asarray(cav.kl, np.float64))
@@ -238,7 +248,7 @@ def ef_influence(post, fn, estimators) -> tuple:
                     "the family's domain (k̂ = 1); estimators=('influence',) gives the first-order change")
             delta["remove_site"] = np.asarray(_mean_shifts(family, lam, cav.natural))
         if "influence" in estimators:
-            delta["influence"] = np.asarray(_mean_tangents(family, lam, post.sites.grads))
+            delta["influence"] = np.asarray(_mean_tangents(family, lam, retained_grads(post)))
         for name, values in delta.items():
             if not np.all(np.isfinite(values)):
                 raise NotPositiveDefiniteError(f"the {name!r} change of some posterior means is not finite")

@@ -32,6 +32,7 @@ from numpyro_pc.sites.expfam import model_point
 from numpyro_pc.sites.expfam_table import EFSiteTable
 
 from ..errors import InvalidOptionError
+from .ef_cavity import retained_grads
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def _ef_pit_inputs(post, draw_key, predictive_key, num_samples, var_name) -> tup
     spec, family, data = post.config.spec, post.family, post.data
     with jax.enable_x64(post.natural.dtype == jnp.float64):
         draws = family.sample(draw_key, post.natural, num_samples)
-        raw = family.stats(draws) @ post.sites.grads.T  # ⟨g_i, T(x_s)⟩, (S, N)
+        raw = family.stats(draws) @ retained_grads(post).T  # ⟨g_i, T(x_s)⟩ of the retained examples, (S, N)
         weights = np.asarray(raw - logsumexp(raw, axis=0, keepdims=True))
         z, discrete, _ = model_point(spec, family, {k: v[0] for k, v in draws.items()})
         observed = trace_at(spec, z, data.per_example, data.shared, discrete)

@@ -43,15 +43,11 @@ from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
 from numpyro_pc.sites.expfam_eval import inference_data
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
-from numpyro_pc.solvers.expfam import (  # noqa: F401  (blr_solve: as before)  # noqa: F401  (importable from here, as before)
-    blr_solve,
-    bucketed_target,
-    relative_residual,
-    solve_every_site,
-)
+from numpyro_pc.solvers.expfam import (  # noqa: F401  (blr_solve: importable from here, as before)
+    blr_solve, bucketed_target, relative_residual, solve_every_site)
 from numpyro_pc.solvers.fixed_point import default_tol
 
-from .expfam_adapt import delete_ef, refine_ef, update_ef
+from .expfam_adapt import checked_retained_ids, delete_ef, refine_ef, split_frozen, update_ef
 
 if TYPE_CHECKING:
     from arviz import InferenceData
@@ -95,12 +91,14 @@ class EFTree(NamedTuple):
     :ivar stale_sites: a boolean scalar: the sites belong to an earlier ``λ`` (after ``remove_site``).
     :ivar tombstones: ids of deleted examples (never reused).
     :ivar next_id: the id the next new example gets.
+    :ivar data_ids: the ids of the examples whose data is kept, or ``None``: every example's.
     """
 
     state: EFState
     stale_sites: jax.Array
     tombstones: jax.Array
     next_id: jax.Array
+    data_ids: jax.Array | None = None
 
 
 class EFPosterior(Posterior):
@@ -115,10 +113,13 @@ class EFPosterior(Posterior):
     :ivar record: the last operation's diagnostics.
     :ivar tombstones: ids of deleted examples, sorted (never given to a new example).
     :ivar next_id: the id the next new example gets: past every id held or deleted.
+    :ivar data_ids: the ids of the examples whose data is kept, aligned with the data rows (every
+        site's example unless ``update(keep=...)`` dropped data; a site whose data is dropped stays,
+        frozen).
     """
 
     __slots__ = ("config", "data", "state", "conjugate_prior", "guide_map", "record", "stale_sites", "tombstones",
-                 "next_id")
+                 "next_id", "_data_ids")
     # the slots' types (set once, by __init__ through object.__setattr__)
     config: EFConfig
     data: ModelData
@@ -129,22 +130,24 @@ class EFPosterior(Posterior):
     stale_sites: bool
     tombstones: tuple[int, ...]
     next_id: int
+    _data_ids: jax.Array | None  # None: every site's example (the data_ids argument and property)
 
     def __init__(self, config, data, state, conjugate_prior, guide_map=None, record=None, stale_sites=False,
-                 tombstones=(), next_id=0):
+                 tombstones=(), next_id=0, data_ids=None):
         tombstones = tuple(sorted({int(i) for i in tombstones}))
         held = np.asarray(state.sites.ids)
         floor = max(int(held.max()) + 1 if held.size else 0, tombstones[-1] + 1 if tombstones else 0)
         for k, v in dict(config=config, data=data, state=state, conjugate_prior=conjugate_prior,
                          guide_map=guide_map, record=record or {}, stale_sites=bool(stale_sites),
-                         tombstones=tombstones, next_id=max(int(next_id), floor)).items():
+                         tombstones=tombstones, next_id=max(int(next_id), floor),
+                         _data_ids=checked_retained_ids(data_ids, held, data)).items():
             object.__setattr__(self, k, v)
 
     def __setattr__(self, name, value) -> NoReturn:
         raise AttributeError("EFPosterior is immutable; operations return a new posterior")
 
     def evolve(self, **changes) -> Self:
-        fields = {k: getattr(self, k) for k in self.__slots__}
+        fields = {k.lstrip("_"): getattr(self, k) for k in self.__slots__}
         fields.update(changes)
         return type(self)(**fields)
 
@@ -204,7 +207,7 @@ class EFPosterior(Posterior):
         :meth:`~numpyro_pc.dual.base.DualPosteriorBase.tree`; :meth:`from_tree` rebuilds the posterior
         (the provenance, ``record`` and ``guide_map``, is not part of it)."""
         state = EFTree(self.state, jnp.asarray(self.stale_sites), jnp.asarray(self.tombstones, jnp.int32),
-                       jnp.asarray(self.next_id, jnp.int32))
+                       jnp.asarray(self.next_id, jnp.int32), self._data_ids)
         return self.config, state, self.data
 
     @classmethod
@@ -214,28 +217,31 @@ class EFPosterior(Posterior):
         conjugate-form, so that its site stays constant (:attr:`conjugate_prior` of the posterior the tree
         came from)."""
         return cls(config, data, state.state, bool(conjugate_prior), guide_map, record, bool(state.stale_sites),
-                   tuple(int(i) for i in np.asarray(state.tombstones)), int(state.next_id))
+                   tuple(int(i) for i in np.asarray(state.tombstones)), int(state.next_id), state.data_ids)
 
     @property
     def data_ids(self) -> jax.Array:
-        """Ids of the examples whose data is retained: every example's (the sites need their data)."""
-        return self.sites.ids
+        """Ids of the examples whose data is retained, aligned with the data rows (every example's
+        unless an update dropped data with ``keep=``)."""
+        return self.sites.ids if self._data_ids is None else self._data_ids
 
     @property
     def num_retained(self) -> int:
-        """Examples whose data is retained (all of them)."""
-        return self.num_examples
+        """Examples whose data is retained."""
+        return self.num_examples if self._data_ids is None else int(self._data_ids.shape[0])
 
     @property
     def residual(self) -> float:
         """Relative dual-form residual :math:`\\|\\lambda + g_0 + \\sum_i g_i\\| / (1 + \\|\\lambda\\|)`
         (a property, as on Gaussian posteriors; calling it is deprecated), with fresh sites after
-        ``delete(method="remove_site")`` (:attr:`Posterior.residual <numpyro_pc.protocols.posterior.Posterior.residual>`)."""
-        return _Residual(super().residual)
+        ``delete(method="remove_site")`` (:attr:`Posterior.residual <numpyro_pc.protocols.posterior.Posterior.residual>`),
+        also when no example's data is kept: the prior term is then the one live site."""
+        return _Residual(self.fresh_site_residual() if self.stale_sites else super().residual)
 
     def fresh_site_residual(self) -> float:
-        """The residual with every site recomputed at the current ``λ`` (one site pass)."""
-        const = self.sites.prior_natural() if self.conjugate_prior else jnp.zeros_like(self.natural)
+        """The residual with every retained example's site recomputed at the current ``λ`` (one site
+        pass; a frozen site, whose data was dropped, counts as stored)."""
+        _, _, const = split_frozen(self)
         tau, _ = bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
         return _Residual(relative_residual(self.natural, tau))
 
@@ -256,6 +262,9 @@ class EFPosterior(Posterior):
         draws = self.family.sample(key, self.natural, num_samples)
         values = self.family.to_constrained(draws)
         if self.spec.local is not None:
+            if self.num_retained != self.num_examples:
+                raise MissingCapabilityError(f"the local latents {list(self.spec.local.names)} are drawn per row, and "
+                                             f"this posterior holds {self.num_retained} of its {self.num_examples} rows")
             with jax.enable_x64(self.natural.dtype == jnp.float64):
                 z = jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
                 values.update(local_draws(self.spec, self.data, z, jax.random.fold_in(key, 1)))
@@ -284,9 +293,10 @@ class EFPosterior(Posterior):
         return self.distributions()
 
     def recompute_sites(self, q) -> EFSiteTable:
-        """Every example's site (and the prior term) recomputed at natural parameters ``q``."""
+        """Every retained example's site (rows in :attr:`data_ids` order) and the prior term recomputed at
+        natural parameters ``q``."""
         fresh = compute_sites(self.config, q, self.data)  # the config is sized to the data
-        return EFSiteTable(fresh.grads, fresh.prior, self.ids)
+        return EFSiteTable(fresh.grads, fresh.prior, self.data_ids)
 
     @property
     def residual_parts(self) -> dict[str, float]:
@@ -399,8 +409,8 @@ class EFPosterior(Posterior):
         ``"none"``: none (VCL: the old sites and prior term stay frozen, only the new sites are
         solved for); ``"prior"``: the prior term (differs from ``"none"`` only for a prior that is
         not conjugate-form); ``"memory"``: the prior term and the sites of a memory set;
-        ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes (default 1) over all
-        examples in random blocks of ``batch_fraction`` of them, each block's sites recomputed
+        ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes (default 1) over the
+        retained examples in random blocks of ``batch_fraction`` of them, each block's sites recomputed
         at the fixed point with the others held (block Gauss–Seidel on the dual form: it tends to
         the exact update as the passes grow). ``"weighted"`` is refused: it rescales sites, and
         these posteriors hold no natural parameters outside their sites.
@@ -410,8 +420,10 @@ class EFPosterior(Posterior):
         :param str selection: how a memory of a given size is chosen: ``"random"`` (with ``seed``)
             or ``"leverage"`` (the largest second-order KL of removing the site); ``"residual"`` and
             ``"curvature"`` rank Gaussian sites and are refused here.
-        :param keep: ``"all"`` (the only retention these posteriors have; ``"none"`` and a
-            reservoir size are refused with the reason).
+        :param keep: data retention, as on Gaussian posteriors: ``"all"``, ``"none"`` or a reservoir
+            size (an int: a uniform sample of the stream, with ``seed``); the sites of examples whose
+            data is dropped stay, frozen — later corrections, deletions and refinements recompute only
+            the retained examples' sites.
         :param bool progress: show a progress bar of the solve.
         :return: a new :class:`EFPosterior`; ``record`` holds the operation's diagnostics.
         :raises InvalidOptionError: an unknown or inconsistent option.

@@ -25,13 +25,12 @@ from numpyro_pc.errors import (
     ConvergenceError,
     DataShapeError,
     InvalidOptionError,
-    MissingCapabilityError,
     NonFiniteResultError,
     OutOfDomainError,
     UnknownExampleError,
 )
 from numpyro_pc.model.likelihood import ModelData, bind_model
-from numpyro_pc.model.rows import as_ids, concat_data, join_rows, positions, take_rows
+from numpyro_pc.model.rows import as_ids, check_keep, concat_data, join_rows, positions, retain, take_data, take_rows, to_device
 from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.protocols.records import DeleteInfo, RefineInfo, UpdateInfo
@@ -40,7 +39,8 @@ from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
 from numpyro_pc.solvers.expfam import SolveInfo, blr_solve, bucketed_target, config_rows, solve_every_site
 from numpyro_pc.solvers.fixed_point import default_tol, largest_inside_fraction, progress_bar
 
-__all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "DELETE_METHODS"]
+__all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "split_frozen", "checked_retained_ids",
+           "DELETE_METHODS"]
 
 DELETE_METHODS = ("remove_site", "corrected", "retrain")
 _WEIGHTED_REFUSAL = ("correction='weighted' rescales a memory set's sites to stand for all retained data; an "
@@ -49,17 +49,42 @@ _WEIGHTED_REFUSAL = ("correction='weighted' rescales a memory set's sites to sta
                      "'stochastic' or 'exact'")
 
 
-def _check_keep(keep) -> None:
-    if isinstance(keep, str) and keep == "all":
-        return
-    valid = (isinstance(keep, str) and keep == "none") or (
-        isinstance(keep, (int, np.integer)) and not isinstance(keep, (bool, np.bool_)) and keep >= 0)
-    if not valid:
-        raise InvalidOptionError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")
-    raise MissingCapabilityError(
-        f"keep={keep!r}: an exponential-family posterior keeps the data of every example it holds — its "
-        "corrected deletion, memory and exact updates recompute any site from its example, and its files store "
-        "one data row per site. Keep all data (keep='all'), or use a Gaussian family, whose frozen sites need no data")
+def split_frozen(post: Posterior) -> tuple[np.ndarray, np.ndarray, jax.Array]:
+    r"""``(live, frozen, const)``: the site rows with retained data (in :attr:`data_ids` order), the
+    rows without, and what the frozen sites and a conjugate-form prior hold,
+    :math:`c = \lambda_0 + \sum_{i\,\text{frozen}} \hat\lambda_i` (zero without either): the
+    constant of every fixed point over the retained data."""
+    ids = np.asarray(post.sites.ids)
+    if post.num_retained == post.num_examples:  # every site's data, in the sites' order
+        live, frozen = np.arange(ids.size), np.zeros(0, np.int64)
+    else:
+        live = positions(ids, np.asarray(post.data_ids))
+        frozen = np.setdiff1d(np.arange(ids.size), live)
+    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(post.natural)
+    if frozen.size:
+        const = const + post.sites.take(frozen).natural_sum()
+    return live, frozen, const
+
+
+def checked_retained_ids(retained_ids, held: np.ndarray, data) -> jax.Array | None:
+    """The ids of the examples whose data is kept, checked against the sites ``held`` and the data rows:
+    fewer than the sites, in the sites' order (what every operation keeps, so that "as many data rows as
+    sites" means "aligned"); ``None`` when they are every site's, in order.
+
+    :raises DataShapeError: ids that are not such a subsequence of ``held``, or not one per data row."""
+    if retained_ids is None:
+        return None
+    ids = np.asarray(retained_ids, np.int64).ravel()
+    if np.array_equal(ids, held):
+        return None
+    rows = int(data.per_example[0].shape[0]) if data.per_example else ids.size
+    known = bool(np.all(np.isin(ids, held)))
+    in_order = known and bool(np.all(np.diff(positions(held, ids)) > 0)) if ids.size > 1 else known
+    if rows != ids.size or ids.size >= held.size or not in_order:
+        raise DataShapeError(f"the retained data's ids must be fewer than the {held.size} sites' ids, in the sites' "
+                             f"order, one per data row ({rows} rows); found {ids.size} id(s), "
+                             f"{int(np.sum(~np.isin(ids, held)))} without a site{'' if in_order or not known else ', out of order'}")
+    return to_device(ids.astype(np.asarray(held).dtype))
 
 
 def _check_sites_represent(post: Posterior) -> None:
@@ -83,15 +108,17 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     check_count(seed, "seed", minimum=0, allow_none=False, maximum=MAX_SEED)
     check_flag(progress, "progress")
     check_flag(raise_on_failure, "raise_on_failure")
-    _check_keep(keep)
+    check_keep(keep)
     if correction == "weighted":
         raise InvalidOptionError(_WEIGHTED_REFUSAL)
     _check_sites_represent(post)
     corrected, _ = corrected_ids(post, correction, memory, selection, seed)
     check_stochastic_options(correction, epochs)
     if correction == "stochastic":
-        return _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress,
-                           raise_on_failure)
+        past = post.num_examples
+        updated = _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress,
+                              raise_on_failure)
+        return _retain(updated, post, np.asarray(updated.ids)[past:], keep, seed)
     spec, new = bind_model(post.config.spec.model, args, kwargs, data_plate=post.config.spec.plate,
                            allow_discrete=True)
     if spec.latent != post.config.spec.latent or spec.observed != post.config.spec.observed:
@@ -99,28 +126,48 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     start = post.next_id  # never an id held or deleted before
     ids = jnp.arange(start, start + spec.num_examples)
     if correction == "exact":
+        _, frozen, _ = split_frozen(post)
         data = concat_data(post.data, new)
-        solved = solve_every_site(post, data, jnp.concatenate([post.ids, ids]), post.natural, tol, max_iters,
-                                  raise_on_failure, progress)
-        return solved.evolve(record=UpdateInfo(**solved.record.solve_fields(), correction="exact",
-                                               corrected=int(post.num_examples), new=int(spec.num_examples)))
+        solved = solve_every_site(post, data, jnp.concatenate([post.data_ids, ids]), post.natural, tol, max_iters,
+                                  raise_on_failure, progress, frozen=post.sites.take(frozen))
+        solved = solved.evolve(record=UpdateInfo(**solved.record.solve_fields(), correction="exact",
+                                                 corrected=int(post.num_retained), new=int(spec.num_examples)))
+        return _retain(solved, post, np.asarray(ids), keep, seed)
     rows = positions(post.ids, corrected) if corrected.size else np.zeros(0, np.int64)
+    data_rows = positions(post.data_ids, corrected) if corrected.size else np.zeros(0, np.int64)
     prior_active = correction != "none" and not post.conjugate_prior
-    active = ModelData(tuple(join_rows(take_rows(x, rows), y) for x, y in zip(post.data.per_example,
-                                                                              new.per_example)), new.shared)
+    active = ModelData(tuple(join_rows(take_rows(x, data_rows), y) for x, y in zip(post.data.per_example,
+                                                                                   new.per_example)), new.shared)
     lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure,
                                              progress)
     added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else post.sites.prior, ids)
     state = EFState(lam, post.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
-    return post.evolve(config=config_rows(post.config, post.num_examples + spec.num_examples),
-                       data=concat_data(post.data, new), state=state,
-                       record=UpdateInfo(correction=correction, corrected=int(rows.size),
-                                         new=int(spec.num_examples), **info._asdict()))
+    updated = post.evolve(config=config_rows(post.config, post.num_retained + spec.num_examples),
+                          data=concat_data(post.data, new), state=state,
+                          data_ids=jnp.concatenate([post.data_ids, ids.astype(post.data_ids.dtype)]),
+                          record=UpdateInfo(correction=correction, corrected=int(rows.size),
+                                            new=int(spec.num_examples), **info._asdict()))
+    return _retain(updated, post, np.asarray(ids), keep, seed)
+
+
+def _retain(updated: Posterior, before: Posterior, new_ids: np.ndarray, keep, seed: int) -> Posterior:
+    """``updated`` (holding the data of ``before`` and of the new examples ``new_ids``, in that order) with
+    the data ``keep`` retains (:func:`numpyro_pc.model.rows.retain`); the sites of the others stay, frozen."""
+    if isinstance(keep, str) and keep == "all":
+        return updated
+    old = before.num_retained
+    rows = np.arange(old)
+    new_rows = np.arange(old, old + new_ids.size)
+    data, kept = retain(take_data(updated.data, rows), before.data_ids, take_data(updated.data, new_rows), new_ids,
+                        keep, int(before.next_id) - len(before.tombstones), seed)
+    return updated.evolve(config=config_rows(updated.config, int(kept.size)), data=data,
+                          data_ids=to_device(kept.astype(np.asarray(updated.ids).dtype)))
 
 
 def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False) -> tuple[jax.Array, object, SolveInfo]:
     r"""The fixed point with the sites at positions ``rows`` (and the prior term when ``prior_active``)
-    divided out of ``q`` and solved for again over the ``active`` data, every other site held:
+    divided out of ``q`` and solved for again over the ``active`` data, every other site (frozen ones
+    included) held:
     :math:`\lambda = c - \sum_{i \in active} g_i(\lambda) [- g_0(\lambda)]`, ``c`` what the held sites leave."""
     const = post.natural - post.sites.take(rows).natural_sum()
     if prior_active:
@@ -137,7 +184,7 @@ def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters
         raise InvalidOptionError(f"the stochastic correction needs epochs, a whole number ≥ 1; got {epochs!r}")
     if isinstance(batch_fraction, (bool, np.bool_)) or not 0.0 < float(batch_fraction) <= 1.0:
         raise InvalidOptionError(f"the stochastic correction needs 0 < batch_fraction ≤ 1; got {batch_fraction!r}")
-    past = post.num_examples
+    past, retained = post.num_examples, post.num_retained
     post = update_ef(post, *args, correction="prior", tol=tol, max_iters=max_iters, raise_on_failure=raise_on_failure,
                      **kwargs)
     rng = np.random.default_rng(seed)
@@ -145,7 +192,9 @@ def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters
     bar = progress_bar(progress, int(epochs) * blocks, "stochastic correction")
     try:
         for _ in range(int(epochs)):
-            for rows in np.array_split(rng.permutation(post.num_examples), blocks):
+            for rows in np.array_split(rng.permutation(post.num_retained), blocks):
+                if not rows.size:  # fewer retained examples than blocks
+                    continue
                 post = recompute_rows(post, np.sort(rows), tol, max_iters, raise_on_failure)
                 if bar is not None:
                     bar.update(1)
@@ -153,18 +202,20 @@ def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters
         if bar is not None:
             bar.close()
     return post.evolve(record=UpdateInfo(**post.record.solve_fields(), correction="stochastic",
-                                         corrected=past, new=post.num_examples - past,
+                                         corrected=retained, new=post.num_examples - past,
                                          batch_fraction=float(batch_fraction), epochs=int(epochs)))
 
 
 def recompute_rows(post: Posterior, rows: np.ndarray, tol: float | None, max_iters: int | None,
                    raise_on_failure: bool) -> Posterior:
-    """The sites at positions ``rows`` (and the prior term unless conjugate-form) recomputed at the
-    fixed point with every other site held."""
+    """The sites of the examples at data rows ``rows`` (and the prior term unless conjugate-form)
+    recomputed at the fixed point with every other site held."""
     prior_active = not post.conjugate_prior
-    active = ModelData(tuple(take_rows(x, rows) for x in post.data.per_example), post.data.shared)
-    lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure)
-    table = post.sites.with_rows(rows, sites.grads)
+    active = take_data(post.data, rows)
+    site_rows = positions(post.ids, np.asarray(post.data_ids)[rows])
+    lam, sites, info = _solve_with_rows_live(post, site_rows, active, prior_active, tol, max_iters,
+                                             raise_on_failure)
+    table = post.sites.with_rows(site_rows, sites.grads)
     state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)
     return post.evolve(state=state, record=RefineInfo(**info._asdict()))
 
@@ -190,11 +241,13 @@ def delete_ef(post: Posterior, ids, method: str = "remove_site", damping: bool =
         raise UnknownExampleError(f"example ids {missing[:10]} are not in this posterior")
     drop = np.isin(held, wanted)
     keep = np.flatnonzero(~drop)
+    retained = np.asarray(post.data_ids)
+    data_keep = np.flatnonzero(~np.isin(retained, wanted))
     tombstones = post.tombstones + tuple(held[drop].tolist())
     removal = post.sites.take(np.flatnonzero(drop)).natural_sum()  # λ̂_J = -Σ_J g_j
     removed = post.natural - removal
     inside = bool(post.family.in_domain(removed))
-    data = ModelData(tuple(take_rows(x, keep) for x in post.data.per_example), post.data.shared)
+    data = take_data(post.data, data_keep)
     if method == "remove_site":
         alpha = 1.0
         if not inside:
@@ -207,16 +260,21 @@ def delete_ef(post: Posterior, ids, method: str = "remove_site", damping: bool =
                 raise OutOfDomainError("site removal: no fraction of it keeps every shape parameter positive")
             removed = post.natural - alpha * removal
         state = EFState(removed, post.sites.take(keep))
-        return post.evolve(config=config_rows(post.config, int(keep.size)), data=data, state=state,
+        return post.evolve(config=config_rows(post.config, int(data_keep.size)), data=data, state=state,
+                           data_ids=to_device(retained[data_keep]),
                            record=DeleteInfo(method=method, deleted=int(drop.sum()), damping=alpha),
                            stale_sites=True, tombstones=tombstones)
-    if keep.size == 0:
-        raise DataShapeError(f"{method} deletion needs at least one retained example")
+    frozen = keep[~np.isin(held[keep], retained)]  # remaining sites whose data was dropped
+    if method == "retrain" and frozen.size:
+        raise UnknownExampleError(f"retrain needs the data of every remaining example; {frozen.size} example(s) had "
+                                  "their data dropped (update(keep=...)). Use method='corrected', which recomputes "
+                                  "the retained examples' sites and holds the others")
     start = removed if inside else post.natural
     if method == "retrain":
         start = (post.sites.prior_natural() if post.conjugate_prior
                  else post.family.default_natural(post.natural.dtype))
-    solved = solve_every_site(post, data, post.ids[keep], start, tol, max_iters, raise_on_failure)
+    solved = solve_every_site(post, data, to_device(retained[data_keep]), start, tol, max_iters, raise_on_failure,
+                              frozen=post.sites.take(frozen))
     return solved.evolve(record=DeleteInfo(**solved.record.solve_fields(), method=method, deleted=int(drop.sum()),
                                            damping=1.0), tombstones=tombstones)
 
@@ -231,10 +289,11 @@ def refine_ef(post: Posterior, tol: float | None = None, max_iters: int | None =
     check_flag(progress, "progress")
     if post.num_examples == 0:
         raise DataShapeError("refine needs at least one example: this posterior holds none (it is its prior)")
+    _, frozen, _ = split_frozen(post)
     with warnings.catch_warnings():  # the solver's own warning is replaced by refine's, below
         warnings.simplefilter("ignore", RuntimeWarning)
-        solved = solve_every_site(post, post.data, post.ids, post.natural, tol, max_iters, False, progress,
-                                  step_size)
+        solved = solve_every_site(post, post.data, post.data_ids, post.natural, tol, max_iters, False, progress,
+                                  step_size, frozen=post.sites.take(frozen))
     record = RefineInfo(**solved.record.solve_fields())
     solved = solved.evolve(record=record)
     if not record.converged:

@@ -8,7 +8,8 @@ signed with an HMAC key), of kind ``"ef"``. Beside the common header its manifes
 ``num_samples``, ``seed``), ``conjugate_prior`` and ``next_id``. Its arrays are ``natural``
 :math:`\lambda` ``(P,)``, the ids of deleted examples ``tombstones`` ``(K,)`` (``int64``), the site table's ``sites.grads`` (the sites :math:`g_i`,
 ``(N, P)``), ``sites.prior`` (:math:`g_0`, ``(P,)``) and ``sites.ids`` ``(N,)``, and the data
-rows; the dual-form residual is
+rows — every example's, or, when an update dropped data (``keep=``), those of the ids in ``data_ids``
+``(R,)``, an array written only then, so that other files stay as before; the dual-form residual is
 :math:`\|\lambda + g_0 + \sum_i g_i\| / (1 + \|g_0 + \sum_i g_i\|)`.
 
 :func:`numpyro_pc.io.save_load.save` and :func:`numpyro_pc.io.save_load.load` dispatch here. Loading treats
@@ -86,8 +87,10 @@ def save_ef(post, path, key=None) -> Path:
     :return: the :class:`~pathlib.Path` written.
     :raises PersistenceError: a posterior that cannot be saved in a form that loads back.
     """
-    arrays = with_data_arrays({"natural": post.natural, TOMBSTONES: tombstones_member(post.tombstones)}, post.data,
-                              DATA_DTYPES, post.sites)
+    members = {"natural": post.natural, TOMBSTONES: tombstones_member(post.tombstones)}
+    if post.num_retained != post.num_examples:  # the rows hold the data of these examples only
+        members["data_ids"] = np.asarray(post.data_ids, np.int64)
+    arrays = with_data_arrays(members, post.data, DATA_DTYPES, post.sites)
     cfg, spec = post.config, post.config.spec
     dtype = str(arrays["natural"].dtype)
     with jax.enable_x64(dtype == "float64"):
@@ -141,7 +144,7 @@ def load_ef(path, model, manifest: dict, arrays: dict) -> EFPosterior:
         config = _config(path, spec, family, part["config"])
         post = EFPosterior(config=config, data=data, state=EFState(natural, sites),
                            conjugate_prior=part["conjugate_prior"], guide_map=None, tombstones=read_tombstones(arrays),
-                           next_id=part["next_id"])
+                           next_id=part["next_id"], data_ids=arrays.get("data_ids"))
         residual = float(post.residual)
         check_residual(manifest.get("residual"), residual, dtype)
         if post.conjugate_prior:

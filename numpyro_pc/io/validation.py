@@ -369,7 +369,7 @@ def check_residual(saved, recomputed, dtype) -> None:
 # --------------------------------------------------------------------------- the exponential-family kind
 
 EF_FIELDS = frozenset({"config", "conjugate_prior", "next_id"})  # manifest["ef"]
-_EF_NAME = re.compile(r"(natural|tombstones|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
+_EF_NAME = re.compile(r"(natural|tombstones|data_ids|sites\.(grads|prior|ids)|data\.(example|shared)\.\d+)")
 _IDENTIFIER = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _CONFIG = {"num_nodes": (1, 10**4), "num_samples": (1, 10**7), "seed": (0, 2**32)}
 
@@ -399,9 +399,11 @@ def check_ef_part(manifest: dict, num_example: int, num_shared: int) -> dict:
     if not isinstance(family, dict) or list(family) != names or not all(
             isinstance(v, str) and _IDENTIFIER.fullmatch(v) for v in family.values()):
         fail_field("family", f"an object naming the family of each latent site {names}, in that order", family)
-    return check_array_entries(manifest, _EF_NAME, {"natural", "sites.grads", "sites.prior", "sites.ids", TOMBSTONES},
-                               num_example,
-                               num_shared, what="an exponential-family posterior")
+    required = {"natural", "sites.grads", "sites.prior", "sites.ids", TOMBSTONES}
+    if isinstance(manifest.get("arrays"), dict) and "data_ids" in manifest["arrays"]:
+        required.add("data_ids")  # written when an update dropped the data of some examples
+    return check_array_entries(manifest, _EF_NAME, required, num_example, num_shared,
+                               what="an exponential-family posterior")
 
 
 
@@ -428,6 +430,20 @@ def check_ef_contents(manifest: dict, arrays: dict) -> None:
     for name, shape in (("sites.prior", (size,)), ("sites.grads", (rows, size)), ("sites.ids", (rows,))):
         if arrays[name].shape != shape:
             _inconsistent(name, f"shape {shape} (P={size} natural parameters, N={rows} sites)", arrays[name].shape)
+    if "data_ids" in arrays:
+        data_ids = arrays["data_ids"]
+        if str(data_ids.dtype) not in INT_DTYPES or data_ids.ndim != 1:
+            _inconsistent("data_ids", f"a vector of ids, an integer dtype {INT_DTYPES}",
+                          f"dtype {data_ids.dtype}, shape {data_ids.shape}")
+        order = np.argsort(ids, kind="stable") if ids.ndim == 1 else np.zeros(0, np.int64)
+        slot = np.minimum(np.searchsorted(ids[order], data_ids), max(order.size - 1, 0)) if order.size else None
+        where = np.where(ids[order][slot] == data_ids, order[slot], -1) if slot is not None \
+            else np.full(data_ids.size, -1)  # each id's row among the sites, -1 without one
+        if data_ids.size >= ids.size or np.any(where < 0) or np.any(np.diff(where) <= 0):
+            _inconsistent("data_ids", "fewer ids than sites, each with a site, in the sites' order",
+                          f"{data_ids.size} id(s) for {ids.size} sites, {int(np.sum(where < 0))} without a site or "
+                          "out of order")
+        rows = data_ids.shape[0]
     check_example_rows(manifest, arrays, rows)
     if ids.size and (ids.min() < 0 or ids.max() >= _MAX_ID):
         _inconsistent("sites.ids", f"ids in [0, {_MAX_ID})", f"ids from {ids.min()} to {ids.max()}")

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
-           "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket"]
+           "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket", "check_keep",
+           "retain"]
 
 
 # --------------------------------------------------------------------------- arrays
@@ -208,6 +209,57 @@ def pad_to_bucket(data, weights, ids, dtype=None) -> tuple[ModelData, jax.Array,
     per_example = tuple(pad_last_row(x, pad) for x in data.per_example)
     weights = join_rows(weights, filled([(pad, 0.0)], weights.dtype))
     return ModelData(per_example, data.shared), weights, np.concatenate([np.asarray(ids), -np.ones(pad, np.int64)])
+
+
+def check_keep(keep) -> None:
+    """Refuse a data-retention option that is not ``"all"``, ``"none"`` or a reservoir size (an integer ≥ 0).
+
+    :raises InvalidOptionError:
+    """
+    if isinstance(keep, str) and keep in ("all", "none"):
+        return
+    if isinstance(keep, (int, np.integer)) and not isinstance(keep, (bool, np.bool_)) and keep >= 0:
+        return
+    raise InvalidOptionError(f"keep must be 'all', 'none' or a reservoir size (an integer ≥ 0), got {keep!r}")
+
+
+def retain(data, data_ids, new_data, new_ids, keep, seen, seed) -> tuple[ModelData, np.ndarray]:
+    """The examples whose data an update keeps, and their ids (sorted as held, new ones last).
+
+    :param data: the retained examples before the update, with ids ``data_ids``.
+    :param new_data: the batch, with ids ``new_ids``.
+    :param keep: ``"all"`` (every example), ``"none"`` (no data: every site is frozen) or a reservoir
+        size: a uniform sample of that many examples over the whole stream (algorithm R), of which
+        ``seen`` came before this batch.
+    :param int seed: the reservoir's seed.
+    """
+    check_keep(keep)
+    old_ids = np.asarray(data_ids, np.int64)
+    new_ids = np.asarray(new_ids, np.int64)
+    if isinstance(keep, str) and keep == "all":
+        return concat_data(data, new_data), np.concatenate([old_ids, new_ids])
+    if isinstance(keep, str):  # "none"
+        return take_data(data, np.zeros(0, np.int64)), np.zeros(0, np.int64)
+    kept = _reservoir(old_ids, new_ids, int(keep), seen, seed)
+    rows = positions(np.concatenate([old_ids, new_ids]), kept)
+    return take_data(concat_data(data, new_data), rows), kept
+
+
+def _reservoir(ids_old, ids_new, size, seen_before, seed) -> np.ndarray:
+    """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
+    rng = np.random.default_rng(seed)
+    old = np.asarray(ids_old)
+    # a reservoir that shrinks (its first use, or a smaller size) keeps a uniform subset of what it held
+    kept = list(old if old.size <= size else np.sort(rng.choice(old, size, replace=False)))
+    for k, new in enumerate(np.asarray(ids_new)):
+        seen = seen_before + k + 1
+        if len(kept) < size:
+            kept.append(int(new))
+        else:
+            slot = rng.integers(0, seen)
+            if slot < size:
+                kept[slot] = int(new)
+    return np.asarray(sorted(kept), dtype=np.int64)
 
 
 def memory_ids(memory, held, removed=()) -> np.ndarray:

@@ -153,14 +153,18 @@ def _check(base, posts, alphas, method) -> tuple[list[Posterior], list[float]]:
             raise IncompatiblePosteriorsError(f"{what} computes in {p.mean.dtype}, expected {ref.mean.dtype}")
         if p.spec.observed != ref.spec.observed:
             raise IncompatiblePosteriorsError(f"{what} observes {p.spec.observed}, expected {ref.spec.observed}")
-        if p.num_retained != p.num_examples:
-            raise IncompatiblePosteriorsError(
-                f"{what} dropped the data of {p.num_examples - p.num_retained} example(s); merging evaluates the "
-                "merged posterior's sites on every example and needs the data (keep='all')")
+        _check_retained(p, what)
     with jax.enable_x64(ref.mean.dtype == jnp.float64):
         for k, p in enumerate(posts[1:] + ([base] if base is not None else []), 1):
             _check_same_terms(ref, p, "base" if k == len(posts) else f"posterior {k}")
     return posts, alphas
+
+
+def _check_retained(post, what) -> None:
+    if post.num_retained != post.num_examples:
+        raise IncompatiblePosteriorsError(
+            f"{what} dropped the data of {post.num_examples - post.num_retained} example(s); merging joins the "
+            "posteriors' sites and data example by example and needs every example's data (keep='all')")
 
 
 def _check_weights(alphas) -> None:
@@ -362,8 +366,11 @@ def _merge_ef(base, posteriors, alphas, method, rule) -> EFPosterior:
                                  "per posterior")
     _check_weights(alphas)
     first = posteriors[0]
-    for k, post in enumerate(posteriors[1:] + ([base] if base is not None else []), 1):
+    for k, post in enumerate(posteriors + ([base] if base is not None else [])):
         what = "base" if k == len(posteriors) else f"posterior {k}"
+        _check_retained(post, what)
+        if not k:
+            continue
         if post.spec.model is not first.spec.model or post.family != first.family:
             raise IncompatiblePosteriorsError(f"{what} has another model or family than posterior 0; merging needs "
                                               "posteriors of one model and family")

@@ -42,10 +42,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from numpyro_pc.errors import ConvergenceError, InvalidOptionError, NonFiniteResultError, NotPositiveDefiniteError
+from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, NotPositiveDefiniteError
 from numpyro_pc.model.batches import bind_batch
-from numpyro_pc.model.rows import concat_data, positions, take_data, to_device
-from numpyro_pc.model.terms import ModelData
+from numpyro_pc.model.rows import check_keep, concat_data, positions, retain, take_data, to_device
 from numpyro_pc.protocols.posterior import Posterior, provides
 from numpyro_pc.protocols.records import CorrectionMagnitude, UpdateInfo
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
@@ -57,26 +56,13 @@ from .stochastic import stochastic_update
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
 
-def _reservoir(ids_old, ids_new, size, seen_before, seed) -> np.ndarray:
-    """Reservoir sampling (algorithm R) of ``size`` ids over the whole stream."""
-    rng = np.random.default_rng(seed)
-    kept = list(np.asarray(ids_old)[:size])
-    for k, new in enumerate(np.asarray(ids_new)):
-        seen = seen_before + k + 1
-        if len(kept) < size:
-            kept.append(int(new))
-        else:
-            slot = rng.integers(0, seen)
-            if slot < size:
-                kept[slot] = int(new)
-    return np.asarray(sorted(kept), dtype=np.int64)
-
 
 @provides("update")
 def update(post, *args, correction="exact", memory=None, selection="random", keep="all", seed=0, tol=None,
            max_iters=None, progress=False, raise_on_failure=True, batch_fraction=0.1, epochs=None, **kwargs) -> Posterior:
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
+    check_keep(keep)
     residual = post.site_identity_residual  # the sites' own identity: an exact update recomputes stale ones
     if not np.isfinite(residual):
         raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
@@ -116,7 +102,8 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
 
     stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
-    data, data_ids = _retain(post, new_data, new_ids, keep, seed)
+    data, data_ids = retain(post.data, post.data_ids, new_data, new_ids, keep,
+                            int(post.next_id) - len(post.tombstones), seed)
     magnitude = None
     if corrected.size and correction != "stochastic":
         # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
@@ -136,18 +123,3 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                          next_id=post.next_id + num_new, record=record, offset=offset,
                          # an exact correction recomputes every retained site; the others keep the stale ones stale
                          stale_sites=post.stale_sites and correction != "exact")
-
-
-def _retain(post, new_data, new_ids, keep, seed) -> tuple[ModelData, np.ndarray]:
-    if isinstance(keep, str) and keep == "all":
-        return concat_data(post.data, new_data), np.concatenate([np.asarray(post.data_ids), new_ids])
-    if isinstance(keep, str) and keep == "none":
-        empty = take_data(post.data, np.zeros(0, np.int64))
-        return empty, np.zeros(0, np.int64)
-    if isinstance(keep, (int, np.integer)) and not isinstance(keep, bool) and keep >= 0:
-        seen = int(post.next_id) - len(post.tombstones)
-        kept = _reservoir(post.data_ids, new_ids, int(keep), seen, seed)
-        both = concat_data(post.data, new_data)
-        rows = positions(np.concatenate([np.asarray(post.data_ids), new_ids]), kept)
-        return take_data(both, rows), kept
-    raise InvalidOptionError(f"keep must be 'all', 'none' or a reservoir size, got {keep!r}")

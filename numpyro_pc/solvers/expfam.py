@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import ConvergenceError, MonteCarloErrorWarning, NonFiniteResultError, OutOfDomainError
+from numpyro_pc.model.likelihood import ModelData
 from numpyro_pc.model.rows import pad_to_bucket
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.protocols.records import ExpectationError, FitInfo
@@ -44,7 +45,7 @@ def _target(config, lam, data, prior_active, const, weights, seed) -> tuple[Any,
     """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
     (``weights`` 0 on the rows that only pad the data to its bucket)."""
     sites = compute_sites(config, lam, data, seed)
-    tau = const - weights @ sites.grads
+    tau = const - weights @ jnp.where(weights[:, None] > 0, sites.grads, 0.0)  # a weight-0 row adds nothing
     if prior_active:
         tau = tau - sites.prior
     return tau, sites
@@ -53,9 +54,15 @@ def _target(config, lam, data, prior_active, const, weights, seed) -> tuple[Any,
 def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
     """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.model.rows.bucket_size` rows
     (repeats of the last row with weight 0), so that batches of other sizes reuse the same
-    compiled site computation; the sites returned are those of the real rows."""
+    compiled site computation; the sites returned are those of the real rows. With no rows (every
+    example's data dropped or deleted) the model is traced on one row of zeros at weight 0: the target
+    is then the prior term and the fixed sites alone."""
     num = int(data.per_example[0].shape[0])
-    padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
+    if num:
+        padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
+    else:
+        padded = ModelData(tuple(jnp.zeros((1, *x.shape[1:]), x.dtype) for x in data.per_example), data.shared)
+        weights = jnp.zeros(1, const.dtype)
     cfg = config_rows(config, int(weights.shape[0]))
     seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
 
@@ -72,24 +79,34 @@ def config_rows(config: EFConfig, num: int) -> EFConfig:
 
 
 def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
-                     rho=1.0) -> _P:
+                     rho=1.0, frozen: EFSiteTable | None = None) -> _P:
     """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
     natural parameters ``start``; the prior term is active unless conjugate-form. Its ``record`` is a
     :class:`~numpyro_pc.protocols.records.FitInfo` (callers that are not a fit take its
-    :meth:`~numpyro_pc.protocols.records.SolveFields.solve_fields`)."""
+    :meth:`~numpyro_pc.protocols.records.SolveFields.solve_fields`).
+
+    :param frozen: sites held fixed, those of examples whose data was dropped (``update(keep=...)``):
+        their natural-parameter sum is part of the constant, and they stay in the result's site table
+        before the solved ones; the result keeps the data of ``ids`` only."""
     num = int(ids.shape[0])
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
     const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
+    if frozen is not None and frozen.num_examples:
+        const = const + frozen.natural_sum()
     lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, rho=rho,
                                  raise_on_failure=raise_on_failure, progress=progress)
     prior = post.sites.prior if post.conjugate_prior else sites.prior
-    state = EFState(lam, EFSiteTable(sites.grads, prior, ids))
+    table = EFSiteTable(sites.grads, prior, ids)
+    if frozen is not None and frozen.num_examples:
+        table = frozen.concat(table)
     error = (_draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
              if cfg.rule != "quadrature" and info.converged else None)
-    record = FitInfo(**info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)), expectation_error=error)
-    return post.evolve(config=cfg, data=data, state=state, record=record, stale_sites=False)
+    record = FitInfo(**info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)) if num else 0.0,
+                     expectation_error=error)
+    return post.evolve(config=cfg, data=data, state=EFState(lam, table), record=record, stale_sites=False,
+                       data_ids=ids if frozen is not None and frozen.num_examples else None)
 
 
 def _draw_error(config, data, prior_active, const, lam, tol) -> ExpectationError:

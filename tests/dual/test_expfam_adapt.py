@@ -424,8 +424,8 @@ def test_update_options_read_as_on_gaussian_posteriors(x64):
         post.update(**batch, correction="exact", selection="leverage")
     with pytest.raises(errors.InvalidOptionError, match="epochs= caps the passes"):
         post.update(**batch, correction="exact", epochs=3)
-    with pytest.raises(errors.MissingCapabilityError, match="keeps the data of every example"):
-        post.update(**batch, keep="none")
+    with pytest.raises(errors.InvalidOptionError, match="reservoir size"):
+        post.update(**batch, keep="nope")
     with pytest.raises(errors.InvalidOptionError, match="reservoir size"):
         post.update(**batch, keep=-1)
     with pytest.raises(errors.InvalidOptionError, match="progress"):

@@ -190,6 +190,18 @@ def update_weighted(name):  # the memory is every retained example: weights 1, t
     assert _kl(u, _fit(name, tuple(range(N)))) < 1e-8
 
 
+def update_dropping_data(name):  # keep="none": the sites stay, frozen; later corrections recompute the others
+    p = _first(name).update(**_rows(name, range(FIRST, FIRST + 4)), keep="none", tol=TOL)
+    assert p.num_retained == 0 and p.num_examples == FIRST + 4
+    u = p.update(**_rows(name, range(FIRST + 4, N)), correction="exact", tol=TOL)
+    assert u.num_retained == N - FIRST - 4
+    np.testing.assert_array_equal(_site_values(u, range(FIRST + 4)), _site_values(p, range(FIRST + 4)))
+    if name != "isotropic":  # the frozen sites are in the fixed point (isotropic sites carry no curvature)
+        assert float(u.residual) < 1e-9
+    if name in EXACT_SITES:  # exact sites lose nothing when frozen
+        assert _kl(u, _fit(name, tuple(range(N)))) < 1e-9
+
+
 GONE = [2, 5]
 KEPT = tuple(i for i in range(FIRST) if i not in GONE)
 
@@ -392,7 +404,7 @@ def federated_bounded(name):
 
 
 OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, update_memory_leverage,
-              update_stochastic, update_weighted, delete_remove_site, refine_after_site_removal, delete_corrected,
+              update_stochastic, update_weighted, update_dropping_data, delete_remove_site, refine_after_site_removal, delete_corrected,
               delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base, save_load, loo,
               influence, information_gain, correction_magnitude, lfo, correction_factor, federated_private,
               federated_bounded]
@@ -415,6 +427,7 @@ REFUSED = {
     ("lowrank-1", "update_memory_count"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "update_memory_leverage"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "update_stochastic"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "update_dropping_data"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "delete_remove_site"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "refine_after_site_removal"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "loo"): (errors.MissingCapabilityError, "projection of the site sum"),
