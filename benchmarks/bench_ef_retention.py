@@ -14,8 +14,9 @@ option: every row kept and every site recomputed at every update), a reservoir o
   ``q``: a frozen site is the one its batch saw, and the error of freezing shows as a KL to the
   ``keep="all"`` posterior).
 
-Reported per model and policy: wall seconds of the last 10 updates (warm, per update), the rows
-held at the end, and KL(q_policy ‖ q_all) (and, for the conjugate model, the largest relative
+Reported per model and policy: wall seconds of the last 10 updates (warm: the stream is run
+twice and the second pass timed, so no update compiles), the rows held at the end, and
+KL(q_policy ‖ q_all) (a value of order ±1e-11 is the rounding of two equal posteriors' KL) (and, for the conjugate model, the largest relative
 error of the Beta parameters against the closed form).
 
 Usage::
@@ -92,6 +93,8 @@ def main(argv=None):
     policies = [("all", "all"), (f"reservoir {args.reservoir}", args.reservoir), ("none", "none")]
     result = dict(machine=machine_info(), batches=num_batches, rows=args.rows, reservoir=args.reservoir, table=[])
     for name, model in (("beta_bernoulli", beta_bernoulli), ("misclassified", misclassified)):
+        for _, keep in policies:  # a first pass compiles every bucket the stream meets: the timed pass is warm
+            stream(model, batches, keep)
         runs = {label: stream(model, batches, keep) for label, keep in policies}
         reference = runs["all"][0]
         for label, (post, seconds) in runs.items():

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["all_finite", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
+__all__ = ["all_finite", "row_sum", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
            "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket", "check_keep",
            "retain"]
 
@@ -65,6 +65,14 @@ def to_device(x) -> jax.Array:
     if _representable(host.dtype):
         return jax.device_put(host)
     return jnp.asarray(host)
+
+
+def row_sum(x) -> jax.Array:
+    """The sum over the rows of ``x`` (axis 0), with NumPy for host data (nothing compiled for a new
+    number of rows), else with ``jnp``."""
+    if _host_path(x):
+        return jax.device_put(np.sum(np.asarray(x), 0))
+    return jnp.sum(x, 0)
 
 
 def all_finite(x) -> bool:

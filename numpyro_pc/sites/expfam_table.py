@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import InvalidOptionError
-from numpyro_pc.model.rows import is_every_row, join_rows, take_rows
+from numpyro_pc.model.rows import is_every_row, join_rows, row_sum, take_rows
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class EFSiteTable:
 
     def grad_sum(self, weights=None) -> jax.Array:
         r""":math:`\sum_i w_i g_i` ``(P,)`` over the example sites (:math:`w_i = 1` by default)."""
-        return jnp.sum(self.grads, 0) if weights is None else weights @ self.grads
+        return row_sum(self.grads) if weights is None else weights @ self.grads
 
     def natural_sum(self, family=None, weights=None) -> jax.Array:
         r""":math:`\sum_i w_i \hat\lambda_i = -\sum_i w_i g_i` ``(P,)`` (``family`` is not needed: the
