@@ -238,6 +238,24 @@ def test_bounded_aggregation_limits_a_rogue_client(with_rogue):
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_a_rogue_with_a_huge_linear_part_is_bounded_alone(with_rogue):
+    # issue 28 item 2: a linear part of 1e11 with an honest precision used to clip every client and move the mean
+    # to ~3e9; now only the rogue is clipped and the mean stays within c (1 + 2γ) / (1 + γ) honest sds
+    share, shift = 1.0, 2.0
+    server, clients = with_rogue(max_share=share, max_shift=shift)
+    own = server.sites["rogue"]
+    for r in range(2):
+        q = _round(server, clients, {"rogue": [np.full(server.dim, 1e11), np.asarray(own.precision)] * 2})
+        assert server.history[-1]["clipped_clients"] == ["rogue"], r
+        honest = [v for k, v in server.sites.items() if k != "rogue"]
+        lam = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), server.prior_nat, *honest)
+        P = np.asarray(lam.precision)
+        diff = np.asarray(q.mean) - np.linalg.solve(P, np.asarray(lam.linear))
+        assert np.sqrt(diff @ P @ diff) <= shift * (1 + 2 * share) / (1 + share) * (1 + 1e-9), r
+        assert np.linalg.eigvalsh(np.linalg.solve(P, np.asarray(q.precision))).max() <= 1 + share + 1e-9
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
 def test_a_run_that_refused_or_bounded_a_message_ends_with_an_error_naming_the_client(with_rogue, tmp_path):
     # issue 28: a poisoned run (a site that passes the checks: finite, below max_abs, PSD, but pulling the mean
     # far away with a huge precision) must not end as a silent success; an honest run must end cleanly
