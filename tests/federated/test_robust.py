@@ -8,6 +8,7 @@ honest posterior is known exactly.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 import pytest
 
 from numpyro_pc import errors
@@ -72,7 +73,7 @@ def _rogues(family_name, sites, prior):
 def _shift(prior, total, P_H, m_H):
     P = _dense(prior.precision) + _dense(total.precision)
     m = np.linalg.solve(P, np.asarray(prior.linear + total.linear))
-    return np.sqrt((m - m_H) @ P_H @ (m - m_H)), np.linalg.eigvalsh(np.linalg.solve(P_H, P))
+    return np.sqrt((m - m_H) @ P_H @ (m - m_H)), scipy.linalg.eigh(P, P_H, eigvals_only=True)
 
 
 @pytest.mark.parametrize("family_name", ["full", "diagonal"])
@@ -86,7 +87,7 @@ def test_one_rogue_moves_the_mean_by_at_most_the_stated_bound_and_clips_no_hones
         keep = np.array([j for j in range(HONEST) if j != i])
         P_i, m_i = _posterior(prior, sites.linear[keep], sites.precision[keep])
         g = np.asarray(sites.linear[i]) - _dense(sites.precision[i]) @ m_i
-        assert np.linalg.eigvalsh(np.linalg.solve(P_i, _dense(sites.precision[i]))).max() <= SHARE
+        assert scipy.linalg.eigh(_dense(sites.precision[i]), P_i, eigvals_only=True).max() <= SHARE
         assert np.sqrt(g @ np.linalg.solve(P_i, g)) <= SHIFT
     worst = 0.0
     for name, (h, S) in _rogues(family_name, sites, prior).items():
