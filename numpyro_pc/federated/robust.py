@@ -41,7 +41,9 @@ with ``j*`` the reference nearest the site and ``c_k = min(1, c / ‖g_k‖_{P_{
    ``0 ⪯ A ⪯ γ``, the first term is at most ``γ/(1+γ) ‖m_{H\i} − m_H‖_{P_H} ≤ γ c/(1+γ)`` (honest ``i``
    within its bound: ``m_H − m_{H\i} = P_H^{-1} g_i``) and the second at most ``‖g_r‖_{P_{k,j^*}^{-1}} ≤ c``.
 
-The rogue is held to ``c`` itself (``‖m − m_H‖_{P_H} ≤ c``) when its nearest reference is the honest
+The statement is about one aggregation and the honest sites as the server holds them; over a run the
+honest clients answer the poisoned posterior, and a non-conjugate model's sites move with it (measured
+in ``docs/federated.md``). The rogue is held to ``c`` itself (``‖m − m_H‖_{P_H} ≤ c``) when its nearest reference is the honest
 posterior; the extra ``γ c/(1+γ)`` is what it can gain by posing as a copy of the honest data without one
 client (a near-replay). Without a rogue the same statement holds for each client ``k`` against the others.
 An honest client beyond the bounds against the other honest clients is clipped too (the rogue may then
