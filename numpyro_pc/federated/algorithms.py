@@ -90,7 +90,7 @@ from .options import resolve_options
 from .privacy import check_gaussian_prior_data_free
 from .line_search import search_init, search_step
 from .records import RoundInfo
-from .robust import aggregate_sites, robust_bounds
+from .robust import BOUNDS_NEED_SUM, aggregate_sites, robust_bounds
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
@@ -315,6 +315,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
         raise InvalidOptionError("bounded aggregation (max_share/max_shift) bounds the clients' sites, but ADMM's "
                                  "server step also averages their local posteriors; use algorithm='fedpc'")
     bounds = robust_bounds(max_share, max_shift, dtype)
+    if bounds is not None:
+        require(family, SiteSum, "bounded aggregation (max_share/max_shift)", advice=BOUNDS_NEED_SUM)
     prior = gaussian_prior(spec, datas[0])
     # the isotropic family takes the prior's precision as its fixed τ: the AMA scaling in
     # which ρ ∈ (0, 2/K) is the safe range (paper §3.4)

@@ -167,9 +167,12 @@ class Robustness:
     :param float max_share: one client's site may raise the global precision by at most the factor
         ``1 + max_share`` over the others' (exponential families: at most ``max_share`` times the others'
         together, in the Fisher metric); default ``None``: no bound.
-    :param float max_shift: one client may move the global mean by at most this many standard deviations of
-        the others' posterior (exponential families: ``KL(q ‖ q_{−k}) ≤ max_shift² / 2``); default ``None``:
-        no bound.
+    :param float max_shift: ``c``: one client is clipped to within ``c`` standard deviations of the others'
+        posterior (or of the others' without one client, whichever is nearer), so that it moves the global
+        mean by at most ``c (1 + 2γ)/(1 + γ)`` standard deviations of the others' posterior while the others are
+        within the bounds among themselves, and cannot get them clipped (Gaussian full, diagonal and
+        isotropic families; low rank is refused). Exponential families: ``KL(q ‖ q_{−k}) ≤ max_shift² / 2``
+        against the others' posterior as sent. Default ``None``: no bound.
     """
 
     max_share: float | None = None

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import scipy.linalg
 import pytest
 
 import numpyro_pc as pc
@@ -232,9 +233,27 @@ def test_bounded_aggregation_limits_a_rogue_client(with_rogue):
     diff = np.asarray(q.mean) - rest_mean
     assert np.sqrt(diff @ np.asarray(lam.precision) @ diff) <= shift * (1 + 1e-9)
     # P ⪯ (1 + γ) P_{-k}: the rogue sharpens the posterior by at most 1 + γ in any direction
-    top = np.linalg.eigvalsh(np.linalg.solve(np.asarray(lam.precision), np.asarray(q.precision))).max()
+    top = scipy.linalg.eigh(np.asarray(q.precision), np.asarray(lam.precision), eigvals_only=True).max()
     assert top <= 1 + share + 1e-9
     assert server.history[-1]["clipped"] == 1 and server.history[-1]["clipped_clients"] == ["rogue"]
+
+
+@pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
+def test_a_rogue_with_a_huge_linear_part_is_bounded_alone(with_rogue):
+    # issue 28 item 2: a linear part of 1e11 with an honest precision used to clip every client and move the mean
+    # to ~3e9; now only the rogue is clipped and the mean stays within c (1 + 2γ) / (1 + γ) honest sds
+    share, shift = 1.0, 2.0
+    server, clients = with_rogue(max_share=share, max_shift=shift)
+    own = server.sites["rogue"]
+    for r in range(2):
+        q = _round(server, clients, {"rogue": [np.full(server.dim, 1e11), np.asarray(own.precision)] * 2})
+        assert server.history[-1]["clipped_clients"] == ["rogue"], r
+        honest = [v for k, v in server.sites.items() if k != "rogue"]
+        lam = jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), server.prior_nat, *honest)
+        P = np.asarray(lam.precision)
+        diff = np.asarray(q.mean) - np.linalg.solve(P, np.asarray(lam.linear))
+        assert np.sqrt(diff @ P @ diff) <= shift * (1 + 2 * share) / (1 + share) * (1 + 1e-9), r
+        assert scipy.linalg.eigh(np.asarray(q.precision), P, eigvals_only=True).max() <= 1 + share + 1e-9
 
 
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")
