@@ -27,7 +27,7 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")
 #: A test recorded above this many seconds goes to the slow tier (chosen so that the gate's
 #: recorded time keeps ``make test`` near 20 minutes on the 2-core machine; docs/install.md).
-SLOW_SECONDS = 4.0
+SLOW_SECONDS = 3.0
 #: The cheapest test of a file stays in the gate up to this many seconds.
 FILE_FLOOR_SECONDS = 60.0
 #: The gate's recorded test time (summed over tests; two workers share it) that keeps ``make test``

@@ -75,6 +75,7 @@ def latent_bound_model(y=None):
         numpyro.sample("y", dist.Normal(x, 1.0), obs=y)
 
 
+@pytest.mark.slow  # 8 s (measured alone, 2 cores)
 def test_a_support_that_depends_on_other_latents_is_refused():
     with jax.enable_x64():
         post = pc.fit(latent_bound_model, y=jnp.array([0.4, 0.9, 1.3, 0.2]), family="diagonal")

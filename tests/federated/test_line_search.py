@@ -38,6 +38,7 @@ def _objective_parts(family_name, clients):
     return cfg, stack, prior, prior_natural(family, prior, family.prior_tau(prior))
 
 
+@pytest.mark.slow  # 9 s cold (measured alone, 2 cores)
 @pytest.mark.parametrize("family_name", ["full", "diagonal"])
 def test_the_objective_is_the_one_whose_mean_gradient_the_sites_follow(x64, family_name):
     # ∂J/∂m = Σ_k E_q[∇ℓ_k] + P_0 (m − m_0): autodiff of the reported values against the gradients the
@@ -162,6 +163,7 @@ def test_acceptance_rule_refuses_nan_and_rises_and_accepts_what_it_promises():
     assert accept(100.0 * (1 + 1e-10), near, 100.0, near, 100.0, 100.0, near, eps32)
 
 
+@pytest.mark.slow  # 8 s (measured alone, 2 cores)
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")  # the partial run ends on its round budget
 def test_bounded_aggregation_and_partial_participation_take_the_plain_step_by_default(x64):
     # a tempered site breaks λ = λ_0 + Σ η: the search would stall (measured: 'stagnated' in round 2)
@@ -179,6 +181,7 @@ def test_bounded_aggregation_and_partial_participation_take_the_plain_step_by_de
     assert all(h.step is None for h in partial.history)
 
 
+@pytest.mark.slow  # 5 s (measured alone, 2 cores)
 @pytest.mark.filterwarnings("ignore:federated:RuntimeWarning")  # four rounds, before the tolerances
 def test_the_bytes_count_every_candidate(x64):
     X, y = make_logistic(200, 3, seed=4)

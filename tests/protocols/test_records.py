@@ -90,6 +90,7 @@ def fitted():
     return post, X, y
 
 
+@pytest.mark.slow  # 8 s (measured alone, 2 cores)
 def test_each_operation_leaves_its_own_record(fitted, tmp_path):
     """Float64 throughout: the fit is, and an update must run in the precision of its posterior."""
     with jax.enable_x64():
@@ -128,6 +129,7 @@ def _each_operation(post, X, y, tmp_path):
     assert loaded.record.residual == pytest.approx(float(refined.residual), rel=1e-6, abs=1e-12)
 
 
+@pytest.mark.slow  # 6 s (measured alone, 2 cores)
 def test_exponential_family_records_have_the_same_types():
     y = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
     with jax.enable_x64():
