@@ -28,7 +28,7 @@ from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.terms import ModelSpec, local_draws, site_log_likelihoods
 from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
-from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, to_device
+from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, stand_in_row, to_device
 from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
@@ -176,7 +176,7 @@ class DualPosteriorBase(Posterior):
     def residual_parts(self) -> dict[str, float]:
         """``{"mean": ..., "precision": ...}`` relative residuals of the two identities (with
         fresh sites after an approximate deletion, as :attr:`residual`)."""
-        if self.stale_sites and self.num_retained:
+        if self.stale_sites:
             return self._fresh_residual_and_parts()[1]
         return dual_residual(self.family, self.state, self.sites, self.offset)[1]
 
@@ -224,7 +224,10 @@ class DualPosteriorBase(Posterior):
         _, _, base = self._split_frozen()
         ids = np.asarray(self.data_ids)
         num = int(ids.size)
-        data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
+        if num:
+            data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
+        else:  # no data kept: the prior's site and the frozen ones alone (the row adds nothing)
+            data, weights, ids = stand_in_row(self.data), jnp.zeros(1, self.state.mean.dtype), np.array([-1])
         problem = SiteProblem(replace(self.spec, num_examples=int(ids.size)), data, self.family, self.rule,
                               self.curvature, self.sites.storage, self.chunk_size, to_device(ids), base, True, weights)
         return problem, num
@@ -481,7 +484,7 @@ class DualPosteriorBase(Posterior):
 
     def _shown_residual(self) -> str:
         """The residual for ``repr``: a representation never runs a site pass."""
-        if self.stale_sites and self.num_retained and self._fresh_residual_cache[0] is not self.state:
+        if self.stale_sites and self._fresh_residual_cache[0] is not self.state:
             return "stale sites (post.residual computes it)"
         return f"{self.residual:.2e}"
 

@@ -236,7 +236,7 @@ class EFPosterior(Posterior):
         (a property, as on Gaussian posteriors; calling it is deprecated), with fresh sites after
         ``delete(method="remove_site")`` (:attr:`Posterior.residual <numpyro_pc.protocols.posterior.Posterior.residual>`),
         also when no example's data is kept: the prior term is then the one live site."""
-        return _Residual(self.fresh_site_residual() if self.stale_sites else super().residual)
+        return _Residual(super().residual)
 
     def fresh_site_residual(self) -> float:
         """The residual with every retained example's site recomputed at the current ``λ`` (one site

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["all_finite", "row_sum", "bucket_size", "on_host", "to_device", "take_rows", "join_rows", "pad_last_row", "shifted",
-           "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket", "check_keep",
+           "filled", "is_every_row", "concat_data", "take_data", "positions", "pad_to_bucket", "stand_in_row", "check_keep",
            "retain"]
 
 
@@ -197,6 +197,13 @@ def positions(ids, wanted, what="example") -> np.ndarray:
         missing = wanted[~found].tolist()
         raise UnknownExampleError(f"no {what} with id(s) {missing[:10]}{' …' if len(missing) > 10 else ''}")
     return (slot if order is None else order[slot]).astype(np.int64)
+
+
+def stand_in_row(data) -> ModelData:
+    """One row of zeros shaped like ``data``'s examples: the site machinery traces the model on a row,
+    so a problem with no example left (every row dropped or deleted) is solved on this one at weight 0,
+    which leaves the prior term and the fixed sites alone."""
+    return ModelData(tuple(jnp.zeros((1, *x.shape[1:]), x.dtype) for x in data.per_example), data.shared)
 
 
 def pad_to_bucket(data, weights, ids, dtype=None) -> tuple[ModelData, jax.Array, np.ndarray]:

@@ -42,7 +42,7 @@ import numpy as np
 from numpyro_pc.dual.base import DualPosteriorBase, RowSelection
 from numpyro_pc.errors import InvalidOptionError, NotPositiveDefiniteError, UnknownExampleError
 from numpyro_pc.families.registry import DiagonalGaussian, Gaussian, GaussianNatural, add_site, remove_site
-from numpyro_pc.model.rows import as_ids, bucket_size, pad_to_bucket, positions, take_data, to_device
+from numpyro_pc.model.rows import as_ids, bucket_size, pad_to_bucket, positions, stand_in_row, take_data, to_device
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import SiteSum, capability, require
 from numpyro_pc.protocols.posterior import provides
@@ -147,7 +147,8 @@ def _live_rows(post, data_keep, live) -> tuple:
     dtype = post.state.mean.dtype
     if live.size:
         return pad_to_bucket(take_data(post.data, data_keep), None, live, dtype)
-    return pad_to_bucket(take_data(post.data, np.arange(1)), np.zeros(1, dtype), np.array([-1]), dtype)
+    row = take_data(post.data, np.arange(1)) if post.num_retained else stand_in_row(post.data)
+    return pad_to_bucket(row, np.zeros(1, dtype), np.array([-1]), dtype)
 
 
 @provides("delete")

@@ -208,11 +208,11 @@ class Posterior(ABC):
         With stale sites (:attr:`stale_sites`) the stored identity still holds by construction
         and says nothing about the deletion's error; the residual is then taken with every
         retained example's site recomputed at the current ``q`` (one site pass,
-        :meth:`fresh_site_residual`): how far the posterior is from the fixed point of the
-        remaining data. :attr:`site_identity_residual` is the stored identity, whatever the
+        :meth:`fresh_site_residual`; with no data kept, the prior's site alone): how far the
+        posterior is from the fixed point of the remaining data. :attr:`site_identity_residual` is the stored identity, whatever the
         sites' age.
         """
-        if self.stale_sites and self.num_retained:
+        if self.stale_sites:  # with no data kept, the prior's site is the one recomputed
             return self.fresh_site_residual()
         return self.site_identity_residual
 

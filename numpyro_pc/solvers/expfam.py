@@ -22,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import ConvergenceError, MonteCarloErrorWarning, NonFiniteResultError, OutOfDomainError
-from numpyro_pc.model.likelihood import ModelData
-from numpyro_pc.model.rows import pad_to_bucket
+from numpyro_pc.model.rows import pad_to_bucket, stand_in_row
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.protocols.records import ExpectationError, FitInfo
 from numpyro_pc.sites.expfam import EFConfig, compute_sites
@@ -61,8 +60,7 @@ def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
     if num:
         padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
     else:
-        padded = ModelData(tuple(jnp.zeros((1, *x.shape[1:]), x.dtype) for x in data.per_example), data.shared)
-        weights = jnp.zeros(1, const.dtype)
+        padded, weights = stand_in_row(data), jnp.zeros(1, const.dtype)
     cfg = config_rows(config, int(weights.shape[0]))
     seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
 

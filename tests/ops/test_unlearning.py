@@ -12,7 +12,7 @@ import numpyro_pc as pc
 from numpyro_pc.ops.diagnostics import count_compilations
 from numpyro_pc.errors import InvalidOptionError, NotFittedError
 
-from models import linear_model, logistic_model, make_linear, make_logistic
+from models import linear_model, logistic_model, make_linear, make_logistic, scale_model
 from models import closed_form_linear
 
 
@@ -285,3 +285,21 @@ def test_a_memory_given_as_a_set_or_an_iterator_is_ids_not_a_size(x64):
         other = post.update(X[30:], y[30:], correction="memory", memory=memory)
         assert other.record["corrected"] == 3
         np.testing.assert_array_equal(np.asarray(other.mean), np.asarray(by_list.mean))
+
+
+@pytest.mark.slow  # 7 s (measured alone, 2 cores)
+def test_with_no_data_kept_a_removal_shows_the_stale_prior_site_and_refine_recomputes_it(x64):
+    # a HalfNormal scale: its prior site depends on q; keep="none" leaves no row to recompute anything else
+    X, y = make_linear(60, 2, seed=1)
+    # solved to 1e-12 so that the frozen sites carry no residual of their own into the comparison below
+    post = pc.fit(scale_model, X[:30], y[:30], tol=1e-12).update(X[30:], y[30:], keep="none", tol=1e-12)
+    assert post.num_retained == 0
+    removed = post.delete(list(range(10)))
+    # the stored identity holds by construction; the fresh residual recomputes the prior's site (was hidden)
+    assert removed.site_identity_residual < 1e-7 and removed.residual > 1e-4
+    refined = removed.refine(tol=1e-11)
+    corrected = post.delete(list(range(10)), method="corrected", tol=1e-11)
+    assert refined.residual < 1e-9 and corrected.residual < 1e-9
+    # two solves of the same fixed point (the prior's site the one live term) to a 1e-11 residual
+    np.testing.assert_allclose(np.asarray(refined.mean), np.asarray(corrected.mean), rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(refined.precision), np.asarray(corrected.precision), rtol=1e-8)
