@@ -224,10 +224,8 @@ class DualPosteriorBase(Posterior):
         _, _, base = self._split_frozen()
         ids = np.asarray(self.data_ids)
         num = int(ids.size)
-        if num:
-            data, weights, ids = pad_to_bucket(self.data, None, ids, self.state.mean.dtype)
-        else:  # no data kept: the prior's site and the frozen ones alone (the row adds nothing)
-            data, weights, ids = stand_in_row(self.data), jnp.zeros(1, self.state.mean.dtype), np.array([-1])
+        data, weights, ids = (pad_to_bucket(self.data, None, ids, self.state.mean.dtype) if num else  # else: no data
+                              (stand_in_row(self.data), jnp.zeros(1, self.state.mean.dtype), np.array([-1])))
         problem = SiteProblem(replace(self.spec, num_examples=int(ids.size)), data, self.family, self.rule,
                               self.curvature, self.sites.storage, self.chunk_size, to_device(ids), base, True, weights)
         return problem, num
