@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.model.likelihood import ModelData, example_loss
-from numpyro_pc.model.rows import positions
+from numpyro_pc.dual.expfam_adapt import split_frozen
 from numpyro_pc.sites.expfam import design, model_point, point_losses
 
 from ..errors import NonFiniteResultError, NotPositiveDefiniteError, UnsupportedGuideError
@@ -77,7 +77,7 @@ def retained_grads(post) -> jax.Array:
     """The sites :math:`g_i` of the retained examples, rows in ``post.data_ids`` order."""
     if post.num_retained == post.num_examples:
         return post.sites.grads
-    return post.sites.grads[positions(np.asarray(post.sites.ids), np.asarray(post.data_ids))]
+    return post.sites.grads[split_frozen(post)[0]]
 
 
 @partial(jax.jit, static_argnums=0)

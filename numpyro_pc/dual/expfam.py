@@ -44,7 +44,7 @@ from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa
 from numpyro_pc.sites.expfam_eval import inference_data
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.solvers.expfam import (  # noqa: F401  (blr_solve: importable from here, as before)
-    blr_solve, bucketed_target, relative_residual, solve_every_site)
+    blr_solve, bucketed_target, fixed_part, relative_residual, solve_every_site)
 from numpyro_pc.solvers.fixed_point import default_tol
 
 from .expfam_adapt import checked_retained_ids, delete_ef, refine_ef, split_frozen, update_ef
@@ -241,7 +241,7 @@ class EFPosterior(Posterior):
     def fresh_site_residual(self) -> float:
         """The residual with every retained example's site recomputed at the current ``λ`` (one site
         pass; a frozen site, whose data was dropped, counts as stored)."""
-        _, _, const = split_frozen(self)
+        const = fixed_part(self, self.sites.take(split_frozen(self)[1]))
         tau, _ = bucketed_target(self.config, self.data, not self.conjugate_prior, const)(self.natural)
         return _Residual(relative_residual(self.natural, tau))
 

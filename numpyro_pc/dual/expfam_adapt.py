@@ -49,21 +49,14 @@ _WEIGHTED_REFUSAL = ("correction='weighted' rescales a memory set's sites to sta
                      "'stochastic' or 'exact'")
 
 
-def split_frozen(post: Posterior) -> tuple[np.ndarray, np.ndarray, jax.Array]:
-    r"""``(live, frozen, const)``: the site rows with retained data (in :attr:`data_ids` order), the
-    rows without, and what the frozen sites and a conjugate-form prior hold,
-    :math:`c = \lambda_0 + \sum_{i\,\text{frozen}} \hat\lambda_i` (zero without either): the
-    constant of every fixed point over the retained data."""
+def split_frozen(post: Posterior) -> tuple[np.ndarray, np.ndarray]:
+    """``(live, frozen)``: the site rows with retained data (in :attr:`data_ids` order) and the rows
+    without (held fixed by every fixed point: :func:`~numpyro_pc.solvers.expfam.fixed_part`)."""
     ids = np.asarray(post.sites.ids)
     if post.num_retained == post.num_examples:  # every site's data, in the sites' order
-        live, frozen = np.arange(ids.size), np.zeros(0, np.int64)
-    else:
-        live = positions(ids, np.asarray(post.data_ids))
-        frozen = np.setdiff1d(np.arange(ids.size), live)
-    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(post.natural)
-    if frozen.size:
-        const = const + post.sites.take(frozen).natural_sum()
-    return live, frozen, const
+        return np.arange(ids.size), np.zeros(0, np.int64)
+    live = positions(ids, np.asarray(post.data_ids))
+    return live, np.setdiff1d(np.arange(ids.size), live)
 
 
 def checked_retained_ids(retained_ids, held: np.ndarray, data) -> jax.Array | None:
@@ -126,7 +119,7 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     start = post.next_id  # never an id held or deleted before
     ids = jnp.arange(start, start + spec.num_examples)
     if correction == "exact":
-        _, frozen, _ = split_frozen(post)
+        _, frozen = split_frozen(post)
         data = concat_data(post.data, new)
         solved = solve_every_site(post, data, jnp.concatenate([post.data_ids, ids]), post.natural, tol, max_iters,
                                   raise_on_failure, progress, frozen=post.sites.take(frozen))
@@ -289,7 +282,7 @@ def refine_ef(post: Posterior, tol: float | None = None, max_iters: int | None =
     check_flag(progress, "progress")
     if post.num_examples == 0:
         raise DataShapeError("refine needs at least one example: this posterior holds none (it is its prior)")
-    _, frozen, _ = split_frozen(post)
+    _, frozen = split_frozen(post)
     with warnings.catch_warnings():  # the solver's own warning is replaced by refine's, below
         warnings.simplefilter("ignore", RuntimeWarning)
         solved = solve_every_site(post, post.data, post.data_ids, post.natural, tol, max_iters, False, progress,

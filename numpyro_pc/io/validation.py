@@ -38,8 +38,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from numpyro_pc.curvature.stores import STORES
-from numpyro_pc.errors import CorruptFileError, DtypeMismatchError, InconsistentFileError, InvalidOptionError
+from numpyro_pc.errors import (CorruptFileError, DtypeMismatchError, InconsistentFileError, InvalidOptionError,
+                               UnknownExampleError)
 from numpyro_pc.families.registry import get_family, registered_families
+from numpyro_pc.model.rows import positions
 from numpyro_pc.options import is_choice
 from numpyro_pc.protocols.capabilities import SiteCurvature, capability
 from numpyro_pc.sites.expectations import MAX_MC_SUBSPACE_DIM, MAX_SUBSPACE_DIM
@@ -435,10 +437,10 @@ def check_ef_contents(manifest: dict, arrays: dict) -> None:
         if str(data_ids.dtype) not in INT_DTYPES or data_ids.ndim != 1:
             _inconsistent("data_ids", f"a vector of ids, an integer dtype {INT_DTYPES}",
                           f"dtype {data_ids.dtype}, shape {data_ids.shape}")
-        order = np.argsort(ids, kind="stable") if ids.ndim == 1 else np.zeros(0, np.int64)
-        slot = np.minimum(np.searchsorted(ids[order], data_ids), max(order.size - 1, 0)) if order.size else None
-        where = np.where(ids[order][slot] == data_ids, order[slot], -1) if slot is not None \
-            else np.full(data_ids.size, -1)  # each id's row among the sites, -1 without one
+        try:  # each id's row among the sites
+            where = positions(ids, data_ids) if ids.ndim == 1 else np.full(data_ids.size, -1)
+        except UnknownExampleError:
+            where = np.full(data_ids.size, -1)
         if data_ids.size >= ids.size or np.any(where < 0) or np.any(np.diff(where) <= 0):
             _inconsistent("data_ids", "fewer ids than sites, each with a site, in the sites' order",
                           f"{data_ids.size} id(s) for {ids.size} sites, {int(np.sum(where < 0))} without a site or "

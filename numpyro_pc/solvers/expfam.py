@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "solve_every_site"]
+__all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "fixed_part",
+           "solve_every_site"]
 
 _P = TypeVar("_P", bound=Posterior)
 
@@ -76,6 +77,14 @@ def config_rows(config: EFConfig, num: int) -> EFConfig:
     return replace(config, spec=replace(config.spec, num_examples=num))
 
 
+def fixed_part(post, frozen: EFSiteTable | None = None) -> jax.Array:
+    r"""The constant of a fixed point over ``post``'s retained data:
+    :math:`c = \lambda_0 + \sum_{i\,\text{frozen}} \hat\lambda_i` (the prior term when conjugate-form,
+    and the ``frozen`` sites, those whose data was dropped; zero without either)."""
+    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(post.natural)
+    return const + frozen.natural_sum() if frozen is not None and frozen.num_examples else const
+
+
 def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
                      rho=1.0, frozen: EFSiteTable | None = None) -> _P:
     """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
@@ -89,9 +98,7 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
     num = int(ids.shape[0])
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
-    const = post.sites.prior_natural() if post.conjugate_prior else jnp.zeros_like(start)
-    if frozen is not None and frozen.num_examples:
-        const = const + frozen.natural_sum()
+    const = fixed_part(post, frozen)
     lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
                                  post.family.in_domain, start, tol, max_iters, rho=rho,
                                  raise_on_failure=raise_on_failure, progress=progress)
