@@ -19,6 +19,7 @@ from numpyro_pc.protocols.records import FitInfo
 from numpyro_pc.sites.expfam import EFConfig, conjugate_rtol, prior_form_residual
 from numpyro_pc.sites.expfam_table import EFSiteTable
 from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
+from numpyro_pc.solvers.fixed_point import in_domain_host
 
 from .expfam import EFPosterior, EFState
 
@@ -34,7 +35,7 @@ def _build(spec, data, fam, lam, guide_map, options, operation) -> EFPosterior:
     if opts:
         raise InvalidOptionError(f"unknown options {sorted(opts)}")
     lam = jnp.asarray(lam, jnp.result_type(float))
-    if not bool(fam.in_domain(lam)):
+    if not in_domain_host(fam.in_domain, lam):
         raise OutOfDomainError(f"the start is outside the family's domain: {fam.describe(lam)}")
     _, sites = bucketed_target(cfg, data, True, jnp.zeros_like(lam))(lam)
     conjugate = bool(prior_form_residual(cfg, lam, data, sites) < conjugate_rtol(lam.dtype))

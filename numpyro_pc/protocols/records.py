@@ -207,6 +207,9 @@ class SolveFields(Record):
     :ivar float max_site_nonlinearity: the largest per-site nonlinearity of the last site pass
         (exponential-family solves).
     :ivar ExpectationError expectation_error: the Monte Carlo or cubature error estimate, when computed.
+    :ivar int coarse_iterations: iterations of a first solve under a coarser design that gave the start
+        (exponential-family products with Gaussian blocks: :func:`numpyro_pc.solvers.expfam.coarse_config`);
+        ``iterations`` counts those of the configured design.
     """
 
     iterations: int | None = None
@@ -215,6 +218,7 @@ class SolveFields(Record):
     rho: float | None = None
     max_site_nonlinearity: float | None = None
     expectation_error: ExpectationError | None = None
+    coarse_iterations: int | None = None
 
     def solve_fields(self) -> dict[str, Any]:
         """The :class:`SolveFields` part, to build another operation's record from this one's solve."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "config_rows", "fixed_part",
-           "solve_every_site"]
+           "solve_every_site", "coarse_config", "trimmed"]
 
 _P = TypeVar("_P", bound=Posterior)
 
@@ -51,10 +51,11 @@ def _target(config, lam, data, prior_active, const, weights, seed) -> tuple[Any,
     return tau, sites
 
 
-def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
+def bucketed_target(config, data, prior_active, const, seed=None, trim=True) -> Callable:
     """``λ -> (τ(λ), sites)`` over ``data`` padded to :func:`numpyro_pc.model.rows.bucket_size` rows
     (repeats of the last row with weight 0), so that batches of other sizes reuse the same
-    compiled site computation; the sites returned are those of the real rows. With no rows (every
+    compiled site computation; the sites returned are those of the real rows (with ``trim=False``,
+    those of every padded row: a solve trims only the sites it returns). With no rows (every
     example's data dropped or deleted) the model is traced on one row of zeros at weight 0: the target
     is then the prior term and the fixed sites alone."""
     num = int(data.per_example[0].shape[0])
@@ -67,9 +68,14 @@ def bucketed_target(config, data, prior_active, const, seed=None) -> Callable:
 
     def target(lam: jax.Array) -> tuple[jax.Array, object]:
         tau, sites = _target(cfg, lam, padded, prior_active, const, weights, seed)
-        return tau, sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
+        return tau, trimmed(sites, num) if trim else sites
 
     return target
+
+
+def trimmed(sites, num: int) -> object:
+    """The sites of the first ``num`` (the real) rows of a padded site computation."""
+    return sites._replace(grads=sites.grads[:num], residual=sites.residual[:num])
 
 
 def config_rows(config: EFConfig, num: int) -> EFConfig:
@@ -99,9 +105,12 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
     const = fixed_part(post, frozen)
-    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const),
+    start, coarse_iterations = _coarse_start(cfg, data, not post.conjugate_prior, const, post.family.in_domain, start,
+                                             tol, max_iters, rho, progress)
+    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const, trim=False),
                                  post.family.in_domain, start, tol, max_iters, rho=rho,
                                  raise_on_failure=raise_on_failure, progress=progress)
+    sites = trimmed(sites, num)
     prior = post.sites.prior if post.conjugate_prior else sites.prior
     table = EFSiteTable(sites.grads, prior, ids)
     if frozen is not None and frozen.num_examples:
@@ -109,9 +118,45 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
     error = (_draw_error(cfg, data, not post.conjugate_prior, const, lam, tol)
              if cfg.rule != "quadrature" and info.converged else None)
     record = FitInfo(**info._asdict(), max_site_nonlinearity=float(jnp.max(sites.residual)) if num else 0.0,
-                     expectation_error=error)
+                     expectation_error=error, coarse_iterations=coarse_iterations)
     return post.evolve(config=cfg, data=data, state=EFState(lam, table), record=record, stale_sites=False,
                        data_ids=ids if frozen is not None and frozen.num_examples else None)
+
+
+COARSE_NODES = 8  # Gauss nodes per scalar site of the first solve of a product with Gaussian blocks
+
+
+def coarse_config(config: EFConfig) -> EFConfig | None:
+    """The design of the first, cheaper solve of :func:`solve_every_site`, or ``None`` when there is none.
+
+    A product with Gaussian blocks (rules ``"cubature"`` and ``"mixed"``) couples its factors, so its
+    solve takes tens of iterations, each a site pass over the tensor grid of the scalar sites' Gauss
+    nodes times the blocks' points. The same design with :data:`COARSE_NODES` nodes per scalar site
+    reaches nearly the same fixed point at a fraction of the cost per pass (4x fewer points for one
+    scalar site at the default 32 nodes); the solve under the configured design then starts there.
+    """
+    if config.rule not in ("cubature", "mixed") or config.num_nodes <= COARSE_NODES:
+        return None
+    return replace(config, num_nodes=COARSE_NODES)
+
+
+def _coarse_start(config, data, prior_active, const, in_domain, start, tol, max_iters, rho,
+                  progress) -> tuple[jax.Array, int | None]:
+    """The fixed point under :func:`coarse_config`'s design, as the start of the solve under ``config``,
+    with its iterations; ``(start, None)`` when there is no coarse design, or when its solve fails (then
+    nothing of it is used: the solve under ``config`` starts where it would have and reports its own failure).
+
+    Only the start changes: the result is the fixed point of the configured design, to ``tol``, whatever
+    the coarse design's accuracy (a poor one costs iterations of the full design, never accuracy)."""
+    coarse = coarse_config(config)
+    if coarse is None:
+        return start, None
+    try:
+        lam, _, info = blr_solve(bucketed_target(coarse, data, prior_active, const, trim=False), in_domain, start, tol,
+                                 max_iters, rho=rho, raise_on_failure=True, progress=progress)
+    except (ConvergenceError, OutOfDomainError, NonFiniteResultError):
+        return start, None
+    return lam, info.iterations
 
 
 def _draw_error(config, data, prior_active, const, lam, tol) -> ExpectationError:
@@ -193,7 +238,7 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
     :raises ConvergenceError: if ``tol`` is not met in ``max_iters`` (with ``raise_on_failure``; without
         it a ``RuntimeWarning`` says so and the last iterate is returned).
     """
-    if not bool(in_domain(lam)):
+    if not fixed_point.in_domain_host(in_domain, lam):
         raise OutOfDomainError("the start of the natural-parameter iteration has a non-positive shape "
                                f"parameter: {np.asarray(lam).tolist()}")
     tol = fixed_point.default_tol(lam.dtype) if tol is None else float(tol)

@@ -31,8 +31,8 @@ from numpyro_pc.protocols.records import FederatedInfo
 def test_mapping_view_lists_every_field_own_fields_first():
     info = UpdateInfo(correction="exact", corrected=3, new=2)
     assert list(info)[:4] == ["operation", "correction", "corrected", "new"]
-    assert list(info)[-6:] == ["iterations", "residual", "converged", "rho", "max_site_nonlinearity",
-                               "expectation_error"]
+    assert list(info)[-7:] == ["iterations", "residual", "converged", "rho", "max_site_nonlinearity",
+                               "expectation_error", "coarse_iterations"]
     assert len(info) == len(dataclasses.fields(UpdateInfo))
     assert info["corrected"] == info.corrected == 3
     assert info["fallback"] is None and "fallback" in info  # a field that does not apply is None, not absent
