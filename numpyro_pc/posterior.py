@@ -24,7 +24,7 @@ from numpyro_pc.dual.base import DualPosteriorBase, by_posterior_kind, in_own_pr
 from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.dual.expfam import EFPosterior
 from numpyro_pc.dual.expfam_fit import dual_form_ef, fit_ef
-from numpyro_pc.families.registry import ExponentialFamily, get_family
+from numpyro_pc.families.registry import GaussianFamily, get_family
 from numpyro_pc.guides import expfam as _ef_guides
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.io.save_load import load as _load
@@ -51,7 +51,7 @@ class DualPosterior(DualPosteriorBase):
 
     :ivar spec: the model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`).
     :ivar data: the bound data (:class:`~numpyro_pc.model.likelihood.ModelData`).
-    :ivar family: the :class:`~numpyro_pc.families.registry.ExponentialFamily`.
+    :ivar family: the :class:`~numpyro_pc.families.registry.GaussianFamily`.
     :ivar state: the :class:`~numpyro_pc.families.registry.Gaussian` ``(mean, precision)``.
     :ivar sites: the :class:`~numpyro_pc.sites.gaussian.Sites` at ``state``.
     :ivar rule: the expectation rule used for the sites and the refinement.
@@ -227,7 +227,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | Ex
     return post.evolve(record=post.record.replace(boundary=found.as_record()))
 
 
-def fit(model: Callable, *args, family: str | ExponentialFamily | dict = "full",
+def fit(model: Callable, *args, family: str | GaussianFamily | dict = "full",
         expectation: str | ExpectationRule | None = None,
         curvature: str = "hessian", storage: str = "auto", tol: float | None = None, max_iters: int | None = None,
         num_samples: int | None = None, seed: int = 0, num_nodes: int | None = None, init=None,

@@ -115,13 +115,17 @@ def test_a_module_that_stays_a_public_name_imports_under_it_without_a_warning(ol
     ("numpyro_pc.curvature", "Factor", "numpyro_pc.curvature.stores"),
     ("numpyro_pc.gp.corrected", "Sites", "numpyro_pc.gp.corrected"),
     ("numpyro_pc.gp", "StreamConfig", "numpyro_pc.gp.core"),
+    ("numpyro_pc.gp", "bucket_size", "numpyro_pc.gp.model"),
+    ("numpyro_pc.protocols.family", "ExponentialFamily", "numpyro_pc.protocols.family"),
+    ("numpyro_pc.families.registry", "ExponentialFamily", "numpyro_pc.protocols.family"),
 ])
 def test_a_renamed_or_moved_name_answers_with_a_warning(old_module, name, new):
     if old_module.startswith("numpyro_pc.gp"):
         pytest.importorskip("gpjax", reason="the gp extra (GPJax) is not installed")
     with pytest.warns(FutureWarning, match=name):
         value = getattr(importlib.import_module(old_module), name)
-    renamed = {"Factor": "JacobianFactor", "Sites": "FunctionSites", "StreamConfig": "GPStreamConfig"}.get(name, name)
+    renamed = {"Factor": "JacobianFactor", "Sites": "FunctionSites", "StreamConfig": "GPStreamConfig",
+               "bucket_size": "gp_batch_bucket", "ExponentialFamily": "GaussianFamily"}.get(name, name)
     assert value is getattr(importlib.import_module(new), renamed)
     with pytest.raises(AttributeError, match=f"module '{old_module}' has no attribute 'never_defined'"):
         getattr(importlib.import_module(old_module), "never_defined")
@@ -159,6 +163,10 @@ def _from_posteriordb_import_renamed_class():
 
 def _from_gp_import_renamed_class():
     from numpyro_pc.gp import StreamConfig  # noqa: F401
+
+
+def _from_registry_import_renamed_protocol():
+    from numpyro_pc.families.registry import ExponentialFamily  # noqa: F401
 
 
 def _call_expected_site_values():
@@ -199,6 +207,9 @@ _OLD_NAME_USES = {
     "numpyro_pc.posteriordb.Posterior": lambda: numpyro_pc.posteriordb.Posterior,
     "from numpyro_pc.posteriordb import Posterior": _from_posteriordb_import_renamed_class,
     "numpyro_pc.gp.StreamConfig": lambda: numpyro_pc.gp.StreamConfig,
+    "numpyro_pc.gp.bucket_size": lambda: numpyro_pc.gp.bucket_size,
+    "numpyro_pc.protocols.family.ExponentialFamily": lambda: numpyro_pc.protocols.family.ExponentialFamily,
+    "from numpyro_pc.families.registry import ExponentialFamily": _from_registry_import_renamed_protocol,
     "from numpyro_pc.gp import StreamConfig": _from_gp_import_renamed_class,
     "numpyro_pc.ops.expfam_handlers.bind_like": lambda: numpyro_pc.ops.expfam_handlers.bind_like,
     "numpyro_pc.io.expfam.check_ef_manifest": lambda: numpyro_pc.io.expfam.check_ef_manifest,

@@ -142,7 +142,7 @@ def _gaussian_pit_inputs(post, draw_key, predictive_key, num_samples, var_name) 
 def _ef_pit_inputs(post, draw_key, predictive_key, num_samples, var_name) -> tuple[Any, Any, np.ndarray]:
     spec, family, data = post.config.spec, post.family, post.data
     with jax.enable_x64(post.natural.dtype == jnp.float64):
-        draws = family.sample(draw_key, post.natural, num_samples)
+        draws = family.sample(post.natural, draw_key, num_samples)
         raw = family.stats(draws) @ retained_grads(post).T  # ⟨g_i, T(x_s)⟩ of the retained examples, (S, N)
         weights = np.asarray(raw - logsumexp(raw, axis=0, keepdims=True))
         z, discrete, _ = model_point(spec, family, {k: v[0] for k, v in draws.items()})

@@ -16,7 +16,7 @@ questions the solver, the diagnostics and the files ask of the curvature:
 
 ``JacobianFactor`` is exact for GLM-type models (distribution parameters ``θ_i`` affine in ``z``)
 and the Gauss–Newton approximation otherwise, at ``O(N·k·d)`` numbers; see docs/notation.md,
-"Sites". A family chooses which sum it needs (:meth:`~numpyro_pc.families.registry.ExponentialFamily.curvature_sum`);
+"Sites". A family chooses which sum it needs (:meth:`~numpyro_pc.families.registry.GaussianFamily.curvature_sum`);
 a store that cannot give it raises :class:`~numpyro_pc.errors.SiteStorageError`.
 
 Adding a storage kind is one class with these methods, registered with :func:`register_store`.

@@ -24,7 +24,7 @@ from jax.typing import ArrayLike
 
 from numpyro_pc.errors import (ConvergenceError, InvalidOptionError, MissingCapabilityError, PointEstimateWarning,
                                UnsupportedGuideError)
-from numpyro_pc.families.registry import ExponentialFamily, GaussianNatural, add_site
+from numpyro_pc.families.registry import GaussianFamily, GaussianNatural, add_site
 from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.terms import ModelSpec, local_draws, site_log_likelihoods
 from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
@@ -90,7 +90,7 @@ class DualPosteriorBase(Posterior):
     __slots__ = tuple(f"_{name}" if name in ("sites", "data") else name for name in _FIELDS) + ("_fresh_residual_cache",)
     # the slots' types (set once, by __init__ through object.__setattr__)
     spec: ModelSpec
-    family: ExponentialFamily
+    family: GaussianFamily
     stale_sites: bool
     history: tuple
     offset: GaussianNatural | None

@@ -259,7 +259,7 @@ class EFPosterior(Posterior):
     def sample(self, key, num_samples) -> dict[str, jax.Array]:
         """``num_samples`` draws per latent site (constrained values, as the model's sites hold them);
         local latents (docs/hierarchical.md) one value per row, from their local factor given each draw."""
-        draws = self.family.sample(key, self.natural, num_samples)
+        draws = self.family.sample(self.natural, key, num_samples)
         values = self.family.to_constrained(draws)
         if self.spec.local is not None:
             if self.num_retained != self.num_examples:
@@ -285,7 +285,7 @@ class EFPosterior(Posterior):
 
     def probe_points(self, num: int) -> list:
         """``num`` draws of the posterior (key 7) in the model's coordinates."""
-        draws = self.family.sample(jax.random.PRNGKey(7), self.natural, num)
+        draws = self.family.sample(self.natural, jax.random.PRNGKey(7), num)
         return [self.model_point({name: v[k] for name, v in draws.items()})[:2] for k in range(num)]
 
     def latent_factors(self) -> dict:
@@ -339,7 +339,7 @@ class EFPosterior(Posterior):
         check_key(key)
         num_samples = check_count(num_samples, "num_samples", allow_none=False)
         with jax.enable_x64(self.natural.dtype == jnp.float64):
-            draws = self.family.sample(key, self.natural, num_samples)
+            draws = self.family.sample(self.natural, key, num_samples)
             return jax.vmap(lambda point: model_point(self.spec, self.family, point)[0])(draws)
 
     def log_likelihood(self, z) -> dict[str, jax.Array]:

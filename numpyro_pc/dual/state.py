@@ -45,7 +45,7 @@ class PosteriorConfig:
     """The static configuration of a dual-form posterior (hashable: a compiled program's key).
 
     :ivar spec: the model binding (:class:`~numpyro_pc.model.likelihood.ModelSpec`).
-    :ivar family: the :class:`~numpyro_pc.families.registry.ExponentialFamily`.
+    :ivar family: the :class:`~numpyro_pc.families.registry.GaussianFamily`.
     :ivar rule: the prepared expectation rule.
     :ivar curvature: ``"hessian"`` or ``"ggn"``.
     :ivar storage: the requested curvature storage (``"auto"`` or a store's name).

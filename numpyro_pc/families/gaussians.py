@@ -8,7 +8,7 @@ family                      precision representation     sufficient statistics `
 :class:`IsotropicGaussian`  scalar ``τ`` (fixed)         ``z`` (base measure ``e^{-τ‖z‖²/2}``)
 =========================== ============================ ===============================
 
-Each implements :class:`~numpyro_pc.protocols.family.ExponentialFamily`; they are
+Each implements :class:`~numpyro_pc.protocols.family.GaussianFamily`; they are
 registered by name in :mod:`numpyro_pc.families.registry`.
 """
 
@@ -34,7 +34,7 @@ from numpyro_pc.protocols.capabilities import (
     SiteDivision,
     SiteSum,
 )
-from numpyro_pc.protocols.family import ExponentialFamily, Gaussian, GaussianNatural
+from numpyro_pc.protocols.family import GaussianFamily, Gaussian, GaussianNatural
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ _LOG_2PI = math.log(2.0 * math.pi)
 
 
 @dataclass(frozen=True, repr=False)
-class FullGaussian(ExponentialFamily):
+class FullGaussian(GaussianFamily):
     """Gaussian with a dense precision matrix (low-rank guides map here too)."""
 
     name: str = "full"
@@ -164,7 +164,7 @@ class FullGaussian(ExponentialFamily):
 
 
 @dataclass(frozen=True, repr=False)
-class DiagonalGaussian(ExponentialFamily):
+class DiagonalGaussian(GaussianFamily):
     """Gaussian with a diagonal precision (mean-field)."""
 
     name: str = "diagonal"
@@ -242,7 +242,7 @@ class DiagonalGaussian(ExponentialFamily):
 
 
 @dataclass(frozen=True, repr=False)
-class IsotropicGaussian(ExponentialFamily):
+class IsotropicGaussian(GaussianFamily):
     """Gaussian ``N(m, τ⁻¹ I)`` with a fixed precision ``τ`` (the ERM / MAP case).
 
     Only the mean is learned, ``T(z) = z``, and the base measure ``exp(−τ‖z‖²/2)`` is

@@ -93,7 +93,7 @@ from .lowrank_algebra import solve_precision as _solve
 from .lowrank_algebra import split_precision as _split
 from .lowrank_algebra import target_diagonal as _target_diagonal
 from .lowrank_algebra import target_matmat as _target_matmat
-from .registry import ExponentialFamily, Gaussian, GaussianNatural, register_family_factory
+from .registry import GaussianFamily, Gaussian, GaussianNatural, register_family_factory
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ __all__ = ["LowRankGaussian", "project_operator", "lowrank_from_covariance"]  # 
 _LOG_2PI = math.log(2.0 * math.pi)
 
 @dataclass(frozen=True, repr=False)
-class LowRankGaussian(ExponentialFamily):
+class LowRankGaussian(GaussianFamily):
     r"""Gaussian with precision ``diag(D) + U Uᵀ``, ``U`` of ``rank`` columns (see the module docstring).
 
     Obtain it as ``get_family("lowrank", rank=r)``, the name ``"lowrank-r"``, or

@@ -33,6 +33,7 @@ from numpyro.distributions.transforms import ExpTransform, IdentityTransform, In
 from numpyro_pc.errors import InvalidOptionError, UnsupportedGuideError, UnsupportedModelError
 from numpyro_pc.model.likelihood import trace_at
 from numpyro_pc.protocols.capabilities import FixedPrecision, GaussianSolver, SiteCurvature, SiteDivision, SiteSum
+from numpyro_pc.protocols.family import Family
 
 from .discrete import BernoulliFactor, CategoricalFactor
 from .expfam import BetaFactor, DirichletFactor, Factor, GammaFactor
@@ -228,8 +229,10 @@ def factor_from_distribution(site, fn, support) -> tuple[Factor, jax.Array, tupl
 
 
 @dataclass(frozen=True)
-class ProductFamily:
-    r"""Mean-field product :math:`q(x) = \prod_k q_k(x_k)` over latent sites (trace order).
+class ProductFamily(Family):
+    r"""Mean-field product :math:`q(x) = \prod_k q_k(x_k)` over latent sites (trace order): a
+    :class:`~numpyro_pc.protocols.family.Family` whose member ``q`` is its natural-parameter vector
+    :math:`\lambda` (the factors' parameters concatenated).
 
     Values passed to and returned by its methods are in each factor's own coordinates
     (constrained values, unconstrained values for Gaussian factors, integers for discrete
@@ -288,6 +291,11 @@ class ProductFamily:
     def log_normalizer(self, lam) -> jax.Array:
         return sum(f.log_normalizer(p) for f, p in zip(self.factors, self.split(lam)))
 
+    def natural(self, q) -> jax.Array:
+        r"""The natural parameters :math:`\lambda` of ``q``: ``q`` itself (a product's member is its
+        natural-parameter vector)."""
+        return q
+
     def expectation(self, lam) -> jax.Array:
         r"""Mean parameters :math:`\mu = \nabla A(\lambda) = E_q[T(x)]`."""
         return jax.grad(self.log_normalizer)(lam)
@@ -335,10 +343,11 @@ class ProductFamily:
 
         return jax.lax.fori_loop(0, num_iters, body, lam0)
 
-    def sample(self, key, lam, num) -> dict[Any, Any]:
-        """A dict of ``num`` draws per site, in the factors' coordinates."""
+    def sample(self, q, key, num_samples) -> dict[Any, Any]:
+        """A dict of ``num_samples`` draws per site of the member with natural parameters ``q``, in the
+        factors' coordinates (the argument order of every :class:`~numpyro_pc.protocols.family.Family`)."""
         keys = jax.random.split(key, len(self.factors))
-        return {f.site: f.sample(k, p, num) for f, k, p in zip(self.factors, keys, self.split(lam))}
+        return {f.site: f.sample(k, p, num_samples) for f, k, p in zip(self.factors, keys, self.split(q))}
 
     def to_constrained(self, values) -> dict[Any, Any]:
         """The model's site values of factor-coordinate ``values``."""

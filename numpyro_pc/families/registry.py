@@ -3,7 +3,7 @@ r"""Exponential families over the flat unconstrained latent vector ``z``: the re
 The protocol and the Gaussian pytrees live in :mod:`numpyro_pc.protocols.family`, the full,
 diagonal and isotropic Gaussians in :mod:`numpyro_pc.families.gaussians`, the low-rank family in
 :mod:`numpyro_pc.families.lowrank` (registered through :func:`register_family_factory`, names
-``"lowrank-r"``). New families subclass :class:`ExponentialFamily` (docs/architecture.md,
+``"lowrank-r"``). New families subclass :class:`GaussianFamily` (docs/architecture.md,
 "Adding a family").
 
 This module is the registry (:func:`get_family`, :func:`register_family`,
@@ -17,8 +17,10 @@ from collections.abc import Iterable
 
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.options import is_choice
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.protocols.family import (
-    ExponentialFamily,
+    Family,
+    GaussianFamily,
     Gaussian,
     GaussianNatural,
     add_site,
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Gaussian",
     "GaussianNatural",
-    "ExponentialFamily",
+    "Family",
+    "GaussianFamily",
     "FullGaussian",
     "DiagonalGaussian",
     "IsotropicGaussian",
@@ -67,17 +70,18 @@ def register_family_factory(prefix: str, build, parse) -> None:
     _FACTORIES[prefix] = (build, parse)
 
 
-def register_family(family: ExponentialFamily, aliases: Iterable[str] = ()) -> ExponentialFamily:
-    """Make ``family`` (an :class:`ExponentialFamily` instance) available by its ``name``.
+def register_family(family: GaussianFamily, aliases: Iterable[str] = ()) -> GaussianFamily:
+    """Make ``family`` (a :class:`GaussianFamily` instance) available by its ``name``.
 
     After registration ``pc.fit(..., family=name)``, saved files and every operation accept
     it; docs/architecture.md, "Adding a family", lists the methods a family implements.
 
-    :raises InvalidOptionError: ``family`` is not an :class:`ExponentialFamily`, or its
+    :raises InvalidOptionError: ``family`` is not a :class:`GaussianFamily`, or its
         name or an alias is taken by another family.
     """
-    if not isinstance(family, ExponentialFamily):
-        raise InvalidOptionError(f"register_family expects an ExponentialFamily instance, found {type(family).__name__}")
+    if not isinstance(family, GaussianFamily):
+        raise InvalidOptionError(f"register_family expects a GaussianFamily instance (a Gaussian family over z; a factor of "
+                                   f"a product registers with register_factor), found {type(family).__name__}")
     for name in (family.name, *aliases):
         taken = _FAMILIES.get(_ALIASES.get(name, name))
         if taken is not None and taken != family:
@@ -92,7 +96,7 @@ def registered_families() -> dict[Any, Any]:
     return dict(_FAMILIES)
 
 
-def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
+def get_family(family: str | GaussianFamily, **options) -> GaussianFamily:
     """Return a family instance from a registered name (``"full"``, ``"diagonal"``, ``"isotropic"``,
     ``"lowrank-5"``, …) or instance; ``options`` parametrise a family registered with
     :func:`register_family_factory` (``get_family("lowrank", rank=5)``).
@@ -100,7 +104,7 @@ def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
     :raises InvalidOptionError: an unknown name, or options for a family that takes none.
     """
     options = {k: v for k, v in options.items() if v is not None}
-    if isinstance(family, ExponentialFamily):
+    if isinstance(family, GaussianFamily):
         if options:
             raise InvalidOptionError(f"options {sorted(options)} apply to a family name, not to {family!r}")
         return family
@@ -115,6 +119,14 @@ def get_family(family: str | ExponentialFamily, **options) -> ExponentialFamily:
             raise InvalidOptionError(f"the {key!r} family takes no options (got {sorted(options)})")
     if not is_choice(key, _FAMILIES):
         raise InvalidOptionError(f"unknown family {family!r}; expected one of {sorted(_FAMILIES) + sorted(_FACTORIES)} "
-                                 "or an ExponentialFamily")
+                                 "or a GaussianFamily")
     return _FAMILIES[key]
 
+
+
+def __getattr__(name: str) -> type:
+    if name == "ExponentialFamily":
+        warn_renamed("numpyro_pc.families.registry.ExponentialFamily is now GaussianFamily (every family, Gaussian or "
+                     "a product, is a Family); the old name will be removed in the next release")
+        return GaussianFamily
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

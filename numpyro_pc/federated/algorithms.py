@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.dual.build import build_posterior
-from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNatural, get_family
+from numpyro_pc.families.registry import GaussianFamily, Gaussian, GaussianNatural, get_family
 from numpyro_pc.ops.merging import gaussian_prior, prior_natural
 from numpyro_pc.protocols.capabilities import FixedPrecision, SiteSum, capability, require
 from numpyro_pc.protocols.records import FederatedInfo
@@ -122,7 +122,7 @@ def refuse_ama(family) -> None:
                                  "algorithm='fedpc' to keep this family.")
 
 
-def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1) -> tuple[ExponentialFamily, float, float, str]:
+def check_settings(algorithm, family, rho, damping, expectation, spec, num_clients=1) -> tuple[GaussianFamily, float, float, str]:
     if not is_choice(algorithm, ALGORITHMS):
         raise InvalidOptionError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if algorithm == "ama":

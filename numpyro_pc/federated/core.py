@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.families.registry import ExponentialFamily, Gaussian, GaussianNatural
+from numpyro_pc.families.registry import GaussianFamily, Gaussian, GaussianNatural
 from numpyro_pc.model.likelihood import ModelData, bind_model, example_loss, example_params
 from numpyro_pc.model.terms import ModelSpec
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
@@ -89,7 +89,7 @@ class LocalConfig:
     """Static configuration of a local update.
 
     :ivar spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
-    :ivar family: the :class:`~numpyro_pc.families.registry.ExponentialFamily`.
+    :ivar family: the :class:`~numpyro_pc.families.registry.GaussianFamily`.
     :ivar rule: ``"delta"`` or ``"gh"`` (Gauss–Hermite for GLM-type models).
     :ivar num_nodes: Gauss–Hermite nodes.
     :ivar max_iters: Newton iterations of the local problem.
@@ -102,7 +102,7 @@ class LocalConfig:
     """
 
     spec: ModelSpec
-    family: ExponentialFamily
+    family: GaussianFamily
     rule: str = "delta"
     num_nodes: int = 64
     max_iters: int = 50

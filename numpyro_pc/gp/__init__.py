@@ -15,20 +15,27 @@ extra, GPJax 1.0). ``import numpyro_pc`` does not import it.
 
 from __future__ import annotations
 
+from numpyro_pc.deprecation import warn_renamed
+
 from .bounds import CollapsedFit, collapsed_bound, collapsed_fit, paper_bound
 from .core import GPStreamConfig, StreamingGPState
 from .core import __getattr__ as _core_getattr
-from .model import StreamingSparseGP, bucket_size
+from .model import StreamingSparseGP, gp_batch_bucket
 from .state import GPState, Hyper, handover, prior_state
 from .uncollapsed import BernoulliLogit, uncollapsed_bound
 from .usage import enable_compilation_cache
 
 __all__ = ["StreamingSparseGP", "GPState", "Hyper", "handover", "prior_state", "collapsed_fit", "collapsed_bound",
-           "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "bucket_size", "GPStreamConfig",
+           "paper_bound", "CollapsedFit", "uncollapsed_bound", "BernoulliLogit", "gp_batch_bucket", "GPStreamConfig",
            "StreamingGPState", "enable_compilation_cache"]
 
 
 def __getattr__(name: str) -> type:
     if name == "StreamConfig":  # renamed, with a FutureWarning naming the caller's line
         return _core_getattr(name)
+    if name == "bucket_size":  # renamed: numpyro_pc.model.rows.bucket_size is the dual-form rows' rule
+        warn_renamed("numpyro_pc.gp.bucket_size is now gp_batch_bucket (bucket_size is the dual-form rows' rule, "
+                     "numpyro_pc.model.rows.bucket_size, which pads differently); the old name will be removed in "
+                     "the next release")
+        return gp_batch_bucket  # type: ignore[return-value]  # a function, where the other renames are classes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,13 +52,14 @@ if TYPE_CHECKING:
     from .state import GPState
     from typing import Any
 
-__all__ = ["StreamingSparseGP", "bucket_size", "gaussian_kl", "noise_memory_term"]
+__all__ = ["StreamingSparseGP", "gp_batch_bucket", "gaussian_kl", "noise_memory_term"]
 
 DEFAULT_MEMORY = 1024
 
 
-def bucket_size(n, minimum=16) -> int:
-    """Smallest power of two ``≥ max(n, minimum)``: batch sizes are padded to it."""
+def gp_batch_bucket(n, minimum=16) -> int:
+    """Smallest power of two ``≥ max(n, minimum)``: a streaming GP pads its batches to it (the rows of a
+    dual-form posterior are bucketed by :func:`numpyro_pc.model.rows.bucket_size`, another rule)."""
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
@@ -322,7 +323,7 @@ class StreamingSparseGP:
                 Z0 = inducing.next_inducing(np.asarray(old.Z), X, new._rng, self.inducing, self.keep_fraction)
                 hyper0 = eqx.tree_at(lambda h: h.Z, old.hyper, jnp.asarray(Z0))
             n = X.shape[0]
-            nb = bucket_size(n)
+            nb = gp_batch_bucket(n)
             Xp = np.concatenate([X, np.repeat(X[:1], nb - n, 0)])
             yp = np.concatenate([np.where(obs, y, 0.0), np.zeros(nb - n)])
             mask = np.concatenate([obs.astype(float), np.zeros(nb - n)])

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-    from numpyro_pc.families.registry import ExponentialFamily
+    from numpyro_pc.families.registry import GaussianFamily
 
 __all__ = ["GuideAdapter", "register_guide", "SUPPORTED_GUIDES", "guide_family", "default_expectation",
            "from_guide", "to_guide_params", "is_registered"]
@@ -68,7 +68,7 @@ class GuideAdapter(ABC):
     family = "full"
     expectation = "auto"
 
-    def family_for(self, guide, latent) -> ExponentialFamily:
+    def family_for(self, guide, latent) -> GaussianFamily:
         """The family instance this guide maps to (``latent``: the model's latent space, or ``None``)."""
         return get_family(self.family)
 
@@ -102,7 +102,7 @@ def _guide_rank(guide, dim) -> int:
 class _LowRankMultivariateNormal(GuideAdapter):
     family = "lowrank"
 
-    def family_for(self, guide, latent) -> ExponentialFamily:
+    def family_for(self, guide, latent) -> GaussianFamily:
         dim = latent.dim if latent is not None else guide.latent_dim
         return get_family("lowrank", rank=_guide_rank(guide, dim))
 
@@ -224,8 +224,8 @@ def _adapter(guide) -> GuideAdapter:
     return adapter
 
 
-def guide_family(guide) -> ExponentialFamily:
-    """The :class:`~numpyro_pc.families.registry.ExponentialFamily` a guide maps to.
+def guide_family(guide) -> GaussianFamily:
+    """The :class:`~numpyro_pc.families.registry.GaussianFamily` a guide maps to.
 
     :raises UnsupportedGuideError: for any other guide (AutoIAFNormal, AutoBNAFNormal, AutoDAIS, ...).
     """

@@ -180,7 +180,7 @@ def _check_conjugate_prior(path, post, probe) -> None:
     minus the log density of that family member must be constant in :math:`x` (zero for a
     normalised prior), checked at a few draws of the posterior."""
     spec, family = post.config.spec, post.family
-    draws = family.sample(jax.random.PRNGKey(0), post.natural, _PRIOR_PROBES)
+    draws = family.sample(post.natural, jax.random.PRNGKey(0), _PRIOR_PROBES)
     model = jax.vmap(lambda point: -factor_prior_loss(spec, family, point, probe))(draws)
     diff = model - family.log_prob(post.sites.prior_natural(), draws)
     model, diff = np.asarray(model), np.asarray(diff)

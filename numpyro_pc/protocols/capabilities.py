@@ -1,6 +1,6 @@
 r"""What a family can do beyond its core: capabilities that are looked up, not flags that are tested.
 
-Every family implements the core of :class:`~numpyro_pc.protocols.family.ExponentialFamily`
+Every family implements the core of :class:`~numpyro_pc.protocols.family.GaussianFamily`
 (natural and expectation parameters, densities, sites). What an *operation* needs beyond the
 core is a property of the family's mathematics, and each such property is one capability
 class here. A family declares the capabilities it has (its ``capabilities`` tuple) and, for

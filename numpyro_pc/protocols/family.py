@@ -1,4 +1,4 @@
-r"""The family protocol: Gaussian distributions, Gaussian sites and :class:`ExponentialFamily`.
+r"""The family protocol: the core every family implements (:class:`Family`), Gaussian distributions and sites, and :class:`GaussianFamily`.
 
 A distribution is the pytree :class:`Gaussian` ``(mean, precision)``; its natural
 parameters are :class:`GaussianNatural` ``(linear, precision)`` meaning
@@ -8,9 +8,12 @@ rather than ``-S/2`` so that sums of sites read as sums of precisions.
 A Gaussian *site* ``ℓ̂(z) = zᵀĝ + ½ (z − m_t)ᵀ Ĥ (z − m_t)`` (paper Table 1) has natural
 parameters ``(Ĥ m_t − ĝ, Ĥ)``: ``exp(−ℓ̂)`` is an unnormalised Gaussian factor. Adding,
 removing and scaling sites is arithmetic on these pairs (:func:`add_site`,
-:func:`remove_site`, :func:`scale_site`). :class:`ExponentialFamily` lists what every family
-implements; the concrete families are in :mod:`numpyro_pc.families.gaussians` and
-:mod:`numpyro_pc.families.lowrank`, the registry in :mod:`numpyro_pc.families.registry`.
+:func:`remove_site`, :func:`scale_site`). :class:`Family` is the core every family implements,
+Gaussian or a product of exponential families (:class:`~numpyro_pc.families.product.ProductFamily`);
+:class:`GaussianFamily` adds what the Gaussian site solver needs. The concrete Gaussian families
+are in :mod:`numpyro_pc.families.gaussians` and :mod:`numpyro_pc.families.lowrank`, the registry
+in :mod:`numpyro_pc.families.registry`. ``ExponentialFamily``, the former name of
+:class:`GaussianFamily`, still reads, with a warning.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from numpyro_pc.deprecation import warn_renamed
 from numpyro_pc.errors import NonFiniteResultError, NotPositiveDefiniteError
 
 from .capabilities import (
@@ -46,7 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-__all__ = ["Gaussian", "GaussianNatural", "ExponentialFamily", "regularised_chol", "add_site", "remove_site",
+__all__ = ["Gaussian", "GaussianNatural", "Family", "GaussianFamily", "regularised_chol", "add_site", "remove_site",
            "scale_site", "require_site_product"]
 
 _T = TypeVar("_T")
@@ -94,14 +98,64 @@ def scale_site(site: _T, alpha) -> _T:
 def _deprecated_flag(name: str, meaning: str) -> property:
     """A read-only property answering the old family flag ``name`` from the capabilities, with a warning."""
     def read(self) -> bool:
-        warnings.warn(f"ExponentialFamily.{name} is deprecated: use {meaning} (numpyro_pc.protocols.capabilities)",
+        warnings.warn(f"GaussianFamily.{name} is deprecated: use {meaning} (numpyro_pc.protocols.capabilities)",
                       DeprecationWarning, stacklevel=2)
         return flag_values(self.capabilities)[name]
     return property(read, doc=f"Deprecated: {meaning}.")
 
 
-class ExponentialFamily(ABC):
-    """Interface every variational family implements.
+class Family(ABC):
+    r"""The core every variational family implements, whatever its kind: a minimal exponential
+    family :math:`q(x) \propto h(x) \exp(\langle\lambda, T(x)\rangle - A(\lambda))` (paper sec. 2,
+    Table 1), with its natural and expectation parameters, density, entropy, KL and draws.
+
+    ``q`` is the member in the form the family's functions take: a Gaussian family's
+    :class:`Gaussian` ``(mean, precision)`` (:class:`GaussianFamily`), a product's natural-parameter
+    vector :math:`\lambda` (:class:`~numpyro_pc.families.product.ProductFamily`); a posterior's
+    :attr:`~numpyro_pc.protocols.posterior.Posterior.q` is one. What a family can do beyond this core
+    is declared, not flagged: ``capabilities`` holds instances of the classes of
+    :mod:`numpyro_pc.protocols.capabilities`, and ``lacks`` says, for a capability the family does not
+    have, why; operations look them up with :func:`~numpyro_pc.protocols.capabilities.capability` and
+    :func:`~numpyro_pc.protocols.capabilities.require`, never by the family's class. Every method is a
+    pure function of pytrees, usable under ``jit``/``vmap``.
+    """
+
+    name: str
+    capabilities: ClassVar[tuple] = ()
+    lacks: ClassVar[Mapping] = MappingProxyType({})
+
+    @abstractmethod
+    def natural(self, q) -> Any:
+        r"""Natural parameters :math:`\lambda` of ``q``."""
+
+    @abstractmethod
+    def expectation(self, q) -> Any:
+        r"""Expectation parameters :math:`\mu = E_q[T(x)]`."""
+
+    @abstractmethod
+    def log_prob(self, q, point) -> jax.Array:
+        """Log-density of ``point`` (the family's coordinates; leading batch axes allowed) under ``q``."""
+
+    @abstractmethod
+    def entropy(self, q) -> jax.Array:
+        """Entropy of ``q`` (in the family's coordinates)."""
+
+    @abstractmethod
+    def kl(self, q, p) -> jax.Array:
+        """``KL(q ‖ p)`` for two members of this family."""
+
+    @abstractmethod
+    def sample(self, q, key, num_samples) -> Any:
+        """``num_samples`` draws of ``q`` with the PRNG ``key``, in the family's coordinates (leading axis
+        ``num_samples``)."""
+
+
+class GaussianFamily(Family):
+    """A Gaussian family over the flat unconstrained latent vector ``z`` (full, diagonal, isotropic,
+    low-rank): the :class:`Family` core plus the Gaussian algebra the site solver, the sites and the
+    operations ask of it — the precision format, site natural parameters, curvature sums and
+    projections, the solver's target and preconditioner, Bayesian arithmetic, checks of a precision
+    read or received (docs/architecture.md, "Who decides what").
 
     All methods are pure functions of pytrees and may be used under ``jit``/``vmap``.
 
@@ -135,7 +189,7 @@ class ExponentialFamily(ABC):
 
     @abstractmethod
     def natural(self, q) -> GaussianNatural:
-        """Natural parameters of ``q``."""
+        """Natural parameters of ``q`` (:class:`GaussianNatural`)."""
 
     @abstractmethod
     def from_natural(self, natural) -> Gaussian:
@@ -150,8 +204,8 @@ class ExponentialFamily(ABC):
         """Distribution with the given expectation parameters."""
 
     @abstractmethod
-    def log_prob(self, q, z) -> jax.Array:
-        """Log-density of ``z`` (trailing axis ``d``) under ``q``."""
+    def log_prob(self, q, point) -> jax.Array:
+        """Log-density of ``point``, flat unconstrained values ``z`` (trailing axis ``d``), under ``q``."""
 
     @abstractmethod
     def entropy(self, q) -> jax.Array:
@@ -363,3 +417,11 @@ def _chol_or_none(matrix) -> jax.Array | None:
     chol = jnp.linalg.cholesky(matrix)
     return chol if bool(jnp.all(jnp.isfinite(chol))) else None
 
+
+
+def __getattr__(name: str) -> type:
+    if name == "ExponentialFamily":
+        warn_renamed("numpyro_pc.protocols.family.ExponentialFamily is now GaussianFamily (every family, Gaussian or "
+                     "a product, is a Family); the old name will be removed in the next release")
+        return GaussianFamily
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,7 +40,7 @@ def log_likelihood(post, draws) -> dict[Any, jax.Array]:
     """Per-example log-likelihood of each observed site at ``draws`` in factor coordinates.
 
     :param post: an :class:`~numpyro_pc.dual.expfam.EFPosterior`.
-    :param dict draws: ``{site: (S, *shape)}`` (e.g. ``post.family.sample(key, post.natural, S)``).
+    :param dict draws: ``{site: (S, *shape)}`` (e.g. ``post.family.sample(post.natural, key, S)``).
     :return: ``{observed site: (S, N)}`` in ``spec.observed`` order; an example's values of
         one site are summed whatever its event or inner-plate shape.
     """
@@ -66,7 +66,7 @@ def inference_data(post, key, num_samples=1000) -> Any:
     import arviz as az
 
     spec, data = post.config.spec, post.data
-    draws = post.family.sample(key, post.natural, int(num_samples))
+    draws = post.family.sample(post.natural, key, int(num_samples))
     loglik = log_likelihood(post, draws)
     if len(loglik) > 1 and "joint" not in loglik:
         loglik["joint"] = sum(loglik.values())

@@ -389,7 +389,7 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
 
     :param spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
     :param data: the :class:`~numpyro_pc.model.likelihood.ModelData` to compute sites for.
-    :param family: an :class:`~numpyro_pc.families.registry.ExponentialFamily`.
+    :param family: a :class:`~numpyro_pc.families.registry.GaussianFamily`.
     :param q: the :class:`~numpyro_pc.families.registry.Gaussian` to expand around.
     :param rule: a prepared :class:`~numpyro_pc.sites.expectations.ExpectationRule`.
     :param str curvature: ``"hessian"`` (exact ``E_q[∇²ℓ_i]``) or ``"ggn"`` (Gauss–Newton

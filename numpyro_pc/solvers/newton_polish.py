@@ -68,8 +68,8 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
     :param problem: the :class:`~numpyro_pc.solvers.site_problem.SiteProblem`.
     :param q: the current member (its mean is ``m``).
     :param grad: ``∇L(m)``, the sum of the live terms' site gradients.
-    :param pre: the mean preconditioner of :meth:`~numpyro_pc.families.registry.ExponentialFamily.fixed_point`,
-        applied through the family's :meth:`~numpyro_pc.families.registry.ExponentialFamily.inner_preconditioner`.
+    :param pre: the mean preconditioner of :meth:`~numpyro_pc.families.registry.GaussianFamily.fixed_point`,
+        applied through the family's :meth:`~numpyro_pc.families.registry.GaussianFamily.inner_preconditioner`.
     :param float forcing: relative residual at which CG stops.
     :return: the direction, or ``None`` when the first search direction has non-positive curvature.
     """

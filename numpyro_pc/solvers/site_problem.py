@@ -91,7 +91,7 @@ def problem_totals(problem, q, sites, sums=None) -> tuple[Any, Any, Any, Any, An
 def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss=False) -> tuple[Any, Any, Any, Any, Any]:
     """Sums over a problem's live terms at ``q`` (pure; the solver's and :mod:`numpyro_pc.kernels.site_table`'s).
 
-    :param family: the :class:`~numpyro_pc.families.registry.ExponentialFamily` (static).
+    :param family: the :class:`~numpyro_pc.families.registry.GaussianFamily` (static).
     :param bool include_prior: whether the prior site is a live term (static).
     :param q: the current member.
     :param sites: the live examples' :class:`~numpyro_pc.sites.gaussian.Sites` (their prior site is used

@@ -69,7 +69,7 @@ def test_factor_algebra_matches_scipy(x64, factor, args, ref):
     mu = fam.expectation(lam)
     back = fam.from_expectation(mu, fam.default_natural(jnp.float64))
     np.testing.assert_allclose(back, lam, rtol=1e-10)  # natural -> mean -> natural
-    draws = fam.sample(jax.random.PRNGKey(0), lam, 20000)[factor.site]
+    draws = fam.sample(lam, jax.random.PRNGKey(0), 20000)[factor.site]
     np.testing.assert_allclose(np.mean(draws), ref.mean(), rtol=2e-2)
     assert bool(fam.in_domain(lam)) and not bool(fam.in_domain(lam.at[0].set(-1.5)))
 
