@@ -118,6 +118,7 @@ def test_a_module_that_stays_a_public_name_imports_under_it_without_a_warning(ol
     ("numpyro_pc.gp", "bucket_size", "numpyro_pc.gp.model"),
     ("numpyro_pc.protocols.family", "ExponentialFamily", "numpyro_pc.protocols.family"),
     ("numpyro_pc.families.registry", "ExponentialFamily", "numpyro_pc.protocols.family"),
+    ("numpyro_pc.families", "ExponentialFamily", "numpyro_pc.protocols.family"),
 ])
 def test_a_renamed_or_moved_name_answers_with_a_warning(old_module, name, new):
     if old_module.startswith("numpyro_pc.gp"):

@@ -11,3 +11,9 @@ from numpyro_pc.families import registry as _registry
 from numpyro_pc.families.registry import *  # noqa: F401,F403
 
 __all__ = list(_registry.__all__)
+
+
+def __getattr__(name: str) -> type:
+    if name == "ExponentialFamily":
+        return _registry.__getattr__(name)  # renamed: warns there, naming GaussianFamily
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -117,7 +117,8 @@ class Family(ABC):
     :mod:`numpyro_pc.protocols.capabilities`, and ``lacks`` says, for a capability the family does not
     have, why; operations look them up with :func:`~numpyro_pc.protocols.capabilities.capability` and
     :func:`~numpyro_pc.protocols.capabilities.require`, never by the family's class. Every method is a
-    pure function of pytrees, usable under ``jit``/``vmap``.
+    pure function of pytrees, usable under ``jit``/``vmap``; the core's arguments are positional (the
+    kinds name them after their coordinates: a Gaussian's ``z``, a product's ``lam``).
     """
 
     name: str
@@ -125,27 +126,27 @@ class Family(ABC):
     lacks: ClassVar[Mapping] = MappingProxyType({})
 
     @abstractmethod
-    def natural(self, q) -> Any:
+    def natural(self, q, /) -> Any:
         r"""Natural parameters :math:`\lambda` of ``q``."""
 
     @abstractmethod
-    def expectation(self, q) -> Any:
+    def expectation(self, q, /) -> Any:
         r"""Expectation parameters :math:`\mu = E_q[T(x)]`."""
 
     @abstractmethod
-    def log_prob(self, q, point) -> jax.Array:
+    def log_prob(self, q, point, /) -> jax.Array:
         """Log-density of ``point`` (the family's coordinates; leading batch axes allowed) under ``q``."""
 
     @abstractmethod
-    def entropy(self, q) -> jax.Array:
+    def entropy(self, q, /) -> jax.Array:
         """Entropy of ``q`` (in the family's coordinates)."""
 
     @abstractmethod
-    def kl(self, q, p) -> jax.Array:
+    def kl(self, q, p, /) -> jax.Array:
         """``KL(q ‖ p)`` for two members of this family."""
 
     @abstractmethod
-    def sample(self, q, key, num_samples) -> Any:
+    def sample(self, q, key, num_samples, /) -> Any:
         """``num_samples`` draws of ``q`` with the PRNG ``key``, in the family's coordinates (leading axis
         ``num_samples``)."""
 

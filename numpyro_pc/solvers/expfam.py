@@ -105,11 +105,11 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
     const = fixed_part(post, frozen)
-    start, coarse_iterations = _coarse_start(cfg, data, not post.conjugate_prior, const, post.family.in_domain, start,
-                                             tol, max_iters, rho, progress)
-    lam, sites, info = blr_solve(bucketed_target(cfg, data, not post.conjugate_prior, const, trim=False),
-                                 post.family.in_domain, start, tol, max_iters, rho=rho,
-                                 raise_on_failure=raise_on_failure, progress=progress)
+    target = bucketed_target(cfg, data, not post.conjugate_prior, const, trim=False)
+    start, first, coarse_iterations = _coarse_start(cfg, target, bucketed_target, (data, not post.conjugate_prior, const),
+                                                    post.family.in_domain, start, tol, max_iters, rho, progress)
+    lam, sites, info = blr_solve(target, post.family.in_domain, start, tol, max_iters, rho=rho,
+                                 raise_on_failure=raise_on_failure, progress=progress, first=first)
     sites = trimmed(sites, num)
     prior = post.sites.prior if post.conjugate_prior else sites.prior
     table = EFSiteTable(sites.grads, prior, ids)
@@ -133,30 +133,49 @@ def coarse_config(config: EFConfig) -> EFConfig | None:
     solve takes tens of iterations, each a site pass over the tensor grid of the scalar sites' Gauss
     nodes times the blocks' points. The same design with :data:`COARSE_NODES` nodes per scalar site
     reaches nearly the same fixed point at a fraction of the cost per pass (4x fewer points for one
-    scalar site at the default 32 nodes); the solve under the configured design then starts there.
+    scalar site at the default 32 nodes). ``None`` where it would not be cheaper: other rules, a design
+    with that few nodes already, or a grid that does not shrink (discrete factors enumerate their values
+    whatever the nodes; Gaussian blocks alone have no grid).
     """
     if config.rule not in ("cubature", "mixed") or config.num_nodes <= COARSE_NODES:
+        return None
+    if config.family.grid_size(COARSE_NODES) >= config.family.grid_size(config.num_nodes):
         return None
     return replace(config, num_nodes=COARSE_NODES)
 
 
-def _coarse_start(config, data, prior_active, const, in_domain, start, tol, max_iters, rho,
-                  progress) -> tuple[jax.Array, int | None]:
-    """The fixed point under :func:`coarse_config`'s design, as the start of the solve under ``config``,
-    with its iterations; ``(start, None)`` when there is no coarse design, or when its solve fails (then
-    nothing of it is used: the solve under ``config`` starts where it would have and reports its own failure).
+def _coarse_start(config, target, make_target, target_args, in_domain, start, tol, max_iters, rho,
+                  progress) -> tuple[jax.Array, tuple | None, int | None]:
+    """Where the solve under ``config`` starts: ``(start, first, coarse_iterations)``.
 
-    Only the start changes: the result is the fixed point of the configured design, to ``tol``, whatever
-    the coarse design's accuracy (a poor one costs iterations of the full design, never accuracy)."""
+    ``target`` is the configured design's; its value at the start it returns is ``first`` (for
+    :func:`blr_solve`, which would evaluate it there anyway). A start already within ``tol`` under
+    the configured design stays (a warm start: ``refine()`` of a converged posterior runs no pass
+    more). Otherwise, with a :func:`coarse_config` design, the coarse fixed point is solved from
+    ``start`` (at most ``max_iters`` iterations; its last iterate if it does not converge, nothing
+    of it if it leaves the domain or is not finite), and the solve starts from whichever of the two
+    has the smaller residual under the configured design. Only the start changes: the result is
+    the configured design's fixed point to ``tol``, whatever the coarse design's accuracy.
+    ``coarse_iterations`` counts the coarse iterations run (``None``: no coarse solve)."""
     coarse = coarse_config(config)
     if coarse is None:
-        return start, None
+        return start, None, None
+    first = target(start)
+    here = relative_residual(start, first[0])
+    if here < tol:
+        return start, first, None
     try:
-        lam, _, info = blr_solve(bucketed_target(coarse, data, prior_active, const, trim=False), in_domain, start, tol,
-                                 max_iters, rho=rho, raise_on_failure=True, progress=progress)
-    except (ConvergenceError, OutOfDomainError, NonFiniteResultError):
-        return start, None
-    return lam, info.iterations
+        with warnings.catch_warnings():  # a coarse solve that stops short is judged below, not reported
+            warnings.simplefilter("ignore", RuntimeWarning)
+            lam, _, info = blr_solve(make_target(coarse, *target_args, trim=False), in_domain, start, tol, max_iters,
+                                     rho=rho, raise_on_failure=False, progress=progress,
+                                     label="natural-gradient solve (coarse design)")
+    except (OutOfDomainError, NonFiniteResultError):
+        return start, first, None
+    there = target(lam)
+    if relative_residual(lam, there[0]) < here:  # a NaN residual is never smaller
+        return lam, there, info.iterations
+    return start, first, info.iterations
 
 
 def _draw_error(config, data, prior_active, const, lam, tol) -> ExpectationError:
@@ -209,7 +228,8 @@ EF_MAX_ITERS = 200  # natural-gradient steps of an exponential-family solve when
 
 
 def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, raise_on_failure=True,
-              memory=5, progress=False) -> tuple[jax.Array, object, SolveInfo]:
+              memory=5, progress=False, first=None,
+              label="natural-gradient solve") -> tuple[jax.Array, object, SolveInfo]:
     r"""Run the BLR to the fixed point of ``target_fn`` (the host driver of :mod:`numpyro_pc.solvers.fixed_point`).
 
     Each step is :func:`numpyro_pc.solvers.fixed_point.natural_propose`: Anderson mixing over the last
@@ -230,7 +250,8 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
     :param in_domain: ``λ -> bool`` (traceable).
     :param lam: the start (inside the domain).
     :param tol: relative residual tolerance (default :func:`numpyro_pc.solvers.fixed_point.default_tol`).
-    :param bool progress: show a progress bar of the iterations with the residual.
+    :param bool progress: show a progress bar of the iterations with the residual (named ``label``).
+    :param first: ``target_fn(lam)`` when the caller has it already (it is not evaluated again).
     :return: ``(λ, aux, SolveInfo)`` where ``aux`` belongs to the returned ``λ``.
     :raises OutOfDomainError: if the start is outside the domain, or no step keeps
         the iterate inside.
@@ -251,9 +272,15 @@ def blr_solve(target_fn, in_domain, lam, tol=None, max_iters=None, rho=1.0, rais
                                        f"{np.asarray(x).tolist()})")
         return target, aux
 
-    target, aux = evaluate(lam, 0)
+    if first is None:
+        target, aux = evaluate(lam, 0)
+    else:
+        target, aux = first
+        if not bool(jnp.all(jnp.isfinite(target))):
+            raise NonFiniteResultError(f"the sites at iteration 0 are not finite (natural parameter "
+                                       f"{np.asarray(lam).tolist()})")
     state = fixed_point.natural_init(lam, target, rho, memory)
-    bar = fixed_point.progress_bar(progress, max_iters, "natural-gradient solve")
+    bar = fixed_point.progress_bar(progress, max_iters, label)
     try:
         while True:
             res, it = float(state.residual), int(state.iteration)
