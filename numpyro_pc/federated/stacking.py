@@ -115,10 +115,12 @@ def map_buckets(fn, buckets, per_client=()) -> Any:
     :param tuple per_client: pytrees with a leading client axis ``K`` (sites, keys, …), in the clients' order.
     :returns: ``fn``'s results stacked on a leading axis ``K``, in the clients' order.
     """
-    outs = []
+    outs: list = []
     for stack, members in zip(buckets.stacks, buckets.members):
-        args = jax.tree.map(lambda x: x[members], tuple(per_client))
-        outs.append(jax.vmap(fn)(*args, stack.per_example, stack.mask))
+        args = (jax.tree.map(lambda x: x[members], tuple(per_client)), stack.per_example, stack.mask)
+        if outs:  # one bucket after the other: XLA's CPU runtime stalled running two large buckets' loops at once
+            outs[-1], args = jax.lax.optimization_barrier((outs[-1], args))
+        outs.append(jax.vmap(fn)(*args[0], args[1], args[2]))
     if len(outs) == 1:
         return jax.tree.map(lambda x: x[buckets.order], outs[0])
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, 0)[buckets.order], *outs)
