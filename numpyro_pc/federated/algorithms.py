@@ -20,9 +20,9 @@ family and the server step:
     product ``Π_k q_k`` is taken as a geometric mean so that the fixed point stays the
     joint posterior (the unnormalised product would carry ``K`` times the precision).
 
-Clients are stacked on a leading axis and ``vmap``-ed, by buckets of similar shard sizes
-(:func:`~numpyro_pc.federated.stacking.bucket_clients`: each client padded to less than twice its rows, not to
-the largest shard); with ``fraction < 1`` a random subset of fixed size takes part in each round (gathered and
+Clients are stacked on a leading axis and ``vmap``-ed, padded to the largest shard or, with
+``stacking.BUCKET_BASE = 2`` (opt-in), by buckets of similar shard sizes
+(:func:`~numpyro_pc.federated.stacking.bucket_clients`: each client padded to less than twice its rows); with ``fraction < 1`` a random subset of fixed size takes part in each round (gathered and
 scattered from one stack padded to the largest shard, so shapes never change). Rounds are a host loop around one jitted round function; it stops when the KL
 between successive global posteriors and the local-correction residual fall below the
 tolerances.
@@ -297,8 +297,8 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     if not 0 < fraction <= 1:
         raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
     num_participants = max(1, int(round(fraction * num_clients)))
-    # clients by shard size, each padded to < 2× its rows; a random subset of clients (fraction < 1) is drawn
-    # inside the compiled round, so then they share one bucket padded to the largest shard
+    # clients by shard size (stacking.BUCKET_BASE); a random subset of clients (fraction < 1) is drawn inside
+    # the compiled round, so then they share one bucket padded to the largest shard
     stack = bucket_clients(datas, None if num_participants == num_clients else math.inf)
     dtype = stack.dtype
     x64 = dtype == jnp.float64

@@ -25,7 +25,7 @@ def uneven_shards():
 
 def test_buckets_bound_the_padding_and_keep_the_clients_order(x64):
     _, datas = bind_shards(logistic_model, uneven_shards())
-    buckets = stacking.bucket_clients(datas)
+    buckets = stacking.bucket_clients(datas, 2.0)
     assert len(buckets.stacks) == len(SIZES) and buckets.num_clients == len(SIZES)
     assert buckets.rows <= 2 * sum(SIZES)  # padded rows bounded by the real ones
     assert stacking.bucket_clients(datas, math.inf).rows == len(SIZES) * max(SIZES)
@@ -42,9 +42,9 @@ def test_bucketed_run_equals_the_run_padded_to_the_largest_shard(x64, monkeypatc
     parts = uneven_shards()
     kw = dict(rho=0.5, rounds=3, stop=StopRule(tol=0.0, residual_tol=0.0), keep_data=False,
               safeguard=Safeguard(line_search=search))
+    padded = federated.run(logistic_model, parts, **kw)  # the default layout
+    monkeypatch.setattr(stacking, "BUCKET_BASE", 2.0)
     bucketed = federated.run(logistic_model, parts, **kw)
-    monkeypatch.setattr(stacking, "BUCKET_BASE", math.inf)
-    padded = federated.run(logistic_model, parts, **kw)
     np.testing.assert_allclose(np.asarray(bucketed.state.mean), np.asarray(padded.state.mean), rtol=0, atol=1e-10)
     np.testing.assert_allclose(np.asarray(bucketed.state.precision), np.asarray(padded.state.precision), rtol=0,
                                atol=1e-10)
