@@ -71,11 +71,11 @@ __all__ = [
 from numpyro_pc import federated  # noqa: E402
 from numpyro_pc.ops import merging  # noqa: E402
 from numpyro_pc.errors import (ClientMessageError, IncompatiblePosteriorsError, PrivacyError,  # noqa: E402
-                               SuspectClientsError, TooFewClientsError)
+                               SuspectClientsError, TooFewClientsError, TransportError, TransportSecurityError)
 from numpyro_pc.ops.merging import merge  # noqa: E402
 
 __all__ += ["merge", "merging", "federated", "IncompatiblePosteriorsError", "ClientMessageError", "PrivacyError", "SuspectClientsError",
-            "TooFewClientsError"]
+            "TooFewClientsError", "TransportError", "TransportSecurityError"]
 
 from numpyro_pc import criticism  # noqa: E402
 from numpyro_pc.criticism import influence, lfo, loo  # noqa: E402

@@ -264,3 +264,25 @@ class SuspectClientsError(PosteriorCorrectionError, RuntimeError):
         super().__init__(message)
         self.clients = dict(clients or {})
         self.result = result
+
+
+class TransportError(PosteriorCorrectionError, ConnectionError):
+    """A federated client or server could not reach its peer, or lost the connection (the cross-process
+    transport, :mod:`numpyro_pc.federated.flower`). The message says which address, what the transport
+    reported and what to check.
+
+    :ivar address: the server address, when known.
+    :ivar details: the transport's own report (the gRPC status and details), when there is one.
+    """
+
+    def __init__(self, message, address=None, details=None):
+        super().__init__(message)
+        self.address = address
+        self.details = details
+
+
+class TransportSecurityError(TransportError):
+    """TLS or authentication failed between a federated client and its server: a client without the CA
+    certificate (or with another CA's) talking to a TLS server, a server certificate that does not name the
+    address the client dials, a certificate file that cannot be read, or a peer the server does not
+    authenticate. The message names the fix (which file to pass to which option)."""

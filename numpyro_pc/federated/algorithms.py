@@ -20,9 +20,10 @@ family and the server step:
     product ``Π_k q_k`` is taken as a geometric mean so that the fixed point stays the
     joint posterior (the unnormalised product would carry ``K`` times the precision).
 
-Clients are stacked on a leading axis and ``vmap``-ed; with ``fraction < 1`` a random
-subset of fixed size takes part in each round (gathered and scattered, so shapes never
-change). Rounds are a host loop around one jitted round function; it stops when the KL
+Clients are stacked on a leading axis and ``vmap``-ed, padded to the largest shard or, with
+``stacking.BUCKET_BASE = 2`` (opt-in), by buckets of similar shard sizes
+(:func:`~numpyro_pc.federated.stacking.bucket_clients`: each client padded to less than twice its rows); with ``fraction < 1`` a random subset of fixed size takes part in each round (gathered and
+scattered from one stack padded to the largest shard, so shapes never change). Rounds are a host loop around one jitted round function; it stops when the KL
 between successive global posteriors and the local-correction residual fall below the
 tolerances.
 
@@ -75,7 +76,7 @@ from ..posterior import DualPosterior
 from .core import (
     FederatedResult,
     LocalConfig,
-    bind_clients,
+    bind_shards,
     check_rule,
     concat_datas,
     global_state,
@@ -91,6 +92,7 @@ from .privacy import check_gaussian_prior_data_free
 from .line_search import search_init, search_step
 from .records import RoundInfo
 from .robust import BOUNDS_NEED_SUM, aggregate_sites, robust_bounds
+from .stacking import bucket_clients, map_buckets
 
 __all__ = ["ALGORITHMS", "FederatedResult", "run"]
 
@@ -158,8 +160,14 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
     else:
         idx = jax.random.choice(key, num_clients, (num_participants,), replace=False)
     pick = lambda x: x[idx]  # noqa: E731
-    local = jax.vmap(lambda e, ex, mk, k: local_update(cfg, q_jnt, e, rho, ex, mk, stack.shared, k))(
-        jax.tree.map(pick, eta), jax.tree.map(pick, stack.per_example), stack.mask[idx], keys)
+    shared = stack.stacks[0].shared  # stack: the clients' Buckets (one bucket when some clients sit out)
+    one = lambda e, k, ex, mk: local_update(cfg, q_jnt, e, rho, ex, mk, shared, k)  # noqa: E731
+    if num_participants == num_clients:
+        local = map_buckets(one, stack, (eta, keys))
+    else:
+        padded = stack.stacks[0]
+        local = jax.vmap(one)(jax.tree.map(pick, eta), keys, jax.tree.map(pick, padded.per_example),
+                              padded.mask[idx])
     old = jax.tree.map(pick, eta)
     new = jax.tree.map(lambda o, n: o + damping * (n - o), old, local.site)
     eta = jax.tree.map(lambda e, n: e.at[idx].set(n), eta, new)
@@ -185,9 +193,9 @@ def _round(cfg, algorithm, num_clients, num_participants, prior, prior_nat, eta,
 
 @partial(jax.jit, static_argnames=("cfg",))
 def _initial_sites(cfg, q, stack, key) -> GaussianNatural:
-    keys = jax.random.split(key, stack.mask.shape[0])
-    return jax.vmap(lambda ex, mk, k: release_site(cfg, q, ex, mk, stack.shared, k))(stack.per_example, stack.mask,
-                                                                                         keys)
+    keys = jax.random.split(key, stack.num_clients)
+    shared = stack.stacks[0].shared
+    return map_buckets(lambda k, ex, mk: release_site(cfg, q, ex, mk, shared, k), stack, (keys,))
 
 
 def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50, damping=None, fraction=1.0, *,
@@ -282,18 +290,21 @@ def run(model, client_data, family=None, algorithm="fedpc", rho=None, rounds=50,
     num_nodes = 64 if local.num_nodes is None else local.num_nodes
     local_iters = 50 if local.iters is None else local.iters
     max_retries, max_share, max_shift = guard.max_retries, robust.max_share, robust.max_shift
-    spec, stack, datas = bind_clients(model, client_data, kwargs, data_plate, shared)
+    spec, datas = bind_shards(model, client_data, kwargs, data_plate, shared)
     family, rho, damping, rule = check_settings(algorithm, family, rho, damping, local.expectation, spec, len(datas))
     safeguard = guard.on(algorithm)
-    dtype = stack.mask.dtype
+    num_clients = len(datas)
+    if not 0 < fraction <= 1:
+        raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
+    num_participants = max(1, int(round(fraction * num_clients)))
+    # clients by shard size (stacking.BUCKET_BASE); a random subset of clients (fraction < 1) is drawn inside
+    # the compiled round, so then they share one bucket padded to the largest shard
+    stack = bucket_clients(datas, None if num_participants == num_clients else math.inf)
+    dtype = stack.dtype
     x64 = dtype == jnp.float64
     tol = (1e-14 if x64 else 1e-8) if stop.tol is None else stop.tol
     residual_tol = (1e-7 if x64 else 1e-4) if stop.residual_tol is None else stop.residual_tol
     local_tol = (1e-12 if x64 else 1e-6) if local.tol is None else local.tol
-    num_clients = int(stack.mask.shape[0])
-    if not 0 < fraction <= 1:
-        raise InvalidOptionError(f"fraction must lie in (0, 1], got {fraction}")
-    num_participants = max(1, int(round(fraction * num_clients)))
     if init == "auto":
         init = "zero" if capability(family, FixedPrecision) else "prior"
     if init not in ("prior", "zero"):

@@ -19,8 +19,8 @@ fixed and only the mean moves: the AMA case). The client then sends
 ``η_k ← λ̂_k(q_k)``. Only site parameters travel; data never leaves a client.
 
 Everything here is a pure function of arrays and is ``vmap``-able over clients: shards
-are padded to a common size (rows repeated, weight zero) so that all clients share one
-compiled computation.
+are padded (rows repeated, weight zero; :mod:`~numpyro_pc.federated.stacking`, by buckets of similar sizes
+in :func:`numpyro_pc.federated.run`) so that the clients of a bucket share one compiled computation.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from ..errors import (
 )
 from .privacy import GaussianMechanism, add_noise, clip_factors
 from .records import RoundInfo
+from .stacking import ClientStack, stack_clients
 
-__all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "client_terms", "clipped_site", "local_update", "global_state",
+__all__ = ["ClientStack", "FederatedResult", "record_round", "LocalConfig", "bind_clients", "bind_shards", "client_terms", "clipped_site", "local_update", "global_state",
            "natural_nbytes", "release_site"]
 
 
@@ -69,19 +70,6 @@ def record_round(record, history: list, callback, tol: float, residual_tol: floa
         callback(info)
     kl, residual = info.kl_to_previous, info.residual
     return kl is not None and residual is not None and bool(kl <= tol and residual <= residual_tol)
-
-
-class ClientStack(NamedTuple):
-    """Client shards stacked on a leading axis ``K`` and padded to ``N_max`` rows.
-
-    :ivar per_example: per-example leaves, each ``(K, N_max, ...)``.
-    :ivar mask: ``(K, N_max)`` weights, ``1`` for real rows and ``0`` for padding.
-    :ivar shared: shared (not per-example) leaves, identical across clients.
-    """
-
-    per_example: tuple
-    mask: jax.Array
-    shared: tuple
 
 
 @dataclass(frozen=True)
@@ -134,14 +122,25 @@ def _bind(model, args, kwargs, data_plate, shared, allow_discrete=False) -> tupl
 
 
 def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), allow_discrete=False) -> tuple[ModelSpec, ClientStack, list[ModelData]]:
-    """Bind every client's shard to the model and stack them.
+    """Bind every client's shard to the model and stack them (:func:`bind_shards`, then
+    :func:`~numpyro_pc.federated.stacking.stack_clients`).
+
+    :return: ``(spec, stack, datas)`` with the model spec of client 0, the padded
+        :class:`~numpyro_pc.federated.stacking.ClientStack` and the unpadded
+        :class:`~numpyro_pc.model.likelihood.ModelData` of each client.
+    """
+    spec, datas = bind_shards(model, client_data, kwargs, data_plate, shared, allow_discrete)
+    return spec, stack_clients(datas), datas
+
+
+def bind_shards(model, client_data, kwargs=None, data_plate=None, shared=(), allow_discrete=False) -> tuple[ModelSpec, list[ModelData]]:
+    """Bind every client's shard to the model and check that they fit the same model.
 
     :param client_data: a sequence with one tuple of model arguments per client.
     :param bool allow_discrete: accept global discrete latents (exponential-family posteriors,
         :mod:`numpyro_pc.federated.ef`).
-    :return: ``(spec, stack, datas)`` with the model spec of client 0, the padded
-        :class:`ClientStack` and the unpadded :class:`~numpyro_pc.model.likelihood.ModelData`
-        of each client.
+    :return: ``(spec, datas)``: the model spec of client 0 and each client's unpadded
+        :class:`~numpyro_pc.model.likelihood.ModelData`.
     :raises DataShapeError: clients whose shards do not fit the same model.
     """
     client_data = list(client_data)
@@ -164,28 +163,13 @@ def bind_clients(model, client_data, kwargs=None, data_plate=None, shared=(), al
         for a, b in zip(d.shared, bound[0][1].shared):
             if a.shape != b.shape or not bool(jnp.all(a == b)):
                 raise DataShapeError(f"client {k} has a different shared (not per-example) argument than client 0")
-    datas = [d for _, d in bound]
-    return spec, stack_clients(datas), datas
+    return spec, [d for _, d in bound]
 
 
 def _described(spec) -> str:
     """A bound model's latent sites with their shapes and its observed sites, for messages."""
     latent = ", ".join(f"{n}: shape {tuple(shape)}" for n, shape in zip(spec.latent.names, spec.latent.shapes))
     return f"{{{latent}}} observing {list(spec.observed)}"
-
-
-def stack_clients(datas, size=None) -> ClientStack:
-    """Pad each client's rows to ``size`` (default the largest shard) and stack them."""
-    sizes = [int(d.per_example[0].shape[0]) for d in datas]
-    size = max(sizes) if size is None else int(size)
-    dtype = jnp.result_type(float)
-    leaves, masks = [], []
-    for d, n in zip(datas, sizes):
-        rows = np.concatenate([np.arange(n), np.zeros(size - n, dtype=np.int64)])
-        leaves.append(tuple(jnp.asarray(x)[rows] for x in d.per_example))
-        masks.append(np.concatenate([np.ones(n), np.zeros(size - n)]))
-    per_example = tuple(jnp.stack(col) for col in zip(*leaves))
-    return ClientStack(per_example, jnp.asarray(np.stack(masks), dtype), datas[0].shared)
 
 
 def _rule_nodes(cfg, dtype) -> tuple[jax.Array, jax.Array]:

@@ -302,7 +302,7 @@ class EFServerLogic(ClientReport):
                            min_examples=self.min_examples, init=init)
         self.family, self.ids, self.state, self.description = None, [], None, None
         self.history, self.total_bytes, self.failure, self.rejected_initial = [], 0, None, {}
-        self.clipped_initial = []
+        self.clipped_initial, self.not_started = [], {}
 
     @property
     def sites(self) -> dict:
@@ -474,12 +474,12 @@ class EFServerLogic(ClientReport):
     def save(self, path) -> None:
         """Write the last good global natural parameters ``natural``, the ``prior``, the clients' ``sites`` (in the
         order of ``clients``), the ``family`` description, the history, the config, the failure reason and the
-        ``incidents`` (:meth:`~numpyro_pc.federated.server.ClientReport.incidents`) (``.npz``)."""
+        ``incidents`` (:meth:`~numpyro_pc.federated.server.ClientReport.incidents`) and ``not_started`` (``.npz``)."""
         empty = np.zeros(0)
         np.savez(path, natural=empty if self.state is None else np.asarray(self.natural),
                  prior=empty if self.state is None else np.asarray(self.state.prior),
                  sites=empty if self.state is None else np.asarray(self.state.sites),
                  clients=json.dumps([str(c) for c in self.ids]), family=json.dumps(self.description),
-                 incidents=json.dumps(self.incidents(), default=str),
+                 incidents=json.dumps(self.incidents(), default=str), not_started=json.dumps(self.not_started, default=str),
                  history=json.dumps(round_dicts(self.history), default=str), config=json.dumps(self.config),
                  failure=json.dumps(self.failure))

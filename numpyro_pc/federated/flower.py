@@ -18,7 +18,9 @@ Round 1 is an initialisation round: every client sends the prior it derives from
 model (the server checks they agree) and its first site (at the prior; zero for the
 isotropic family), matching ``init="auto"`` of :func:`~numpyro_pc.federated.run`; rounds ``2 … R+1`` are the ``R``
 rounds of the algorithm. With every client taking part, the result equals the in-process
-run (up to the order of a sum). For a product family round 1 registers the clients (first
+run (up to the order of a sum). ``--min-clients`` holds from round 1: a client that never connects within
+``--connect-timeout``, or whose first message fails (bad data, too few examples; it reports its error), is
+named in ``not_started`` and the run goes on when at least ``--min-clients`` started. For a product family round 1 registers the clients (first
 site, zero by default, prior and family description; the server's ``--init zero|prior``),
 rounds ``2 … R+1`` are ``run_ef``'s ``R`` rounds; a server started with ``--private`` pulls
 a noised sum back into the domain instead of refusing it, and a private client clips each
@@ -41,7 +43,8 @@ Command line (one server, one process per client)::
 arguments; ``--model`` is ``module:function``. Add ``--x64`` on every process for float64.
 The server binds to loopback unless ``--address`` says otherwise; across machines pass
 ``--certificates CA CERT KEY`` to the server and ``--root-certificates CA`` to the clients
-(TLS). A client adds ``--dp-epsilon ε --dp-releases T`` (``T`` = the server's ``--rounds``
+(TLS); a TLS or authentication failure is a :class:`~numpyro_pc.errors.TransportSecurityError` whose message
+names the fix (:mod:`numpyro_pc.federated.transport`). A client adds ``--dp-epsilon ε --dp-releases T`` (``T`` = the server's ``--rounds``
 plus one) to send differentially private sites
 (:class:`~numpyro_pc.federated.privacy.GaussianMechanism`, its own setting, not the
 server's). The server exits with status 1 and still writes ``--out`` (last good posterior,
@@ -49,7 +52,8 @@ history, ``failure``) when a run cannot go on, and with status 3 when it ran its
 bounded some client's message (``incidents`` in ``--out`` and ``suspect_clients`` in the summary name
 them; see :func:`main`). This module needs the optional extra
 ``numpyro-pc[federated]`` (``flwr``); it imports Flower only when a server or client is
-started.
+started. The ``ServerApp``/``ClientApp`` (``server_app``, ``client_app``) and Flower's simulation engine are in
+:mod:`numpyro_pc.federated.flower_apps`.
 """
 
 from __future__ import annotations
@@ -67,21 +71,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import DataShapeError, InvalidOptionError, TooFewClientsError
+from ..errors import DataShapeError, InvalidOptionError, PosteriorCorrectionError, TooFewClientsError, TransportError
 from .ef_transport import EFClientLogic, EFServerLogic
 from .logic import ClientByFamily, ClientLogic, server_logic
 from .privacy import GaussianMechanism
 from .records import round_dicts
 from .server import ServerLogic, describe_incidents
+from .transport import read_certificate, transport_error
 
 if TYPE_CHECKING:
-    from flwr.client import Client, NumPyClient
-    from flwr.clientapp import ClientApp
+    from flwr.client import NumPyClient
     from flwr.common import EvaluateIns, FitIns, Parameters
-    from flwr.server import ServerAppComponents
     from flwr.server.client_proxy import ClientProxy
     from flwr.server.strategy import Strategy
-    from flwr.serverapp import ServerApp
 
 __all__ = ["ServerLogic", "ClientLogic", "EFServerLogic", "EFClientLogic", "ClientByFamily", "server_logic",
            "make_strategy", "make_client", "start_server", "start_client", "main",
@@ -100,8 +102,11 @@ def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strate
     :class:`~numpyro_pc.federated.ef_transport.EFServerLogic` (:func:`~numpyro_pc.federated.logic.server_logic`).
 
     Client identity is the transport's (``ClientProxy.cid``, Flower's node id). Round 1 waits
-    up to ``connect_timeout`` seconds for ``num_clients`` nodes; later rounds ask the admitted
-    nodes that are still connected. A failed or timed-out client is left out of the round; an
+    up to ``connect_timeout`` seconds for ``num_clients`` nodes and goes on with those connected when they
+    are at least ``min_clients``; a client that never connected, sent no reply or reported an error to its
+    first message (bad data, too few examples: :class:`~numpyro_pc.errors.PosteriorCorrectionError`) is
+    named in ``logic.not_started`` with its reason and left out. Later rounds ask the admitted nodes that
+    are still connected. A failed or timed-out client is left out of the round; an
     error of the logic (too few valid replies, …) is recorded in ``logic.failure`` and raised.
     With ``out`` (a path) the result is written after every round and on failure. With ``rounds`` (the
     algorithm's rounds, as the ``ServerApp`` runs them) the last round ends with
@@ -127,6 +132,8 @@ def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strate
             return value
         return wrapper
 
+    asked: set = set()  # the clients sent the first message
+
     class PosteriorCorrectionStrategy(Strategy):
         """Aggregates site natural parameters; round 1 initialises, later rounds update."""
 
@@ -136,11 +143,8 @@ def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strate
         @recorded
         def configure_fit(self, server_round, parameters, client_manager) -> list[tuple[ClientProxy, FitIns]]:
             if server_round == 1:
-                if not client_manager.wait_for(logic.num_clients, timeout=int(connect_timeout)):
-                    logic.failure = (f"only {client_manager.num_available()} of {logic.num_clients} clients "
-                                     f"connected within {connect_timeout:g} s")
-                    raise TooFewClientsError(logic.failure)
-                clients = client_manager.sample(num_clients=logic.num_clients)
+                clients = _first_round_clients(logic, client_manager, connect_timeout)
+                asked.update(c.cid for c in clients)
                 arrays = []
             else:
                 alive = [p for cid, p in sorted(client_manager.all().items()) if cid in logic.sites]
@@ -167,7 +171,8 @@ def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strate
             replies = {proxy.cid: parameters_to_ndarrays(r.parameters) for proxy, r in results}
             examples = {proxy.cid: r.num_examples for proxy, r in results}
             if server_round == 1:
-                logic.aggregate_initial(replies, examples)
+                started = _record_not_started(logic, asked, results)
+                logic.aggregate_initial({cid: a for cid, a in replies.items() if cid in started}, examples)
             else:
                 iterations = [int(r.metrics.get("iterations", 0)) for _, r in results
                               if isinstance(r.metrics.get("iterations", 0), int)]
@@ -190,6 +195,46 @@ def make_strategy(logic, connect_timeout=120.0, out=None, rounds=None) -> Strate
     return PosteriorCorrectionStrategy()
 
 
+def _first_round_clients(logic, client_manager, connect_timeout) -> list:
+    """The clients of round 1: all ``num_clients`` when they connect within ``connect_timeout`` seconds, else the
+    ones connected by then when they are at least ``min_clients`` (the others go to ``logic.not_started``).
+
+    :raises TooFewClientsError: fewer than ``min_clients`` connected.
+    """
+    wanted = logic.num_clients
+    if not client_manager.wait_for(wanted, timeout=int(connect_timeout)):
+        available = client_manager.num_available()
+        if available < logic.min_clients:
+            logic.failure = (f"only {available} of {wanted} clients connected within {connect_timeout:g} s, fewer "
+                             f"than min_clients={logic.min_clients}")
+            raise TooFewClientsError(logic.failure)
+        for k in range(available + 1, wanted + 1):
+            _not_started(logic, f"unconnected-{k}", f"never connected: {available} of {wanted} clients connected "
+                                                    f"within {connect_timeout:g} s")
+        wanted = available
+    return client_manager.sample(num_clients=wanted, min_num_clients=logic.min_clients)
+
+
+def _not_started(logic, cid, reason) -> None:
+    logic.not_started[cid] = reason
+    print(f"numpyro_pc: client {cid} did not start: {reason}", file=sys.stderr, flush=True)
+
+
+def _record_not_started(logic, asked, results) -> set:
+    """Round 1: the clients that sent a first message; the others go to ``logic.not_started`` with their reason
+    (the error a client reports, or no reply at all)."""
+    started = set()
+    for proxy, res in results:
+        if "error" in res.metrics:
+            _not_started(logic, proxy.cid, str(res.metrics["error"]))
+        else:
+            started.add(proxy.cid)
+    for cid in sorted(asked - started - set(logic.not_started)):
+        _not_started(logic, cid, "sent no reply to its first message (it failed or lost the connection: see its "
+                                 "own log)")
+    return started
+
+
 def make_client(logic, x64=None, state=None) -> NumPyClient:
     """A Flower ``NumPyClient`` around a :class:`ClientLogic`, an
     :class:`~numpyro_pc.federated.ef_transport.EFClientLogic` or a :class:`ClientByFamily` (it sends no identity:
@@ -203,13 +248,25 @@ def make_client(logic, x64=None, state=None) -> NumPyClient:
     from flwr.client import NumPyClient
 
     class PosteriorCorrectionClient(NumPyClient):
+        #: the package error that kept this client from starting (its first message), reported to the server
+        start_error: PosteriorCorrectionError | None = None
+
         def get_parameters(self, config) -> list[np.ndarray]:
             return []
 
         def fit(self, parameters, config) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+            try:
+                return self._fit(parameters, config)
+            except PosteriorCorrectionError as err:  # bad data, too few examples, …: the server hears why
+                if config.get("phase") != "init":
+                    raise
+                self.start_error = err
+                return [], 0, {"error": f"{type(err).__name__}: {err}"}
+
+        def _fit(self, parameters, config) -> tuple[list[np.ndarray], int, dict[str, Any]]:
             with contextlib.nullcontext() if x64 is None else jax.enable_x64(x64):
                 client = logic.for_config(config) if isinstance(logic, ClientByFamily) else logic
-                if client.site is None and state is not None and _STATE_KEY in state:
+                if state is not None and _STATE_KEY in state:  # the state is the truth: a cached client may be stale
                     client.restore(state[_STATE_KEY].to_numpy_ndarrays())
                 if config["phase"] == "init":
                     arrays, metrics = client.initial(config), {}
@@ -227,72 +284,15 @@ def make_client(logic, x64=None, state=None) -> NumPyClient:
 _STATE_KEY = "numpyro_pc_site"
 
 
-def _opt(cfg, key, cast=float) -> Any:
-    value = cfg.get(key)
-    return None if value in (None, "", "none") else cast(value)
+def __getattr__(name) -> Any:
+    """``server_app`` and ``client_app`` (Flower apps for ``flwr run``, a SuperLink–SuperNode deployment or
+    :func:`~numpyro_pc.federated.flower_apps.simulate`), built on first access by
+    :mod:`numpyro_pc.federated.flower_apps`."""
+    if name in ("server_app", "client_app", "_server_fn", "_client_fn"):
+        from . import flower_apps
 
-
-def _server_fn(context) -> ServerAppComponents:
-    """``ServerApp`` components from the run config (``pyproject.toml`` ``[tool.flwr.app.config]``)."""
-    from flwr.server import ServerAppComponents, ServerConfig
-
-    cfg = dict(context.run_config)
-    logic = server_logic(int(cfg["num-clients"]), str(cfg.get("algorithm", "fedpc")), str(cfg.get("family", "full")),
-                         rho=_opt(cfg, "rho"), damping=_opt(cfg, "damping"),
-                         expectation=str(cfg.get("expectation", "auto")), fraction=float(cfg.get("fraction", 1.0)),
-                         x64=bool(cfg.get("x64", True)), min_clients=_opt(cfg, "min-clients", int),
-                         min_examples=int(cfg.get("min-examples", 1)), max_share=_opt(cfg, "max-share"),
-                         max_shift=_opt(cfg, "max-shift"), private=bool(cfg.get("private", False)) or None,
-                         init=_opt(cfg, "init", str))
-    strategy = make_strategy(logic, float(cfg.get("connect-timeout", 120.0)), out=_opt(cfg, "out", str),
-                             rounds=int(cfg.get("rounds", 20)))
-    return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=int(cfg.get("rounds", 20)) + 1,
-                                                                      round_timeout=float(cfg.get("round-timeout",
-                                                                                                  120.0))))
-
-
-def _privacy(cfg) -> GaussianMechanism | None:
-    """The client's :class:`GaussianMechanism` from its own settings (``dp-epsilon`` … or ``None``)."""
-    if _opt(cfg, "dp-epsilon") is None:
-        return None
-    return GaussianMechanism(float(cfg["dp-epsilon"]), float(cfg.get("dp-delta", 1e-5)), int(cfg["dp-releases"]),
-                             float(cfg.get("dp-clip-linear", 1.0)), float(cfg.get("dp-clip-precision", 1.0)),
-                             float(cfg.get("dp-clip-natural", 1.0)))
-
-
-def _client_fn(context) -> Client:
-    """A client from the run config's ``model`` and the node config's ``data`` (``.npz`` path).
-
-    The node config (the SuperNode's own, not the server's) may also set the client's
-    differential privacy: ``dp-epsilon``, ``dp-delta``, ``dp-releases``, ``dp-clip-linear``,
-    ``dp-clip-precision`` (see :mod:`numpyro_pc.federated.privacy`).
-    """
-    x64 = bool(context.run_config.get("x64", True))
-    node = dict(context.node_config)
-    with jax.enable_x64(x64):
-        logic = ClientByFamily(_load_model(str(context.run_config["model"])), _load_args(str(node["data"])),
-                               json.loads(str(context.run_config.get("model-kwargs", "{}"))), privacy=_privacy(node))
-    return make_client(logic, x64=x64, state=context.state).to_client()
-
-
-def __getattr__(name) -> ServerApp | ClientApp:
-    """``server_app`` and ``client_app``: Flower apps for ``flwr run`` / SuperLink–SuperNode, built on access."""
-    if name == "server_app":
-        _require_flwr()
-        from flwr.serverapp import ServerApp
-
-        return ServerApp(server_fn=_server_fn)
-    if name == "client_app":
-        _require_flwr()
-        from flwr.clientapp import ClientApp
-
-        return ClientApp(client_fn=_client_fn)
+        return getattr(flower_apps, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _read(path) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
 
 
 def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=120.0, certificates=None,
@@ -307,6 +307,7 @@ def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=12
         :class:`~numpyro_pc.errors.SuspectClientsError` (``False``: return; ``logic.incidents()`` says who).
     :raises SuspectClientsError: (``strict``) after all rounds, naming the clients whose messages were
         refused or whose sites were bounded, the rounds and why; ``err.result`` is ``logic``.
+    :raises TransportSecurityError: a certificate or key file that cannot be read or holds no PEM block.
     :raises: whatever stopped the run; ``logic.failure`` then holds the reason and
         ``logic.state`` the last good posterior.
     """
@@ -314,7 +315,8 @@ def start_server(address, logic, rounds, round_timeout=120.0, connect_timeout=12
     import flwr
 
     if certificates is not None:
-        certificates = tuple(c if isinstance(c, bytes) else _read(c) for c in certificates)
+        certificates = tuple(c if isinstance(c, bytes) else read_certificate(c, f"--certificates ({what})")
+                             for c, what in zip(certificates, ("CA", "CERT", "KEY")))
     flwr.server.start_server(server_address=address, strategy=make_strategy(logic, connect_timeout),
                              config=flwr.server.ServerConfig(num_rounds=int(rounds) + 1,
                                                              round_timeout=float(round_timeout)),
@@ -330,15 +332,28 @@ def start_client(address, logic, root_certificates=None, max_wait_time=60.0) -> 
     :param root_certificates: the CA certificate (bytes or path) for TLS; without it the
         connection is plain gRPC (``insecure``), meant for loopback or a trusted network.
     :param float max_wait_time: seconds the client keeps retrying an unreachable server.
+    :raises TransportSecurityError: TLS or authentication failed (no CA, another CA, a certificate that does not
+        name the server's address, an unreadable CA file); the message names the fix.
+    :raises TransportError: no server answered within ``max_wait_time``, or the connection was lost.
+    :raises PosteriorCorrectionError: the client could not start (its data, its settings): the error it
+        reported to the server in its first reply, raised again once the run is over.
     """
     _require_flwr()
     import flwr
 
     if root_certificates is not None and not isinstance(root_certificates, bytes):
-        root_certificates = _read(root_certificates)
-    flwr.client.start_client(server_address=address, client=make_client(logic).to_client(),
-                             root_certificates=root_certificates, insecure=root_certificates is None,
-                             max_wait_time=float(max_wait_time))
+        root_certificates = read_certificate(root_certificates, "--root-certificates")
+    client = make_client(logic)
+    try:
+        flwr.client.start_client(server_address=address, client=client.to_client(),
+                                 root_certificates=root_certificates, insecure=root_certificates is None,
+                                 max_wait_time=float(max_wait_time))
+    except Exception as err:
+        if type(err).__module__.split(".")[0] != "grpc":
+            raise
+        raise transport_error(err, address, tls=root_certificates is not None) from err
+    if client.start_error is not None:
+        raise client.start_error
 
 
 def _load_model(path) -> Callable[..., Any]:
@@ -419,7 +434,7 @@ def _serve(args) -> int:
         print(describe_incidents(incidents), file=sys.stderr, flush=True)
     last = round_dicts(logic.history[-1:])[0] if logic.history else {}
     print(json.dumps({"status": status, "rounds": len(logic.history), "last": last, "failure": logic.failure,
-                      "suspect_clients": incidents}, default=str), flush=True)
+                      "suspect_clients": incidents, "not_started": logic.not_started}, default=str), flush=True)
     return code
 
 
@@ -432,9 +447,16 @@ def main(argv=None) -> int:
     ``--max-shift``): the result is then the server's last good one, but not the plain aggregate of every
     client's own site. It writes ``--out`` in every case (``incidents``: per client, the round, ``rejected``
     or ``clipped`` and why) and prints one JSON line: ``status`` (``"ok"``, ``"failed"``, ``"suspect"``),
-    ``rounds``, ``last`` (the last round's record), ``failure`` and ``suspect_clients`` (the incidents);
+    ``rounds``, ``last`` (the last round's record), ``failure``, ``suspect_clients`` (the incidents) and
+    ``not_started`` (``{client: reason}``: the clients that never connected or failed their first message; with
+    ``--min-clients`` below ``--clients`` the run goes on without them, and ``--out`` names them too);
     a status 3 run also prints the incidents, one line per client, on standard error. A client that
-    merely drops out is not an incident (``dropped`` in the history).
+    merely drops out or does not start is not an incident (``dropped`` in the history, ``not_started``).
+
+    A client exits with ``0`` after the run, ``1`` when it could not start (its error, also reported to the
+    server) and ``2`` on a transport failure (:class:`~numpyro_pc.errors.TransportError`,
+    :class:`~numpyro_pc.errors.TransportSecurityError`: no server, lost connection, TLS), printing one line
+    that names the fix instead of a gRPC traceback.
     """
     args = _parser().parse_args(argv)
     with jax.enable_x64(args.x64):
@@ -447,7 +469,11 @@ def main(argv=None) -> int:
             privacy = GaussianMechanism(args.dp_epsilon, args.dp_delta, args.dp_releases, args.dp_clip_linear,
                                         args.dp_clip_precision, args.dp_clip_natural)
         logic = ClientByFamily(_load_model(args.model), _load_args(args.data), json.loads(args.kwargs), privacy)
-        start_client(args.server, logic, args.root_certificates, args.max_wait)
+        try:
+            start_client(args.server, logic, args.root_certificates, args.max_wait)
+        except PosteriorCorrectionError as err:  # one line with the fix, not a gRPC traceback
+            print(f"numpyro_pc client: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            return 2 if isinstance(err, TransportError) else 1
     return 0
 
 

@@ -55,6 +55,7 @@ from numpyro_pc.solvers.fixed_point import AndersonHistory, anderson_init, ander
 
 from .core import _chunks, _rule_nodes, client_site, global_state
 from .robust import aggregate_sites
+from .stacking import map_buckets
 
 __all__ = ["Candidate", "MIN_STEP", "NEAR_BAND", "NEAR_RESIDUAL", "SearchState", "StepResult", "candidate",
            "acceptable", "client_value", "objective_slack", "prior_term", "search_init", "search_step"]
@@ -157,13 +158,14 @@ def candidate(cfg, prior, prior_nat, eta, proposal, beta, q_current, stack, boun
     eta_b = jax.tree.map(lambda old, new: old + beta * (new - old), eta, proposal)
     eta_sum, clipped = aggregate_sites(family, prior_nat, eta_b, bounds)
     q = global_state(family, prior, prior_nat, eta_sum)
-    values = jax.vmap(lambda ex, mk: client_value(cfg, q, ex, mk, stack.shared))(stack.per_example, stack.mask)
+    shared = stack.stacks[0].shared  # stack: the clients' Buckets (numpyro_pc.federated.stacking)
+    values = map_buckets(lambda ex, mk: client_value(cfg, q, ex, mk, shared), stack)
     prior_part = prior_term(cfg, prior, prior_nat, q)
     objective = jnp.sum(values) + prior_part
     proper = jnp.all(jnp.isfinite(q.mean)) & family.is_positive_definite(q.precision)
     objective = jnp.where(proper & jnp.isfinite(objective), objective, jnp.nan)
     magnitude = jnp.sum(jnp.abs(values)) + jnp.abs(prior_part)
-    at_q = jax.vmap(lambda ex, mk: client_site(cfg, q, ex, mk, stack.shared))(stack.per_example, stack.mask)
+    at_q = map_buckets(lambda ex, mk: client_site(cfg, q, ex, mk, shared), stack)
     q_next = global_state(family, prior, prior_nat, aggregate_sites(family, prior_nat, at_q, bounds)[0])
     lam, lam_next = _flat(family.natural(q)), _flat(family.natural(q_next))
     residual = jnp.linalg.norm(lam_next - lam) / jnp.linalg.norm(lam)

@@ -114,6 +114,9 @@ class ClientReport:
     history: list
     rejected_initial: dict
     clipped_initial: list
+    #: ``{client: reason}`` of the clients that did not start: connected but failed their first message (the
+    #: transport's id, the client's own error), or never connected (``"never connected (k of n)"``)
+    not_started: dict
 
     def incidents(self) -> dict:
         """``{client id: [{"round", "action", "reason"}, …]}`` of every message refused (``"rejected"``) or site
@@ -213,7 +216,7 @@ class ServerLogic(ClientReport):
                            min_examples=self.min_examples)
         self.sites, self.prior, self.prior_nat, self.state = {}, None, None, None
         self.history, self.total_bytes, self.failure, self.rejected_initial = [], 0, None, {}
-        self.clipped_initial = []
+        self.clipped_initial, self.not_started = [], {}
 
     kind = "gaussian"
 
@@ -348,9 +351,11 @@ class ServerLogic(ClientReport):
 
     def save(self, path) -> None:
         """Write the last good global Gaussian, the history, the config, the failure reason and the clients refused or
-        bounded (``incidents``: :meth:`~ClientReport.incidents`) (``.npz``)."""
+        bounded (``incidents``: :meth:`~ClientReport.incidents`) and those that did not start (``not_started``:
+        ``{client: reason}``) (``.npz``)."""
         mean = np.asarray(self.state.mean) if self.state is not None else np.zeros(0)
         precision = np.asarray(self.state.precision) if self.state is not None else np.zeros(0)
         np.savez(path, mean=mean, precision=precision, history=json.dumps(round_dicts(self.history), default=str),
                  config=json.dumps(self.config), failure=json.dumps(self.failure),
-                 incidents=json.dumps(self.incidents(), default=str))
+                 incidents=json.dumps(self.incidents(), default=str),
+                 not_started=json.dumps(self.not_started, default=str))
