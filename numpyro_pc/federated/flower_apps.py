@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from ..errors import DataShapeError, InvalidOptionError
-from .flower import _load_args, _load_model, _require_flwr, make_client, make_strategy
+from .flower_strategy import _load_args, _load_model, _require_flwr, make_client, make_strategy
 from .logic import ClientByFamily, server_logic
 from .privacy import GaussianMechanism
 
