@@ -35,6 +35,8 @@ from numpyro_pc.protocols.capabilities import (
     SiteSum,
 )
 from numpyro_pc.protocols.family import ExponentialFamily, Gaussian, GaussianNatural
+
+from .newton_cg import DiagonalNewton, newton_cg, newton_diagonal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -163,8 +165,31 @@ class FullGaussian(ExponentialFamily):
         return True, np.linalg.eigvalsh(0.5 * (precision + precision.T))
 
 
+class _MatrixFreeNewton:
+    """The mean's Newton step by conjugate gradients where the family's sites are matrix-free
+    (:mod:`numpyro_pc.families.newton_cg`); the dense Cholesky step of the protocol otherwise."""
+
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
+        return DiagonalNewton(store, weights, prior_curvature, base)
+
+    def precondition(self, pre, grad) -> jax.Array:
+        return newton_cg(pre, grad) if isinstance(pre, DiagonalNewton) else super().precondition(pre, grad)  # type: ignore[misc]
+
+    def traced_precondition(self, pre, grad) -> jax.Array:
+        if isinstance(pre, DiagonalNewton):
+            return newton_cg(pre, grad)
+        return super().traced_precondition(pre, grad)  # type: ignore[misc]
+
+    def inner_preconditioner(self, pre) -> Any:
+        """``v ↦ v / diag T`` for the operator (a CG solve per inner step would nest CG), else Cholesky."""
+        if isinstance(pre, DiagonalNewton):
+            diag = newton_diagonal(pre)
+            return lambda v: v / diag
+        return super().inner_preconditioner(pre)  # type: ignore[misc]
+
+
 @dataclass(frozen=True, repr=False)
-class DiagonalGaussian(ExponentialFamily):
+class DiagonalGaussian(_MatrixFreeNewton, ExponentialFamily):
     """Gaussian with a diagonal precision (mean-field)."""
 
     name: str = "diagonal"
@@ -213,6 +238,9 @@ class DiagonalGaussian(ExponentialFamily):
     def project_curvature(self, dense) -> jax.Array:
         return jnp.diagonal(dense, axis1=-2, axis2=-1)
 
+    def project_diagonal(self, diag) -> jax.Array:
+        return diag
+
     def is_positive_definite(self, precision) -> jax.Array:
         return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
 
@@ -220,6 +248,12 @@ class DiagonalGaussian(ExponentialFamily):
 
     def relative_eigenvalues(self, q, curvature) -> jax.Array:
         return curvature / q.precision
+
+    def trace_with_covariance(self, q, precision) -> jax.Array:
+        return jnp.sum(precision / q.precision)
+
+    def marginal_variance(self, q) -> jax.Array:
+        return 1.0 / q.precision
 
     def curvature_sum(self, store, weights) -> Any:
         return store.weighted_diagonal(weights)
@@ -242,7 +276,7 @@ class DiagonalGaussian(ExponentialFamily):
 
 
 @dataclass(frozen=True, repr=False)
-class IsotropicGaussian(ExponentialFamily):
+class IsotropicGaussian(_MatrixFreeNewton, ExponentialFamily):
     """Gaussian ``N(m, τ⁻¹ I)`` with a fixed precision ``τ`` (the ERM / MAP case).
 
     Only the mean is learned, ``T(z) = z``, and the base measure ``exp(−τ‖z‖²/2)`` is
@@ -303,6 +337,12 @@ class IsotropicGaussian(ExponentialFamily):
 
     def relative_eigenvalues(self, q, curvature) -> jax.Array:
         return jnp.zeros((1,), q.mean.dtype)
+
+    def trace_with_covariance(self, q, precision) -> jax.Array:
+        return q.mean.shape[-1] * precision / q.precision
+
+    def marginal_variance(self, q) -> jax.Array:
+        return jnp.full(q.mean.shape, 1.0 / q.precision)
 
     def curvature_sum(self, store, weights) -> jax.Array:
         return jnp.zeros((), weights.dtype)

@@ -33,7 +33,7 @@ from numpyro_pc.curvature.stores import FULL, Dense
 from numpyro_pc.errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from numpyro_pc.model.likelihood import example_loss, example_params
 from numpyro_pc.options import is_choice
-from numpyro_pc.protocols.capabilities import gaussian_solver, site_curvature
+from numpyro_pc.protocols.capabilities import gaussian_solver, matrix_free_sites
 
 from .cached import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .expectations import (
@@ -464,7 +464,7 @@ _WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has n
 def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
     sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    if not (site_curvature(family).matrix_free and storage.sparse_rows):
+    if not (matrix_free_sites(family, spec.latent.dim) and storage.sparse_rows):
         return False
     if rule.prior_mode is not None:
         return rule.prior_mode == "separable"
