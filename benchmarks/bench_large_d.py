@@ -22,7 +22,8 @@ Usage::
 
     python benchmarks/bench_large_d.py --quick     # d = 3,000, N = 1,000
     python benchmarks/bench_large_d.py             # d = 20,000 and 100,000, N = 10,000
-    python benchmarks/bench_large_d.py --only sparse:100000:float32:lowrank
+    python benchmarks/bench_large_d.py --only sparse:100000:10000:float32:lowrank
+    python benchmarks/bench_large_d.py --sizes 20000x4000   # the issue's dense low-rank case
 
 Outputs: ``benchmarks/_out/bench_large_d.{json,md}``.
 """
@@ -168,16 +169,16 @@ def spawn(cfg, timeout, max_gb):
     return dict(json.loads(out.strip().splitlines()[-1]), status="ok", wall=time.perf_counter() - t)
 
 
-def configurations(quick):
-    sizes = [3000] if quick else [20000, 100000]
-    n = 1000 if quick else 10000
+def configurations(quick, sizes=None):
+    """Every input, dtype and family at each ``(d, N)`` of ``sizes`` (default: d = 20,000 and 100,000, N = 10,000)."""
+    sizes = sizes or ([(3000, 1000)] if quick else [(20000, 10000), (100000, 10000)])
     return [dict(input=kind, d=d, n=n, dtype=dtype, family=family)
-            for d in sizes for kind in ("sparse", "dense") for dtype in ("float32", "float64")
+            for d, n in sizes for kind in ("sparse", "dense") for dtype in ("float32", "float64")
             for family in ("lowrank", "diagonal", "isotropic")]
 
 
 def _key(cfg):
-    return f"{cfg['input']}:{cfg['d']}:{cfg['dtype']}:{cfg['family']}"
+    return f"{cfg['input']}:{cfg['d']}:{cfg['n']}:{cfg['dtype']}:{cfg['family']}"
 
 
 def table(rows):
@@ -195,7 +196,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--only", help="comma-separated input:d:dtype:family keys")
+    parser.add_argument("--only", help="comma-separated input:d:N:dtype:family keys")
+    parser.add_argument("--sizes", help="comma-separated dxN pairs (default 20000x10000,100000x10000)")
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--max-gb", type=float, default=4.0)
     args = parser.parse_args()
@@ -204,7 +206,8 @@ def main():
         return
     from _common import machine_info
 
-    cfgs = configurations(args.quick)
+    sizes = [tuple(int(v) for v in pair.split("x")) for pair in args.sizes.split(",")] if args.sizes else None
+    cfgs = configurations(args.quick, sizes)
     if args.only:
         keep = set(args.only.split(","))
         cfgs = [c for c in cfgs if _key(c) in keep]

@@ -388,7 +388,8 @@ def _check_representable(problem, point) -> None:
     w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     with jax.enable_x64(True):
-        store = jax.tree.map(lambda x: jnp.asarray(f64(x)), sites.curv)
+        store = jax.tree.map(lambda x: jnp.asarray(f64(x) if jnp.issubdtype(x.dtype, jnp.floating) else x),
+                             sites.curv)  # a sparse store's column index stays an integer
         weights = jnp.asarray(w)
         eig: Any
         if q.precision.ndim == 1:  # a diagonal family keeps the diagonal of the curvature: O(d), no (d, d)

@@ -112,3 +112,19 @@ def test_the_matrix_free_path_reaches_the_same_posterior(x64, monkeypatch, famil
     monkeypatch.setattr(capabilities, "MATRIX_FREE_DIM", 2048)
     gone_dense = dense.delete(np.arange(10), method="corrected", tol=1e-12)
     np.testing.assert_allclose(np.asarray(gone_free.mean), np.asarray(gone_dense.mean), atol=1e-8)
+
+
+@pytest.mark.slow  # 53 s at load 12 on the 2-core machine
+def test_the_matrix_free_diagonal_path_in_float32(monkeypatch):
+    """float32 (the package default) through the float32 representability check with a sparse store, whose
+    integer column index must stay an integer."""
+    rng = np.random.default_rng(4)
+    d, n = 30, 80
+    x = (rng.normal(size=(n, d)) / np.sqrt(d) * 3.0).astype(np.float32)
+    y = (rng.uniform(size=n) < 1.0 / (1.0 + np.exp(-x @ rng.normal(size=d)))).astype(np.float32)
+    dense = pc.fit(logistic_model, x, y, family="diagonal")
+    monkeypatch.setattr(capabilities, "MATRIX_FREE_DIM", 0)
+    free = pc.fit(logistic_model, x, y, family="diagonal")
+    assert free.sites.curv.name == "sparse" and free.mean.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(free.mean), np.asarray(dense.mean), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(free.state.precision), np.asarray(dense.state.precision), rtol=1e-3)
