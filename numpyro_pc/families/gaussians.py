@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.errors import UnsupportedModelError
+from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 from numpyro_pc.protocols.capabilities import (
     DIAGONAL_CURVATURE,
     FULL_CURVATURE,
@@ -42,7 +42,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian"]
+__all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "FULL_MAX_DIM"]
+
+#: the largest latent dimension the full family accepts: its state and solver hold about four ``(d, d)``
+#: matrices (the precision, its Cholesky factor, the curvature sum and a covariance), 8 GB in float64 here
+FULL_MAX_DIM = 16_384
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -109,6 +113,16 @@ class FullGaussian(ExponentialFamily):
 
     def project_curvature(self, dense) -> Any:
         return dense
+
+    def check_dimension(self, dim) -> None:
+        """Refuse ``dim > FULL_MAX_DIM``, saying the memory the ``(d, d)`` matrices would need."""
+        if dim > FULL_MAX_DIM:
+            need = 4 * dim * dim * 8
+            raise InvalidOptionError(
+                f"the full family holds (d, d) matrices (its precision, their Cholesky factor, the solver's curvature "
+                f"sum, a covariance: about 4·d² numbers), {need / 2**30:.3g} GB in float64 ({need / 2**31:.3g} GB in "
+                f"float32) at d = {dim:,}; it accepts d <= {FULL_MAX_DIM:,}. Use family='lowrank' with rank=r "
+                "(O(d·r)), 'diagonal' or 'isotropic' (O(d)), whose default paths form no (d, d) array")
 
     def is_positive_definite(self, precision) -> jax.Array:
         chol = jnp.linalg.cholesky(precision)

@@ -47,7 +47,6 @@ from numpyro_pc.protocols.records import StartInfo
 from numpyro_pc.sites.expectations import prior_is_separable, prior_structure
 from numpyro_pc.sites.prior import prior_diagonal_at
 from .hessian import (
-    DENSE_CURVATURE,
     dense_lowest,
     hessian,
     laplace_precision,
@@ -67,7 +66,6 @@ __all__ = ["MapResult", "map_laplace", "mean_field_elbo", "fixed_draw_objective"
            "default_start"]
 
 _hessian = hessian  # the old private name (tests compare against the dense Hessian)
-_DENSE_CURVATURE = DENSE_CURVATURE
 
 _MAX_ESCAPES = 5  # restarts of L-BFGS from saddle points before the Laplace start is taken as it is
 _NEWTON_STEPS = 5  # Newton steps that polish a minimum L-BFGS left short of its gradient tolerance

@@ -128,3 +128,12 @@ def test_the_matrix_free_diagonal_path_in_float32(monkeypatch):
     assert free.sites.curv.name == "sparse" and free.mean.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(free.mean), np.asarray(dense.mean), rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(np.asarray(free.state.precision), np.asarray(dense.state.precision), rtol=1e-3)
+
+
+def test_the_full_family_refuses_a_dimension_it_cannot_hold():
+    from numpyro_pc.errors import InvalidOptionError
+    from numpyro_pc.families.gaussians import FULL_MAX_DIM
+
+    FullGaussian().check_dimension(FULL_MAX_DIM)
+    with pytest.raises(InvalidOptionError, match=r"11.9 GB in float64 .* d = 20,000.*lowrank"):
+        FullGaussian().check_dimension(20_000)
