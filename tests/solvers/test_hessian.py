@@ -137,3 +137,19 @@ def test_the_full_family_refuses_a_dimension_it_cannot_hold():
     FullGaussian().check_dimension(FULL_MAX_DIM)
     with pytest.raises(InvalidOptionError, match=r"11.9 GB in float64 .* d = 20,000.*lowrank"):
         FullGaussian().check_dimension(20_000)
+
+
+@pytest.mark.slow  # 20-40 s at load 12
+def test_a_matrix_free_diagonal_posterior_saves_and_loads(x64, monkeypatch, tmp_path):
+    monkeypatch.setattr(capabilities, "MATRIX_FREE_DIM", 0)
+    rng = np.random.default_rng(5)
+    d, n = 20, 50
+    x = rng.normal(size=(n, d)) / np.sqrt(d) * 3.0
+    y = (rng.uniform(size=n) < 1.0 / (1.0 + np.exp(-x @ rng.normal(size=d)))).astype(float)
+    post = pc.fit(logistic_model, x, y, family="diagonal")
+    path = post.save(tmp_path / "post.npz")
+    back = pc.load(path, logistic_model)
+    assert back.sites.curv.name == "sparse"
+    np.testing.assert_array_equal(np.asarray(back.mean), np.asarray(post.mean))
+    np.testing.assert_array_equal(np.asarray(back.state.precision), np.asarray(post.state.precision))
+    assert float(back.residual) == pytest.approx(float(post.residual), rel=1e-6, abs=1e-12)

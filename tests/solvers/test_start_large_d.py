@@ -66,7 +66,8 @@ def _run(what: str, dim: int, num: int) -> dict:
         options = dict(family=what, rank=10) if what == "lowrank" else dict(family=what)
         post = pc.fit(logistic_model, x[:num], y[:num], **options)
         post = post.update(x[num:], y[num:], correction="exact")
-        post.delete(np.arange(100), method="corrected")
+        post = post.delete(np.arange(100), method="corrected")
+        post.save(os.path.join(dump, "..", os.path.basename(dump) + ".npz"))
     bad = {}
     for name in sorted(os.listdir(dump)):
         with open(os.path.join(dump, name)) as f:
