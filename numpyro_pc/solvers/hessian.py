@@ -113,10 +113,17 @@ def laplace_precision(spec, data, family, z, weights) -> Any:
     rule = get_rule("delta")
     q = Gaussian(z, family.project_diagonal(jnp.ones_like(z)))
     sites, _ = compute_sites(spec, data, family, q, rule, weights=weights)
-    precision = family.target_precision(sites.curv, weights, sites.prior_curvature)
+    precision = _target_precision(family, sites.curv, weights, sites.prior_curvature)
     if not bool(jnp.all(jnp.isfinite(precision))):
         return None
     return floored(family, precision, 1e-8 if z.dtype == jnp.float64 else 1e-5)
+
+
+@partial(jax.jit, static_argnums=0)
+def _target_precision(family, store, weights, prior_curvature) -> Any:
+    """The family's target precision in one compiled program (op by op, a sparse store's products would
+    gather ``(N, s, p)`` rows at once)."""
+    return family.target_precision(store, weights, prior_curvature)
 
 
 def floored(family, precision, ratio) -> Any:
