@@ -470,9 +470,10 @@ _WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has n
 
 
 def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
-    """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored as
-    Jacobian factors (sparse, or dense rows), and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    if not (matrix_free_sites(family, spec.latent.dim) and storage.keeps_jacobian):
+    """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
+    sparse (or as the factors ``storage="auto"`` keeps for a model whose rows proved dense), and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
+    dense_rows = storage.keeps_jacobian and replace(spec, num_examples=0) in _DENSE_ROWS  # "auto" chose factors
+    if not (matrix_free_sites(family, spec.latent.dim) and (storage.sparse_rows or dense_rows)):
         return False
     if rule.prior_mode is not None:
         return rule.prior_mode == "separable"
