@@ -83,6 +83,7 @@ def test_lanczos_lowest_curvature_matches_the_dense_eigenproblem(x64):
     assert abs(float(np.dot(vec, d_vec))) == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.slow  # about 5 s (the full family's MAP, then the polish)
 def test_newton_cg_polish_reaches_the_minimum(x64):
     spec, data, weights = _problem(d=10, n=30)
     z = _minimum(spec, data, weights)
