@@ -33,7 +33,7 @@ from numpyro_pc.curvature.stores import FULL, Dense, JacobianFactor
 from numpyro_pc.errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from numpyro_pc.model.likelihood import example_loss, example_params
 from numpyro_pc.options import is_choice
-from numpyro_pc.protocols.capabilities import gaussian_solver, matrix_free_sites
+from numpyro_pc.protocols.capabilities import gaussian_solver, matrix_free_sites, site_curvature
 
 from .cached import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .expectations import (
@@ -472,7 +472,10 @@ _WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has n
 def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
     sparse (or as the factors ``storage="auto"`` keeps for a model whose rows proved dense), and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    dense_rows = storage.keeps_jacobian and replace(spec, num_examples=0) in _DENSE_ROWS  # "auto" chose factors
+    # factors that "auto" chose for dense rows, or any factors of a family matrix-free only at large d (diagonal,
+    # isotropic: a posterior loaded in another process updates with its saved storage, "factor")
+    dense_rows = storage.keeps_jacobian and (replace(spec, num_examples=0) in _DENSE_ROWS
+                                             or not site_curvature(family).matrix_free)
     if not (matrix_free_sites(family, spec.latent.dim) and (storage.sparse_rows or dense_rows)):
         return False
     if rule.prior_mode is not None:
