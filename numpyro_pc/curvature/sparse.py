@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["SparseFactor"]
 
 
+_MATMAT_NUMBERS = 2**24  # gathered numbers per batch of weighted_matmat (128 MiB in float64)
 _SPARSE_BATCH = 2**22  # numbers of transient dense Jacobian rows per batch when a sparse store densifies
 
 
@@ -161,9 +162,25 @@ class SparseFactor(CurvatureStore):
         return self.scatter(jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac), weights)
 
     def weighted_matmat(self, weights, mat) -> jax.Array:
-        proj = jnp.einsum("nks,nsp->nkp", self.jac, mat[self.index])  # J_i V, O(N k s p)
-        back = jnp.einsum("nks,nkp->nsp", self.jac, jnp.einsum("n,nkl,nlp->nkp", weights, self.lam, proj))
-        return self.scatter(back)
+        """``Σ_i w_i J_iᵀ Λ_i J_i V`` over batches of examples (a ``lax.scan`` whose carry is the ``(d, p)`` sum):
+        the gathered rows ``V[index_i]`` are ``(batch, s, p)``, never ``(N, s, p)`` — ``N·d·p`` numbers for a
+        dense design (6.4 GB at N = 2,000, d = 20,000, p = 20 in float64)."""
+        num, width, cols = self.index.shape[0], self.index.shape[1], mat.shape[1]
+        batch = max(1, min(num, _MATMAT_NUMBERS // max(width * cols * max(self.jac.shape[1], 1), 1)))
+        pad = (-num) % batch
+        rows: tuple[jax.Array, ...] = (self.index, self.jac, self.lam, weights)
+        if pad:  # zero rows: weight 0 and zero Jacobian, at column 0
+            rows = tuple(jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) for x in rows)
+        blocks = tuple(jnp.reshape(x, (-1, batch) + x.shape[1:]) for x in rows)
+
+        def body(acc, block) -> tuple[jax.Array, None]:
+            index, jac, lam, w = block
+            proj = jnp.einsum("nks,nsp->nkp", jac, mat[index])  # J_i V, O(batch k s p)
+            back = jnp.einsum("nks,nkp->nsp", jac, jnp.einsum("n,nkl,nlp->nkp", w, lam, proj))
+            return acc.at[index].add(back), None
+
+        out, _ = jax.lax.scan(body, jnp.zeros((self.dim, cols), jnp.result_type(self.jac, mat)), blocks)
+        return out
 
     def dense(self) -> jax.Array:
         return JacobianFactor(self.dense_jac(), self.lam).dense()

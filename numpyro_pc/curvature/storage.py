@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.errors import SiteStorageError
-from numpyro_pc.protocols.capabilities import site_curvature
+from numpyro_pc.protocols.capabilities import matrix_free_sites, site_curvature
 
 from .memory import dense_auto_budget, format_bytes, machine_memory
 from .sparse import SparseFactor
@@ -53,7 +53,10 @@ _DENSE_AUTO_LIMIT = dense_auto_budget(machine_memory())  # bytes, read once on i
 def resolve_storage(storage, family, spec, rule, curvature, dtype=None) -> type[CurvatureStore]:
     r"""The storage class for ``storage="auto"`` (or a name) after checking that it suits the family and model.
 
-    ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one; else
+    ``"auto"`` takes the family's own store (``"diag"``, ``"none"``) where it has one, unless the family's
+    sites are matrix-free at this ``d`` (:func:`~numpyro_pc.protocols.capabilities.matrix_free_sites`: the
+    diagonal and isotropic families above ``MATRIX_FREE_DIM`` latents) and factorise: then ``"sparse"``, whose
+    products give the solver's Newton step without a ``(d, d)`` sum; else
     ``"factor"`` (``Ĥ_i = J_iᵀ Λ_i J_i``, ``O(N·k·d)``; ``"sparse"`` for a family with
     matrix-free sites) where the sites factorise exactly: distribution parameters affine in
     ``z``, the ``"gh"`` or ``"mc"`` rule over a fixed dependence subspace
@@ -72,10 +75,11 @@ def resolve_storage(storage, family, spec, rule, curvature, dtype=None) -> type[
                     or mc_along_subspace(rule, curvature)) and spec.num_params > 0 and spec.local is None
     if isinstance(storage, str) and storage == "auto":
         needs = site_curvature(family)
-        if needs.default_storage is not None:
+        free = matrix_free_sites(family, d)
+        if needs.default_storage is not None and not (free and factorisable):
             return get_store(needs.default_storage)
         if factorisable:
-            return SparseFactor if needs.matrix_free else JacobianFactor
+            return SparseFactor if free else JacobianFactor
         size = n * d * d * np.dtype(jnp.result_type(float) if dtype is None else dtype).itemsize
         if size <= _DENSE_AUTO_LIMIT:
             return Dense

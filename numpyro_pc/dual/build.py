@@ -16,7 +16,7 @@ import numpy as np
 
 from numpyro_pc.errors import MonteCarloErrorWarning
 from numpyro_pc.model.rows import pad_to_bucket, to_device
-from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.capabilities import needs_dense_sum
 from numpyro_pc.protocols.records import ExpectationError, FitInfo
 from numpyro_pc.sites.expectations import prepare_rule
 from numpyro_pc.sites.gaussian import mc_along_subspace
@@ -44,7 +44,7 @@ def build_posterior(spec, data, family, q, rule, curvature, storage, chunk_size,
     padded, weights, ids = pad_to_bucket(data, None, np.arange(num), q.mean.dtype)
     problem = SiteProblem(replace(spec, num_examples=int(ids.size)), padded, family, rule, curvature, storage,
                           chunk_size, to_device(ids), None, True, weights)
-    sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(family).dense_sum)
+    sites, sums = problem.sites(q, need_hessian_sum=needs_dense_sum(family, q.mean.shape[0]))
     cls = DualPosteriorBase if cls is None else cls
     post = cls(spec, data, family, q, sites.take(np.arange(num)), rule, curvature, storage, chunk_size, (), guide)
     if not refine:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from numpyro_pc.errors import UnsupportedModelError
+from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 from numpyro_pc.protocols.capabilities import (
     DIAGONAL_CURVATURE,
     FULL_CURVATURE,
@@ -35,12 +35,18 @@ from numpyro_pc.protocols.capabilities import (
     SiteSum,
 )
 from numpyro_pc.protocols.family import GaussianFamily, Gaussian, GaussianNatural
+
+from .newton_cg import DiagonalNewton, newton_cg, newton_diagonal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian"]
+__all__ = ["FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "FULL_MAX_DIM"]
+
+#: the largest latent dimension the full family accepts: its state and solver hold about four ``(d, d)``
+#: matrices (the precision, its Cholesky factor, the curvature sum and a covariance), 8 GB in float64 here
+FULL_MAX_DIM = 16_384
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -108,6 +114,16 @@ class FullGaussian(GaussianFamily):
     def project_curvature(self, dense) -> Any:
         return dense
 
+    def check_dimension(self, dim) -> None:
+        """Refuse ``dim > FULL_MAX_DIM``, saying the memory the ``(d, d)`` matrices would need."""
+        if dim > FULL_MAX_DIM:
+            need = 4 * dim * dim * 8
+            raise InvalidOptionError(
+                f"the full family holds (d, d) matrices (its precision, their Cholesky factor, the solver's curvature "
+                f"sum, a covariance: about 4·d² numbers), {need / 2**30:.3g} GB in float64 ({need / 2**31:.3g} GB in "
+                f"float32) at d = {dim:,}; it accepts d <= {FULL_MAX_DIM:,}. Use family='lowrank' with rank=r "
+                "(O(d·r)), 'diagonal' or 'isotropic' (O(d)), whose default paths form no (d, d) array")
+
     def is_positive_definite(self, precision) -> jax.Array:
         chol = jnp.linalg.cholesky(precision)
         return jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diag(chol) > 0)
@@ -163,8 +179,31 @@ class FullGaussian(GaussianFamily):
         return True, np.linalg.eigvalsh(0.5 * (precision + precision.T))
 
 
+class _MatrixFreeNewton:
+    """The mean's Newton step by conjugate gradients where the family's sites are matrix-free
+    (:mod:`numpyro_pc.families.newton_cg`); the dense Cholesky step of the protocol otherwise."""
+
+    def newton_operator(self, store, weights, prior_curvature=None, base=None) -> Any:
+        return DiagonalNewton(store, weights, prior_curvature, base)
+
+    def precondition(self, pre, grad) -> jax.Array:
+        return newton_cg(pre, grad) if isinstance(pre, DiagonalNewton) else super().precondition(pre, grad)  # type: ignore[misc]
+
+    def traced_precondition(self, pre, grad) -> jax.Array:
+        if isinstance(pre, DiagonalNewton):
+            return newton_cg(pre, grad)
+        return super().traced_precondition(pre, grad)  # type: ignore[misc]
+
+    def inner_preconditioner(self, pre) -> Any:
+        """``v ↦ v / diag T`` for the operator (a CG solve per inner step would nest CG), else Cholesky."""
+        if isinstance(pre, DiagonalNewton):
+            diag = newton_diagonal(pre)
+            return lambda v: v / diag
+        return super().inner_preconditioner(pre)  # type: ignore[misc]
+
+
 @dataclass(frozen=True, repr=False)
-class DiagonalGaussian(GaussianFamily):
+class DiagonalGaussian(_MatrixFreeNewton, GaussianFamily):
     """Gaussian with a diagonal precision (mean-field)."""
 
     name: str = "diagonal"
@@ -213,6 +252,9 @@ class DiagonalGaussian(GaussianFamily):
     def project_curvature(self, dense) -> jax.Array:
         return jnp.diagonal(dense, axis1=-2, axis2=-1)
 
+    def project_diagonal(self, diag) -> jax.Array:
+        return diag
+
     def is_positive_definite(self, precision) -> jax.Array:
         return jnp.all(jnp.isfinite(precision)) & jnp.all(precision > 0)
 
@@ -220,6 +262,12 @@ class DiagonalGaussian(GaussianFamily):
 
     def relative_eigenvalues(self, q, curvature) -> jax.Array:
         return curvature / q.precision
+
+    def trace_with_covariance(self, q, precision) -> jax.Array:
+        return jnp.sum(precision / q.precision)
+
+    def marginal_variance(self, q) -> jax.Array:
+        return 1.0 / q.precision
 
     def curvature_sum(self, store, weights) -> Any:
         return store.weighted_diagonal(weights)
@@ -242,7 +290,7 @@ class DiagonalGaussian(GaussianFamily):
 
 
 @dataclass(frozen=True, repr=False)
-class IsotropicGaussian(GaussianFamily):
+class IsotropicGaussian(_MatrixFreeNewton, GaussianFamily):
     """Gaussian ``N(m, τ⁻¹ I)`` with a fixed precision ``τ`` (the ERM / MAP case).
 
     Only the mean is learned, ``T(z) = z``, and the base measure ``exp(−τ‖z‖²/2)`` is
@@ -303,6 +351,12 @@ class IsotropicGaussian(GaussianFamily):
 
     def relative_eigenvalues(self, q, curvature) -> jax.Array:
         return jnp.zeros((1,), q.mean.dtype)
+
+    def trace_with_covariance(self, q, precision) -> jax.Array:
+        return q.mean.shape[-1] * precision / q.precision
+
+    def marginal_variance(self, q) -> jax.Array:
+        return jnp.full(q.mean.shape, 1.0 / q.precision)
 
     def curvature_sum(self, store, weights) -> jax.Array:
         return jnp.zeros((), weights.dtype)

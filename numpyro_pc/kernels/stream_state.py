@@ -45,7 +45,7 @@ from numpyro_pc.dual.build import build_posterior
 from numpyro_pc.errors import ConvergenceError, DataShapeError, InvalidOptionError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import ModelData
-from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.capabilities import needs_dense_sum
 from numpyro_pc.protocols.records import ExportInfo
 from numpyro_pc.sites.gaussian import Sites, compute_sites
 from numpyro_pc.solvers.fixed_point import (
@@ -170,7 +170,7 @@ def newton_terms(config, q, data, ids, weights, base, prior_live) -> tuple[jax.A
     spec = replace(config.spec, num_examples=int(ids.shape[0]))
     sites, sums = compute_sites(spec, data, family, q, config.rule, curvature=config.curvature,
                                 storage=config.storage, chunk_size=config.chunk_size, ids=ids,
-                                need_hessian_sum=gaussian_solver(family).dense_sum, weights=weights)
+                                need_hessian_sum=needs_dense_sum(family, config.spec.latent.dim), weights=weights)
     grad, norms, target, dense, _ = _live_totals(config, q, sites, sums, weights, base, prior_live)
     precision, pre = family.fixed_point(q, target, dense)
     residual = jnp.maximum(jnp.linalg.norm(grad) / jnp.maximum(norms, jnp.finfo(grad.dtype).tiny),

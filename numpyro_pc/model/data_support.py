@@ -38,6 +38,7 @@ __all__ = ["as_data_array", "latent_free_supports", "check_support", "support_ta
 
 MAX_REPORTED_ROWS = 5  # offending rows named in a message
 _MIN_BUCKET = 64  # rows of the smallest compiled check; batches are padded to powers of two above it
+_BLOCK = 1024  # rows checked per compiled pass
 
 
 def as_data_array(name: str, leaf) -> object:
@@ -160,16 +161,21 @@ def _bucket(n: int) -> int:
 def support_table(spec: ModelSpec, names: tuple, data: ModelData) -> np.ndarray:
     """``(N, len(names))`` booleans: row ``i``'s values of each site lie in the site's support.
 
-    One compiled pass over all rows, padded to a power of two (by repeating the first row)
-    so that batches of other sizes reuse the program.
+    Compiled passes over blocks of at most :data:`_BLOCK` rows, the last padded (by repeating its first
+    row) to the block's size, a power of two, so that batches of other sizes reuse the program and no
+    copy of all ``N`` rows is made (a dense ``N × d`` design: 1.3 GB at ``d = 20,000`` in float32).
     """
     n = int(data.per_example[0].shape[0])
-    size = _bucket(n)
-    pad = np.concatenate([np.arange(n), np.zeros(size - n, np.int64)])
-    rows = tuple(take_rows(x, pad) for x in data.per_example)
+    size = min(_bucket(n), _BLOCK)
     z = jnp.zeros(spec.latent.dim, jnp.result_type(float))
-    table = _support_rows(_static_spec(spec, size), names, z, rows, tuple(data.shared))
-    return np.asarray(table)[:n]
+    tables = []
+    for start in range(0, n, size):  # host-side blocks: one copy of `size` rows at a time, not of all N
+        block = np.arange(start, min(start + size, n))
+        pad = np.concatenate([block, np.full(size - block.size, start, np.int64)])
+        rows = tuple(take_rows(x, pad) for x in data.per_example)
+        table = _support_rows(_static_spec(spec, size), names, z, rows, tuple(data.shared))
+        tables.append(np.asarray(table)[:block.size])
+    return np.concatenate(tables, 0)
 
 
 def _static_spec(spec: ModelSpec, size: int) -> ModelSpec:

@@ -476,8 +476,9 @@ def _static_values(spec) -> list[Any]:
 
 @partial(jax.jit, static_argnums=0)
 def _param_jacobians(spec, points, examples, shared) -> jax.Array:
-    """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``."""
+    """``∂θ_i/∂z`` of each example at each point, ``(points, examples, k, d)``: ``k`` reverse passes (``jacfwd``
+    would push ``d`` tangents, a ``(d, d)`` identity)."""
     def at(z) -> jax.Array:
-        return jax.vmap(lambda ex: jax.jacfwd(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)
+        return jax.vmap(lambda ex: jax.jacrev(lambda zz: example_params(spec, zz, ex, shared)[0])(z))(examples)
 
     return jax.vmap(at)(points)

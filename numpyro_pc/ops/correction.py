@@ -16,7 +16,7 @@ from numpyro_pc.curvature.stores import FULL
 from numpyro_pc.errors import ConvergenceError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, take_data
-from numpyro_pc.protocols.capabilities import SiteSum, gaussian_solver, require
+from numpyro_pc.protocols.capabilities import SiteSum, needs_dense_sum, require
 from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import SiteSums, compute_sites
@@ -131,7 +131,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights) -> tuple[
     curvature sum the stored sites cannot give (diagonal storage).
     """
     mean = post.state.mean
-    if cached.num_examples == 0 or (gaussian_solver(problem.family).dense_sum and cached.curv.detail < FULL):
+    if cached.num_examples == 0 or (needs_dense_sum(problem.family, mean.shape[0]) and cached.curv.detail < FULL):
         return None, None
     used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
     if not np.all(used_refs == np.asarray(mean)[None, :]):
@@ -148,6 +148,6 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights) -> tuple[
     # see the same shapes as for the sites it computes itself (no recompilation per update)
     start = replace(start, ids=problem.ids, ref_means=mean[None, :],
                     ref_index=filled([(start.num_examples, 0)], start.ref_index.dtype))
-    hessian = (start.curv.weighted_dense(weights) if gaussian_solver(problem.family).dense_sum
+    hessian = (start.curv.weighted_dense(weights) if needs_dense_sum(problem.family, mean.shape[0])
                else jnp.zeros((), mean.dtype))
     return start, SiteSums(hessian=hessian, loss=weights @ start.loss)

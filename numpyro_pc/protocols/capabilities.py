@@ -37,6 +37,7 @@ from typing import TypeVar
 from numpyro_pc.errors import MissingCapabilityError
 
 __all__ = ["SiteSum", "SiteDivision", "FixedPrecision", "SiteCurvature", "GaussianSolver", "capability", "require", "gaussian_solver", "site_curvature",
+           "matrix_free_sites", "needs_dense_sum", "MATRIX_FREE_DIM",
            "capabilities_from_flags", "declares_flags", "flag_values", "flag_lacks", "refuse_unbridgeable_flags",
            "FLAG_NAMES"]
 
@@ -140,6 +141,33 @@ def require(family, kind: type[Kind], operation: str, advice: str | None = None)
     name = getattr(family, "name", type(family).__name__)
     raise MissingCapabilityError(f"{operation} needs {kind.needs}; the {name} family lacks it: {why}. "
                                  f"{advice or kind.remedy}")
+
+
+#: above this latent dimension a family whose own precision is not a matrix (diagonal, isotropic) keeps
+#: its sites matrix-free too: Jacobian factors, a diagonal prior site, a Newton step by conjugate gradients
+MATRIX_FREE_DIM = 2048
+
+
+def matrix_free_sites(family, dim: int) -> bool:
+    """Whether ``family``'s sites are kept matrix-free at ``dim`` latents: no ``(d, d)`` array anywhere.
+
+    Always for a family that declares it (:class:`SiteCurvature` ``matrix_free``: the low-rank
+    family); above :data:`MATRIX_FREE_DIM` for a family whose sites need less than a matrix
+    (``detail`` below full: the diagonal and isotropic families, whose whole state is ``O(d)``).
+    Below it those families keep their dense Newton step (exactly as before); the full family,
+    whose precision is a ``(d, d)`` matrix, never.
+    """
+    needs = capability(family, SiteCurvature)
+    if needs is None:
+        return False
+    return bool(needs.matrix_free or (needs.detail < FULL_CURVATURE and int(dim) > MATRIX_FREE_DIM))
+
+
+def needs_dense_sum(family, dim: int) -> bool:
+    """Whether the Gaussian solver preconditions the mean with the dense ``Σ Ĥ_i`` at ``dim`` latents
+    (:class:`GaussianSolver` ``dense_sum``, unless the sites are matrix-free there: then the family's
+    :meth:`newton_operator` by conjugate gradients)."""
+    return gaussian_solver(family).dense_sum and not matrix_free_sites(family, dim)
 
 
 def gaussian_solver(family) -> GaussianSolver:

@@ -389,5 +389,24 @@ def site_mismatch(stale, fresh, q, family, shared_jacobian=False) -> tuple[jax.A
     else:
         dg = fresh.dense_grad() - stale.grad_at(q.mean)
         grad_part = jnp.sum(cov_rows(dg) * dg, 1)
-    curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
+    if q.precision.ndim == 0:  # a fixed precision: the sites carry no curvature, whatever the store keeps
+        curv_part = jnp.zeros(fresh.num_examples, grad_part.dtype)
+    elif q.precision.ndim == 1:  # the diagonal family's sites are diag(Ĥ_i): δhᵀ (Σ∘Σ) δh, O(d) per example
+        curv_part = _diagonal_mismatch(fresh.curv, stale.curv, 1.0 / q.precision)
+    else:
+        curv_part = fresh.curv.mismatch(stale.curv, cov_rows, shared_jacobian)
     return jnp.sqrt(grad_part + curv_part), jnp.sqrt(grad_part), jnp.sqrt(curv_part)
+
+
+_MISMATCH_BATCH = 64  # examples whose (d,) diagonals are densified together
+
+
+def _diagonal_mismatch(fresh, stale, var) -> jax.Array:
+    """``½ Σ_j (δh_ij σ_j²)²`` per example, the diagonals taken one batch of examples at a time (a store that
+    keeps Jacobian factors densifies only ``(batch, d)`` rows; no ``(N, d)`` and no ``(d, d)`` array)."""
+    if stale.detail == 0:
+        return jnp.zeros(fresh.num_examples, var.dtype)
+    one = lambda store: store.diagonals()[0]  # noqa: E731
+    expand = lambda x: jax.tree.map(lambda a: a[None], x)  # noqa: E731
+    return jax.lax.map(lambda pair: 0.5 * jnp.sum(((one(expand(pair[0])) - one(expand(pair[1]))) * var) ** 2),
+                       (fresh, stale), batch_size=_MISMATCH_BATCH)

@@ -29,11 +29,11 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from numpyro_pc.curvature.storage import SiteConfig, default_chunk_size, mc_along_subspace, resolve_storage, uses_params
-from numpyro_pc.curvature.stores import FULL, Dense
+from numpyro_pc.curvature.stores import FULL, Dense, JacobianFactor
 from numpyro_pc.errors import DataShapeError, ExpectationRuleError, InvalidOptionError
 from numpyro_pc.model.likelihood import example_loss, example_params
 from numpyro_pc.options import is_choice
-from numpyro_pc.protocols.capabilities import gaussian_solver, site_curvature
+from numpyro_pc.protocols.capabilities import gaussian_solver, matrix_free_sites, site_curvature
 
 from .cached import Sites, SiteSums  # noqa: F401  (re-exported: the package imports them from here)
 from .expectations import (
@@ -406,7 +406,10 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
     """
     if not is_choice(curvature, ("hessian", "ggn")):
         raise InvalidOptionError(f"unknown curvature {curvature!r}; expected 'hessian' or 'ggn'")
+    auto = isinstance(storage, str) and storage == "auto"
     storage = resolve_storage(storage, family, spec, rule, curvature, q.mean.dtype)
+    if auto and storage.sparse_rows and replace(spec, num_examples=0) in _DENSE_ROWS:
+        storage = JacobianFactor  # the model's rows were found dense: no (N, d) column index, products by BLAS
     num = int(data.per_example[0].shape[0])
     if num == 0:
         raise DataShapeError("no examples to compute sites for (the data is empty)")
@@ -437,10 +440,15 @@ def compute_sites(spec, data, family, q, rule, curvature="hessian", storage="aut
         if need <= width:
             _WIDTHS[key] = width
             return _checked_subspaces(out, rule)
+        if auto and 2 * need > dim:  # dense rows: an index of d columns per example would only cost
+            _DENSE_ROWS.add(key)  # memory (N·d integers) and time (scatter-adds instead of matrix products)
+            return compute_sites(spec, data, family, q, rule, curvature, "auto", chunk_size, ids, need_hessian_sum,
+                                 num_devices, weights)
         width = min(dim, 1 << (need - 1).bit_length())  # a power of two: few compilations as data arrive
 
 
 _FIRST_WIDTH = 16  # columns per example a sparse store tries first
+_DENSE_ROWS: set = set()  # models (their specs) whose rows use more than half the columns: "auto" keeps factors
 
 
 def _checked_subspaces(out, rule) -> tuple:
@@ -463,8 +471,12 @@ _WIDTHS: dict[Any, int] = {}  # the widest sparse store a model (its spec) has n
 
 def _prior_diagonal(spec, data, family, storage, rule, q, traced) -> bool:
     """Whether ``Ĥ_0`` is held as its diagonal: the family keeps its sites matrix-free, they are stored
-    sparse, and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
-    if not (site_curvature(family).matrix_free and storage.sparse_rows):
+    sparse (or as the factors ``storage="auto"`` keeps for a model whose rows proved dense), and the prior is separable (known from the ``gh`` rule's probe, else probed here, matrix-free)."""
+    # factors that "auto" chose for dense rows, or any factors of a family matrix-free only at large d (diagonal,
+    # isotropic: a posterior loaded in another process updates with its saved storage, "factor")
+    dense_rows = storage.keeps_jacobian and (replace(spec, num_examples=0) in _DENSE_ROWS
+                                             or not site_curvature(family).matrix_free)
+    if not (matrix_free_sites(family, spec.latent.dim) and (storage.sparse_rows or dense_rows)):
         return False
     if rule.prior_mode is not None:
         return rule.prior_mode == "separable"

@@ -42,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import cho_solve
 
-from numpyro_pc.curvature.stores import FULL, NONE
+from numpyro_pc.curvature.stores import NONE
 from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, PrecisionLossError, StagnationError
 from numpyro_pc.families.registry import Gaussian
-from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.capabilities import gaussian_solver, needs_dense_sum
 from numpyro_pc.protocols.records import IterationInfo
+from numpyro_pc.sites.prior import prior_diagonal
 
 from . import newton_polish
 from .fixed_point import (
@@ -116,7 +117,7 @@ def solve_init(problem, q, sites=None, sums=None, memory=3) -> SolveState:
     """
     started = time.perf_counter()
     if sites is None or sums is None:
-        sites, sums = problem.sites(q, need_hessian_sum=gaussian_solver(problem.family).dense_sum)
+        sites, sums = problem.sites(q, need_hessian_sum=needs_dense_sum(problem.family, q.mean.shape[0]))
     check_finite_sites(sites)
     point = evaluate(problem, q, sites, sums)
     if not np.isfinite(point.residual) or not np.isfinite(point.objective):
@@ -185,7 +186,7 @@ def _evaluate_trial(problem, trial) -> Point | None:
     family = problem.family
     if not bool(jnp.all(jnp.isfinite(trial.mean))) or not bool(family.is_positive_definite(trial.precision)):
         return None
-    t_sites, t_sums = problem.sites(trial, need_hessian_sum=gaussian_solver(family).dense_sum)
+    t_sites, t_sums = problem.sites(trial, need_hessian_sum=needs_dense_sum(family, trial.mean.shape[0]))
     if not (bool(jnp.all(jnp.isfinite(t_sites.grad))) and bool(jnp.isfinite(t_sums.loss))):
         return None
     return evaluate(problem, trial, t_sites, t_sums)
@@ -381,25 +382,35 @@ def _check_representable(problem, point) -> None:
     result is refused — however small its residual.
     """
     family, q, sites = problem.family, point.q, point.sites
-    if q.mean.dtype == jnp.float64 or sites.curv.detail == NONE or not gaussian_solver(family).dense_checks:
+    if (q.mean.dtype == jnp.float64 or sites.curv.detail == NONE or not gaussian_solver(family).dense_checks
+            or q.precision.ndim == 0):  # a fixed precision: nothing accumulated to check
         return
     w = np.ones(sites.num_examples) if problem.weights is None else np.asarray(problem.weights, np.float64)
     f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
     with jax.enable_x64(True):
-        store = jax.tree.map(lambda x: jnp.asarray(f64(x)), sites.curv)
+        store = jax.tree.map(lambda x: jnp.asarray(f64(x) if jnp.issubdtype(x.dtype, jnp.floating) else x),
+                             sites.curv)  # a sparse store's column index stays an integer
         weights = jnp.asarray(w)
-        total = f64(store.weighted_dense(weights) if store.detail == FULL else jnp.diag(store.weighted_diagonal(weights)))
-    if problem.include_prior:
-        total = total + f64(sites.prior_curvature_dense())
-    if problem.base is not None:
-        total = total + f64(family.dense_precision(Gaussian(q.mean, problem.base.precision)))
-    if q.precision.ndim == 1:  # a diagonal family keeps the diagonal of the curvature
-        total = np.diag(np.diag(total))
+        eig: Any
+        if q.precision.ndim == 1:  # a diagonal family keeps the diagonal of the curvature: O(d), no (d, d)
+            eig = f64(store.weighted_diagonal(weights))
+            if problem.include_prior:
+                eig = eig + f64(prior_diagonal(sites.prior_curvature))
+            if problem.base is not None:
+                eig = eig + f64(problem.base.precision)
+            sd32, sd64 = 1.0 / np.sqrt(np.abs(f64(q.precision))), 1.0 / np.sqrt(np.abs(eig))
+            eig = np.sort(eig).astype(np.float64)
+        else:
+            total = f64(store.weighted_dense(weights))
+            if problem.include_prior:
+                total = total + f64(sites.prior_curvature_dense())
+            if problem.base is not None:
+                total = total + f64(family.dense_precision(Gaussian(q.mean, problem.base.precision)))
+            eig = np.linalg.eigvalsh(0.5 * (total + total.T))
+            sd32 = np.sqrt(np.abs(np.diag(np.linalg.inv(f64(family.dense_precision(q))))))
+            sd64 = np.sqrt(np.abs(np.diag(np.linalg.pinv(total))))
     eps = float(jnp.finfo(q.mean.dtype).eps)
-    eig = np.linalg.eigvalsh(0.5 * (total + total.T))
     cond = float(eig[-1] / eig[0]) if eig[0] > 0 else float("inf")
-    sd32 = np.sqrt(np.abs(np.diag(np.linalg.inv(f64(family.dense_precision(q))))))
-    sd64 = np.sqrt(np.abs(np.diag(np.linalg.pinv(total))))
     worst = float(np.max(np.abs(np.log(sd32 / sd64)))) if np.all(sd64 > 0) else float("inf")
     if not (cond * eps < 1.0 and worst < np.log(1.25)):
         raise PrecisionLossError(

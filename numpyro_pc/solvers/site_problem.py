@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from numpyro_pc.errors import NonFiniteResultError
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.rows import all_finite
-from numpyro_pc.protocols.capabilities import gaussian_solver
+from numpyro_pc.protocols.capabilities import needs_dense_sum
 from numpyro_pc.sites.gaussian import compute_sites
 from typing import TYPE_CHECKING
 
@@ -68,7 +68,7 @@ def base_terms(family, q, base, point_loss=False) -> tuple[Any, Any, Any, Any]:
     """
     b_mean = family.natural(Gaussian(q.mean, base.precision)).linear  # B m
     grad = b_mean - base.linear
-    dense_b = family.dense_precision(Gaussian(q.mean, base.precision)) if gaussian_solver(family).dense_sum else None
+    dense_b = family.dense_precision(Gaussian(q.mean, base.precision)) if needs_dense_sum(family, q.mean.shape[0]) else None
     loss = 0.5 * q.mean @ b_mean - base.linear @ q.mean
     if not point_loss:
         loss = loss + 0.5 * family.trace_with_covariance(q, base.precision)
@@ -106,7 +106,7 @@ def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss
     """
     grad, norms = sites.grad_totals(q.mean, weights)
     w = jnp.ones(sites.num_examples, grad.dtype) if weights is None else weights
-    dense = None if sums is None or not gaussian_solver(family).dense_sum else sums.hessian
+    dense = None if sums is None or not needs_dense_sum(family, q.mean.shape[0]) else sums.hessian
     loss = None if sums is None else sums.loss
     prior_curvature = b_curv = None
     if include_prior:
@@ -122,7 +122,7 @@ def live_totals(family, include_prior, q, sites, sums, base, weights, point_loss
         loss = None if loss is None else loss + b_loss
     # the family forms the target from all its parts at once (a non-linear projection sees their sum)
     curv = family.target_precision(sites.curv, w, prior_curvature, b_curv)
-    if not gaussian_solver(family).dense_sum:  # a matrix-free family may still precondition the mean with Σ Ĥ_i
+    if not needs_dense_sum(family, q.mean.shape[0]):  # a matrix-free family may still precondition the mean with Σ Ĥ_i
         dense = family.newton_operator(sites.curv, w, prior_curvature, b_curv)
     return grad, norms, curv, dense, loss
 
