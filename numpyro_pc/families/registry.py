@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from numpyro_pc.errors import InvalidOptionError
 from numpyro_pc.options import is_choice
-from numpyro_pc.deprecation import warn_renamed
+from numpyro_pc.protocols import family as _family_protocol
 from numpyro_pc.protocols.family import (
     Family,
     GaussianFamily,
@@ -126,7 +126,5 @@ def get_family(family: str | GaussianFamily, **options) -> GaussianFamily:
 
 def __getattr__(name: str) -> type:
     if name == "ExponentialFamily":
-        warn_renamed("numpyro_pc.families.registry.ExponentialFamily is now GaussianFamily (every family, Gaussian or "
-                     "a product, is a Family); the old name will be removed in the next release")
-        return GaussianFamily
+        return _family_protocol.__getattr__(name)  # renamed: warns there, naming GaussianFamily
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

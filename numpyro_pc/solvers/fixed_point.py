@@ -245,18 +245,22 @@ def _inside_method(lam, owner, name) -> jax.Array:
     return getattr(owner, name)(lam)
 
 
+def _cacheable_method(fn: Callable) -> tuple[object, str] | None:
+    """``(owner, name)`` when ``fn`` is a method of a hashable object (a compiled program's static key), else ``None``."""
+    owner, name = getattr(fn, "__self__", None), getattr(fn, "__name__", None)
+    try:
+        hash(owner)
+    except TypeError:
+        return None
+    return None if owner is None or name is None else (owner, name)
+
+
 def in_domain_host(in_domain: Callable, lam) -> bool:
     """``in_domain(lam)`` as a Python bool, compiled once per family and shape when ``in_domain`` is a
     method of an object that hashes by value (as :func:`natural_propose_host`; op by op otherwise:
     a Gaussian block's check is a Cholesky factorisation, 6 ms op by op on bench_ef_guides)."""
-    owner, name = getattr(in_domain, "__self__", None), getattr(in_domain, "__name__", None)
-    try:
-        hash(owner)
-    except TypeError:
-        owner = None
-    if owner is None or name is None:
-        return bool(in_domain(lam))
-    return bool(_inside_method(lam, owner, name))
+    method = _cacheable_method(in_domain)
+    return bool(in_domain(lam) if method is None else _inside_method(lam, *method))
 
 
 def natural_propose_host(state: NaturalState, in_domain: Callable, rho_max=1.0) -> tuple[jax.Array, NaturalState]:
@@ -268,14 +272,10 @@ def natural_propose_host(state: NaturalState, in_domain: Callable, rho_max=1.0) 
     ``in_domain`` cost 0.2 s per warm fit on bench_ef_guides, op by op 3 ms per iteration).
     """
     rho_max = jnp.asarray(rho_max, state.lam.dtype)
-    owner, name = getattr(in_domain, "__self__", None), getattr(in_domain, "__name__", None)
-    try:
-        hash(owner)
-    except TypeError:
-        owner = None
-    if owner is None or name is None:
+    method = _cacheable_method(in_domain)
+    if method is None:
         return natural_propose(state, in_domain, rho_max)
-    return _propose_method(state, owner, name, rho_max)
+    return _propose_method(state, *method, rho_max)
 
 
 def natural_solve(target: Callable, in_domain: Callable, lam, tol, max_iters, rho=1.0, memory=5) -> tuple[Any, Any, Any, Any, Any]:

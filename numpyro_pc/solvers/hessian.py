@@ -137,6 +137,13 @@ def floored(family, precision, ratio) -> Any:
     return floored if precision.ndim == 1 else precision.at[:, 0].set(floored)
 
 
+def newton_step_improves(value, grad_norm, trial_value, trial_grad_norm) -> bool:
+    """Whether a Newton step of a MAP polish is taken: a finite value no higher than ``value`` (up to
+    rounding) and a smaller gradient norm (a NaN trial is never taken)."""
+    slack = 1e3 * np.finfo(np.float64).eps * (1.0 + abs(value))
+    return bool(np.isfinite(trial_value) and trial_grad_norm < grad_norm and trial_value <= value + slack)
+
+
 def newton_cg_polish(spec, z, value, grad, data, weights, gtol) -> tuple[Any, float, Any, bool, int]:
     """:func:`_newton_polish` without the Hessian: each step solves ``H s = ∇`` by conjugate gradients on
     Hessian–vector products (SciPy's ``cg``, at most ``_CG_ITERS`` products), accepted on the same terms."""
@@ -150,8 +157,7 @@ def newton_cg_polish(spec, z, value, grad, data, weights, gtol) -> tuple[Any, fl
         trial = z - jnp.asarray(step, z.dtype)
         t_value, t_grad = value_and_grad(spec, trial, data, weights)
         t_value, t_norm = float(t_value), float(jnp.max(jnp.abs(t_grad)))
-        slack = 1e3 * np.finfo(np.float64).eps * (1.0 + abs(value))
-        if not (np.isfinite(t_value) and t_norm < grad_norm and t_value <= value + slack):
+        if not newton_step_improves(value, grad_norm, t_value, t_norm):
             break
         z, value, grad, grad_norm, steps = trial, t_value, t_grad, t_norm, steps + 1
         if grad_norm <= 10 * gtol * (1.0 + abs(value)):

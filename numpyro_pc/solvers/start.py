@@ -53,6 +53,7 @@ from .hessian import (
     lowest_curvature,
     negative_log_joint,
     newton_cg_polish,
+    newton_step_improves,
     positive_part,
     value_and_grad,
 )
@@ -252,8 +253,7 @@ def _newton_polish(spec, z, value, grad, hess, data, weights, gtol) -> tuple[Any
         trial = z - jnp.linalg.solve(hess, grad)
         t_value, t_grad = value_and_grad(spec, trial, data, weights)
         t_value, t_norm = float(t_value), float(jnp.max(jnp.abs(t_grad)))
-        slack = 1e3 * np.finfo(np.float64).eps * (1.0 + abs(value))
-        if not (np.isfinite(t_value) and t_norm < grad_norm and t_value <= value + slack):
+        if not newton_step_improves(value, grad_norm, t_value, t_norm):
             break
         z, value, grad, grad_norm, steps = trial, t_value, t_grad, t_norm, steps + 1
         hess = hessian(spec, z, data, weights)
