@@ -82,9 +82,12 @@ class DualPosterior(DualPosteriorBase):
         ``"residual"``, ``"curvature"``, ``"leverage"``: :mod:`numpyro_pc.sites.memory_sets`, the same
         rules for every family), ``"weighted"`` (the memory scaled
         to stand for all retained data, falling back to ``"memory"`` if that loses positive
-        definiteness) or ``"stochastic"`` (the exact correction from a random
+        definiteness), ``"stochastic"`` (the exact correction from a random
         ``batch_fraction`` of the retained data per iteration, SAG-style; ``epochs`` caps
-        the passes over the retained data, trading accuracy for time).
+        the passes over the retained data, trading accuracy for time) or ``"kprior"``
+        (every retained example matched in function space, without its label — the K-prior;
+        ``memory`` of the new batch's examples, chosen by ``selection``, join the memory:
+        :mod:`numpyro_pc.ops.kprior`, ``keep_memory``, ``memory``).
 
         :param args: the new batch, passed to the model like the original data.
         :param keep: data retention: ``"all"``, ``"none"`` or a reservoir size (int);

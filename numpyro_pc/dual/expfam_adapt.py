@@ -48,6 +48,12 @@ _WEIGHTED_REFUSAL = ("correction='weighted' rescales a memory set's sites to sta
                      "scaled part would have nowhere to live. Use correction='memory' (the same memory, unscaled), "
                      "'stochastic' or 'exact'")
 
+_KPRIOR_REFUSAL = ("correction='kprior' replaces each memory example's loss by the KL between its old and new "
+                   "predictive distributions; what that matching does not re-express of the old sites (the "
+                   "linearisation error of paper eq. pred_match_general) is a term outside every site, and an "
+                   "exponential-family posterior stores λ = -g_0 - Σ g_i with no such term. Use correction='memory' "
+                   "(the memory's true losses), 'stochastic' or 'exact'")
+
 
 def split_frozen(post: Posterior) -> tuple[np.ndarray, np.ndarray]:
     """``(live, frozen)``: the site rows with retained data (in :attr:`data_ids` order) and the rows
@@ -104,6 +110,8 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     check_keep(keep)
     if correction == "weighted":
         raise InvalidOptionError(_WEIGHTED_REFUSAL)
+    if correction == "kprior":
+        raise InvalidOptionError(_KPRIOR_REFUSAL)
     _check_sites_represent(post)
     corrected, _ = corrected_ids(post, correction, memory, selection, seed)
     check_stochastic_options(correction, epochs)

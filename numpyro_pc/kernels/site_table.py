@@ -230,7 +230,7 @@ def _solve_corrected(config, state, table, data, has_data, new_rows, corrected, 
     dtype = state.q.mean.dtype
     corrected = corrected & state.has_site & has_data & ~dropped
     stale_w = (corrected | dropped).astype(dtype) * jnp.where(dropped, 1.0, weight)
-    prior_site = sites.prior_natural(family)
+    prior_site = sites.prior_removal(family, family.natural(state.q))
     every = jnp.all(corrected == (state.has_site & ~dropped)) & correct_prior & (weight == 1.0)
     difference = remove_site(family.natural(state.q), sites.natural_sum(family, stale_w))
     cavity = choose(every, state.offset, remove_site(difference, prior_site, correct_prior.astype(dtype)))

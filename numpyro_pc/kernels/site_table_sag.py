@@ -76,7 +76,7 @@ def stochastic_step(config: TableConfig, state: TableState, batch: ModelData, ma
     live = past | new_rows
     every = jnp.all(past == state.has_site)
     stale_sum = state.sites.natural_sum(family, past.astype(dtype))
-    difference = remove_site(remove_site(family.natural(q0), stale_sum), state.sites.prior_natural(family))
+    difference = remove_site(remove_site(family.natural(q0), stale_sum), state.sites.prior_removal(family, family.natural(q0)))
     cavity = choose(every, state.offset, difference)
     sums = _sag_sums(family, table, live.astype(dtype))
     num_live = jnp.sum(live)

@@ -42,6 +42,8 @@ from numpyro.distributions.util import sum_rightmost
 from numpyro_pc.errors import NonFiniteResultError, UnsupportedModelError
 
 from .latent import LatentSpace
+from .prediction_matching import prediction_kl, split_matching
+from .prediction_matching import rebuild as rebuild_site
 from .locals import conditional_draw, laplace_marginal, stack_rows
 from typing import TYPE_CHECKING
 
@@ -89,6 +91,8 @@ class ModelSpec:
         axis of size one), or ``None``; they are integrated per example
         (:mod:`numpyro_pc.model.locals`) and ``latent`` holds the global sites only.
     :ivar local_axes: per local site, the axis of its value that the data plate indexes.
+    :ivar matching: the rows carry two more leaves, and a row marked ``matched`` has the K-prior's
+        label-free loss ``κ_i`` instead of ``ℓ_i`` (:mod:`numpyro_pc.model.prediction_matching`).
     """
 
     model: object
@@ -106,6 +110,7 @@ class ModelSpec:
     local: LatentSpace | None = None
     local_axes: tuple = ()
     arg_names: tuple = field(default=(), compare=False, hash=False)
+    matching: bool = False
 
     def build_args(self, per_example, shared) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from the array leaves."""
@@ -220,6 +225,9 @@ def example_loss(spec, z, example, shared, discrete=None) -> jax.Array:
     latents, the unit's negative log marginal likelihood (:mod:`numpyro_pc.model.locals`)."""
     if spec.local is not None:
         return laplace_marginal(lambda zz, u: example_joint_loss(spec, zz, u, example, shared), z, spec.local.dim)
+    if spec.matching:
+        theta, loss_fn = example_params(spec, z, example, shared)
+        return loss_fn(theta)
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)
 
@@ -287,17 +295,27 @@ def example_params(spec, z, example, shared) -> tuple[jax.Array, Any]:
     def loss_fn(theta) -> jax.Array:
         total, pos = 0.0, 0
         for site, leaves, treedef, mask in rebuild:
-            new_leaves = []
-            for leaf, dep in zip(leaves, mask):
-                if dep:
-                    size = int(np.prod(jnp.shape(leaf)))
-                    new_leaves.append(jnp.reshape(theta[pos:pos + size], jnp.shape(leaf)))
-                    pos += size
-                else:
-                    new_leaves.append(leaf)
-            fn = jax.tree.unflatten(treedef, new_leaves)
+            fn, pos = rebuild_site(site, leaves, treedef, mask, theta, pos)
             total = total + _site_log_prob({**site, "fn": fn})
         return -total
+
+    if spec.matching:
+        _, theta_old, matched = split_matching(spec, example)
+
+        def matched_loss(theta) -> jax.Array:
+            total, pos, pos_old = 0.0, 0, 0
+            for site, leaves, treedef, mask in rebuild:
+                fn, pos = rebuild_site(site, leaves, treedef, mask, theta, pos)
+                old, pos_old = rebuild_site(site, leaves, treedef, mask, theta_old, pos_old)
+                kl = prediction_kl(old, fn, site["name"])
+                if site.get("mask") is not None:
+                    kl = jnp.where(site["mask"], kl, 0.0)
+                if site.get("scale") is not None:
+                    kl = site["scale"] * kl
+                total = total + jnp.sum(kl)
+            return total
+
+        return theta, lambda t: jnp.where(matched > 0, matched_loss(t), loss_fn(t))
 
     return theta, loss_fn
 

@@ -50,12 +50,13 @@ def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False) -> G
     if corrected_sum is not None:
         cavity = remove_site(cavity, corrected_sum, weight)
     if correct_prior:
-        cavity = remove_site(cavity, post.sites.prior_natural(family))
+        cavity = remove_site(cavity, post.sites.prior_removal(family, natural))
     return cavity
 
 
 def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solve_options, raise_on_failure,
-                 stale=None) -> tuple[Gaussian, Sites, list[IterationInfo], GaussianNatural | None]:
+                 stale=None, spec=None, past=None, replaces_sites=True
+                 ) -> tuple[Gaussian, Sites, list[IterationInfo], GaussianNatural | None]:
     """Solve the corrected update of ``post`` with a new batch (docs/adapting.md, "Adding data").
 
     The live terms are the new examples and the ``corrected`` ones (weighted by ``weight``),
@@ -73,27 +74,33 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     :param float weight: weight of the corrections (``1`` except for ``"weighted"``).
     :param dict solve_options: passed to :func:`~numpyro_pc.solvers.gaussian.solve`.
     :param bool raise_on_failure: raise if the solver misses its tolerance.
-    :param stale: the corrected examples' current sites (taken here if not given).
+    :param stale: the sites divided out of ``q_t`` for the corrected examples (their current sites if not given).
+    :param spec: the binding of the live terms (``post.spec`` if not given; a matching binding for the K-prior).
+    :param past: the corrected examples' rows as ``spec`` reads them (taken from ``post.data`` if not given).
+    :param bool replaces_sites: ``stale`` are the posterior's own sites of the corrected examples, so that
+        correcting all of them and the prior leaves the offset as the cavity (``False`` for the K-prior,
+        whose divided-out sites are those of other losses).
     :return: ``(q, fresh sites of corrected + new examples, solver history, offset)``.
     """
     family = post.family
     if stale is None:
         stale = post.sites.take(positions(post.sites.ids, corrected))
-    corrects_all = corrected.size == post.sites.num_examples and np.array_equal(
+    corrects_all = replaces_sites and corrected.size == post.sites.num_examples and np.array_equal(
         np.sort(corrected), np.sort(np.asarray(post.sites.ids)))
     needs_sum = corrected.size and not (corrects_all and correct_prior and weight == 1.0)
     stale_sum = stale.natural_sum(family) if needs_sum else None
     cavity = _cavity(post, stale_sum, correct_prior, weight, corrects_all)
-    data_rows = positions(post.data_ids, corrected)
-    active = concat_data(take_data(post.data, data_rows), new_data) if corrected.size else new_data
+    spec = post.spec if spec is None else spec
+    if past is None:
+        past = take_data(post.data, positions(post.data_ids, corrected))
+    active = concat_data(past, new_data) if corrected.size else new_data
     unpadded = active
     active_ids = np.concatenate([corrected, new_ids])
     dtype = post.state.mean.dtype
     weights = filled([(corrected.size, weight), (new_ids.size, 1.0)], dtype)
     num_active = int(active_ids.size)
     active, weights, padded_ids = pad_to_bucket(active, weights, active_ids)
-    spec = replace(post.spec, num_examples=int(padded_ids.size))
-    problem = SiteProblem(spec, active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
+    problem = SiteProblem(replace(spec, num_examples=int(padded_ids.size)), active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                           jnp.asarray(padded_ids), cavity, correct_prior, weights)
     start_sites, start_sums = _sites_at_start(post, problem, stale, new_data, new_ids, weights)
     # the exact update's fixed point is the batch fit's: where the warm start q_t is too far from it (a new
@@ -106,7 +113,7 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     except ConvergenceError as err:
         if not batch_problem:
             raise
-        cold = default_start(replace(post.spec, num_examples=num_active), unpadded, family, None, dtype)
+        cold = default_start(replace(spec, num_examples=num_active), unpadded, family, None, dtype)
         q, fresh, history = solve(problem, cold.start, raise_on_failure=raise_on_failure, **solve_options)
         restart = cold.info(reason=f"from q_t: {type(err).__name__}: {str(err).split(';')[0]}")
         history[0] = history[0].replace(reused_sites=0, restart=restart)
@@ -137,7 +144,7 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights) -> tuple[
     if not np.all(used_refs == np.asarray(mean)[None, :]):
         return None, None
     padded_new, new_weights, padded_new_ids = pad_to_bucket(new_data, None, new_ids, mean.dtype)
-    new_sites, _ = compute_sites(replace(post.spec, num_examples=int(padded_new_ids.size)), padded_new,
+    new_sites, _ = compute_sites(replace(problem.spec, num_examples=int(padded_new_ids.size)), padded_new,
                                  problem.family, post.state, problem.rule, curvature=problem.curvature,
                                  storage=cached.storage, chunk_size=problem.chunk_size,
                                  ids=jnp.asarray(padded_new_ids), weights=new_weights)

@@ -200,7 +200,8 @@ def stochastic_update(post, new_data, new_ids, corrected, fraction, seed, solve_
             table_weights @ jnp.linalg.norm(table.grad, axis=1))
     data = concat_data(take_data(post.data, data_rows), new_data)
     # the old posterior with the past sites and the prior site divided out
-    cavity = remove_site(remove_site(family.natural(post.state), past_sum), post.sites.prior_natural(family))
+    natural = family.natural(post.state)
+    cavity = remove_site(remove_site(natural, past_sum), post.sites.prior_removal(family, natural))
     pick_sizes = (subset_bucket(past_batch), subset_bucket(new_batch))
     static = (replace(post.spec, num_examples=sum(pick_sizes)), family, post.rule, post.curvature,
               post.sites.storage, post.chunk_size)

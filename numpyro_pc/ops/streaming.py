@@ -30,6 +30,12 @@ fixed Gaussian factor and the true losses of the new examples and of ``C`` as li
     step uses the table's sums — exact once every row is fresh, so the iteration
     converges to the ``"exact"`` answer while touching one subset per step (full family).
 
+``"kprior"``
+    every retained example (the function-space memory) and the prior, matched without labels:
+    each memory example's loss is the KL from its old predictive distribution to the new one
+    (:mod:`numpyro_pc.ops.kprior`; the K-prior with the isotropic family); ``memory`` examples of
+    the new batch (a count or a fraction, chosen by ``selection``; ``None``: all) join the memory.
+
 Sites of examples outside ``C`` stay as they were (stale); the result still satisfies
 ``λ_{t+1} = Σ_i λ̂_i`` over all sites.
 """
@@ -52,6 +58,7 @@ from numpyro_pc.solvers.gaussian import default_tol
 
 from .correction import solve_update
 from .diagnostics import site_mismatch
+from .kprior import check_kprior_memory, kprior_update, new_memory_ids
 from .stochastic import stochastic_update
 
 __all__ = ["CORRECTIONS", "SELECTIONS", "update", "select_memory", "concat_data", "take_data"]
@@ -81,7 +88,14 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
         weight = post.num_retained / max(corrected.size, 1)
     solve_options = dict(tol=tol, max_iters=max_iters, progress=progress)
     fallback = None
-    if correction == "stochastic":
+    linearisation_error = None
+    if correction == "kprior":
+        check_kprior_memory(memory)
+        q, fresh, history, offset, linearisation_error = kprior_update(post, new_data, new_ids, corrected,
+                                                                       solve_options, raise_on_failure)
+        stale = post.sites.take(site_rows)
+        touched = corrected.size * (len(history) - 1)
+    elif correction == "stochastic":
 
         q, fresh, history, touched = stochastic_update(post, new_data, new_ids, corrected, batch_fraction, seed,
                                                        solve_options, raise_on_failure, epochs)
@@ -102,8 +116,12 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
 
     stale_rows = np.setdiff1d(np.arange(post.num_examples), site_rows)
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
-    data, data_ids = retain(post.data, post.data_ids, new_data, new_ids, keep,
-                            int(post.next_id) - len(post.tombstones), seed)
+    kept_new = new_ids
+    if correction == "kprior" and memory is not None:  # the new batch's share of the memory, scored at q_{t+1}
+        scored = post.evolve(state=q, sites=sites, data_ids=to_device(np.concatenate([corrected, new_ids])))
+        kept_new = new_memory_ids(scored, new_ids, memory, selection, seed)
+    data, data_ids = retain(post.data, post.data_ids, take_data(new_data, positions(new_ids, kept_new)), kept_new,
+                            keep, int(post.next_id) - len(post.tombstones), seed)
     magnitude = None
     if corrected.size and correction != "stochastic":
         # bucket-padded (rows beyond the corrected ones are dropped): the jitted diagnostic compiles once per bucket
@@ -117,7 +135,9 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
                         reused_sites=int(history[0].reused_sites or 0), restart=history[0].restart,
                         correction_magnitude=magnitude, seconds=time.perf_counter() - start,
                         batch_fraction=float(batch_fraction) if correction == "stochastic" else None,
-                        epochs=epochs if correction == "stochastic" else None)
+                        epochs=epochs if correction == "stochastic" else None,
+                        memory=int(np.asarray(data_ids).size) if correction == "kprior" else None,
+                        linearisation_error=linearisation_error)
     return post.evolve(spec=replace(post.spec, num_examples=int(np.asarray(data_ids).size)), data=data,
                          data_ids=to_device(data_ids), state=q, sites=sites, history=history,
                          next_id=post.next_id + num_new, record=record, offset=offset,

@@ -357,6 +357,18 @@ class Posterior(ABC):
         :func:`numpyro_pc.ops.streaming.update` and :meth:`numpyro_pc.dual.expfam.EFPosterior.update`."""
         return _operation("update")(self, *args, **kwargs)
 
+    def keep_memory(self, size, selection: str = "random", seed: int = 0) -> Posterior:
+        """Keep the data of ``size`` retained examples only, chosen by ``selection`` (``"random"``, ``"residual"``,
+        ``"curvature"``, ``"leverage"``): the function-space memory that ``update(..., correction="kprior")``
+        matches; the others' sites stay, frozen (:func:`numpyro_pc.ops.kprior.keep_memory`)."""
+        return _operation("keep_memory")(self, size, selection=selection, seed=seed)
+
+    @property
+    def memory(self) -> Any:
+        """The function-space memory: the retained examples, their predictions at the mean and their sites
+        (:class:`numpyro_pc.ops.kprior.FunctionMemory`)."""
+        return _operation("memory")(self)
+
     def delete(self, ids, **kwargs) -> Posterior:
         """Remove the examples ``ids`` (paper §3.2); see :func:`numpyro_pc.ops.unlearning.delete`."""
         return _operation("delete")(self, ids, **kwargs)

@@ -258,6 +258,9 @@ class UpdateInfo(SolveFields):
     :ivar CorrectionMagnitude correction_magnitude: how far the corrected sites moved.
     :ivar float batch_fraction: the stochastic correction's block size.
     :ivar int epochs: the stochastic correction's passes.
+    :ivar int memory: examples in the function-space memory after the update (``"kprior"``).
+    :ivar float linearisation_error: what prediction matching did not re-express of the memory's old
+        sites, relative to them (``"kprior"``; zero for a GLM, :mod:`numpyro_pc.ops.kprior`).
     """
 
     operation: str = "update"
@@ -274,6 +277,8 @@ class UpdateInfo(SolveFields):
     correction_magnitude: CorrectionMagnitude | None = None
     batch_fraction: float | None = None
     epochs: int | None = None
+    memory: int | None = None
+    linearisation_error: float | None = None
 
 
 @record

@@ -21,6 +21,7 @@ import numpy as np
 
 from numpyro_pc.curvature.stores import CurvatureStore, get_store
 from numpyro_pc.families.registry import GaussianNatural, add_site
+from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.model.rows import (
     bucket_size,
     filled,
@@ -186,6 +187,13 @@ class Sites:
     def prior_natural(self, family) -> GaussianNatural:
         """Natural parameters of the prior site."""
         return family.site_natural(self.prior_grad, self.prior_precision(family), self.prior_ref)
+
+    def prior_removal(self, family, natural) -> GaussianNatural:
+        """What correcting the prior divides out of a posterior of natural parameters ``natural``: the prior
+        site, and for a fixed-precision family also the base measure ``exp(−τ‖z‖²/2)`` that the prior site
+        carries (``λ = τ m + offset + Σ_{i≥0} λ̂_i``, :class:`~numpyro_pc.families.gaussians.IsotropicGaussian`)."""
+        prior = self.prior_natural(family)
+        return add_site(prior, natural) if capability(family, FixedPrecision) else prior
 
     def prior_precision(self, family) -> Any:
         """``Ĥ_0`` in the family's precision format (a diagonal ``Ĥ_0`` is projected matrix-free)."""

@@ -43,7 +43,7 @@ from .gaussian import Sites
 __all__ = ["CORRECTIONS", "SELECTIONS", "MEMORY_CORRECTIONS", "memory_size", "selection_scores", "select_memory",
            "corrected_ids", "check_stochastic_options"]
 
-CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic")
+CORRECTIONS = ("none", "prior", "exact", "memory", "weighted", "stochastic", "kprior")
 MEMORY_CORRECTIONS = ("memory", "weighted")  # the corrections that take memory=
 SELECTIONS = ("random", "residual", "curvature", "leverage")
 
@@ -121,20 +121,21 @@ def _ef_scores(post, rule: str, rows: np.ndarray) -> np.ndarray:
     return np.asarray(0.5 * jnp.einsum("ip,pq,iq->i", grads, fisher, grads))
 
 
-def select_memory(post, size: int, rule: str = "random", seed: int = 0) -> np.ndarray:
+def select_memory(post, size: int, rule: str = "random", seed: int = 0, candidates=None) -> np.ndarray:
     """Choose ``size`` retained examples to correct.
 
     :param post: the posterior.
-    :param int size: how many (clipped to the retained examples).
+    :param int size: how many (clipped to the candidates).
     :param str rule: one of :data:`SELECTIONS` (module docstring).
     :param int seed: the seed of ``"random"``.
+    :param candidates: the ids to choose from, examples with a site (default: the retained examples).
     :return: the chosen ids, increasing.
     :raises InvalidOptionError: an unknown rule.
     :raises MissingCapabilityError: a rule the family's sites carry nothing for.
     """
     if not is_choice(rule, SELECTIONS):
         raise InvalidOptionError(f"unknown selection rule {rule!r}; expected one of {SELECTIONS}")
-    ids = np.asarray(post.data_ids)
+    ids = np.asarray(post.data_ids if candidates is None else candidates)
     size = int(min(max(size, 0), ids.size))
     if size == 0:
         return ids[:0]
@@ -154,7 +155,8 @@ def corrected_ids(post, correction: str, memory, selection: str, seed: int) -> t
     :param post: the posterior.
     :param str correction: one of :data:`CORRECTIONS`.
     :param memory: for ``"memory"`` and ``"weighted"``: a size or a list of ids (module docstring);
-        ``None`` otherwise.
+        for ``"kprior"`` the new batch's share of the memory (not used here: every retained example is
+        corrected); ``None`` otherwise.
     :param str selection: the rule choosing a memory of a given size.
     :param int seed: the seed of random selection.
     :return: ``(ids, correct_prior)``.
@@ -166,6 +168,10 @@ def corrected_ids(post, correction: str, memory, selection: str, seed: int) -> t
         raise InvalidOptionError(f"unknown correction {correction!r}; expected one of {CORRECTIONS}")
     uses_memory = correction in MEMORY_CORRECTIONS
     memory = materialise_ids(memory)  # a set or an iterator of ids is ids, not a size
+    if correction == "kprior":  # memory= sizes the new batch's part of the memory; every retained one is matched
+        if not is_choice(selection, SELECTIONS):
+            raise InvalidOptionError(f"unknown selection rule {selection!r}; expected one of {SELECTIONS}")
+        return np.asarray(post.data_ids), True
     if (memory is not None) != uses_memory:
         raise InvalidOptionError(f"memory= goes with correction='memory' or 'weighted' (and they need it); got "
                                  f"correction={correction!r} with memory={'None' if memory is None else 'given'}")

@@ -138,6 +138,23 @@ def update_memory(name):
         assert u.residual < 1e-9
 
 
+def update_kprior(name):  # every retained example matched by its predictions: for these GLMs, the exact update
+    p = _first(name)
+    rows = _rows(name, range(FIRST, N))
+    u = p.update(**rows, correction="kprior", tol=TOL)
+    assert _kl(u, p.update(**rows, correction="exact", tol=TOL)) < 1e-10
+    assert u.record["memory"] == N
+
+
+def keep_memory(name):  # a memory of 3: the others' data dropped, every site kept bit for bit
+    p = _first(name)
+    m = p.keep_memory(3, selection="leverage" if name in ("beta", "gamma") else "random", seed=5)
+    assert m.num_retained == 3 and m.num_examples == FIRST
+    np.testing.assert_array_equal(_site_values(m, range(FIRST)), _site_values(p, range(FIRST)))
+    np.testing.assert_array_equal(m.memory.ids, np.asarray(m.data_ids))
+    assert m.memory.predictions.shape[0] == 3
+
+
 def update_memory_count(name):  # memory=3 is a count of examples for every family, never the id 3
     p = _first(name)
     u = p.update(**_rows(name, range(FIRST, N)), correction="memory", memory=3, seed=7, tol=TOL)
@@ -405,7 +422,8 @@ def federated_bounded(name):
     assert all(h["clipped"] == 0 and h["clipped_clients"] == [] for h in bounded.history)
 
 
-OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, update_memory_leverage,
+OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, update_memory_leverage, update_kprior,
+              keep_memory,
               update_stochastic, update_weighted, update_dropping_data, delete_remove_site, refine_after_site_removal, delete_corrected,
               delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base, save_load, loo,
               influence, information_gain, correction_magnitude, lfo, correction_factor, federated_private,
@@ -415,6 +433,9 @@ OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, upd
 REFUSED = {
     ("beta", "update_weighted"): (errors.InvalidOptionError, "no term outside its sites"),
     ("gamma", "update_weighted"): (errors.InvalidOptionError, "no term outside its sites"),
+    ("beta", "update_kprior"): (errors.InvalidOptionError, "no such term"),
+    ("gamma", "update_kprior"): (errors.InvalidOptionError, "no such term"),
+    ("lowrank-1", "update_kprior"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("beta", "delete_influence"): (errors.InvalidOptionError, "removes the sites exactly"),
     ("gamma", "delete_influence"): (errors.InvalidOptionError, "removes the sites exactly"),
     ("beta", "delete_tracin"): (errors.InvalidOptionError, "removes the sites exactly"),
