@@ -47,6 +47,7 @@ def test_demo_fast(part, tmp_path, capsys):
         stream = {label: kl for label, kl, _ in result["streaming"]["stream"]}
         assert stream["exact"] < 1e-8 < stream["none"]  # exact streaming recovers the batch posterior
         assert stream["stochastic"] < 1e-6
+        assert stream["kprior (10 %)"] < stream["memory (10 %)"] < stream["none"]  # a memory kept per batch helps
         # a policy that fell back is marked in the table and explained under it, with the batches it happened at
         marked = sorted(label.split()[0] for label in stream if label.endswith("*"))
         assert marked == sorted(result["streaming"]["fallbacks"])

@@ -16,7 +16,8 @@ __all__ = ["STREAM_POLICIES", "COMPARED_DELETE_METHODS", "demo_streaming"]
 
 
 STREAM_POLICIES = (("none", {}), ("prior", {}), ("memory", dict(memory=0.1)), ("weighted", dict(memory=0.1)),
-                   ("stochastic", dict(batch_fraction=0.1)), ("exact", {}))
+                   ("stochastic", dict(batch_fraction=0.1)), ("kprior", dict(memory=0.1, selection="residual")),
+                   ("exact", {}))
 COMPARED_DELETE_METHODS = ("tracin", "influence", "remove_site", "corrected", "retrain")
 
 
@@ -37,7 +38,7 @@ def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
         post, kls, seconds = first, [], first_seconds
         for k, part in enumerate(parts[1:], start=1):
             opts = dict(options)
-            if "memory" in opts:
+            if "memory" in opts and name != "kprior":  # the K-prior's memory is a fraction of each new batch
                 opts["memory"] = max(1, int(opts["memory"] * post.num_retained))
             t0 = time.perf_counter()
             with warnings.catch_warnings():  # a fallback is reported under the table, with its batch
@@ -49,11 +50,14 @@ def demo_streaming(X, y, out, plt, fast, num_batches=5) -> dict:
             kls.append(max(float(post.kl(batches[k - 1])), 1e-16))
         kl_curves[name] = kls
         finals[name] = post
-        label = name + (" (10 %)" if name in ("memory", "weighted") else "") + (" *" if name in fallbacks else "")
+        label = name + (" (10 %)" if name in ("memory", "weighted", "kprior") else "") + (" *" if name in fallbacks else "")
         rows.append((label, kls[-1], seconds))
     print(f"{'policy':18s} {'KL to batch posterior':>22s} {'time [s]':>9s}")
     for label, kl, seconds in rows:
         print(f"{label:18s} {kl:22.3e} {seconds:9.2f}")
+    print(f"kprior: the first batch and 10 % of each later one (by residual) kept as a function-space memory "
+          f"({finals['kprior'].num_retained} of {finals['kprior'].num_examples} examples), matched by their "
+          "predictions without their labels; for a GLM that equals replaying them (docs/continual.md)")
     final_kl = {name: kls[-1] for name, kls in kl_curves.items()}
     for name, events in fallbacks.items():
         reason = events[0][1].split(";")[0]
