@@ -12,16 +12,22 @@ negative array size, are never what a user sees.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
 import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from .errors import InvalidOptionError
 
-__all__ = ["check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path", "check_flag",
+_R = TypeVar("_R")
+
+__all__ = ["solver_group", "check_tol", "check_count", "check_solver_options", "check_finite", "check_key", "check_path", "check_flag",
            "check_name", "check_names", "is_choice", "MAX_COUNT", "MAX_SEED", "SolverOptions", "resolve_solver"]
 
 
@@ -180,3 +186,37 @@ def resolve_solver(solver, tol=None, max_iters=None, progress=False, raise_on_fa
         raise InvalidOptionError(f"the solver's options were given twice: solver={solver!r} and the keyword(s) "
                                  f"{changed}; give them in one place (e.g. SolverOptions({changed[0]}=...)).")
     return solver
+
+
+def solver_group(method: Callable[..., _R]) -> Callable[..., _R]:
+    """Let ``method`` take its solver keywords (those of :class:`SolverOptions` it has) as one ``solver=``
+    group too: ``post.update(X, y, solver=SolverOptions(tol=1e-10))`` is ``post.update(X, y, tol=1e-10)``.
+
+    A group given with one of those keywords set away from its default is refused, as is a group setting
+    an option the method does not have (e.g. ``progress`` for a deletion, which shows no progress bar).
+    """
+    signature = inspect.signature(method)
+    names = [f.name for f in dataclasses.fields(SolverOptions) if f.name in signature.parameters]
+
+    @functools.wraps(method)
+    def with_group(*args: Any, solver: SolverOptions | None = None, **kwargs: Any) -> _R:
+        if solver is None:
+            return method(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        group = resolve_solver(solver, **{n: bound.arguments.get(n, signature.parameters[n].default) for n in names})
+        missing = [f.name for f in dataclasses.fields(SolverOptions)
+                   if f.name not in names and getattr(group, f.name) != getattr(SolverOptions(), f.name)]
+        if missing:
+            raise InvalidOptionError(f"{method.__name__}() has no option {missing[0]!r}; got solver={group!r}")
+        bound.arguments.update({n: getattr(group, n) for n in names})
+        return method(*bound.args, **bound.kwargs)
+
+    params = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    params.insert(at, inspect.Parameter("solver", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation="SolverOptions | None"))
+    with_group.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    with_group.__doc__ = (method.__doc__ or "").rstrip() + (
+        "\n\n        :param SolverOptions solver: the solver keywords " + ", ".join(f"``{n}``" for n in names)
+        + " as one group (:class:`~numpyro_pc.options.SolverOptions`); give either it or them.\n")
+    return with_group

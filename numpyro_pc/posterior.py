@@ -39,7 +39,7 @@ from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
 from numpyro_pc.solvers.start import default_start
 
 from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
-from .options import MAX_SEED, SolverOptions, check_count, check_flag, check_solver_options, resolve_solver
+from .options import MAX_SEED, SolverOptions, check_count, check_flag, check_solver_options, resolve_solver, solver_group
 
 __all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
 
@@ -68,6 +68,7 @@ class DualPosterior(DualPosteriorBase):
         return posterior if isinstance(posterior, cls) else cls(**posterior.constructor_fields())
 
     # ------------------------------------------------------------------ adaptation
+    @solver_group
     def update(self, *args, correction: str = "exact", memory=None, selection: str = "random",
                keep: str | int = "all", seed: int = 0, tol: float | None = None, max_iters: int | None = None,
                progress: bool = False, raise_on_failure: bool = True, batch_fraction: float = 0.1,
@@ -101,6 +102,7 @@ class DualPosterior(DualPosteriorBase):
                       tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure,
                       batch_fraction=batch_fraction, epochs=epochs, **kwargs)
 
+    @solver_group
     @in_own_precision
     def delete(self, ids: Iterable[int], method: str = "remove_site", damping: bool = False, tol: float | None = None,
                max_iters: int | None = None, raise_on_failure: bool = True) -> DualPosterior:

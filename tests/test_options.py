@@ -115,3 +115,36 @@ def test_solver_options_are_one_group_of_the_flat_keywords(fitted, x64):
     with pytest.raises(errors.InvalidOptionError, match="max_iters"):
         pc.SolverOptions(max_iters=0)
     assert repr(pc.SolverOptions()) == "SolverOptions(tol=None, max_iters=None, progress=False, raise_on_failure=True)"
+
+
+@pytest.mark.slow  # 9 s at load 6 (measured alone)
+def test_update_delete_and_refine_take_the_solver_group_for_every_posterior(fitted, x64):
+    """The same group on the adaptations of both kinds of posterior: the grouped and the flat call give
+    identical results (the group's ``tol``/``max_iters`` reach the solve), two spellings are refused, and
+    an option the method has not (a deletion shows no progress bar) is refused rather than dropped."""
+    import inspect
+
+    from models import beta_bernoulli, beta_guide
+
+    post, X, y = fitted
+    group = pc.SolverOptions(tol=1e-6, max_iters=40)
+    a = post.update(X[:5], y[:5], solver=group)
+    b = post.update(X[:5], y[:5], tol=1e-6, max_iters=40)
+    np.testing.assert_array_equal(a.mean, b.mean)
+    c = post.delete([0, 1], method="corrected", solver=group)
+    np.testing.assert_array_equal(c.mean, post.delete([0, 1], method="corrected", tol=1e-6, max_iters=40).mean)
+    loose = post.update(X[:5], y[:5], correction="none")
+    np.testing.assert_array_equal(loose.refine(solver=group).mean, loose.refine(tol=1e-6, max_iters=40).mean)
+    with pytest.raises(errors.InvalidOptionError, match="given twice"):
+        post.update(X[:5], y[:5], tol=1e-9, solver=group)
+    with pytest.raises(errors.InvalidOptionError, match="no option 'progress'"):
+        post.delete([0], solver=pc.SolverOptions(progress=True))
+    assert "solver" in inspect.signature(type(post).update).parameters  # documented where users look
+    ys = jax.numpy.asarray(np.random.default_rng(0).uniform(size=20) < 0.3, float)
+    ef = pc.dual_form(beta_bernoulli, beta_guide, {"a": jax.numpy.array(1.0), "b": jax.numpy.array(1.0)}, ys)
+    grouped = ef.update(ys[:4], solver=pc.SolverOptions(tol=1e-10))
+    np.testing.assert_array_equal(grouped.natural, ef.update(ys[:4], tol=1e-10).natural)
+    np.testing.assert_array_equal(ef.delete([0], method="corrected", solver=pc.SolverOptions(tol=1e-10)).natural,
+                                  ef.delete([0], method="corrected", tol=1e-10).natural)
+    with pytest.raises(errors.InvalidOptionError, match="given twice"):
+        ef.refine(max_iters=3, solver=pc.SolverOptions())

@@ -29,7 +29,7 @@ from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.model.terms import ModelSpec, local_draws, site_log_likelihoods
 from numpyro_pc.model.likelihood import ModelData, constrain, trace_at
 from numpyro_pc.model.rows import RowSelection, pad_to_bucket, positions, stand_in_row, to_device
-from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options
+from numpyro_pc.options import check_count, check_finite, check_key, check_solver_options, solver_group
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.protocols.records import RefineInfo
@@ -285,6 +285,7 @@ class DualPosteriorBase(Posterior):
 
     # ------------------------------------------------------------------ refine
     @in_own_precision
+    @solver_group
     def refine(self, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
                raise_on_failure: bool = True, progress: bool = False, _start=None) -> DualPosteriorBase:
         """Natural-gradient steps until the dual-form residual is below ``tol``.

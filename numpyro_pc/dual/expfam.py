@@ -37,7 +37,7 @@ from numpyro_pc.families.product import (  # noqa: F401  (importable from here, 
 )
 from numpyro_pc.guides.expfam import GuideMap, read_guide, write_params
 from numpyro_pc.model.terms import local_draws, site_log_likelihoods
-from numpyro_pc.options import check_count, check_key
+from numpyro_pc.options import check_count, check_key, solver_group
 from numpyro_pc.protocols.capabilities import SiteCurvature, require
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.sites.expfam import EFConfig, compute_sites, model_point  # noqa: F401  (EFConfig: as before)
@@ -397,6 +397,7 @@ class EFPosterior(Posterior):
         return write_params(gmap, self.family, self.natural)
 
     # ------------------------------------------------------------------ operations
+    @solver_group
     def update(self, *args, correction: str = "exact", memory=None, selection: str = "random", keep="all",
                seed: int = 0, tol: float | None = None, max_iters: int | None = None, progress: bool = False,
                raise_on_failure: bool = True, batch_fraction: float = 0.1, epochs: int | None = None,
@@ -412,8 +413,8 @@ class EFPosterior(Posterior):
         ``"stochastic"``: after the ``"prior"`` update, ``epochs`` passes (default 1) over the
         retained examples in random blocks of ``batch_fraction`` of them, each block's sites recomputed
         at the fixed point with the others held (block Gauss–Seidel on the dual form: it tends to
-        the exact update as the passes grow). ``"weighted"`` is refused: it rescales sites, and
-        these posteriors hold no natural parameters outside their sites.
+        the exact update as the passes grow). ``"weighted"`` and ``"kprior"`` are refused: they leave
+        a part outside the sites, and these posteriors hold no natural parameters outside their sites.
 
         :param memory: for ``"memory"``: a count of examples, a fraction in ``(0, 1]`` of them, or
             their ids (:func:`numpyro_pc.sites.memory_sets.corrected_ids`).
@@ -433,6 +434,7 @@ class EFPosterior(Posterior):
                          seed=seed, tol=tol, max_iters=max_iters, progress=progress,
                          raise_on_failure=raise_on_failure, batch_fraction=batch_fraction, epochs=epochs, **kwargs)
 
+    @solver_group
     def refine(self, tol: float | None = None, max_iters: int | None = None, step_size: float = 1.0,
                raise_on_failure: bool = True, progress: bool = False) -> EFPosterior:
         """Natural-gradient steps from the current natural parameters until every site is fresh and the
@@ -447,6 +449,7 @@ class EFPosterior(Posterior):
         return refine_ef(self, tol=tol, max_iters=max_iters, step_size=step_size, raise_on_failure=raise_on_failure,
                          progress=progress)
 
+    @solver_group
     def delete(self, ids, method: str = "remove_site", damping: bool = False, tol: float | None = None,
                max_iters: int | None = None, raise_on_failure: bool = True) -> EFPosterior:
         """Remove examples (paper §3.2). ``"remove_site"``: :math:`\\lambda + \\sum_{j\\in J} g_j`;
