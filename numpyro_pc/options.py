@@ -202,8 +202,14 @@ def solver_group(method: Callable[..., _R]) -> Callable[..., _R]:
     def with_group(*args: Any, solver: SolverOptions | None = None, **kwargs: Any) -> _R:
         if solver is None:
             return method(*args, **kwargs)
+        if not isinstance(solver, SolverOptions):
+            raise InvalidOptionError(f"solver= takes a numpyro_pc.SolverOptions; got {solver!r} ({type(solver).__name__})")
         bound = signature.bind(*args, **kwargs)
-        group = resolve_solver(solver, **{n: bound.arguments.get(n, signature.parameters[n].default) for n in names})
+        twice = [n for n in names if n in bound.arguments and bound.arguments[n] != signature.parameters[n].default]
+        if twice:  # set away from the method's own default: the same option spelled twice
+            raise InvalidOptionError(f"the solver's options were given twice: solver={solver!r} and the keyword(s) "
+                                     f"{twice}; give them in one place (e.g. SolverOptions({twice[0]}=...)).")
+        group = solver
         missing = [f.name for f in dataclasses.fields(SolverOptions)
                    if f.name not in names and getattr(group, f.name) != getattr(SolverOptions(), f.name)]
         if missing:

@@ -18,8 +18,8 @@ family's site represents it exactly and the K-prior correction of a GLM equals t
 correction by the true losses (eq. ``corr_linreg`` for the squared loss).
 
 :func:`prediction_kl` computes the KL of one observed site: NumPyro's registered closed forms,
-the Poisson's, or a sum over the support of a distribution that can enumerate it
-(Bernoulli, categorical, binomial). A distribution with none of these is refused with
+closed forms in logits for the Bernoulli, binomial (same total count), categorical and Poisson,
+or a sum over the support of a distribution that can enumerate it. A distribution with none of these is refused with
 :class:`~numpyro_pc.errors.UnsupportedModelError`.
 
 A :class:`~numpyro_pc.model.terms.ModelSpec` with ``matching=True`` carries two more
@@ -33,7 +33,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro.distributions import Distribution, ExpandedDistribution, Independent, MaskedDistribution, Poisson
+from jax.scipy.special import xlogy
+from numpyro.distributions import (
+    BernoulliLogits,
+    BernoulliProbs,
+    BinomialLogits,
+    BinomialProbs,
+    CategoricalLogits,
+    Distribution,
+    ExpandedDistribution,
+    Independent,
+    MaskedDistribution,
+    Poisson,
+)
 from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.util import sum_rightmost
 
@@ -95,19 +107,44 @@ def prediction_kl(old: Distribution, new: Distribution, site_name: str = "") -> 
     if isinstance(old, MaskedDistribution) and isinstance(new, MaskedDistribution):
         inner = prediction_kl(old.base_dist, new.base_dist, site_name)
         return jnp.where(old._mask, inner, 0.0) if not isinstance(old._mask, bool) else inner * old._mask
+    closed = _closed_form(old, new)
+    if closed is not None:
+        return closed
     try:
         return kl_divergence(old, new)
     except NotImplementedError:
         pass
-    if isinstance(old, Poisson) and isinstance(new, Poisson):
-        a, b = old.rate, new.rate
-        return a * (jnp.log(a) - jnp.log(b)) - a + b
     if old.has_enumerate_support and type(old) is type(new):
-        support = old.enumerate_support(expand=False)
-        log_old, log_new = old.log_prob(support), new.log_prob(support)
-        terms = jnp.where(jnp.isneginf(log_old), 0.0, jnp.exp(log_old) * (log_old - log_new))
-        return jnp.sum(terms, axis=0)
+        try:  # a support whose size is data (a binomial's per-row total count) cannot be enumerated under a trace
+            support = old.enumerate_support(expand=False)
+        except jax.errors.ConcretizationTypeError:
+            support = None
+        if support is not None:
+            log_old, log_new = old.log_prob(support), new.log_prob(support)
+            terms = jnp.where(jnp.isneginf(log_old), 0.0, jnp.exp(log_old) * (log_old - log_new))
+            return jnp.sum(terms, axis=0)
     raise UnsupportedModelError(
         f"correction='kprior' matches each memory example's predictive distribution by KL(p_old || p_new); the "
         f"observed site {site_name!r} is a {type(old).__name__}, for which no closed-form KL is known and whose "
         "support cannot be enumerated. Use correction='memory' (the memory's true losses, with their labels).")
+
+
+def _bernoulli_kl(old_logits, new_logits) -> jax.Array:
+    p = jax.nn.sigmoid(old_logits)
+    return (p * (jax.nn.log_sigmoid(old_logits) - jax.nn.log_sigmoid(new_logits))
+            + (1.0 - p) * (jax.nn.log_sigmoid(-old_logits) - jax.nn.log_sigmoid(-new_logits)))
+
+
+def _closed_form(old: Distribution, new: Distribution) -> jax.Array | None:
+    """The KLs NumPyro does not register, written in logits (stable where a probability underflows)."""
+    if isinstance(old, (BernoulliLogits, BernoulliProbs)) and isinstance(new, (BernoulliLogits, BernoulliProbs)):
+        return _bernoulli_kl(old.logits, new.logits)
+    if isinstance(old, (BinomialLogits, BinomialProbs)) and isinstance(new, (BinomialLogits, BinomialProbs)):
+        return old.total_count * _bernoulli_kl(old.logits, new.logits)
+    if isinstance(old, CategoricalLogits) and isinstance(new, CategoricalLogits):
+        log_old, log_new = jax.nn.log_softmax(old.logits, -1), jax.nn.log_softmax(new.logits, -1)
+        return jnp.sum(jnp.exp(log_old) * (log_old - log_new), -1)
+    if isinstance(old, Poisson) and isinstance(new, Poisson):
+        a, b = old.rate, new.rate
+        return xlogy(a, a) - xlogy(a, b) - a + b
+    return None

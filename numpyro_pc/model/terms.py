@@ -223,10 +223,15 @@ def example_args(example) -> tuple[Any, ...]:
 def example_loss(spec, z, example, shared, discrete=None) -> jax.Array:
     """``ℓ_i(z)`` for one example (per-example leaves without their leading axis); with local
     latents, the unit's negative log marginal likelihood (:mod:`numpyro_pc.model.locals`)."""
+    if spec.matching:
+        if spec.local is not None or discrete:
+            raise UnsupportedModelError("prediction matching compares an example's observed distributions given the "
+                                        "global latents alone; this binding integrates local or discrete latents")
+        theta, loss_fn = example_params(spec, z, example, shared)
+        return loss_fn(theta)
     if spec.local is not None:
         return laplace_marginal(lambda zz, u: example_joint_loss(spec, zz, u, example, shared), z, spec.local.dim)
-    if spec.matching:
-        theta, loss_fn = example_params(spec, z, example, shared)
+    if False:
         return loss_fn(theta)
     trace = trace_at(spec, z, example_args(example), shared, discrete)
     return -sum(_site_log_prob(trace[name]) for name in spec.observed)

@@ -19,7 +19,9 @@ subtract their richer sites, which is the paper's gradient and Hessian matching.
 For a model whose observed distributions are canonical exponential families of parameters
 affine in the latents (linear and logistic regression, Poisson and softmax GLMs),
 :math:`\kappa_i - \hat\kappa_{i|t} = \ell_i - \hat\ell_{i|t}` exactly: the update equals the
-correction by the true losses of the same examples. For a network it drops the linearisation
+correction by the true losses of the same examples (with ``curvature="ggn"`` only when the
+distribution takes the natural parameter, e.g. ``logits=``: the Gauss–Newton curvatures of
+:math:`\ell_i` and :math:`\kappa_i` in another parametrisation differ). For a network it drops the linearisation
 error :math:`r_{i|t}\,[f_i(z) - \hat f_i^{lin}(z)]` — the reason to keep examples with large
 residuals (``selection="residual"``).
 
@@ -50,7 +52,7 @@ from numpyro_pc.errors import InvalidOptionError, MissingCapabilityError, Unsupp
 from numpyro_pc.families.registry import GaussianNatural, add_site, remove_site
 from numpyro_pc.model.likelihood import ModelData, example_params
 from numpyro_pc.model.prediction_matching import with_matching
-from numpyro_pc.model.rows import pad_to_bucket, positions, take_data, to_device
+from numpyro_pc.model.rows import materialise_ids, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.options import MAX_SEED, check_count
 from numpyro_pc.protocols.posterior import Posterior, by_site_table, provides
 from numpyro_pc.protocols.records import IterationInfo
@@ -134,6 +136,8 @@ def kprior_update(post, new_data, new_ids, memory_ids, solve_options, raise_on_f
     matching = replace(post.spec, matching=True)
     past = take_data(post.data, positions(post.data_ids, memory_ids))
     past_m = with_matching(past, predictions(post.spec, past, mean), jnp.ones(memory_ids.size, dtype))
+    # the new rows' loss is their ℓ_i (matched = 0), but the unused branch is differentiated too: real old
+    # predictions keep it finite (zeros could put a scale at 0)
     new_m = with_matching(new_data, predictions(post.spec, new_data, mean), jnp.zeros(new_ids.size, dtype))
     if memory_ids.size == 0:
         q, fresh, history, offset = solve_update(post, new_m, new_ids, memory_ids, True, 1.0, solve_options,
@@ -169,16 +173,25 @@ def new_memory_ids(post, new_ids, memory, selection, seed) -> np.ndarray:
                          candidates=np.asarray(new_ids))
 
 
-def check_kprior_memory(memory) -> None:
-    """``memory`` of a K-prior update is a size (a count or a fraction of the new batch), or ``None``.
+def check_kprior_memory(memory, selection, num_new) -> None:
+    """``memory`` of a K-prior update is a size (a count or a fraction of the new batch), or ``None`` (all of
+    it); ``selection`` chooses that many. Checked before the solve.
 
-    :raises InvalidOptionError: a list of ids.
+    :raises InvalidOptionError: ids, a set or an iterator given as ``memory``; a size :func:`memory_size`
+        refuses; a ``selection`` other than ``"random"`` without a size to choose.
     """
+    memory = materialise_ids(memory)
     if memory is not None and np.ndim(memory) != 0:
         raise InvalidOptionError("with correction='kprior', memory= is how many of the new batch's examples join the "
                                  "function-space memory (a count, or a fraction of the batch); every retained example "
-                                 f"is already matched. Got {np.ndim(memory)}-dimensional ids; use keep_memory(...) to "
+                                 f"is already matched. Got ids ({np.size(memory)} of them); use keep_memory(...) to "
                                  "choose which retained examples stay.")
+    if memory is None:
+        if selection != "random":
+            raise InvalidOptionError(f"selection={selection!r} chooses a memory of a given size; with memory=None every "
+                                     "example of the new batch joins the function-space memory")
+        return
+    memory_size(memory, num_new)
 
 
 @provides("keep_memory")
@@ -198,7 +211,7 @@ def keep_memory(post, size, selection="random", seed=0) -> Posterior:
     check_count(seed, "seed", minimum=0, allow_none=False, maximum=MAX_SEED)
     retained = np.asarray(post.data_ids)
     kept = select_memory(post, memory_size(size, retained.size), selection, seed)
-    return _with_rows(post, positions(retained, kept), kept)
+    return _with_rows(post, positions(retained, kept), kept).evolve(record=None)
 
 
 _with_rows = by_site_table("keep_memory")  # a posterior holding only some of its rows' data
@@ -230,6 +243,7 @@ _predictions_at_mean = by_site_table("memory")
 
 @_predictions_at_mean.register(Sites)
 def _gaussian_predictions(post) -> jax.Array:
+    refuse_local_latents(post.spec)
     return predictions(post.spec, post.data, post.state.mean)
 
 

@@ -90,7 +90,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     fallback = None
     linearisation_error = None
     if correction == "kprior":
-        check_kprior_memory(memory)
+        check_kprior_memory(memory, selection, num_new)
         q, fresh, history, offset, linearisation_error = kprior_update(post, new_data, new_ids, corrected,
                                                                        solve_options, raise_on_failure)
         stale = post.sites.take(site_rows)
@@ -118,7 +118,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     sites = post.sites.take(stale_rows).concat(fresh, prior_from="other" if correct_prior else "self")
     kept_new = new_ids
     if correction == "kprior" and memory is not None:  # the new batch's share of the memory, scored at q_{t+1}
-        scored = post.evolve(state=q, sites=sites, data_ids=to_device(np.concatenate([corrected, new_ids])))
+        scored = post.evolve(state=q, sites=sites)  # scores read the sites and q only (candidates: the new ids)
         kept_new = new_memory_ids(scored, new_ids, memory, selection, seed)
     data, data_ids = retain(post.data, post.data_ids, take_data(new_data, positions(new_ids, kept_new)), kept_new,
                             keep, int(post.next_id) - len(post.tombstones), seed)

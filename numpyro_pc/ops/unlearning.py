@@ -220,9 +220,9 @@ def delete(post, ids, method="remove_site", damping=False, tol=None, max_iters=N
             # correction._cavity)
             base = post.offset
         elif method == "corrected":
-            natural = family.natural(post.state)
-            natural = remove_site(natural, post.sites.take(np.concatenate([site_rows, live_rows])).natural_sum(family))
-            base = remove_site(natural, post.sites.prior_natural(family))
+            lam = family.natural(post.state)
+            natural = remove_site(lam, post.sites.take(np.concatenate([site_rows, live_rows])).natural_sum(family))
+            base = remove_site(natural, post.sites.prior_removal(family, lam))
         else:
             base = post.sites.take(frozen_rows).natural_sum(family) if frozen_rows.size else None
         # padded to a bucket (weight 0): deletions one by one reuse the compiled solver

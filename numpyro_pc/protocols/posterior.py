@@ -360,7 +360,8 @@ class Posterior(ABC):
     def keep_memory(self, size, selection: str = "random", seed: int = 0) -> Posterior:
         """Keep the data of ``size`` retained examples only, chosen by ``selection`` (``"random"``, ``"residual"``,
         ``"curvature"``, ``"leverage"``): the function-space memory that ``update(..., correction="kprior")``
-        matches; the others' sites stay, frozen (:func:`numpyro_pc.ops.kprior.keep_memory`)."""
+        matches (Gaussian families; an exponential-family product refuses the K-prior and keeps this as a data
+        bound); the others' sites stay, frozen (:func:`numpyro_pc.ops.kprior.keep_memory`)."""
         return _operation("keep_memory")(self, size, selection=selection, seed=seed)
 
     @property

@@ -303,3 +303,18 @@ def test_with_no_data_kept_a_removal_shows_the_stale_prior_site_and_refine_recom
     # two solves of the same fixed point (the prior's site the one live term) to a 1e-11 residual
     np.testing.assert_allclose(np.asarray(refined.mean), np.asarray(corrected.mean), rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(np.asarray(refined.precision), np.asarray(corrected.precision), rtol=1e-8)
+
+
+def test_a_corrected_deletion_with_every_site_frozen_has_the_isotropic_closed_form(x64):
+    """Isotropic family (fixed precision, sites carry gradients ĝ_i only), every example's data dropped: a
+    corrected deletion holds the frozen sites and solves the prior alone, so ``∇ℓ_0(m) = −Σ_{i≠j} ĝ_i``, i.e.
+    ``m = −s² Σ_{i≠j} ĝ_i`` for the N(0, s² I) prior. The fixed precision's base measure τ m_t must be divided
+    out with the prior's site; kept, it would pull the mean back towards m_t (1e-10: float64 solve)."""
+    from models import linear_model, make_linear
+
+    X, y = make_linear(16, 2, seed=4)
+    post = pc.fit(linear_model, X, y, family="isotropic", tol=1e-12).keep_memory(0)
+    gone = post.delete([3], method="corrected", tol=1e-12)
+    grads = np.asarray(post.sites.grad)
+    keep = np.asarray(post.sites.ids) != 3
+    np.testing.assert_allclose(gone.state.mean, -4.0 * grads[keep].sum(0), rtol=0, atol=1e-10)
