@@ -143,6 +143,12 @@ class _GradientStop:
             raise StopIteration
 
 
+def _nudge(z0) -> jax.Array:
+    """``z0`` moved by 1e-6 of its scale along a fixed pseudo-random direction (no latent exactly at a kink)."""
+    direction = jax.random.normal(jax.random.PRNGKey(20), z0.shape, z0.dtype)
+    return z0 + 1e-6 * (1.0 + jnp.max(jnp.abs(z0))) * direction
+
+
 def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None, isotropic_precision=1.0) -> MapResult:
     """The Laplace start ``N(ẑ, S⁻¹)`` projected to ``family``.
 
@@ -162,8 +168,18 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
     weights = jnp.ones(num, dtype) if weights is None else jnp.asarray(weights, dtype)
     gtol = (1e-8 if dtype == jnp.float64 else 1e-4) if gtol is None else gtol
     total, escapes = 0, 0
+    nudged = False
     while True:
         z, value, grad, it = _lbfgs(spec, z0, data, weights, gtol, int(max_iters))
+        stuck = float(jnp.max(jnp.abs(grad))) > 10 * gtol * (1.0 + abs(float(value)))  # not a stationary point
+        if it <= 1 and stuck and not nudged and bool(np.isfinite(float(value))):
+            # no step taken: a gradient at a kink of the log joint (NumPyro's Bernoulli(logits=0) has the
+            # subgradient y, not y − ½: every logit is 0 at z = 0) misleads the first line search; once from a
+            # point a hair away, where the gradient is the derivative
+            moved = _lbfgs(spec, _nudge(z0), data, weights, gtol, int(max_iters))
+            if float(moved[1]) < float(value):
+                z, value, grad, it = moved
+            nudged = True
         total += int(it)
         value, grad_norm = float(value), float(jnp.max(jnp.abs(grad)))
         finite = bool(np.isfinite(value) and np.isfinite(grad_norm) and jnp.all(jnp.isfinite(z)))

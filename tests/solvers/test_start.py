@@ -6,6 +6,7 @@ MAP/Laplace start (numpyro_pc.solvers.start) must reach the dual-form tolerance;
 checked against an oracle where one exists.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -13,7 +14,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
-from models import vb_optimality_gap
+from models import logistic_model, make_logistic, vb_optimality_gap
 from numpyro_pc.errors import InvalidOptionError
 
 
@@ -210,3 +211,24 @@ def test_a_fixed_precision_fit_escapes_the_saddle_at_zero(x64, monkeypatch, matr
     if not matrix_free:  # Lanczos may return another vector of the saddle's (degenerate) lowest eigenspace
         full = pc.fit(tanh_network, X, y, family="full", expectation="delta", curvature="ggn", tol=1e-10)
         np.testing.assert_allclose(post.mean, full.mean, rtol=1e-6, atol=1e-7)
+
+
+def test_the_map_search_from_zero_is_not_misled_by_the_bernoulli_kink(x64):
+    """NumPyro's ``Bernoulli(logits=·)`` evaluates its log-density with ``|logits|`` and a clip, whose
+    derivatives at exactly 0 add up to the subgradient ``y`` instead of ``y − σ(0)``: at ``z = 0`` every
+    logit of a logistic regression is 0 and the gradient is wrong, so L-BFGS's first line search finds no
+    decrease and stops (before the fix the MAP was left unconverged and every fit ran the ELBO start too).
+    The search restarts a hair away and converges; the start is the converged MAP, nothing compared."""
+    from numpyro_pc.model.likelihood import bind_model
+    from numpyro_pc.solvers.start import map_laplace
+    from numpyro_pc.families.registry import get_family
+
+    # the kink itself (if NumPyro changes its formula this fact, not the fix, is what changed)
+    assert float(jax.grad(lambda t: dist.Bernoulli(logits=t).log_prob(1.0))(0.0)) == 1.0
+    X, y = make_logistic(300, 5, seed=2)
+    spec, data = bind_model(logistic_model, (X, y), {})
+    found = map_laplace(spec, data, get_family("full"), jnp.zeros(spec.latent.dim))
+    assert found.converged and found.iterations > 2
+    post = pc.fit(logistic_model, X, y, family="full")
+    assert post.record["start"].kind == "map" and post.record["start"].converged
+    assert post.record["start"].candidates is None
