@@ -15,7 +15,8 @@ the prior without SVI.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,18 +31,20 @@ from numpyro_pc.guides import gaussian as _guides
 from numpyro_pc.io.save_load import load as _load
 from numpyro_pc.model.likelihood import bind_model
 from numpyro_pc.model.local_binding import refuse_guide_over_locals
+from numpyro_pc.ops.boosting import boosted_start
 from numpyro_pc.ops.streaming import update as _update
 from numpyro_pc.ops.unlearning import delete as _delete
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.protocols.posterior import Posterior
+from numpyro_pc.protocols.records import BoostInfo, StartInfo
 from numpyro_pc.sites.expectations import ExpectationRule, get_rule
 from numpyro_pc.solvers.boundary import check_boundary, warn_if_worse_optimum
 from numpyro_pc.solvers.start import default_start
 
-from .errors import ConvergenceError, InvalidOptionError, NonFiniteResultError
+from .errors import ConvergenceError, IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError
 from .options import MAX_SEED, SolverOptions, check_count, check_flag, check_solver_options, resolve_solver, solver_group
 
-__all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "load"]
+__all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "boost", "load"]
 
 
 class DualPosterior(DualPosteriorBase):
@@ -295,6 +298,81 @@ def fit(model: Callable, *args, family: str | GaussianFamily | dict = "full",
     post = build_posterior(spec, data, fam, start.start, rule, curvature, storage, chunk_size, None, True, tol,
                            max_iters, progress, raise_on_failure, cls=DualPosterior)
     return post.evolve(record=post.record.replace(start=start.info()))
+
+
+def boost(model: Callable, *args, checkpoint: DualPosteriorBase, mapping: Mapping | None = None,
+          family: str | GaussianFamily | None = None, rank: int | None = None,
+          expectation: str | ExpectationRule | None = None, curvature: str = "hessian", storage: str = "auto",
+          tol: float | None = None, max_iters: int | None = None, num_samples: int | None = None, seed: int = 0,
+          num_nodes: int | None = None, chunk_size: int | None = None, data_plate: str | None = None,
+          shared: tuple = (), progress: bool = False, raise_on_failure: bool = True,
+          solver: SolverOptions | None = None, **kwargs) -> DualPosterior:
+    r"""Boost the training of ``model`` on ``args`` with a checkpoint: :func:`fit`'s answer, started at ``q_chk``.
+
+    The checkpoint in dual form, :math:`q_{chk} \propto p_0 \prod_{i \in C} \exp(-\hat\ell_{i|chk})`,
+    replaces the prior, and each loss :math:`\ell_i` it holds a site for is corrected to
+    :math:`\ell_i - \hat\ell_{i|chk}` (paper §4.2):
+
+    .. math::
+
+        p_0 \prod_i e^{-\ell_i} = q_{chk} \prod_{i \in C} e^{-(\ell_i - \hat\ell_{i|chk})}
+            \prod_{i \notin C} e^{-\ell_i},
+
+    so the fixed point is :func:`fit`'s for the same model, data and options, while the BLR iteration
+    starts at :math:`q_{chk}` and its damping pulls towards :math:`q_{chk}^\alpha q_{old}^{1-\alpha}`
+    instead of :math:`p_0^\alpha q_{old}^{1-\alpha}`: from a good checkpoint, fewer steps and no
+    MAP/Laplace search (:mod:`numpyro_pc.ops.boosting`). The checkpoint may be of the same data, of a
+    subset (the other examples enter with their full loss) or of other data, of a neighbouring model
+    read through ``mapping``, or several checkpoints combined by :func:`~numpyro_pc.ops.merging.merge`.
+    If the solve from the checkpoint fails (a checkpoint far from this posterior), it is repeated from
+    :func:`fit`'s default start and ``record.start.reason`` says why.
+
+    :param checkpoint: a Gaussian dual-form posterior (:class:`DualPosterior`).
+    :param dict mapping: for a model whose latents differ from the checkpoint's, ``{site: positions}``
+        or ``{site: (checkpoint site, positions)}``: ``positions[k]`` is where the checkpoint site's
+        ``k``-th flat unconstrained coordinate goes in the model's site; unmapped coordinates start
+        from the prior (:func:`~numpyro_pc.ops.boosting.checkpoint_map`).
+    :param family: the boosted posterior's family (default: the checkpoint's); ``rank`` as in :func:`fit`.
+    :return: a :class:`DualPosterior` whose ``record`` is a
+        :class:`~numpyro_pc.protocols.records.BoostInfo` (iterations, what the start took from the checkpoint).
+    :raises ModelMismatchError: latents that differ from the checkpoint's without a ``mapping`` saying how.
+    :raises DataShapeError: a ``mapping`` whose positions do not fit the two sites.
+    :raises IncompatiblePosteriorsError: a checkpoint that is not a Gaussian dual-form posterior.
+
+    See :func:`fit` for the other options (the same defaults, so that ``boost`` and ``fit`` with the same
+    options reach the same posterior).
+    """
+    started = time.perf_counter()
+    options = resolve_solver(solver, tol, max_iters, progress, raise_on_failure)
+    tol, max_iters, progress, raise_on_failure = (options.tol, options.max_iters, options.progress,
+                                                  options.raise_on_failure)
+    _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed)
+    if not isinstance(checkpoint, DualPosteriorBase):
+        raise IncompatiblePosteriorsError(f"checkpoint must be a Gaussian dual-form posterior (pc.fit, pc.dual_form, "
+                                          f"an update or a merge of them); got {type(checkpoint).__name__}")
+    spec, data = bind_model(model, args, kwargs, data_plate=data_plate, shared=shared)
+    fam = checkpoint.family if family is None and rank is None else get_family(
+        checkpoint.family if family is None else family, rank=rank)
+    fam.check_dimension(spec.latent.dim)
+    dtype = _float_dtype()
+    boosted = boosted_start(checkpoint, spec, data, fam, dtype, mapping)
+    if expectation is None:
+        expectation = "delta" if capability(fam, FixedPrecision) else "auto"
+    rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
+    start = StartInfo(kind="checkpoint")
+    solve = (curvature, storage, chunk_size, None, True, tol, max_iters, progress)
+    try:
+        post = build_posterior(spec, data, fam, boosted.start, rule, *solve, True, cls=DualPosterior)
+    except (ConvergenceError, NonFiniteResultError) as err:
+        cold = default_start(spec, data, fam, None, dtype)
+        post = build_posterior(spec, data, fam, cold.start, rule, *solve, raise_on_failure, cls=DualPosterior)
+        start = cold.info(f"the solve from the checkpoint stopped ({type(err).__name__}: {str(err).split(';')[0]})")
+    cmap = boosted.map
+    record = BoostInfo(**post.record.solve_fields(), start=start, mapped=int(cmap.target.size),
+                       from_prior=int(cmap.from_prior.size), precision_from_checkpoint=boosted.precision_from_checkpoint,
+                       checkpoint_examples=int(checkpoint.sites.num_examples),
+                       start_residual=float(post.history[0]["residual"]), seconds=time.perf_counter() - started)
+    return post.evolve(record=record)
 
 
 def _check_fit_options(tol, max_iters, num_samples, num_nodes, chunk_size, seed) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Self, dataclass_transform
 import numpy as np
 
 __all__ = ["Record", "record", "IterationInfo", "SolveFields", "StartInfo", "CorrectionMagnitude", "ExpectationError",
-           "FitInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "ExportInfo", "FederatedInfo", "plain"]
+           "FitInfo", "BoostInfo", "UpdateInfo", "DeleteInfo", "RefineInfo", "MergeInfo", "LoadInfo", "ExportInfo", "FederatedInfo", "plain"]
 
 
 class Record(Mapping[str, Any]):
@@ -238,6 +238,32 @@ class FitInfo(SolveFields):
     operation: str = "fit"
     start: StartInfo | None = None
     boundary: Mapping[str, Any] | None = None
+
+
+@record
+class BoostInfo(SolveFields):
+    """What ``pc.boost`` did: a fit started from a checkpoint (paper §4.2; :mod:`numpyro_pc.ops.boosting`).
+
+    :ivar str operation: ``"boost"``.
+    :ivar StartInfo start: ``kind`` ``"checkpoint"``, or the fit's own start (``reason`` says why) when
+        the solve from the checkpoint failed.
+    :ivar int mapped: latent coordinates whose start was taken from the checkpoint.
+    :ivar int from_prior: latent coordinates started from the prior (a neighbouring model's new ones).
+    :ivar bool precision_from_checkpoint: whether the start's precision on the mapped coordinates was the
+        checkpoint's (not for a fixed-precision family).
+    :ivar int checkpoint_examples: the checkpoint's sites (examples it summarised).
+    :ivar float start_residual: the fit's dual-form residual at the start.
+    :ivar float seconds: wall time.
+    """
+
+    operation: str = "boost"
+    start: StartInfo | None = None
+    mapped: int | None = None
+    from_prior: int | None = None
+    precision_from_checkpoint: bool | None = None
+    checkpoint_examples: int | None = None
+    start_residual: float | None = None
+    seconds: float | None = None
 
 
 @record

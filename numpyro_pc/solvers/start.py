@@ -97,13 +97,19 @@ class MapResult(NamedTuple):
 
 def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
     """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
-    support: the line search backs off)."""
+    support: the line search backs off). The last point is remembered: SciPy's callback gets no gradient, and
+    :class:`_GradientStop` asks again for the point the line search has just evaluated."""
+    last: list = [None, None]
+
     def fun(x) -> tuple[float, np.ndarray]:
+        x = np.asarray(x, dtype=np.float64)
+        if last[0] is not None and np.array_equal(last[0], x):
+            return last[1][0], last[1][1].copy()
         value, grad = value_and_grad(jnp.asarray(x, dtype))
         value, grad = float(value), np.asarray(grad, dtype=np.float64)
-        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
-            return np.inf, np.zeros_like(grad)
-        return value, grad
+        result = (value, grad) if np.isfinite(value) and np.all(np.isfinite(grad)) else (np.inf, np.zeros_like(grad))
+        last[0], last[1] = x.copy(), result
+        return result[0], result[1].copy()
 
     return fun
 
