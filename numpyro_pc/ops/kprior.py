@@ -54,6 +54,7 @@ from numpyro_pc.model.likelihood import ModelData, example_params
 from numpyro_pc.model.prediction_matching import with_matching
 from numpyro_pc.model.rows import materialise_ids, pad_to_bucket, positions, take_data, to_device
 from numpyro_pc.options import MAX_SEED, check_count
+from numpyro_pc.protocols.capabilities import NO_CURVATURE, site_curvature
 from numpyro_pc.protocols.posterior import Posterior, by_site_table, provides
 from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
@@ -173,12 +174,13 @@ def new_memory_ids(post, new_ids, memory, selection, seed) -> np.ndarray:
                          candidates=np.asarray(new_ids))
 
 
-def check_kprior_memory(memory, selection, num_new) -> None:
+def check_kprior_memory(memory, selection, num_new, family) -> None:
     """``memory`` of a K-prior update is a size (a count or a fraction of the new batch), or ``None`` (all of
     it); ``selection`` chooses that many. Checked before the solve.
 
     :raises InvalidOptionError: ids, a set or an iterator given as ``memory``; a size :func:`memory_size`
         refuses; a ``selection`` other than ``"random"`` without a size to choose.
+    :raises MissingCapabilityError: a selection by curvature or leverage for a family whose sites carry none.
     """
     memory = materialise_ids(memory)
     if memory is not None and np.ndim(memory) != 0:
@@ -192,6 +194,10 @@ def check_kprior_memory(memory, selection, num_new) -> None:
                                      "example of the new batch joins the function-space memory")
         return
     memory_size(memory, num_new)
+    if selection in ("curvature", "leverage") and site_curvature(family).detail == NO_CURVATURE:
+        raise MissingCapabilityError(f"selection={selection!r} ranks examples by the precision Ĥ_i their sites carry; "
+                                     f"the {family.name} family's sites carry gradients only. Use selection='residual' "
+                                     "or 'random'")
 
 
 @provides("keep_memory")

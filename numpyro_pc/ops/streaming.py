@@ -90,7 +90,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     fallback = None
     linearisation_error = None
     if correction == "kprior":
-        check_kprior_memory(memory, selection, num_new)
+        check_kprior_memory(memory, selection, num_new, post.family)
         q, fresh, history, offset, linearisation_error = kprior_update(post, new_data, new_ids, corrected,
                                                                        solve_options, raise_on_failure)
         stale = post.sites.take(site_rows)

@@ -17,6 +17,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_pc as pc
+from numpyro_pc import errors
 from numpyro_pc.errors import InvalidOptionError, UnsupportedModelError
 from numpyro_pc.model.likelihood import example_loss
 from numpyro_pc.model.prediction_matching import prediction_kl, with_matching
@@ -179,6 +180,11 @@ def test_refusals_say_why():
     post = pc.fit(logistic_model, X1, y1, family="diagonal")
     with pytest.raises(InvalidOptionError, match="join the function-space memory"):
         post.update(X2, y2, correction="kprior", memory=[0, 1])
+    with pytest.raises(InvalidOptionError, match="chooses a memory of a given size"):
+        post.update(X2, y2, correction="kprior", selection="residual")
+    with pytest.raises(errors.MissingCapabilityError, match="gradients only"):  # before any solve
+        pc.fit(logistic_model, X1, y1, family="isotropic").update(X2, y2, correction="kprior", memory=5,
+                                                                    selection="leverage")
 
     def student(X, y=None):
         w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
