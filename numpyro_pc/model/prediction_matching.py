@@ -50,6 +50,7 @@ from numpyro.distributions.kl import kl_divergence
 from numpyro.distributions.util import sum_rightmost
 
 from numpyro_pc.errors import UnsupportedModelError
+from typing import Any
 
 __all__ = ["MATCHING_LEAVES", "prediction_kl", "rebuild", "split_matching", "with_matching"]
 
@@ -64,7 +65,7 @@ def split_matching(spec, example) -> tuple[tuple, jax.Array | None, jax.Array | 
     return tuple(example[:-MATCHING_LEAVES]), example[-2], example[-1]
 
 
-def with_matching(data, theta_old, matched):
+def with_matching(data, theta_old, matched) -> Any:  # a ModelData (terms imports this module)
     """``data`` (a :class:`~numpyro_pc.model.terms.ModelData`) with the two matching leaves appended.
 
     :param theta_old: ``(n, k)`` parameters at the old mean.
