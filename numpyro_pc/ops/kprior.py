@@ -152,10 +152,11 @@ def kprior_update(post, new_data, new_ids, memory_ids, solve_options, raise_on_f
     kappa_new = fresh.take(np.arange(memory_ids.size))
     true_new = _sites(post, post.spec, past, memory_ids, q)
     true_old = post.sites.take(positions(post.sites.ids, memory_ids))
-    unmatched = remove_site(add_site(true_old.natural_sum(family), kappa_new.natural_sum(family)),
+    old_sum = true_old.natural_sum(family)
+    unmatched = remove_site(add_site(old_sum, kappa_new.natural_sum(family)),
                             add_site(kappa_old.natural_sum(family), true_new.natural_sum(family)))
     offset = unmatched if offset is None else add_site(offset, unmatched)
-    scale = max(_size(true_old.natural_sum(family)), 1e-300)
+    scale = max(_size(old_sum), 1e-300)
     sites = true_new.concat(fresh.take(np.arange(memory_ids.size, memory_ids.size + new_ids.size)),
                             prior_from="other")
     return q, sites, history, offset, _size(unmatched) / scale
