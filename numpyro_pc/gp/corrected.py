@@ -7,14 +7,20 @@ update keeps a memory ``C`` of past examples and adds back their correction
 
 .. math::
 
-    \mathcal L_{\rm corr} = \mathcal L_{\rm Bui} − \sum_{i∈C} \mathbb E_q[ℓ_i − \hat ℓ_{i|t}],\qquad
-    \hat ℓ_{i|t}(f) = \hat g_i f + \tfrac12 \hat h_i (f − m_i)^2,
+    \mathcal L_{\rm corr} = \mathcal L_{\rm Bui} − \sum_{i∈C} \mathbb E_q[ℓ_i(f_i) − \hat ℓ_{i|t}(a)],\qquad
+    \hat ℓ_{i|t}(a) = \hat g_i \bar f_i(a) + \tfrac12 \hat h_i (\bar f_i(a) − m_i)^2,
 
 with ``ℓ_i(f) = −log p(y_i | f)``, ``(m_i, v_i)`` the old posterior's marginal of ``f(x_i)``
-(old θ, old ``q``) and the function-space site ``ĝ_i = E[ℓ_i'(f)]``, ``ĥ_i = E[ℓ_i''(f)]``
-under ``N(m_i, v_i)`` (Gauss–Hermite, 20 nodes). Sites are recomputed at every batch at
-the posterior being updated. The memory has a fixed capacity (reservoir sampling over the
-stream), padded and masked so that its shape never changes.
+(old θ, old ``q``), the function-space site ``ĝ_i = E[ℓ_i'(f)]``, ``ĥ_i = E[ℓ_i''(f)]`` under
+``N(m_i, v_i)`` (Gauss–Hermite, 20 nodes), and ``f̄_i(a) = μ'(x_i) + w_iᵀ a``,
+``w_i = K'^{-1}_{aa} k'_{a i}`` (old θ', old ``Z_a``). The site is a function of the old inducing
+variables ``a``, as the old data are in Bui's term ``q_old(a)/p(a|θ_old) = exp(−Σ_i ℓ̂_i(a))`` (the
+dual form of the old fit): with every past example in the memory the two cancel and the corrected
+bound is the batch bound on all data for any θ. A site written in ``f_i`` instead would keep
+``½ ĥ_i (k_ii − q_ii)``, the conditional variance of ``f_i`` given ``a`` under the new θ, which grows
+without bound with the kernel variance (the corrected Bernoulli bound then has no maximum).
+Sites are recomputed at every batch at the posterior being updated. The memory has a fixed
+capacity (reservoir sampling over the stream), padded and masked so that its shape never changes.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .state import kernel_diag, kernel_matrix, mean_vector, noise_variance, predict_from_q
-from .uncollapsed import expected_log_lik, marginals
+from .uncollapsed import expected_log_lik, marginals, old_marginal
 from numpyro_pc.deprecation import warn_renamed
 
-__all__ = ["Memory", "FunctionSites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "gaussian_sites",
+__all__ = ["Memory", "FunctionSites", "GaussianSites", "empty_memory", "update_memory", "memory_sites", "empty_sites", "gaussian_sites",
            "correction_term"]
 
 _GH_T, _GH_W = np.polynomial.hermite_e.hermegauss(20)
@@ -63,11 +69,20 @@ class GaussianSites(NamedTuple):
 
 
 class FunctionSites(NamedTuple):
-    """Function-space sites of the memory at the old posterior: ``g``, ``h``, ``m`` (each ``(C,)``)."""
+    """Sites of the memory at the old posterior: ``g``, ``h``, ``m`` and ``offset`` (each ``(C,)``), and the
+    old projections ``W = [w_i]`` (``(M_a, C)``), so that ``f̄_i(a) = offset_i + w_iᵀ a`` (module docstring)."""
 
     g: jnp.ndarray
     h: jnp.ndarray
     m: jnp.ndarray
+    W: jnp.ndarray
+    offset: jnp.ndarray
+
+
+def empty_sites(num_inducing, capacity) -> FunctionSites:
+    """Zero sites for an empty memory of ``capacity`` rows (the first batch)."""
+    zeros = jnp.zeros(capacity)
+    return FunctionSites(zeros, zeros, zeros, jnp.zeros((num_inducing, capacity)), zeros)
 
 
 def empty_memory(capacity, dim) -> Memory:
@@ -112,22 +127,28 @@ def _neg_log_lik(hyper, y, f) -> jax.Array:
 
 
 def memory_sites(old, X, y) -> FunctionSites:
-    """Sites ``(ĝ_i, ĥ_i, m_i)`` of the memory examples at the old posterior (module docstring)."""
+    """Sites ``(ĝ_i, ĥ_i, m_i)`` and projections ``f̄_i(a)`` of the memory examples at the old posterior
+    (module docstring)."""
     h = old.hyper
     m, v = predict_from_q(h, old.Z, old.mean, old.cov, old.chol_Kzz, X)
+    W = jax.scipy.linalg.cho_solve((old.chol_Kzz, True), kernel_matrix(h.kernel, old.Z, X))
     f = m[:, None] + jnp.sqrt(jnp.maximum(v, 0.0))[:, None] * _GH_T[None, :]
     d1 = jax.vmap(jax.vmap(jax.grad(lambda ff, yy: _neg_log_lik(h, yy, ff)), (0, None)), (0, 0))
     d2 = jax.vmap(jax.vmap(jax.grad(jax.grad(lambda ff, yy: _neg_log_lik(h, yy, ff))), (0, None)), (0, 0))
     g = d1(f, y) @ _GH_W
     hh = d2(f, y) @ _GH_W
-    return FunctionSites(g, hh, m)
+    return FunctionSites(g, hh, m, W, mean_vector(h.mean_function, X))
 
 
-def correction_term(hyper, Lb, q, X, y, mask, sites) -> jax.Array:
-    r"""``−Σ_{i∈C} E_q[ℓ_i − ℓ̂_i]`` (to be added to the bound being maximised)."""
+def correction_term(hyper, old, Lb, q, X, y, mask, sites) -> jax.Array:
+    r"""``−Σ_{i∈C} E_q[ℓ_i(f_i) − ℓ̂_i(a)]`` (to be added to the bound being maximised); ``f_i`` under the
+    current θ, ``a`` the marginal of ``q(b)`` at the old inducing inputs (:func:`~numpyro_pc.gp.uncollapsed.old_marginal`)."""
     mu, var = marginals(hyper, Lb, q, X)
     ell = expected_log_lik(hyper, y, mu, var)
-    site = sites.g * mu + 0.5 * sites.h * ((mu - sites.m) ** 2 + var)
+    mu_a, Sig_a = old_marginal(hyper, old, Lb, q)
+    fbar = sites.offset + sites.W.T @ mu_a
+    var_a = jnp.sum(sites.W * (Sig_a @ sites.W), 0)
+    site = sites.g * fbar + 0.5 * sites.h * ((fbar - sites.m) ** 2 + var_a)
     return jnp.sum((ell + site) * mask)
 
 

@@ -101,7 +101,7 @@ def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method
         if mem is not None:
             Zb = hyper.Z
             Lb = chol(kernel_matrix(hyper.kernel, Zb, Zb) + old.jitter * jnp.eye(Zb.shape[0], dtype=Zb.dtype))
-            value = value + corrected.correction_term(hyper, Lb, q, mem[0], mem[1], mem[2], sites)
+            value = value + corrected.correction_term(hyper, old, Lb, q, mem[0], mem[1], mem[2], sites)
         return value
 
     res = minimize(lambda pq: -objective(*pq) / scale, (datainit.to_search(params, zs), raw_q), method, max_iters,
@@ -355,7 +355,7 @@ class StreamingSparseGP:
                         self.memory_size, X.shape[1])
                     mem = tuple(jnp.asarray(a) for a in memory[:3])
                     sites = corrected.memory_sites(old, mem[0], mem[1]) if self._state is not None else \
-                        corrected.FunctionSites(*(jnp.zeros(self.memory_size),) * 3)
+                        corrected.empty_sites(self.num_inducing, self.memory_size)
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters, evals = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
                                                         self.optimizer, self.max_iters, self.learning_rate, self.gtol,

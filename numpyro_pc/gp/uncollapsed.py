@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_term", "uncollapsed_bound",
+__all__ = ["BernoulliLogit", "WhitenedQ", "marginals", "expected_log_lik", "old_marginal", "old_term", "uncollapsed_bound",
            "whiten", "unwhiten", "predict_y"]
 
 
@@ -111,15 +111,20 @@ def predict_y(hyper, mu, var) -> tuple[jax.Array, jax.Array]:
                     f"got {type(lik).__name__}")
 
 
-def old_term(hyper, old, Lb, q) -> jax.Array:
-    r"""``E_{q(a)}[log q_old(a) − log p(a|θ_old)]`` (zero for the prior state, exactly)."""
+def old_marginal(hyper, old, Lb, q) -> tuple[jax.Array, jax.Array]:
+    """Mean and covariance of ``q(a)``, the marginal of ``q(b)`` at the old inducing inputs ``Z_a`` under
+    the current θ: ``a | b ~ p(a | b, θ)``, so ``Σ_a = K_aa − K_ab K_bb⁻¹ K_ba + K_ab K_bb⁻¹ S_b K_bb⁻¹ K_ba``."""
     eps = old.jitter
     Za = old.Z
     B = solve_triangular(Lb, inducing_cross(hyper.kernel, hyper.Z, Za, eps), lower=True)
     Kaa = kernel_matrix(hyper.kernel, Za, Za) + eps * jnp.eye(Za.shape[0], dtype=Za.dtype)
-    mu_a = B.T @ q.mean
     U = q.chol.T @ B
-    Sig_a = Kaa - B.T @ B + U.T @ U
+    return B.T @ q.mean, Kaa - B.T @ B + U.T @ U
+
+
+def old_term(hyper, old, Lb, q) -> jax.Array:
+    r"""``E_{q(a)}[log q_old(a) − log p(a|θ_old)]`` (zero for the prior state, exactly)."""
+    mu_a, Sig_a = old_marginal(hyper, old, Lb, q)
     LS, LK = old.chol_cov, old.chol_Kzz
     d = mu_a - old.mean
     log_q = (-jnp.sum(jnp.log(jnp.diag(LS))) - 0.5 * jnp.trace(cho_solve((LS, True), Sig_a))
