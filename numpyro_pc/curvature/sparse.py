@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from numpyro_pc.errors import SiteStorageError
 from numpyro_pc.model.rows import join_rows
 
-from .stores import FULL, CurvatureStore, JacobianFactor, register_store
+from .stores import FULL, NONE, CurvatureStore, JacobianFactor, register_store
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -118,6 +118,17 @@ class SparseFactor(CurvatureStore):
             raise SiteStorageError(f"cannot join sites stored as {self.name!r} and {other.name!r}")
         width = max(self.width, other.width)
         return jax.tree.map(join_rows, self.widened(width), other.widened(width))
+
+    def capped(self, detail) -> CurvatureStore:
+        """:meth:`CurvatureStore.capped` on the same index (the sites' gradients stay ``(N, s)`` values on
+        it): no curvature is ``Λ_i = 0``; diagonals are ``J_i = I_s``, ``Λ_i = diag(diag Ĥ_i)`` on the index."""
+        if detail >= self.detail:
+            return self
+        if detail == NONE:
+            return replace(self, lam=jnp.zeros_like(self.lam))
+        values = jnp.einsum("nks,nkl,nls->ns", self.jac, self.lam, self.jac)
+        eye = jnp.broadcast_to(jnp.eye(self.width, dtype=self.jac.dtype), values.shape + (self.width,))
+        return replace(self, jac=eye, lam=values[:, :, None] * eye)
 
     # --- rows on the index ----------------------------------------------------------------
     def scatter(self, values, weights=None) -> jax.Array:

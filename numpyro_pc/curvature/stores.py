@@ -124,6 +124,17 @@ class CurvatureStore(ABC):
         """The curvatures ``α Ĥ_i`` (every site raised to the power ``α``: tempering)."""
         raise SiteStorageError(f"sites stored as {self.name!r} cannot be scaled")
 
+    def capped(self, detail) -> CurvatureStore:
+        """The curvatures as a family that reads only ``detail`` of them sees its sites: unchanged up to the
+        store's own detail, else their diagonals or none. A store may keep more than the family's sites carry
+        (the Jacobians the matrix-free Newton step of the diagonal and isotropic families needs at large
+        ``d``); the sites themselves, their natural parameters and their values are the family's."""
+        if detail >= self.detail:
+            return self
+        if detail == NONE:
+            return NoCurvature(rows=jnp.zeros((self.num_examples, 0), self.dtype))
+        return Diagonal(curvature=self.diagonals())
+
     # --- algebra -------------------------------------------------------------------------
     def weighted_dense(self, weights) -> jax.Array:
         """``Σ_i w_i Ĥ_i`` as a ``(d, d)`` matrix."""

@@ -47,6 +47,7 @@ from numpyro_pc.errors import (
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, get_family
 from numpyro_pc.model.rows import to_device
 from numpyro_pc.options import check_path
+from numpyro_pc.protocols.capabilities import site_curvature
 from numpyro_pc.protocols.posterior import by_site_table, provides
 from numpyro_pc.protocols.records import LoadInfo
 from numpyro_pc.sites.expectations import ExpectationRule
@@ -159,7 +160,7 @@ def _load_gaussian(path, model, manifest, arrays) -> DualPosteriorBase:
     dtype, part = manifest["dtype"], manifest["gaussian"]
     family = get_family(manifest["family"])
     with jax.enable_x64(dtype == "float64"):
-        sites = Sites.from_arrays(site_arrays(arrays), storage=part["storage"])
+        sites = Sites.from_arrays(site_arrays(arrays), storage=part["storage"], detail=site_curvature(family).detail)
         state = Gaussian(to_device(arrays["mean"]), to_device(arrays["precision"]))
         offset = None
         if "offset.linear" in arrays:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.curvature.stores import CurvatureStore, get_store
+from numpyro_pc.curvature.stores import FULL, CurvatureStore, get_store
 from numpyro_pc.families.registry import GaussianNatural, add_site
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
 from numpyro_pc.model.rows import (
@@ -50,7 +50,7 @@ def _natural_sum(family, sites, weights) -> GaussianNatural:
 @partial(jax.tree_util.register_dataclass,
          data_fields=["grad", "curv", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature",
                       "prior_loss", "prior_ref"],
-         meta_fields=[])
+         meta_fields=["detail"])
 @dataclass(frozen=True)
 class Sites:
     """Cached sites of every example and of the prior.
@@ -71,6 +71,10 @@ class Sites:
         of a family with matrix-free sites (:mod:`numpyro_pc.sites.prior`).
     :ivar prior_loss: ``E_q[ℓ_0]``.
     :ivar prior_ref: the mean the prior site was computed at.
+    :ivar detail: how much of each ``Ĥ_i`` the family's sites carry (``2`` matrices, ``1`` diagonals, ``0``
+        none: :class:`~numpyro_pc.protocols.capabilities.SiteCurvature`). The store may keep more (the
+        Jacobians the matrix-free Newton step of the diagonal and isotropic families needs at large ``d``);
+        every site quadratic, value and natural parameter reads :attr:`site_curv`, the store capped at it.
     """
 
     grad: jax.Array
@@ -83,7 +87,13 @@ class Sites:
     prior_curvature: jax.Array
     prior_loss: jax.Array
     prior_ref: jax.Array
+    detail: int = FULL
     kind: ClassVar[str] = "gaussian"
+
+    @property
+    def site_curv(self) -> CurvatureStore:
+        """The curvatures the sites carry for their family (:meth:`CurvatureStore.capped` at :attr:`detail`)."""
+        return self.curv.capped(self.detail)
 
     @property
     def storage(self) -> str:
@@ -109,7 +119,7 @@ class Sites:
         r"""``(Σ_i w_i ∇ℓ̂_i(m), Σ_i ‖w_i ∇ℓ̂_i(m)‖)`` over the example sites, without ``(N, d)`` rows
         for a sparse store."""
         if self.curv.sparse_rows:
-            values = self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+            values = self.site_curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
             if weights is not None:
                 values = values * weights[:, None]
             return self.curv.scatter(values), jnp.sum(jnp.linalg.norm(values, axis=1))
@@ -120,7 +130,7 @@ class Sites:
 
     def grad_values_at(self, mean) -> jax.Array:
         """A sparse store's ``∇ℓ̂_i(m)`` as ``(N, s)`` values on its index."""
-        return self.curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
+        return self.site_curv.rows_at(self.grad, mean, self.ref_means, self.ref_index)
 
     def prior_curvature_dense(self) -> jax.Array:
         """``Ĥ_0`` as a dense ``(d, d)`` matrix (whichever form it is held in; small ``d``)."""
@@ -149,8 +159,8 @@ class Sites:
         return take_rows(self.ref_means, self.ref_index)
 
     def curvature_matvec(self, v) -> jax.Array:
-        """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``)."""
-        return self.curv.matvec(v)
+        """``Ĥ_i v_i`` for every example (``v`` is ``(N, d)``), with the curvature the sites carry."""
+        return self.site_curv.matvec(v)
 
     def grad_at(self, mean) -> jax.Array:
         """Gradient of each quadratic site at ``mean``: ``ĝ_i + Ĥ_i (mean − m_i)``, ``(N, d)``."""
@@ -166,7 +176,7 @@ class Sites:
         """``Σ_i w_i (Ĥ_i m_i − ĝ_i)``: the linear natural parameter of the weighted example sites."""
         if self.curv.sparse_rows:
             refs = self.ref_means[self.ref_index[:, None], self.curv.index]
-            return self.curv.scatter(self.curv.curvature_values(refs) - self.grad, weights)
+            return self.curv.scatter(self.site_curv.curvature_values(refs) - self.grad, weights)
         return weights @ (self.curvature_matvec(self.refs()) - self.grad)
 
     def natural(self, family) -> GaussianNatural:
@@ -254,7 +264,8 @@ class Sites:
                        loss=join(self.loss, other.loss), ids=join(self.ids, other.ids),
                        ref_index=join(self.ref_index, shifted(other.ref_index, self.ref_means.shape[0])),
                        ref_means=join(self.ref_means, other.ref_means), prior_grad=prior.prior_grad,
-                       prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref)
+                       prior_curvature=prior.prior_curvature, prior_loss=prior.prior_loss, prior_ref=prior.prior_ref,
+                       detail=min(self.detail, other.detail))
         return joined if isinstance(joined.ref_index, jax.core.Tracer) else joined.compacted()
 
     def compacted(self) -> Sites:
@@ -309,7 +320,7 @@ class Sites:
         with jax.enable_x64(self.grad.dtype == jnp.float64):
             refs = self.refs()
             diff = mean[None, :] - refs
-            trace, quad = self.curv.trace_quad(cov, diff)
+            trace, quad = self.site_curv.trace_quad(cov, diff)
             offsets = 0.5 * jnp.sum(refs * self.curvature_matvec(refs), 1)
             values = self.dense_grad() @ mean + 0.5 * (quad + trace) - offsets
             p_diff = mean - self.prior_ref
@@ -356,13 +367,14 @@ class Sites:
         return out
 
     @classmethod
-    def from_arrays(cls, arrays, *, storage) -> Sites:
-        """Sites from :meth:`arrays`' output and the storage's name (a saved posterior's)."""
+    def from_arrays(cls, arrays, *, storage, detail=FULL) -> Sites:
+        """Sites from :meth:`arrays`' output, the storage's name and the family's :attr:`detail` (a saved
+        posterior's)."""
         store = get_store(storage)
         num = arrays["grad"].shape[0]
         curv = store.from_arrays({k: arrays[k] for k in store.file_shapes(0, 0, 0)}, num, arrays["grad"].dtype,
                                  dim=arrays["prior_ref"].shape[0])
-        return cls(curv=curv, **{name: arrays[name] for name in _PLAIN_FIELDS})
+        return cls(curv=curv, detail=int(detail), **{name: arrays[name] for name in _PLAIN_FIELDS})
 
 
 _PLAIN_FIELDS = ("grad", "loss", "ids", "ref_index", "ref_means", "prior_grad", "prior_curvature", "prior_loss",

@@ -372,7 +372,7 @@ def _compute(spec, cfg, family, q, data, ids, weights) -> tuple[Sites, SiteSums]
     curv = cfg.storage.assemble(jac, stored, num, q.mean.dtype, dim=q.mean.shape[0])
     sites = Sites(grad=grad, curv=curv, loss=loss, ids=ids, ref_index=jnp.zeros(num, jnp.int32),
                   ref_means=q.mean[None, :], prior_grad=p_grad, prior_curvature=p_hess, prior_loss=p_loss,
-                  prior_ref=q.mean)
+                  prior_ref=q.mean, detail=site_curvature(family).detail)
     if cfg.need_hessian_sum and cfg.storage.detail == FULL:
         hess_sum = curv.weighted_dense(weights)
     return sites, SiteSums(hessian=hess_sum, loss=weights @ loss, subspace_violations=violations)
