@@ -28,7 +28,8 @@ Under the delta rule the sites depend on the mean alone: every evaluated point t
 precision ``T(m)`` its own sites ask for, the objective is the MAP loss at the mean, and
 a Laplace–Gauss–Newton fit tries a Newton–CG step on the MAP condition first
 (:mod:`numpyro_pc.solvers.newton_polish`), backtracked along its direction, so the iteration is a
-globalised Newton method on the mean.
+globalised Newton method on the mean; a start far from its fixed point (residual above 1e-2) is first
+moved by L-BFGS on the MAP loss, one gradient per iteration instead of a site pass and a CG solve.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def solve_converged(state: SolveState, tol: float) -> bool:
 def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions()) -> SolveState:
     """One accepted step of the Gaussian solve, built from the engine's proposals in order.
 
+    0. :func:`_map_proposal` — at the first step of a Laplace–Gauss–Newton solve that starts far
+       from its fixed point, L-BFGS on the MAP loss;
     1. :func:`_newton_proposal` — for a Laplace–Gauss–Newton fit, the Newton–CG step on the MAP
        condition, backtracked along its direction;
     2. :func:`_anderson_proposal` — while convergence is linear, the Anderson candidate of the
@@ -154,7 +157,9 @@ def solve_step(problem, state: SolveState, options: SolveOptions = SolveOptions(
     x = _pack(point.q)
     anderson = anderson_push(state.anderson, x, _pack(Gaussian(point.q.mean + direction, target)) - x)
     iteration, history = state.iteration + 1, state.history
-    outcome, rho, accelerated = _newton_proposal(problem, point, history, target)
+    outcome, rho, accelerated = _map_proposal(problem, point, history, state.iteration)
+    if outcome is None:
+        outcome, rho, accelerated = _newton_proposal(problem, point, history, target)
     if outcome is None and _linear(history):
         outcome, rho, accelerated = _anderson_proposal(problem, point, history, anderson, options.memory)
     if outcome is None:
@@ -214,6 +219,23 @@ def _accept(problem, point, history, trial, permissive=False) -> Point | None:
     if np.isfinite(candidate.residual) and ((local and candidate.residual < reference) or descent):
         return candidate
     return None
+
+
+def _map_proposal(problem, point, history, iteration) -> tuple[Point | None, float, bool]:
+    """Laplace–GGN, first step, residual above 1e-2: the point L-BFGS reaches on the MAP loss
+    (:func:`~numpyro_pc.solvers.newton_polish.map_descent`), if it makes progress. A start far from a
+    minimum of a non-convex loss (an update whose new batch the old mean does not fit) otherwise takes
+    tens of backtracked Newton–CG steps, each a site pass and up to 50 Hessian–vector products.
+
+    :return: ``(point or None, step, accelerated)``.
+    """
+    if iteration != 0 or not point.residual > _LOCAL or not newton_polish.applies(problem):
+        return None, 0.0, False
+    mean, _ = newton_polish.map_descent(problem, point.q.mean)
+    if mean is point.q.mean:
+        return None, 0.0, False
+    outcome = _accept(problem, point, history, Gaussian(mean, point.q.precision))
+    return outcome, 1.0, outcome is not None
 
 
 def _newton_proposal(problem, point, history, target) -> tuple[Point | None, float, bool]:

@@ -36,9 +36,13 @@ import numpy as np
 from numpyro_pc.families.registry import Gaussian
 from numpyro_pc.model.likelihood import losses, prior_loss
 
-__all__ = ["newton_direction", "applies"]
+from .start import host_objective, lbfgs_minimize
+
+__all__ = ["newton_direction", "map_descent", "applies"]
 
 MAX_CG = 50
+MAX_DESCENT = 1000  # L-BFGS iterations of :func:`map_descent`
+DESCENT_GTOL = {True: 1e-7, False: 1e-4}  # its relative gradient tolerance, float64 / float32: Newton finishes
 
 
 def applies(problem) -> bool:
@@ -46,20 +50,51 @@ def applies(problem) -> bool:
     return problem.rule.kind == "delta" and problem.curvature == "ggn" and problem.data is not None
 
 
+def _total(spec, family, include_prior, data, weights, base, z) -> jax.Array:
+    """The live terms' total loss ``L(z)`` (module docstring)."""
+    value = jnp.sum(weights * losses(spec, z, data))
+    if include_prior:
+        value = value + prior_loss(spec, z, data)
+    if base is not None:
+        value = value + 0.5 * z @ family.natural(Gaussian(z, base.precision)).linear - base.linear @ z
+    return value
+
+
 @partial(jax.jit, static_argnums=(0, 1, 2))
 def _hvp(spec, family, include_prior, data, weights, base, mean, vector) -> jax.Array:
-    def total_grad(z) -> jax.Array:
-        def total(z) -> jax.Array:
-            value = jnp.sum(weights * losses(spec, z, data))
-            if include_prior:
-                value = value + prior_loss(spec, z, data)
-            if base is not None:
-                value = value + 0.5 * z @ family.natural(Gaussian(z, base.precision)).linear - base.linear @ z
-            return value
-
-        return jax.grad(total)(z)
-
+    total_grad = jax.grad(lambda z: _total(spec, family, include_prior, data, weights, base, z))
     return jax.jvp(total_grad, (mean,), (vector,))[1]
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _value_and_grad(spec, family, include_prior, data, weights, base, z) -> tuple[jax.Array, jax.Array]:
+    return jax.value_and_grad(lambda zz: _total(spec, family, include_prior, data, weights, base, zz))(z)
+
+
+def _weights(problem, dtype) -> jax.Array:
+    return jnp.ones(problem.data.per_example[0].shape[0], dtype) if problem.weights is None else problem.weights
+
+
+def map_descent(problem, mean, max_iters=MAX_DESCENT) -> tuple[jax.Array, int]:
+    """L-BFGS on the MAP loss ``L`` from ``mean``: where the start is far from the fixed point (an update
+    whose new data move the mean a long way), each damped Newton–CG iteration costs a site pass and up to
+    :data:`MAX_CG` Hessian–vector products, and a non-convex loss lets it take only short steps; L-BFGS
+    costs one gradient per iteration and hands a nearby point to the Newton steps.
+
+    :param problem: the :class:`~numpyro_pc.solvers.site_problem.SiteProblem` (:func:`applies`).
+    :param mean: where the search starts.
+    :param int max_iters: L-BFGS iteration cap.
+    :return: ``(mean, iterations)``; the mean is the start's where the search found no finite lower point.
+    """
+    dtype = mean.dtype
+    weights = _weights(problem, dtype)
+    args = (problem.spec, problem.family, bool(problem.include_prior), problem.data, weights, problem.base)
+    fun = host_objective(lambda z: _value_and_grad(*args, z), dtype)
+    start_value = fun(np.asarray(mean))[0]
+    result = lbfgs_minimize(fun, mean, DESCENT_GTOL[dtype == jnp.float64], int(max_iters))
+    if not (np.isfinite(result.fun) and result.fun < start_value and np.all(np.isfinite(result.x))):
+        return mean, int(result.nit)
+    return jnp.asarray(result.x, dtype), int(result.nit)
 
 
 def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
@@ -74,8 +109,7 @@ def newton_direction(problem, q, grad, pre, forcing=1e-4) -> jax.Array | None:
     :return: the direction, or ``None`` when the first search direction has non-positive curvature.
     """
     family = problem.family
-    weights = (jnp.ones(problem.data.per_example[0].shape[0], grad.dtype) if problem.weights is None
-               else problem.weights)
+    weights = _weights(problem, grad.dtype)
 
     def hvp(v) -> jax.Array:
         return _hvp(problem.spec, family, bool(problem.include_prior), problem.data, weights, problem.base, q.mean, v)

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 __all__ = ["MapResult", "map_laplace", "mean_field_elbo", "fixed_draw_objective", "negative_log_joint", "StartChoice",
-           "default_start"]
+           "default_start", "host_objective", "lbfgs_minimize"]
 
 _hessian = hessian  # the old private name (tests compare against the dense Hessian)
 
@@ -95,7 +95,7 @@ class MapResult(NamedTuple):
     saddle_escapes: int = 0
 
 
-def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
+def host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
     """``x ↦ (f, ∇f)`` in float64 NumPy for SciPy, ``(inf, 0)`` where ``f`` or ``∇f`` is not finite (outside the
     support: the line search backs off). The last point is remembered: SciPy's callback gets no gradient, and
     :class:`_GradientStop` asks again for the point the line search has just evaluated."""
@@ -114,8 +114,8 @@ def _host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float
     return fun
 
 
-def _minimize(fun, x0, gtol, max_iters):
-    """SciPy's L-BFGS-B on a host objective from :func:`_host_objective`, stopped by :class:`_GradientStop`."""
+def lbfgs_minimize(fun, x0, gtol, max_iters):
+    """SciPy's L-BFGS-B on a host objective from :func:`host_objective`, stopped by :class:`_GradientStop`."""
     return scipy.optimize.minimize(fun, np.asarray(x0, dtype=np.float64), jac=True, method="L-BFGS-B",
                                    options=dict(maxiter=int(max_iters), gtol=0.0, ftol=0.0, maxcor=20, maxls=40),
                                    callback=_GradientStop(fun, gtol))
@@ -128,8 +128,8 @@ def _lbfgs(spec, z0, data, weights, gtol, max_iters) -> tuple[jax.Array, Any, An
     inlines the model in every line-search evaluation and compiled 3–4× longer).
     """
     dtype = z0.dtype
-    fun = _host_objective(lambda z: value_and_grad(spec, z, data, weights), dtype)
-    result = _minimize(fun, z0, gtol, max_iters)
+    fun = host_objective(lambda z: value_and_grad(spec, z, data, weights), dtype)
+    result = lbfgs_minimize(fun, z0, gtol, max_iters)
     z = jnp.asarray(result.x, dtype)
     value, grad = value_and_grad(spec, z, data, weights)
     return z, value, grad, int(result.nit)
@@ -377,11 +377,11 @@ def mean_field_elbo(spec, data, family, z0, weights=None, num_pairs=ELBO_DRAWS, 
     gtol = (1e-8 if dtype == jnp.float64 else 1e-4) if gtol is None else gtol
     noise = _fixed_noise(dim, num_pairs, seed, dtype)
 
-    fun = _host_objective(lambda p: _mean_field_value_and_grad(spec, p, noise, data, weights), dtype)
+    fun = host_objective(lambda p: _mean_field_value_and_grad(spec, p, noise, data, weights), dtype)
     params0 = np.concatenate([np.asarray(z0, np.float64), np.zeros(dim)])
     if not np.isfinite(fun(params0)[0]):
         params0[dim:] = -3.0
-    result = _minimize(fun, params0, gtol, max_iters)
+    result = lbfgs_minimize(fun, params0, gtol, max_iters)
     value, grad = fun(result.x)
     grad_norm = float(np.max(np.abs(grad))) if np.isfinite(value) else float("inf")
     mean = jnp.asarray(result.x[:dim], dtype)

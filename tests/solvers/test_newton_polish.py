@@ -144,3 +144,25 @@ def test_a_low_rank_laplace_fit_of_a_network_has_the_map_as_mean_and_the_gauss_n
 
     expected = jnp.sum(jax.vmap(ggn_diagonal)(X), 0) + 1.0
     np.testing.assert_allclose(jnp.diag(post.precision), expected, rtol=1e-8)
+
+
+@pytest.mark.slow  # 43 s (measured 2026-11-29, one core shared)
+def test_an_update_far_from_its_fixed_point_is_moved_by_lbfgs_first(x64, monkeypatch):
+    # A new batch that the old mean fits badly (its labels from another rule): the solve starts at residual
+    # > 1e-2 and its first step is L-BFGS on the MAP loss of the update. Oracle as above: the mean minimises
+    # L(z) = Σ_new ℓ_i(z) + ½ zᵀS₀z − (S₀m₀)ᵀz (independent Newton on the exact Hessian, 1e-7). Control: with
+    # the descent switched off the backtracked Newton–CG steps alone need more accepted steps.
+    rng = np.random.default_rng(2)
+    X = jnp.asarray(rng.normal(size=(300, 6)))
+    y_old = np.argmax(2.0 * np.asarray(X[:100, :4]), 1).astype(np.int32)
+    y_new = np.argmax(-3.0 * np.asarray(X[100:, 2:6]), 1).astype(np.int32)
+    old = pc.fit(wider_network, X[:100], jnp.asarray(y_old), **_options())
+    new = old.update(X[100:], jnp.asarray(y_new), correction="none", tol=1e-10, max_iters=60)
+    assert new.history[0].residual > 1e-2 and new.history[1].accelerated and new.history[1].step == 1.0
+    m0, s0 = old.mean, old.state.precision
+    spec, bound = bind_model(wider_network, (X[100:], jnp.asarray(y_new)))
+    total = lambda z: jnp.sum(losses(spec, z, bound)) + 0.5 * z @ s0 @ z - (s0 @ m0) @ z  # noqa: E731
+    np.testing.assert_allclose(new.mean, _newton_minimum(total, new.mean), rtol=1e-7, atol=1e-7)
+    monkeypatch.setattr(newton_polish, "map_descent", lambda problem, mean, max_iters=0: (mean, 0))
+    plain = old.update(X[100:], jnp.asarray(y_new), correction="none", tol=1e-10, max_iters=60)
+    assert len(plain.history) > len(new.history)
