@@ -33,7 +33,7 @@ from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 from .errors import InvalidOptionError
 
 __all__ = ["CACHE_DIR_ENV", "DISABLE_ENV", "default_cache_dir", "enable_compilation_cache",
-           "disable_compilation_cache", "compilation_cache_dir"]
+           "disable_compilation_cache", "compilation_cache_dir", "heal_access_times"]
 
 CACHE_DIR_ENV = "NUMPYRO_PC_JAX_CACHE"  # the folder; "0" or empty: off (the streaming GP's demo read it so already)
 DISABLE_ENV = "NUMPYRO_PC_NO_COMPILATION_CACHE"
@@ -95,8 +95,41 @@ def enable_compilation_cache(path: str | os.PathLike | None = None, min_compile_
     if jax.config.jax_compilation_cache_max_size in (None, -1) and importlib.util.find_spec("filelock"):
         # unbounded: bound it (JAX's eviction needs filelock; without it JAX refuses every bounded read)
         jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
+    if jax.config.jax_compilation_cache_max_size not in (None, -1):
+        heal_access_times(folder)
     _jax_cache.reset_cache()  # JAX decides once per process whether to use the cache: let it decide again
     return folder
+
+
+def heal_access_times(folder: str, timeout: float = 10.0) -> int:
+    """Give every program in ``folder`` that has no access-time file one, dated the epoch (evicted first).
+
+    JAX's bounded cache keeps an access time beside each program and reads all of them before every
+    write; a program written by a process without the bound (no ``filelock``, or another program using
+    the folder unbounded) has none, and from then on every write in a bounded process fails with
+    "Error writing persistent compilation cache entry … FileNotFoundError (…-atime)": the cache warns and
+    stores nothing new. Done under JAX's own lock; a lock not obtained in ``timeout`` seconds or a file
+    another process removes meanwhile is left for the next start.
+
+    :return: how many access times were written.
+    """
+    import filelock
+
+    healed = 0
+    try:
+        with filelock.FileLock(os.path.join(folder, ".lockfile"), timeout=timeout):
+            names = set(os.listdir(folder))
+            for name in names:
+                if name.endswith(_PROGRAM) and name[: -len(_PROGRAM)] + _ACCESS not in names:
+                    with open(os.path.join(folder, name[: -len(_PROGRAM)] + _ACCESS), "wb") as out:
+                        out.write((0).to_bytes(8, "little"))
+                    healed += 1
+    except (OSError, filelock.Timeout):
+        pass
+    return healed
+
+
+_PROGRAM, _ACCESS = "-cache", "-atime"  # JAX's suffixes of a program and of its access time (jax._src.lru_cache)
 
 
 def disable_compilation_cache() -> None:

@@ -70,3 +70,38 @@ def test_enable_and_disable_in_a_running_process(tmp_path, restore_cache_setting
     blocked.write_text("not a folder")
     with pytest.raises(InvalidOptionError, match="cannot use"):
         pc.enable_compilation_cache(blocked / "inside", replace=True)
+
+
+def test_programs_without_an_access_time_do_not_stop_the_bounded_cache(tmp_path):
+    # A program written by an unbounded process has no "-atime" file; JAX's bounded cache reads every access time
+    # before each write, so without healing every later write fails ("Error writing persistent compilation cache
+    # entry ... FileNotFoundError") and nothing new is stored. The package gives such programs the oldest time.
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "jit_orphan-0123-cache").write_bytes(b"a program of an unbounded process")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMPYRO_PC_NO_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    env["NUMPYRO_PC_JAX_CACHE"] = str(folder)
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", _PROBE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (folder / "jit_orphan-0123-atime").read_bytes() == (0).to_bytes(8, "little")
+    written = [name for name in os.listdir(folder) if name.endswith("-cache") and "orphan" not in name]
+    assert written  # the new program was stored
+    assert compilation_cache.heal_access_times(str(folder)) == 0  # nothing left to heal
+    # control: the same folder with the orphan's access time removed fails JAX's bounded write
+    (folder / "jit_orphan-0123-atime").unlink()
+    for name in written:
+        (folder / name).unlink()
+        (folder / name.replace("-cache", "-atime")).unlink(missing_ok=True)
+    unhealed = textwrap.dedent("""
+        import jax, jax.numpy as jnp, sys
+        jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_compilation_cache_max_size", 2**30)
+        jax.jit(lambda x: jnp.sin(x) * 3.0)(jnp.arange(5.0)).block_until_ready()
+    """)
+    raw = {k: v for k, v in env.items() if k != "NUMPYRO_PC_JAX_CACHE"}
+    done = subprocess.run([sys.executable, "-c", unhealed, str(folder)], env=raw, capture_output=True, text=True,
+                          timeout=300)
+    assert "FileNotFoundError" in done.stderr
