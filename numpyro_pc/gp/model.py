@@ -351,7 +351,8 @@ class StreamingSparseGP:
             else:
                 spec = _filter(hyper0, self.learn_hyperparameters, self.learn_inducing)
                 params, static = eqx.partition(hyper0, spec)
-                units = eqx.partition(eqx.tree_at(lambda h: h.Z, new._units, hyper0.Z), spec)[0]
+                units = None if new._units is None else eqx.partition(eqx.tree_at(lambda h: h.Z, new._units,
+                                                                                  hyper0.Z), spec)[0]
                 Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
                                       + new.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
                 m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
