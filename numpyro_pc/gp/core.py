@@ -167,7 +167,7 @@ def reservoir_update(memory, X, y, mask, ss, key) -> MemoryState:
                        pick(ss, memory.ss), memory.seen + jnp.sum(valid).astype(jnp.int32))
 
 
-def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[StreamingGPState, dict]:
+def fit_batch(config, state, Z0, X, y, mask, input_scale=None, units=None) -> tuple[StreamingGPState, dict]:
     """Absorb one (padded, masked) batch with initial inducing inputs ``Z0``; pure and traceable.
 
     Maximises the online bound (Bui's, or the corrected one when ``config.memory_size > 0``)
@@ -175,7 +175,9 @@ def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[Streamin
     statistics and the memory. The optimiser moves the log of every positive hyperparameter and
     ``Z / input_scale`` (:func:`~numpyro_pc.gp.datainit.to_search`; ``input_scale``: ``None`` or ``(D,)``
     typical input distances, an array so that a new data set does not recompile), so its steps do not
-    depend on the units of the data.
+    depend on the units of the data. With ``units`` (a :class:`~numpyro_pc.gp.state.Hyper` of the data's
+    unit of each parameter, :func:`~numpyro_pc.gp.datainit.search_units`) it moves ``softplus⁻¹(θ / unit)``
+    instead of ``log θ``: log-like below the data's scale, linear above it, where the bound is flat.
 
     :return: ``(new_state, info)`` with ``info = dict(bound, iterations, finite, residual_ss, kl_to_previous)``;
         ``finite`` holds one flag per checked quantity (bound, ``L_D``, ``q(u)``, its Cholesky factor,
@@ -199,18 +201,19 @@ def fit_batch(config, state, Z0, X, y, mask, input_scale=None) -> tuple[Streamin
     terms = bounds.old_terms(old, sites) if config.alpha == 0.0 else None      # loop-invariant: factorised once
 
     zs = None if input_scale is None else jnp.asarray(input_scale, X.dtype)
+    ref = None if units is None else eqx.partition(eqx.tree_at(lambda h: h.Z, units, Z0), _spec(hyper0, config))[0]
 
     def loss(u) -> tuple[Any, Any]:
-        hyper = eqx.combine(from_search(u, zs), static)
+        hyper = eqx.combine(from_search(u, zs, ref), static)
         fit = bounds.collapsed_fit(hyper, old, Xa, ya, ma, config.alpha, None, terms)
         return -(fit.bound + noise_memory_term(hyper, stats)) / scale, fit
 
     iters = evals = jnp.asarray(0)
     fit = None
     if jax.tree.leaves(params):                # q(b) of the final iterate comes with it (no second trace)
-        res = minimize(loss, to_search(params, zs), config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol,
+        res = minimize(loss, to_search(params, zs, ref), config.method, config.max_iters, config.learning_rate, config.gtol, config.ftol,
                        has_aux=True)
-        params, iters, fit = from_search(res.params, zs), res.iterations, res.aux
+        params, iters, fit = from_search(res.params, zs, ref), res.iterations, res.aux
         evals = iters if res.evaluations is None else res.evaluations
     hyper = eqx.combine(params, static)
     if fit is None:

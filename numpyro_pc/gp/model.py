@@ -37,6 +37,7 @@ from .state import (
     full_cov,
     gaussian_kl,
     handover,
+    hyperparameters,
     kernel_diag,
     kernel_matrix,
     kl_to_previous,
@@ -91,11 +92,12 @@ def _q_to_raw(q) -> tuple[Any, jax.Array]:
 
 
 @eqx.filter_jit
-def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs) -> tuple[Any, Any, Any, Any, Any]:
+def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method, max_iters, lr, gtol, zs,
+                      units) -> tuple[Any, Any, Any, Any, Any]:
     scale = jnp.maximum(jnp.sum(mask), 1.0)
 
     def objective(u, rq) -> jax.Array:
-        hyper = eqx.combine(datainit.from_search(u, zs), static)
+        hyper = eqx.combine(datainit.from_search(u, zs, units), static)
         q = _q_from_raw(rq)
         value = uncollapsed.uncollapsed_bound(hyper, old, X, y, mask, q)
         if mem is not None:
@@ -104,10 +106,10 @@ def _uncollapsed_step(params, static, raw_q, old, X, y, mask, mem, sites, method
             value = value + corrected.correction_term(hyper, old, Lb, q, mem[0], mem[1], mem[2], sites)
         return value
 
-    res = minimize(lambda pq: -objective(*pq) / scale, (datainit.to_search(params, zs), raw_q), method, max_iters,
+    res = minimize(lambda pq: -objective(*pq) / scale, (datainit.to_search(params, zs, units), raw_q), method, max_iters,
                    lr, gtol)
     u, rq = res.params
-    return datainit.from_search(u, zs), rq, objective(u, rq), res.iterations, res.evaluations
+    return datainit.from_search(u, zs, units), rq, objective(u, rq), res.iterations, res.evaluations
 
 
 class StreamingSparseGP:
@@ -169,9 +171,11 @@ class StreamingSparseGP:
         ``True`` initialises all of them whatever their values; ``False`` never. What was initialised is
         in :attr:`initialised_from_data`, ``history[0]["initialised_from_data"]`` (kernels left as
         written: ``"left_as_written"``) and the starting values in ``history[i]["initial_hyperparameters"]``.
-        Independently of this option the optimiser moves ``log`` of every positive hyperparameter and
-        ``Z`` in units of the first batch's input spread, so results do not depend on the units of ``X``
-        or ``y`` (docs/gp.md, "Units of the data").
+        Independently of this option the optimiser moves every positive hyperparameter θ as
+        ``softplus⁻¹(θ / unit)``, the unit read off the first batch (input spread for lengthscales, ``var(y)``
+        for variances and noise; :func:`~numpyro_pc.gp.datainit.search_units`), and ``Z`` in units of the
+        input spread, so results do not depend on the units of ``X`` or ``y`` (docs/gp.md, "Units of the
+        data"); log-like below the unit, linear above it, so no lengthscale escapes to where the bound is flat.
     """
 
     def __init__(self, kernel, num_inducing, likelihood=None, mean_function=None, noise_variance=None, alpha=0.0,
@@ -234,6 +238,7 @@ class StreamingSparseGP:
         self._noise_set = noise_set
         self.initialised_from_data = ()
         self._input_scale = None
+        self._units = None
         self._rng = np.random.default_rng(seed)
         self._state = None
         self._stream = None
@@ -312,6 +317,8 @@ class StreamingSparseGP:
                                                                                              jnp.asarray(X[:1]))))),
                                                        np.finfo(float).tiny)
                 new._input_scale = tuple(float(v) for v in datainit.input_scales(X, np.random.default_rng(self.seed)))
+                new._units = datainit.search_units(new._hyper, X, y, obs, gaussian=self._hyper.noise is not None,
+                                                   rng=np.random.default_rng(self.seed))
                 Z0 = self.Z_init if self.Z_init is not None else inducing.initial_inducing(
                     X, self.num_inducing, new._rng, self.inducing)
                 if Z0.shape != (self.num_inducing, X.shape[1]):
@@ -334,7 +341,7 @@ class StreamingSparseGP:
                 if stream is None:
                     stream = _init_state(new._hyper, jnp.asarray(Z0), cfg, jax.random.PRNGKey(self.seed))
                     check_chol(stream.gp.chol_Kzz, "K(Z, Z) + jitter")
-                stream, info = _fit_batch(cfg, stream, jnp.asarray(Z0), Xp, yp, mask, _zs(new._input_scale))
+                stream, info = _fit_batch(cfg, stream, jnp.asarray(Z0), Xp, yp, mask, _zs(new._input_scale), new._units)
                 _check_finite(info["finite"], len(self.history))
                 new._stream = stream
                 new._state = stream.gp
@@ -342,8 +349,10 @@ class StreamingSparseGP:
                 evals = info["evaluations"]
                 kl_step = info["kl_to_previous"]
             else:
-                params, static = eqx.partition(hyper0, _filter(hyper0, self.learn_hyperparameters,
-                                                               self.learn_inducing))
+                spec = _filter(hyper0, self.learn_hyperparameters, self.learn_inducing)
+                params, static = eqx.partition(hyper0, spec)
+                units = None if new._units is None else eqx.partition(eqx.tree_at(lambda h: h.Z, new._units,
+                                                                                  hyper0.Z), spec)[0]
                 Lb0 = check_chol(chol(kernel_matrix(hyper0.kernel, hyper0.Z, hyper0.Z)
                                       + new.jitter * jnp.eye(self.num_inducing)), "K(Z_b, Z_b) + jitter")
                 m0, _ = predict_from_q(old.hyper, old.Z, old.mean, old.cov, old.chol_Kzz, hyper0.Z)
@@ -359,7 +368,7 @@ class StreamingSparseGP:
                     mem = mem if self._state is not None else (mem[0], mem[1], jnp.zeros(self.memory_size))
                 p, rq, value, iters, evals = _uncollapsed_step(params, static, _q_to_raw(q0), old, Xp, yp, mask, mem, sites,
                                                         self.optimizer, self.max_iters, self.learning_rate, self.gtol,
-                                                        _zs(new._input_scale))
+                                                        _zs(new._input_scale), units)
                 hyper = eqx.combine(p, static)
                 Zb = hyper.Z
                 Lb = check_chol(chol(kernel_matrix(hyper.kernel, Zb, Zb) + new.jitter * jnp.eye(self.num_inducing)),
@@ -475,22 +484,3 @@ def _check_finite(flags, batch) -> None:
 
 
 _kl_to_previous = eqx.filter_jit(kl_to_previous)
-
-
-@eqx.filter_jit
-def _unwrap(hyper):
-    import paramax
-
-    return paramax.unwrap(eqx.tree_at(lambda t: t.Z, hyper, None))
-
-
-def hyperparameters(hyper) -> dict[str, Any]:
-    """Constrained hyperparameter values as ``{path: float or list}`` (``Z`` excluded)."""
-    h = _unwrap(hyper)
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(h)[0]:
-        if eqx.is_inexact_array(leaf):
-            key = jax.tree_util.keystr(path).replace(".", "", 1)
-            v = np.asarray(leaf)
-            out[key] = float(v) if v.ndim == 0 else v.tolist()
-    return out

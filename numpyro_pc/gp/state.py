@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Hyper", "GPState", "kernel_matrix", "kernel_diag", "mean_vector", "noise_variance", "chol",
            "check_chol", "inducing_cross", "handover", "predict_from_q", "prior_state", "full_cov", "gaussian_kl",
-           "kl_to_previous"]
+           "kl_to_previous", "hyperparameters"]
 
 
 class Hyper(eqx.Module):
@@ -198,3 +198,22 @@ def kl_to_previous(new, old) -> jax.Array:
     m_a, _ = predict_from_q(new.hyper, new.Z, new.mean, new.cov, new.chol_Kzz, old.Z)
     S_a = full_cov(new, old.Z)
     return gaussian_kl(m_a, S_a + 1e-10 * jnp.eye(old.Z.shape[0], dtype=S_a.dtype), old.mean, old.chol_cov)
+
+
+@eqx.filter_jit
+def _unwrap(hyper):
+    import paramax
+
+    return paramax.unwrap(eqx.tree_at(lambda t: t.Z, hyper, None))
+
+
+def hyperparameters(hyper) -> dict[str, Any]:
+    """Constrained hyperparameter values as ``{path: float or list}`` (``Z`` excluded)."""
+    h = _unwrap(hyper)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(h)[0]:
+        if eqx.is_inexact_array(leaf):
+            key = jax.tree_util.keystr(path).replace(".", "", 1)
+            v = np.asarray(leaf)
+            out[key] = float(v) if v.ndim == 0 else v.tolist()
+    return out

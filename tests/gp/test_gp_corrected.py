@@ -140,3 +140,34 @@ def test_corrected_uncollapsed_bound_with_full_memory_is_the_batch_bound_plus_a_
         f_space_gaps.append(gaps[-1] - float(a_site) + float(f_site))
     assert max(gaps) - min(gaps) < 1e-8
     assert max(f_space_gaps) - min(f_space_gaps) > 1.0                  # the identity is not trivial
+
+
+def test_corrected_bound_with_full_memory_is_the_batch_bound_when_a_constant_mean_moves(x64):
+    # the scale-free defaults learn a Constant mean: the memory's sites hold the old residuals y − c_old
+    # (as the old term does), the memory rows enter with the new c; with every past row in the memory the
+    # identity holds for any new θ and c. Control: sites built with the new c break it by O(1).
+    X, y = _data(70, 2, seed=4)
+    y = y + 3.0
+    rng = np.random.default_rng(14)
+
+    def hyper(Z, c, **hp):
+        h = _hyper(Z, **hp)
+        return Hyper(kernel=h.kernel, mean_function=gpx.mean_functions.Constant(jnp.array(c)), noise=h.noise,
+                     likelihood=None, Z=h.Z)
+
+    h1 = hyper(X[rng.choice(40, 7, replace=False)], 2.6, lengthscale=np.full(2, 0.9), variance=1.2, noise=0.05)
+    fit = collapsed_fit(h1, prior_state(h1, EPS), jnp.asarray(X[:40]), jnp.asarray(y[:40]), jnp.ones(40))
+    old, F_old = handover(h1, fit.mean, fit.cov, EPS), float(fit.bound)
+    Xa, ya = jnp.asarray(X), jnp.asarray(y)
+    sites = gaussian_sites(old, jnp.asarray(X[:40]), jnp.asarray(y[:40]), jnp.ones(40))
+    for c in (3.1, 2.0):
+        h2 = hyper(rng.uniform(-2, 2, (8, 2)), c, lengthscale=np.full(2, 1.3), variance=0.7, noise=0.08)
+        corr = collapsed_fit(h2, old, Xa, ya, jnp.ones(70), 0.0, sites)
+        batch = collapsed_fit(h2, prior_state(h2, EPS), Xa, ya, jnp.ones(70))
+        assert abs(F_old + float(corr.bound) - float(batch.bound)) < 1e-8
+        np.testing.assert_allclose(corr.mean, batch.mean, atol=1e-8)
+        moved = old._replace(hyper=Hyper(kernel=h1.kernel, mean_function=h2.mean_function, noise=h1.noise,
+                                         likelihood=None, Z=h1.Z))
+        wrong = gaussian_sites(moved, jnp.asarray(X[:40]), jnp.asarray(y[:40]), jnp.ones(40))
+        bad = collapsed_fit(h2, old, Xa, ya, jnp.ones(70), 0.0, wrong)
+        assert abs(F_old + float(bad.bound) - float(batch.bound)) > 1.0
