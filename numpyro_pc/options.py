@@ -178,14 +178,24 @@ def resolve_solver(solver, tol=None, max_iters=None, progress=False, raise_on_fa
     flat = SolverOptions(tol=tol, max_iters=max_iters, progress=progress, raise_on_failure=raise_on_failure)
     if solver is None:
         return flat
+    defaults = SolverOptions()
+    _check_group(solver, {f.name: (getattr(flat, f.name), getattr(defaults, f.name))
+                          for f in dataclasses.fields(SolverOptions)})
+    return solver
+
+
+def _check_group(solver, given) -> None:
+    """Refuse a ``solver=`` that is not a :class:`SolverOptions`, or one given beside a flat keyword set away
+    from its default (``given``: name → (value, default)): the same option spelled twice.
+
+    :raises InvalidOptionError:
+    """
     if not isinstance(solver, SolverOptions):
         raise InvalidOptionError(f"solver= takes a numpyro_pc.SolverOptions; got {solver!r} ({type(solver).__name__})")
-    changed = [f.name for f in dataclasses.fields(SolverOptions)
-               if getattr(flat, f.name) != getattr(SolverOptions(), f.name)]
-    if changed:
+    twice = [name for name, (value, default) in given.items() if value != default]
+    if twice:
         raise InvalidOptionError(f"the solver's options were given twice: solver={solver!r} and the keyword(s) "
-                                 f"{changed}; give them in one place (e.g. SolverOptions({changed[0]}=...)).")
-    return solver
+                                 f"{twice}; give them in one place (e.g. SolverOptions({twice[0]}=...)).")
 
 
 def solver_group(method: Callable[..., _R]) -> Callable[..., _R]:
@@ -202,13 +212,9 @@ def solver_group(method: Callable[..., _R]) -> Callable[..., _R]:
     def with_group(*args: Any, solver: SolverOptions | None = None, **kwargs: Any) -> _R:
         if solver is None:
             return method(*args, **kwargs)
-        if not isinstance(solver, SolverOptions):
-            raise InvalidOptionError(f"solver= takes a numpyro_pc.SolverOptions; got {solver!r} ({type(solver).__name__})")
         bound = signature.bind(*args, **kwargs)
-        twice = [n for n in names if n in bound.arguments and bound.arguments[n] != signature.parameters[n].default]
-        if twice:  # set away from the method's own default: the same option spelled twice
-            raise InvalidOptionError(f"the solver's options were given twice: solver={solver!r} and the keyword(s) "
-                                     f"{twice}; give them in one place (e.g. SolverOptions({twice[0]}=...)).")
+        _check_group(solver, {n: (bound.arguments[n], signature.parameters[n].default)  # the method's own defaults
+                              for n in names if n in bound.arguments})
         group = solver
         missing = [f.name for f in dataclasses.fields(SolverOptions)
                    if f.name not in names and getattr(group, f.name) != getattr(SolverOptions(), f.name)]
