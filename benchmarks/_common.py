@@ -8,9 +8,19 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Benchmarks time compilation (their "cold" columns): the package's persistent compilation cache, on by
+#: default for users, is off in benchmark processes and the processes they start, so that a cold time never
+#: reads programs an earlier run wrote. ``NUMPYRO_PC_BENCH_CACHE=1`` keeps it (then say so beside the numbers).
+PERSISTENT_CACHE = os.environ.get("NUMPYRO_PC_BENCH_CACHE", "").strip() == "1"
+if not PERSISTENT_CACHE:
+    os.environ["NUMPYRO_PC_NO_COMPILATION_CACHE"] = "1"
+    if "numpyro_pc" in sys.modules:  # imported before this module: turned on already
+        sys.modules["numpyro_pc"].disable_compilation_cache()
 
 
 def package_version():
@@ -45,7 +55,8 @@ def machine_info():
     return dict(cpu=cpu, cores=os.cpu_count(), jax=jax.__version__, numpyro=numpyro.__version__,
                 backend=jax.default_backend(), python=platform.python_version(), platform=platform.platform(),
                 numpyro_pc=package_version(), loadavg=os.getloadavg() if hasattr(os, "getloadavg") else None,
-                openblas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
+                openblas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+                persistent_compilation_cache=jax.config.jax_compilation_cache_dir or "off")
 
 
 def quiet(fn, *args, **kwargs):

@@ -22,7 +22,7 @@ Both streams use L-BFGS with the library's stopping rule (``ftol``/``gtol``, ≤
 iterations per batch are reported. Times are wall-clock and **include compilation**: JAX is
 warmed up once (backend start-up, a trivial program) so that no method pays the process's
 one-time costs, then every timed run starts from cleared compilation caches
-(``jax.clear_caches()``; no persistent cache: ``jax_compilation_cache_dir`` unset), so each
+(``jax.clear_caches()``; no persistent cache: ``benchmarks/_common.py`` turns the package's off), so each
 run compiles everything it uses, as a fresh process would. ``--repeats`` rounds run every
 method in turn (interleaved, so load drift on a shared machine hits all of them alike) and
 the tables give medians; XLA compile seconds (``jax.monitoring``) are reported beside.
