@@ -219,7 +219,7 @@ def dual_form(model: Callable, guide, params: dict, *args, expectation: str | Ex
             raise
         # the fixed point does not depend on the start: a guide far from it (SVI stopped early,
         # unscaled data) is replaced by the MAP/Laplace start, and the record says so
-        start = default_start(spec, data, family, None, q.mean.dtype)
+        start = default_start(spec, data, family, None, q.mean.dtype, curvature)
         post = build_posterior(spec, data, family, start.start, rule, curvature, storage, chunk_size, guide, refine,
                                tol, max_iters, progress, raise_on_failure, cls=DualPosterior,
                                operation="dual_form" if refine else "read")
@@ -291,7 +291,7 @@ def fit(model: Callable, *args, family: str | GaussianFamily | dict = "full",
     fam = get_family(family, rank=rank)
     fam.check_dimension(spec.latent.dim)
     dtype = _float_dtype()
-    start = default_start(spec, data, fam, init, dtype)
+    start = default_start(spec, data, fam, init, dtype, curvature)
     if expectation is None:
         expectation = "delta" if capability(fam, FixedPrecision) else "auto"
     rule = get_rule(expectation, **_rule_options(expectation, num_samples, seed, num_nodes))
@@ -364,7 +364,7 @@ def boost(model: Callable, *args, checkpoint: DualPosteriorBase, mapping: Mappin
     try:
         post = build_posterior(spec, data, fam, boosted.start, rule, *solve, True, cls=DualPosterior)
     except (ConvergenceError, NonFiniteResultError) as err:
-        cold = default_start(spec, data, fam, None, dtype)
+        cold = default_start(spec, data, fam, None, dtype, curvature)
         post = build_posterior(spec, data, fam, cold.start, rule, *solve, raise_on_failure, cls=DualPosterior)
         start = cold.info(f"the solve from the checkpoint stopped ({type(err).__name__}: {str(err).split(';')[0]})")
     cmap = boosted.map

@@ -113,7 +113,7 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     except ConvergenceError as err:
         if not batch_problem:
             raise
-        cold = default_start(replace(spec, num_examples=num_active), unpadded, family, None, dtype)
+        cold = default_start(replace(spec, num_examples=num_active), unpadded, family, None, dtype, post.curvature)
         q, fresh, history = solve(problem, cold.start, raise_on_failure=raise_on_failure, **solve_options)
         restart = cold.info(reason=f"from q_t: {type(err).__name__}: {str(err).split(';')[0]}")
         history[0] = history[0].replace(reused_sites=0, restart=restart)

@@ -107,12 +107,13 @@ def lowest_curvature(spec, z, data, weights, dense=True) -> tuple[float, Any, fl
     return float(vals[0]) + scale, vecs[:, 0], scale
 
 
-def laplace_precision(spec, data, family, z, weights) -> Any:
+def laplace_precision(spec, data, family, z, weights, curvature="hessian") -> Any:
     """``Π(∇²(ℓ_0 + Σ_i w_i ℓ_i)(z))`` in the family's format from one delta-rule site pass (matrix-free where
-    the family's sites are), floored like :func:`positive_part`; ``None`` when it is not finite."""
+    the family's sites are), floored like :func:`positive_part`; ``None`` when it is not finite. With
+    ``curvature="ggn"`` the examples' Hessians are their Gauss–Newton parts (the fit's own fixed point)."""
     rule = get_rule("delta")
     q = Gaussian(z, family.project_diagonal(jnp.ones_like(z)))
-    sites, _ = compute_sites(spec, data, family, q, rule, weights=weights)
+    sites, _ = compute_sites(spec, data, family, q, rule, curvature=curvature or "hessian", weights=weights)
     precision = _target_precision(family, sites.curv, weights, sites.prior_curvature)
     if not bool(jnp.all(jnp.isfinite(precision))):
         return None

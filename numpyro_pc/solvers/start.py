@@ -155,7 +155,8 @@ def _nudge(z0) -> jax.Array:
     return z0 + 1e-6 * (1.0 + jnp.max(jnp.abs(z0))) * direction
 
 
-def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None, isotropic_precision=1.0) -> MapResult:
+def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None, isotropic_precision=1.0,
+                curvature="hessian") -> MapResult:
     """The Laplace start ``N(ẑ, S⁻¹)`` projected to ``family``.
 
     :param spec: the model's :class:`~numpyro_pc.model.likelihood.ModelSpec`.
@@ -166,6 +167,7 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
     :param int max_iters: L-BFGS iteration cap.
     :param float gtol: relative gradient tolerance (default ``1e-8`` in float64, ``1e-4`` in float32).
     :param isotropic_precision: the precision of the start when the family's precision is fixed.
+    :param str curvature: the site curvature of a matrix-free Laplace precision (:func:`laplace_precision`).
     :return: :class:`MapResult`; ``converged`` is ``False`` when the cap was hit or the search
         left the region where the log joint is finite (the caller decides what to do).
     """
@@ -210,7 +212,8 @@ def map_laplace(spec, data, family, z0, weights=None, max_iters=1000, gtol=None,
             if downhill is not None:
                 z0, escapes = downhill, escapes + 1
                 continue
-            return _matrix_free_laplace(spec, data, family, weights, gtol, (z, value, grad), total, converged, escapes)
+            return _matrix_free_laplace(spec, data, family, weights, gtol, (z, value, grad), total, converged, escapes,
+                                        curvature)
         hess = hessian(spec, z, data, weights)
         if not bool(jnp.all(jnp.isfinite(hess))):
             return MapResult(Gaussian(z, None), total, grad_norm, value, False, escapes)
@@ -236,7 +239,8 @@ def _dense_curvature(family, dim) -> bool:
     return dense_family or dim <= _TINY
 
 
-def _matrix_free_laplace(spec, data, family, weights, gtol, point, total, converged, escapes) -> MapResult:
+def _matrix_free_laplace(spec, data, family, weights, gtol, point, total, converged, escapes,
+                         curvature="hessian") -> MapResult:
     """The Laplace start of a family with an ``O(d)``-sized precision, from Hessian–vector products and sites.
 
     At ``ẑ`` (a minimum: the saddle test has passed) the Laplace precision in the family's own form is the
@@ -254,7 +258,7 @@ def _matrix_free_laplace(spec, data, family, weights, gtol, point, total, conver
     if capability(family, FixedPrecision):
         return MapResult(Gaussian(z, jnp.asarray(1.0, z.dtype)), total + polished, grad_norm, value, converged,
                          escapes)
-    precision = laplace_precision(spec, data, family, z, weights)
+    precision = laplace_precision(spec, data, family, z, weights, curvature)
     return MapResult(Gaussian(z, precision), total + polished, grad_norm, value,
                      converged and precision is not None, escapes)
 
@@ -410,7 +414,7 @@ class StartChoice(NamedTuple):
                          candidates=self.candidates)
 
 
-def default_start(spec, data, family, init, dtype) -> StartChoice:
+def default_start(spec, data, family, init, dtype, curvature="hessian") -> StartChoice:
     """The solver's starting point: the MAP/Laplace start, the mean-field ELBO start, or the prior's curvature.
 
     ``init="map"`` (default) runs L-BFGS from ``0`` (or from an array ``init``). Where that search
@@ -418,6 +422,9 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
     is ``"qmc"``: a converged MAP may be a collapsed mode), the mean-field ELBO start is computed too
     and the better of the two by objective value is taken (``kind`` ``"map"`` or ``"elbo"``, both
     scores in ``candidates``). If neither is usable, the prior start (``kind == "prior"``).
+
+    :param str curvature: the fit's site curvature; a matrix-free Laplace precision is computed with it
+        (``"ggn"``: Gauss–Newton factors, where exact per-example Hessians of a network would need ``N·d²``).
     """
     z0 = jnp.zeros(spec.latent.dim, dtype)
     if init is None or isinstance(init, str):
@@ -439,7 +446,7 @@ def default_start(spec, data, family, init, dtype) -> StartChoice:
     if kind == "map":
         padded, weights, ids = pad_to_bucket(data, None, np.arange(spec.num_examples), dtype)
         bucket = replace(spec, num_examples=int(ids.size))
-        found = map_laplace(bucket, padded, family, z0, weights)
+        found = map_laplace(bucket, padded, family, z0, weights, curvature=curvature)
         usable = found.start.precision is not None and bool(family.is_positive_definite(found.start.precision))
         # a converged MAP of a hierarchy can still be a collapsed mode: seeds' gamma(0.001, 0.001) group
         # precision has a mode with every group effect at 0 and log τ = 9.3 whatever the data, which the

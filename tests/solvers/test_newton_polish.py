@@ -166,3 +166,33 @@ def test_an_update_far_from_its_fixed_point_is_moved_by_lbfgs_first(x64, monkeyp
     monkeypatch.setattr(newton_polish, "map_descent", lambda problem, mean, max_iters=0: (mean, 0))
     plain = old.update(X[100:], jnp.asarray(y_new), correction="none", tol=1e-10, max_iters=60)
     assert len(plain.history) > len(new.history)
+
+
+@pytest.mark.slow  # 8 s (measured 2026-11-29, shared cores)
+def test_a_low_rank_gauss_newton_fit_starts_from_gauss_newton_sites_where_exact_hessians_cannot_be_stored(
+        x64, data, monkeypatch):
+    # The low-rank family's Laplace start is one delta-rule site pass (matrix-free). A network's exact per-example
+    # Hessians do not factorise (its logits are not affine in z), so they would need dense N·d² storage; with the
+    # dense budget at 0 bytes that start was refused (SiteStorageError: the split-digits network at d = 2 410)
+    # although the fit asked for curvature="ggn", whose sites are factors. The start now uses the fit's curvature.
+    # Oracle as for the low-rank fit above: the mean is a minimum of the MAP loss (independent Newton on the exact
+    # Hessian, 1e-7) and diag S = diag(Σ_i GGN_i + I) there. Control: the exact-Hessian start is refused.
+    from numpyro_pc.curvature import storage
+    from numpyro_pc.errors import SiteStorageError
+    from numpyro_pc.solvers.hessian import laplace_precision
+
+    X, y = data
+    monkeypatch.setattr(storage, "_DENSE_AUTO_LIMIT", 0)
+    post = pc.fit(network, X, y, family="lowrank", rank=4, **_options())
+    assert post.residual <= 1e-10 and post.record.start.kind == "map"
+    spec, bound = bind_model(network, (X, y))
+    total = lambda z: jnp.sum(losses(spec, z, bound)) + prior_loss(spec, z, bound)  # noqa: E731
+    np.testing.assert_allclose(post.mean, _newton_minimum(total, post.mean), rtol=1e-7, atol=1e-9)
+
+    def ggn_diagonal(x):
+        jac, lam = _softmax_factors(post.mean, x, HIDDEN, 3)
+        return jnp.einsum("ki,kl,li->i", jac, lam, jac)
+
+    np.testing.assert_allclose(jnp.diag(post.precision), jnp.sum(jax.vmap(ggn_diagonal)(X), 0) + 1.0, rtol=1e-8)
+    with pytest.raises(SiteStorageError):
+        laplace_precision(spec, bound, post.family, post.mean, jnp.ones(X.shape[0]), "hessian")
