@@ -210,8 +210,8 @@ def _softplus_inv(v) -> jax.Array:
     return v + jnp.log(-jnp.expm1(-v))
 
 
-def _map_positive(tree, fn, units=None):
-    def one(x, *unit):
+def _map_positive(tree, fn, units=None) -> Any:
+    def one(x, *unit) -> Any:
         if _positive(x) and eqx.is_inexact_array(x._unconstrained):
             c = None
             if unit and _positive(unit[0]):

@@ -114,7 +114,7 @@ def host_objective(value_and_grad, dtype) -> Callable[[np.ndarray], tuple[float,
     return fun
 
 
-def lbfgs_minimize(fun, x0, gtol, max_iters):
+def lbfgs_minimize(fun, x0, gtol, max_iters) -> scipy.optimize.OptimizeResult:
     """SciPy's L-BFGS-B on a host objective from :func:`host_objective`, stopped by :class:`_GradientStop`."""
     return scipy.optimize.minimize(fun, np.asarray(x0, dtype=np.float64), jac=True, method="L-BFGS-B",
                                    options=dict(maxiter=int(max_iters), gtol=0.0, ftol=0.0, maxcor=20, maxls=40),
