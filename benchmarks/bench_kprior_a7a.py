@@ -10,7 +10,11 @@ Two adaptations, each against the batch fit of the data it should end with:
   with ``delete(method="corrected")``, which recomputes the memory's sites (the deleted rows' data
   goes with them). For a GLM the K-prior's prediction matching of a memory equals the
   correction by its true losses (``tests/ops/test_kprior.py``, to 1e-10), so this is the K-prior
-  removal of the same memory.
+  removal of the same memory;
+- **change the regulariser**: fit every row with prior precision 5, keep a memory of ``M``, then
+  ``change_prior(prior_precision=NEW_PRECISION, correction="kprior")``: the old prior's site is
+  divided out, the new prior enters live and the memory is matched in function space, against
+  the batch fit under the new prior.
 
 For each family (isotropic: the K-prior proper; full: posterior correction with memory), each
 selection rule (``random``, ``residual``) and memory sizes from none to every row: test accuracy,
@@ -32,7 +36,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import numpyro  # noqa: E402
+import numpyro.distributions as dist  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -44,6 +51,17 @@ from numpyro_pc.datasets.loaders import load_a7a  # noqa: E402
 
 OUT = os.path.join(HERE, "_out")
 TOL_POINTS = 0.1
+NEW_PRECISION = 0.5  # the changed regulariser: ten times weaker than the fitted one
+TASKS = ("add", "remove", "prior")
+
+
+def regularised(X, y=None, prior_precision=5.0):
+    """``bench_continual.model`` with its prior precision as an argument (the regulariser to change)."""
+    scale = 1.0 / jnp.sqrt(prior_precision)
+    b = numpyro.sample("b", dist.Normal(0.0, scale))
+    w = numpyro.sample("w", dist.Normal(0.0, scale).expand([X.shape[1]]).to_event(1))
+    with numpyro.plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 
 
 def accuracy(post, X, y):
@@ -77,6 +95,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--families", default="isotropic,full")
     parser.add_argument("--selections", default="random,residual")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="which of add, remove, prior to run")
+    parser.add_argument("--new-precision", type=float, default=NEW_PRECISION, help="the changed prior precision")
     args = parser.parse_args(argv)
     X, y = load_a7a("train")
     X_test, y_test = load_a7a("test")
@@ -88,35 +108,52 @@ def main(argv=None):
     kept = np.setdiff1d(np.arange(n), gone)
     sizes = [0, 30, 100, 300, 1000, 3000, cut]
     sizes = sorted({s for s in sizes if s <= cut})
-    result = dict(machine=machine_info(), quick=args.quick, n=n, rows=[], targets={})
+    tasks = [t for t in TASKS if t in args.tasks.split(",")]
+    delta = args.new_precision
+    result = dict(machine=machine_info(), quick=args.quick, n=n, rows=[], targets={}, new_precision=delta)
     for family in args.families.split(","):
         fit = lambda Xs, ys: _quiet(pc.fit, model, Xs, ys, family=family)  # noqa: E731
-        first, everything, without = fit(X[:cut], y[:cut]), fit(X, y), fit(X[kept], y[kept])
+        if "add" in tasks or "remove" in tasks:
+            first, everything, without = fit(X[:cut], y[:cut]), fit(X, y), fit(X[kept], y[kept])
+        if "prior" in tasks:
+            before = _quiet(pc.fit, regularised, X, y, family=family)
+            after = _quiet(pc.fit, regularised, X, y, prior_precision=delta, family=family)
         for selection in args.selections.split(","):
-            target, rows = sweep("add", family, selection, sizes, first, everything,
-                                 lambda p: _quiet(p.update, X[cut:], y[cut:], correction="kprior"), X_test, y_test)
-            result["targets"][f"add/{family}"] = target
-            result["rows"] += rows
-            target, rows = sweep("remove", family, selection, [s for s in sizes if s < n] + [n], everything, without,
-                                 lambda p: _quiet(p.delete, gone, method="corrected"), X_test, y_test)
-            result["targets"][f"remove/{family}"] = target
-            result["rows"] += rows
-    lines = [f"a7a, logistic regression (d = 124), {n} training rows; test accuracy in % on 16 461 test rows.", "",
+            if "add" in tasks:
+                target, rows = sweep("add", family, selection, sizes, first, everything,
+                                     lambda p: _quiet(p.update, X[cut:], y[cut:], correction="kprior"), X_test, y_test)
+                result["targets"][f"add/{family}"] = target
+                result["rows"] += rows
+            if "remove" in tasks:
+                target, rows = sweep("remove", family, selection, [s for s in sizes if s < n] + [n], everything,
+                                     without, lambda p: _quiet(p.delete, gone, method="corrected"), X_test, y_test)
+                result["targets"][f"remove/{family}"] = target
+                result["rows"] += rows
+            if "prior" in tasks:
+                target, rows = sweep("prior", family, selection, [s for s in sizes if s < n] + [n], before, after,
+                                     lambda p: _quiet(p.change_prior, prior_precision=delta, correction="kprior"),
+                                     X_test, y_test)
+                result["targets"][f"prior/{family}"] = target
+                result["rows"] += rows
+    lines = [f"a7a, logistic regression (d = 124), {n} training rows; test accuracy in % on 16 461 test rows; "
+             f"prior: precision 5 → {delta}.", "",
              "| task | family | selection | batch fit accuracy | accuracy with memory M = " +
-             " / ".join(str(s) for s in sizes) + f" (remove: and {n}) | smallest M within 0.1 point | "
-             "KL to batch at that M |",
-             "|---|---|---|---|---|---|---|"]
+             " / ".join(str(s) for s in sizes) + f" (remove, prior: and {n}) | smallest M within 0.1 point | "
+             "KL to batch at that M | smallest M with KL ≤ 1e-2 |",
+             "|---|---|---|---|---|---|---|---|"]
     targets = []
-    for task in ("add", "remove"):
+    for task in tasks:
         for family in args.families.split(","):
             for selection in args.selections.split(","):
                 rows = [r for r in result["rows"] if (r["task"], r["family"], r["selection"]) == (task, family, selection)]
-                enough = [r for r in rows if r["gap"] <= TOL_POINTS]
+                enough = [r for r in rows if abs(r["gap"]) <= TOL_POINTS]  # above the batch fit is not reaching it either
                 first_ok = enough[0] if enough else None
                 lines.append(f"| {task} | {family} | {selection} | {result['targets'][f'{task}/{family}']:.2f} | "
                              + " / ".join(f"{r['accuracy']:.2f}" for r in rows) + " | "
                              + (f"{first_ok['memory']} ({100 * first_ok['memory'] / n:.1f} %)" if first_ok else "none")
-                             + " | " + (f"{first_ok['kl']:.1e}" if first_ok else "—") + " |")
+                             + " | " + (f"{first_ok['kl']:.1e}" if first_ok else "—") + " | "
+                             + next((f"{r['memory']} ({100 * r['memory'] / n:.1f} %)" for r in rows if r["kl"] <= 1e-2),
+                                    "none") + " |")
                 if family == "isotropic" and first_ok is not None:
                     targets.append(dict(target=f"K-prior ({task}, {selection}): a small memory (≤ 10 % of the data) "
                                                "reaches the batch fit's accuracy within 0.1 point",
@@ -126,25 +163,28 @@ def main(argv=None):
     def plot(path):
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-        for ax, task in zip(axes, ("add", "remove")):
+        fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.8), sharey=True, squeeze=False)
+        for ax, task in zip(axes[0], tasks):
             for family in args.families.split(","):
                 for selection in args.selections.split(","):
                     rows = [r for r in result["rows"]
                             if (r["task"], r["family"], r["selection"]) == (task, family, selection)]
-                    ax.plot([max(r["memory"], 1) for r in rows], [max(r["gap"], 1e-3) for r in rows], "o-",
+                    ax.plot([max(r["memory"], 1) for r in rows], [max(abs(r["gap"]), 1e-3) for r in rows], "o-",
                             label=f"{family}, {selection}")
             ax.axhline(TOL_POINTS, color="k", lw=0.8, ls="--")
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("memory size M (0 drawn at 1)")
-            ax.set_title(f"{task} data: accuracy gap to the batch fit")
-        axes[0].set_ylabel("points below the batch fit (floored at 1e-3)")
-        axes[0].legend(fontsize=8)
+            ax.set_title({"add": "add data", "remove": "remove data", "prior": "change the regulariser"}[task]
+                         + ": accuracy gap to the batch fit")
+        axes[0][0].set_ylabel("|points from the batch fit| (floored at 1e-3)")
+        axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
-    write_results("bench_kprior_a7a" + ("_quick" if args.quick else ""), OUT, result, "\n".join(lines), targets, plot)
+    name = "bench_kprior_a7a" + ("" if tasks == list(TASKS) else "_" + "_".join(tasks))
+    name += "" if delta == NEW_PRECISION else f"_precision{delta:g}"
+    write_results(name + ("_quick" if args.quick else ""), OUT, result, "\n".join(lines), targets, plot)
 
 
 if __name__ == "__main__":

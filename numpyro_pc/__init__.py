@@ -45,7 +45,7 @@ from numpyro_pc.io.save_load import save
 from numpyro_pc.model.likelihood import bind_model
 from numpyro_pc.ops import diagnostics, handlers
 from numpyro_pc.ops.diagnostics import correction_magnitude, information_gain, kl
-from numpyro_pc.posterior import DualPosterior, Posterior, boost, dual_form, fit, load
+from numpyro_pc.posterior import DualPosterior, Posterior, boost, change_prior, dual_form, fit, load
 from numpyro_pc.options import SolverOptions
 from numpyro_pc.sites.expectations import ExpectationRule
 from numpyro_pc.sites.gaussian import Sites, compute_sites
@@ -56,7 +56,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path without an i
     __version__ = "0+unknown"
 
 __all__ = [
-    "Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "boost", "compute_sites", "bind_model", "Sites", "ExpectationRule",
+    "Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "boost", "change_prior", "compute_sites", "bind_model", "Sites", "ExpectationRule",
     "SolverOptions",
     "Gaussian", "GaussianNatural", "FullGaussian", "DiagonalGaussian", "IsotropicGaussian", "LowRankGaussian",
     "get_family", "register_factor", "errors", "families", "guides", "handlers", "lowrank", "diagnostics", "kl",

@@ -32,6 +32,7 @@ from numpyro_pc.io.save_load import load as _load
 from numpyro_pc.model.likelihood import bind_model
 from numpyro_pc.model.local_binding import refuse_guide_over_locals
 from numpyro_pc.ops.boosting import boosted_start
+from numpyro_pc.ops.prior_change import change_prior
 from numpyro_pc.ops.streaming import update as _update
 from numpyro_pc.ops.unlearning import delete as _delete
 from numpyro_pc.protocols.capabilities import FixedPrecision, capability
@@ -44,7 +45,7 @@ from numpyro_pc.solvers.start import default_start
 from .errors import ConvergenceError, IncompatiblePosteriorsError, InvalidOptionError, NonFiniteResultError
 from .options import MAX_SEED, SolverOptions, check_count, check_flag, check_solver_options, resolve_solver, solver_group
 
-__all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "boost", "load"]
+__all__ = ["Posterior", "DualPosterior", "EFPosterior", "dual_form", "fit", "boost", "load", "change_prior"]
 
 
 class DualPosterior(DualPosteriorBase):

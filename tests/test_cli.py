@@ -54,6 +54,8 @@ def test_demo_fast(part, tmp_path, capsys):
         assert all(f"* {name}: at batch(es)" in printed for name in marked)
         deletion = {method: kl for method, kl, _ in result["streaming"]["delete"]}
         assert deletion["corrected"] < 1e-8 and deletion["remove_site"] < deletion["tracin"]
+        changed = {label.split()[0]: kl for label, kl, _ in result["streaming"]["prior_change"]}
+        assert changed["exact"] < 1e-8 < changed["kprior,"] < changed["prior"]  # a memory helps, the exact change is the refit
         assert (tmp_path / "streaming.png").stat().st_size > 10_000
     else:
         merged = dict(result["merging_federated"]["merge"])

@@ -9,9 +9,9 @@ import numpyro.distributions as dist
 __all__ = ["logistic_model", "raw_diabetes_regression", "plate_from_argument", "progression_classifier"]
 
 
-def logistic_model(X, y=None) -> None:
-    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-    w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[1]]).to_event(1))
+def logistic_model(X, y=None, prior_scale=1.0) -> None:
+    b = numpyro.sample("b", dist.Normal(0.0, prior_scale))
+    w = numpyro.sample("w", dist.Normal(0.0, prior_scale).expand([X.shape[1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y)
 

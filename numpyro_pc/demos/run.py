@@ -30,7 +30,8 @@ def demo(out="demo_output", fast=False, svi_steps=None, seed=0, sections=None) -
        a model whose plate size is not tied to the data refused with a typed error.
     3. ``hierarchical``: a centred hierarchy fitted from the ELBO start and updated exactly.
     4. ``streaming``: the data in 5 drifting batches with every correction policy, then a group
-       deletion with every method; prints tables of KL and time; writes ``streaming.png``.
+       deletion with every method and a change of the prior with each correction; prints tables of KL
+       and time; writes ``streaming.png``.
     5. ``criticism``: all-N leave-one-out from the sites, ``az.compare`` against a smaller
        model, exact refits of the flagged examples; writes ``criticism.png``.
     6. ``merging_federated``: two half-data posteriors merged with every method; 10 non-IID

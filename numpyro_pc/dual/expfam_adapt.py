@@ -15,6 +15,7 @@ out, eq. ``postcorr``); a deletion by site removal is
 from __future__ import annotations
 
 import warnings
+from typing import cast
 from dataclasses import replace
 
 import jax
@@ -34,12 +35,13 @@ from numpyro_pc.model.rows import as_ids, check_keep, concat_data, join_rows, po
 from numpyro_pc.options import MAX_SEED, check_count, check_finite, check_flag, check_solver_options
 from numpyro_pc.protocols.posterior import Posterior
 from numpyro_pc.protocols.records import DeleteInfo, RefineInfo, UpdateInfo
+from numpyro_pc.sites.expfam import EFSites
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.sites.memory_sets import check_stochastic_options, corrected_ids
 from numpyro_pc.solvers.expfam import SolveInfo, blr_solve, bucketed_target, config_rows, solve_every_site
 from numpyro_pc.solvers.fixed_point import default_tol, largest_inside_fraction, progress_bar
 
-__all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "split_frozen", "checked_retained_ids",
+__all__ = ["update_ef", "delete_ef", "refine_ef", "recompute_rows", "split_frozen", "checked_retained_ids", "solve_with_rows_live", "KPRIOR_REFUSAL",
            "DELETE_METHODS"]
 
 DELETE_METHODS = ("remove_site", "corrected", "retrain")
@@ -48,7 +50,7 @@ _WEIGHTED_REFUSAL = ("correction='weighted' rescales a memory set's sites to sta
                      "scaled part would have nowhere to live. Use correction='memory' (the same memory, unscaled), "
                      "'stochastic' or 'exact'")
 
-_KPRIOR_REFUSAL = ("correction='kprior' replaces each memory example's loss by the KL between its old and new "
+KPRIOR_REFUSAL = ("correction='kprior' replaces each memory example's loss by the KL between its old and new "
                    "predictive distributions; what that matching does not re-express of the old sites (the "
                    "linearisation error of paper eq. pred_match_general) is a term outside every site, and an "
                    "exponential-family posterior stores λ = -g_0 - Σ g_i with no such term. Use correction='memory' "
@@ -111,7 +113,7 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     if correction == "weighted":
         raise InvalidOptionError(_WEIGHTED_REFUSAL)
     if correction == "kprior":
-        raise InvalidOptionError(_KPRIOR_REFUSAL)
+        raise InvalidOptionError(KPRIOR_REFUSAL)
     _check_sites_represent(post)
     corrected, _ = corrected_ids(post, correction, memory, selection, seed)
     check_stochastic_options(correction, epochs)
@@ -139,7 +141,7 @@ def update_ef(post: Posterior, *args, correction: str = "exact", memory=None, se
     prior_active = correction != "none" and not post.conjugate_prior
     active = ModelData(tuple(join_rows(take_rows(x, data_rows), y) for x, y in zip(post.data.per_example,
                                                                                    new.per_example)), new.shared)
-    lam, sites, info = _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure,
+    lam, sites, info = solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure,
                                              progress)
     added = EFSiteTable(sites.grads[rows.size:], sites.prior if prior_active else post.sites.prior, ids)
     state = EFState(lam, post.sites.with_rows(rows, sites.grads[:rows.size]).concat(added))
@@ -165,7 +167,7 @@ def _retain(updated: Posterior, before: Posterior, new_ids: np.ndarray, keep, se
                           data_ids=to_device(kept.astype(np.asarray(updated.ids).dtype)))
 
 
-def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False) -> tuple[jax.Array, object, SolveInfo]:
+def solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, raise_on_failure, progress=False) -> tuple[jax.Array, EFSites, SolveInfo]:
     r"""The fixed point with the sites at positions ``rows`` (and the prior term when ``prior_active``)
     divided out of ``q`` and solved for again over the ``active`` data, every other site (frozen ones
     included) held:
@@ -174,8 +176,9 @@ def _solve_with_rows_live(post, rows, active, prior_active, tol, max_iters, rais
     if prior_active:
         const = const + post.sites.prior
     tol = default_tol(const.dtype) if tol is None else tol
-    return blr_solve(bucketed_target(post.config, active, prior_active, const), post.family.in_domain, post.natural,
-                     tol, max_iters, raise_on_failure=raise_on_failure, progress=progress)
+    lam, sites, info = blr_solve(bucketed_target(post.config, active, prior_active, const), post.family.in_domain,
+                                 post.natural, tol, max_iters, raise_on_failure=raise_on_failure, progress=progress)
+    return lam, cast(EFSites, sites), info
 
 
 def _stochastic(post, args, kwargs, batch_fraction, epochs, seed, tol, max_iters, progress, raise_on_failure) -> Posterior:
@@ -214,7 +217,7 @@ def recompute_rows(post: Posterior, rows: np.ndarray, tol: float | None, max_ite
     prior_active = not post.conjugate_prior
     active = take_data(post.data, rows)
     site_rows = positions(post.ids, np.asarray(post.data_ids)[rows])
-    lam, sites, info = _solve_with_rows_live(post, site_rows, active, prior_active, tol, max_iters,
+    lam, sites, info = solve_with_rows_live(post, site_rows, active, prior_active, tol, max_iters,
                                              raise_on_failure)
     table = post.sites.with_rows(site_rows, sites.grads)
     state = EFState(lam, replace(table, prior=sites.prior) if prior_active else table)

@@ -15,7 +15,7 @@ import numpy as np
 from numpyro_pc.curvature.stores import FULL
 from numpyro_pc.errors import ConvergenceError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
-from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, take_data
+from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, stand_in_row, take_data
 from numpyro_pc.protocols.capabilities import SiteSum, needs_dense_sum, require
 from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
@@ -100,6 +100,9 @@ def solve_update(post, new_data, new_ids, corrected, correct_prior, weight, solv
     weights = filled([(corrected.size, weight), (new_ids.size, 1.0)], dtype)
     num_active = int(active_ids.size)
     active, weights, padded_ids = pad_to_bucket(active, weights, active_ids)
+    if num_active == 0:  # only the prior is live (a prior change correcting no example): one zero-weight row
+        active = take_data(post.data, np.zeros(1, np.int64)) if post.num_retained else stand_in_row(post.data)
+        weights, padded_ids = filled([(1, 0.0)], dtype), -np.ones(1, np.int64)
     problem = SiteProblem(replace(spec, num_examples=int(padded_ids.size)), active, family, post.rule, post.curvature, post.sites.storage, post.chunk_size,
                           jnp.asarray(padded_ids), cavity, correct_prior, weights)
     start_sites, start_sums = _sites_at_start(post, problem, stale, new_data, new_ids, weights)
@@ -133,12 +136,13 @@ def _sites_at_start(post, problem, cached, new_data, new_ids, weights) -> tuple[
     an exact or memory update, or a fit) are taken from the posterior; only the new batch is
     evaluated. This saves one pass over the corrected data per update and does not change
     the answer: the solver recomputes every site at each trial point, and its residual test
-    uses those. Returns ``(None, None)`` — compute everything — when nothing is corrected,
+    uses those. Returns ``(None, None)`` — compute everything — when nothing is corrected or
+    nothing is new (the prior site is then the new batch's: a prior change computes its own),
     when a cached site was computed at another mean, or when the solver needs a dense
     curvature sum the stored sites cannot give (diagonal storage).
     """
     mean = post.state.mean
-    if cached.num_examples == 0 or (needs_dense_sum(problem.family, mean.shape[0]) and cached.curv.detail < FULL):
+    if cached.num_examples == 0 or new_ids.size == 0 or (needs_dense_sum(problem.family, mean.shape[0]) and cached.curv.detail < FULL):
         return None, None
     used_refs = np.asarray(cached.ref_means)[np.unique(np.asarray(cached.ref_index))]
     if not np.all(used_refs == np.asarray(mean)[None, :]):

@@ -357,6 +357,11 @@ class Posterior(ABC):
         :func:`numpyro_pc.ops.streaming.update` and :meth:`numpyro_pc.dual.expfam.EFPosterior.update`."""
         return _operation("update")(self, *args, **kwargs)
 
+    def change_prior(self, model=None, **kwargs) -> Posterior:
+        """The posterior of the same data under another prior: ``model`` with the fitted likelihood, or new values
+        of the fitted model's fixed arguments as keywords (:func:`numpyro_pc.ops.prior_change.change_prior`)."""
+        return _operation("change_prior")(self, model, **kwargs)
+
     def keep_memory(self, size, selection: str = "random", seed: int = 0) -> Posterior:
         """Keep the data of ``size`` retained examples only, chosen by ``selection`` (``"random"``, ``"residual"``,
         ``"curvature"``, ``"leverage"``): the function-space memory that ``update(..., correction="kprior")``

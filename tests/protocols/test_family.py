@@ -37,7 +37,7 @@ from numpyro_pc.sites.memory_sets import select_memory, selection_scores
 from numpyro_pc.model.rows import positions
 
 from models import linear_model, make_linear
-from models import A0, B0, _bern, _pois, beta_bernoulli, lognormal_poisson
+from models import A0, B0, _bern, _pois, beta_bernoulli, flat_beta_bernoulli, gamma_poisson, lognormal_poisson
 
 TOL = 1e-12
 NOISE, PRIOR_SCALE = 0.5, 2.0  # linear_model's defaults
@@ -144,6 +144,35 @@ def update_kprior(name):  # every retained example matched by its predictions: f
     u = p.update(**rows, correction="kprior", tol=TOL)
     assert _kl(u, p.update(**rows, correction="exact", tol=TOL)) < 1e-10
     assert u.record["memory"] == N
+
+
+def _new_prior(name):
+    """The fitted model under another prior: a tighter Normal, a flat Beta, a conjugate-form Gamma."""
+    if name == "beta":
+        return dict(model=flat_beta_bernoulli), flat_beta_bernoulli, {}
+    if name == "gamma":
+        return dict(model=gamma_poisson), gamma_poisson, {}
+    return dict(prior_scale=0.5), linear_model, dict(prior_scale=0.5)
+
+
+def _refit_under(name, model, kwargs):
+    with jax.enable_x64(True):
+        return pc.fit(model, **_rows(name, range(FIRST)), **kwargs, family=_family(name), tol=TOL)
+
+
+def change_prior_exact(name):  # the old prior site divided out, the new prior live, every site corrected
+    change, model, kwargs = _new_prior(name)
+    u = _first(name).change_prior(**change, tol=TOL)
+    assert _kl(u, _refit_under(name, model, kwargs)) < 1e-9
+
+
+def change_prior_alone(name):  # no data site recomputed: exact where the sites are
+    change, model, kwargs = _new_prior(name)
+    p = _first(name)
+    u = p.change_prior(**change, correction="prior", tol=TOL)
+    np.testing.assert_array_equal(_site_values(u, range(FIRST)), _site_values(p, range(FIRST)))
+    if name in EXACT_SITES:
+        assert _kl(u, _refit_under(name, model, kwargs)) < 1e-9
 
 
 def keep_memory(name):  # a memory of 3: the others' data dropped, every site kept bit for bit
@@ -423,7 +452,7 @@ def federated_bounded(name):
 
 
 OPERATIONS = [update_exact, update_none, update_memory, update_memory_count, update_memory_leverage, update_kprior,
-              keep_memory,
+              keep_memory, change_prior_exact, change_prior_alone,
               update_stochastic, update_weighted, update_dropping_data, delete_remove_site, refine_after_site_removal, delete_corrected,
               delete_retrain, delete_influence, delete_tracin, merge_from_prior, merge_with_base, save_load, loo,
               influence, information_gain, correction_magnitude, lfo, correction_factor, federated_private,
@@ -451,6 +480,7 @@ REFUSED = {
     ("lowrank-1", "update_memory_leverage"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "update_stochastic"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "update_dropping_data"): (errors.MissingCapabilityError, "projection of the site sum"),
+    ("lowrank-1", "change_prior_alone"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "delete_remove_site"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "refine_after_site_removal"): (errors.MissingCapabilityError, "projection of the site sum"),
     ("lowrank-1", "loo"): (errors.MissingCapabilityError, "projection of the site sum"),
