@@ -46,7 +46,7 @@ def _build(spec, data, fam, lam, guide_map, options, operation) -> EFPosterior:
     if guide_map is None and conjugate:
         lam = -sites.prior  # from the prior itself
         post = post.evolve(state=post.state._replace(natural=lam))
-    solved = solve_every_site(post, data, ids, lam, tol, max_iters, raise_on_failure)
+    solved = solve_every_site(post, data, ids, lam, tol, max_iters, raise_on_failure, warm=guide_map is not None)
     return solved.evolve(record=solved.record.replace(operation=operation))
 
 

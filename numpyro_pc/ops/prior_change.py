@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from dataclasses import replace
 
 import jax
@@ -46,6 +47,7 @@ from numpyro_pc.sites.expfam import conjugate_rtol, prior_form_residual
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
 from numpyro_pc.sites.memory_sets import corrected_ids
+from numpyro_pc.solvers.fixed_point import default_tol
 
 from numpyro_pc.dual.expfam_adapt import KPRIOR_REFUSAL, solve_with_rows_live, split_frozen
 
@@ -168,7 +170,8 @@ def change_prior(post, model=None, *, correction: str = "exact", memory=None, se
     :param post: the fitted posterior (at its fixed point).
     :param model: a model with the fitted likelihood and a new prior (``None``: the posterior's model, with
         ``fixed`` arguments changed).
-    :param str correction: ``"exact"`` (every retained example corrected: the batch fit under the new prior),
+    :param str correction: ``"exact"`` (every retained example corrected: the batch fit under the new prior when
+        every example's data is retained; the sites of dropped data stay as they are),
         ``"memory"`` (``memory`` of them, chosen by ``selection``), ``"kprior"`` (every retained example matched by
         its predictions, no labels read) or ``"prior"`` (no data site recomputed).
     :param memory: for ``"memory"``: a count, a fraction or ids of retained examples.
@@ -203,9 +206,12 @@ def _solve_gaussian(post, model, correction, memory, selection, seed, solve_opti
     if not np.isfinite(residual):
         raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
                                    "non-finite values, so the prior change cannot be trusted; refit the posterior.")
+    if residual > 100 * default_tol(post.state.mean.dtype):
+        warnings.warn(f"changing the prior of a posterior whose dual-form residual is {residual:.1e}; refine() it first "
+                      "so that its sites represent it", RuntimeWarning, stacklevel=5)
     spec, data = rebind_prior(post, model, **fixed)
     rebound = post.evolve(spec=spec, data=data)
-    corrected, _ = corrected_ids(rebound, "memory" if correction == "memory" else correction, memory, selection, seed)
+    corrected, _ = corrected_ids(rebound, correction, memory, selection, seed)
     no_ids = np.zeros(0, np.asarray(post.data_ids).dtype)
     empty = take_data(data, np.zeros(0, np.int64))
     site_rows = positions(post.sites.ids, corrected)

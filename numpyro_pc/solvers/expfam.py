@@ -92,7 +92,7 @@ def fixed_part(post, frozen: EFSiteTable | None = None) -> jax.Array:
 
 
 def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failure, progress=False,
-                     rho=1.0, frozen: EFSiteTable | None = None) -> _P:
+                     rho=1.0, frozen: EFSiteTable | None = None, warm: bool = True) -> _P:
     """``post`` solved to the fixed point over all ``data`` (every site active, ids ``ids``) from the
     natural parameters ``start``; the prior term is active unless conjugate-form. Its ``record`` is a
     :class:`~numpyro_pc.protocols.records.FitInfo` (callers that are not a fit take its
@@ -100,14 +100,16 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
 
     :param frozen: sites held fixed, those of examples whose data was dropped (``update(keep=...)``):
         their natural-parameter sum is part of the constant, and they stay in the result's site table
-        before the solved ones; the result keeps the data of ``ids`` only."""
+        before the solved ones; the result keeps the data of ``ids`` only.
+    :param bool warm: ``start`` may already be the fixed point (``False`` for a fit from the prior, see
+        :func:`_coarse_start`)."""
     num = int(ids.shape[0])
     cfg = config_rows(post.config, num)
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
     const = fixed_part(post, frozen)
     target = bucketed_target(cfg, data, not post.conjugate_prior, const, trim=False)
     start, first, coarse_iterations = _coarse_start(cfg, target, bucketed_target, (data, not post.conjugate_prior, const),
-                                                    post.family.in_domain, start, tol, max_iters, rho, progress)
+                                                    post.family.in_domain, start, tol, max_iters, rho, progress, warm)
     lam, sites, info = blr_solve(target, post.family.in_domain, start, tol, max_iters, rho=rho,
                                  raise_on_failure=raise_on_failure, progress=progress, first=first)
     sites = trimmed(sites, num)
@@ -145,7 +147,7 @@ def coarse_config(config: EFConfig) -> EFConfig | None:
 
 
 def _coarse_start(config, target, make_target, target_args, in_domain, start, tol, max_iters, rho,
-                  progress) -> tuple[jax.Array, tuple | None, int | None]:
+                  progress, warm=True) -> tuple[jax.Array, tuple | None, int | None]:
     """Where the solve under ``config`` starts: ``(start, first, coarse_iterations)``.
 
     ``target`` is the configured design's; its value at the start it returns is ``first`` (for
@@ -156,12 +158,14 @@ def _coarse_start(config, target, make_target, target_args, in_domain, start, to
     of it if it leaves the domain or is not finite), and the solve starts from whichever of the two
     has the smaller residual under the configured design. Only the start changes: the result is
     the configured design's fixed point to ``tol``, whatever the coarse design's accuracy.
-    ``coarse_iterations`` counts the coarse iterations run (``None``: no coarse solve)."""
+    ``coarse_iterations`` counts the coarse iterations run (``None``: no coarse solve). With ``warm=False``
+    (a start known to be far, the prior of a fit) the configured design is not evaluated at the start
+    unless the coarse solve fails to converge: one site pass fewer."""
     coarse = coarse_config(config)
     if coarse is None:
         return start, None, None
-    first = target(start)
-    here = relative_residual(start, first[0])
+    first = target(start) if warm else None
+    here = relative_residual(start, first[0]) if first is not None else np.inf
     if here < tol:
         return start, first, None
     try:
@@ -173,7 +177,11 @@ def _coarse_start(config, target, make_target, target_args, in_domain, start, to
     except (OutOfDomainError, NonFiniteResultError):
         return start, first, None
     there = target(lam)
-    if relative_residual(lam, there[0]) < here:  # a NaN residual is never smaller
+    residual = relative_residual(lam, there[0])
+    if first is None and not (info.converged and np.isfinite(residual)):  # judged against the start after all
+        first = target(start)
+        here = relative_residual(start, first[0])
+    if residual < here:  # a NaN residual is never smaller
         return lam, there, info.iterations
     return start, first, info.iterations
 
