@@ -58,12 +58,7 @@ def bucketed_target(config, data, prior_active, const, seed=None, trim=True) -> 
     those of every padded row: a solve trims only the sites it returns). With no rows (every
     example's data dropped or deleted) the model is traced on one row of zeros at weight 0: the target
     is then the prior term and the fixed sites alone."""
-    num = int(data.per_example[0].shape[0])
-    if num:
-        padded, weights, _ = pad_to_bucket(data, None, np.arange(num), const.dtype)
-    else:
-        padded, weights = stand_in_row(data), jnp.zeros(1, const.dtype)
-    cfg = config_rows(config, int(weights.shape[0]))
+    cfg, padded, weights, num = _padded(config, data, const.dtype)
     seed = jnp.asarray(config.seed if seed is None else seed, jnp.uint32)
 
     def target(lam: jax.Array) -> tuple[jax.Array, object]:
@@ -71,6 +66,32 @@ def bucketed_target(config, data, prior_active, const, seed=None, trim=True) -> 
         return tau, trimmed(sites, num) if trim else sites
 
     return target
+
+
+def _padded(config, data, dtype) -> tuple[EFConfig, object, jax.Array, int]:
+    """``data`` padded to its bucket with the weights marking the real rows, the configuration for that many
+    rows, and the number of real rows (one stand-in row at weight 0 when there are none)."""
+    num = int(data.per_example[0].shape[0])
+    if num:
+        padded, weights, _ = pad_to_bucket(data, None, np.arange(num), dtype)
+    else:
+        padded, weights = stand_in_row(data), jnp.zeros(1, dtype)
+    return config_rows(config, int(weights.shape[0])), padded, weights, num
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _device_solve(config, lam, data, prior_active, const, weights, seed, tol, max_iters, rho
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The natural-parameter iteration of :func:`blr_solve` as one compiled loop
+    (:func:`~numpyro_pc.solvers.fixed_point.natural_solve`), in the family's domain: ``(λ, iterations,
+    residual, ok)``. Compiled once per configuration (the family hashes by value)."""
+
+    def target(x) -> tuple[jax.Array, tuple]:
+        return _target(config, x, data, prior_active, const, weights, seed)[0], ()
+
+    lam, _, iterations, residual, ok = fixed_point.natural_solve(target, config.family.in_domain, lam, tol, max_iters,
+                                                                 rho)
+    return lam, iterations, residual, ok
 
 
 def trimmed(sites, num: int) -> object:
@@ -108,8 +129,8 @@ def solve_every_site(post: _P, data, ids, start, tol, max_iters, raise_on_failur
     tol = fixed_point.default_tol(start.dtype) if tol is None else tol
     const = fixed_part(post, frozen)
     target = bucketed_target(cfg, data, not post.conjugate_prior, const, trim=False)
-    start, first, coarse_iterations = _coarse_start(cfg, target, bucketed_target, (data, not post.conjugate_prior, const),
-                                                    post.family.in_domain, start, tol, max_iters, rho, progress, warm)
+    start, first, coarse_iterations = _coarse_start(cfg, target, (data, not post.conjugate_prior, const), start, tol,
+                                                    max_iters, rho, warm)
     lam, sites, info = blr_solve(target, post.family.in_domain, start, tol, max_iters, rho=rho,
                                  raise_on_failure=raise_on_failure, progress=progress, first=first)
     sites = trimmed(sites, num)
@@ -146,21 +167,22 @@ def coarse_config(config: EFConfig) -> EFConfig | None:
     return replace(config, num_nodes=COARSE_NODES)
 
 
-def _coarse_start(config, target, make_target, target_args, in_domain, start, tol, max_iters, rho,
-                  progress, warm=True) -> tuple[jax.Array, tuple | None, int | None]:
+def _coarse_start(config, target, target_args, start, tol, max_iters, rho, warm=True
+                  ) -> tuple[jax.Array, tuple | None, int | None]:
     """Where the solve under ``config`` starts: ``(start, first, coarse_iterations)``.
 
     ``target`` is the configured design's; its value at the start it returns is ``first`` (for
     :func:`blr_solve`, which would evaluate it there anyway). A start already within ``tol`` under
     the configured design stays (a warm start: ``refine()`` of a converged posterior runs no pass
-    more). Otherwise, with a :func:`coarse_config` design, the coarse fixed point is solved from
-    ``start`` (at most ``max_iters`` iterations; its last iterate if it does not converge, nothing
-    of it if it leaves the domain or is not finite), and the solve starts from whichever of the two
-    has the smaller residual under the configured design. Only the start changes: the result is
-    the configured design's fixed point to ``tol``, whatever the coarse design's accuracy.
-    ``coarse_iterations`` counts the coarse iterations run (``None``: no coarse solve). With ``warm=False``
-    (a start known to be far, the prior of a fit) the configured design is not evaluated at the start
-    unless the coarse solve fails to converge: one site pass fewer."""
+    more). Otherwise, with a :func:`coarse_config` design, the coarse fixed point of ``target_args``
+    (``(data, prior_active, const)``) is solved from ``start`` as one compiled loop (at most
+    ``max_iters`` iterations; its last iterate if it does not converge, nothing of it if it leaves
+    the domain or is not finite), and the solve starts from whichever of the two has the smaller
+    residual under the configured design. Only the start changes: the result is the configured
+    design's fixed point to ``tol``, whatever the coarse design's accuracy. ``coarse_iterations``
+    counts the coarse iterations run (``None``: no coarse solve). With ``warm=False`` (a start known
+    to be far, the prior of a fit) the configured design is not evaluated at the start unless the
+    coarse solve fails to converge: one site pass fewer."""
     coarse = coarse_config(config)
     if coarse is None:
         return start, None, None
@@ -168,22 +190,21 @@ def _coarse_start(config, target, make_target, target_args, in_domain, start, to
     here = relative_residual(start, first[0]) if first is not None else np.inf
     if here < tol:
         return start, first, None
-    try:
-        with warnings.catch_warnings():  # a coarse solve that stops short is judged below, not reported
-            warnings.simplefilter("ignore", RuntimeWarning)
-            lam, _, info = blr_solve(make_target(coarse, *target_args, trim=False), in_domain, start, tol, max_iters,
-                                     rho=rho, raise_on_failure=False, progress=progress,
-                                     label="natural-gradient solve (coarse design)")
-    except (OutOfDomainError, NonFiniteResultError):
+    data, prior_active, const = target_args
+    cfg, padded, weights, _ = _padded(coarse, data, const.dtype)
+    budget = EF_MAX_ITERS if max_iters is None else int(max_iters)
+    lam, iterations, coarse_residual, ok = _device_solve(cfg, start, padded, prior_active, const, weights,
+                                                         jnp.asarray(coarse.seed, jnp.uint32), tol, budget, rho)
+    if not bool(ok):  # left the domain or not finite: nothing of it is used
         return start, first, None
     there = target(lam)
     residual = relative_residual(lam, there[0])
-    if first is None and not (info.converged and np.isfinite(residual)):  # judged against the start after all
+    if first is None and not (float(coarse_residual) < tol and np.isfinite(residual)):  # judged against the start
         first = target(start)
         here = relative_residual(start, first[0])
     if residual < here:  # a NaN residual is never smaller
-        return lam, there, info.iterations
-    return start, first, info.iterations
+        return lam, there, int(iterations)
+    return start, first, int(iterations)
 
 
 def _draw_error(config, data, prior_active, const, lam, tol) -> ExpectationError:
