@@ -43,7 +43,8 @@ def test_the_old_names_cover_every_module_that_moved():
                    "numpyro_pc.demos.criticism", "numpyro_pc.protocols.records", "numpyro_pc.model.probes",
                    "numpyro_pc.dual.marginals", "numpyro_pc.model.locals", "numpyro_pc.model.local_binding",
                    "numpyro_pc.solvers.hessian", "numpyro_pc.families.newton_cg", "numpyro_pc.ops.kprior",
-                   "numpyro_pc.model.prediction_matching", "numpyro_pc.ops.boosting", "numpyro_pc.ops.prior_change"}
+                   "numpyro_pc.model.prediction_matching", "numpyro_pc.ops.boosting", "numpyro_pc.ops.prior_change",
+                   "numpyro_pc.model.analysis_memo"}
     targets = set(MOVED_MODULES.values()) | set(KEPT_MODULE_NAMES.values()) | {f"numpyro_pc.{p}.{m}" for p, m in _RENAMED_TO_PACKAGE.items()}
     folders = ("protocols", "model", "families", "curvature", "sites", "solvers", "guides", "dual", "ops", "kernels",
                "io", "datasets", "posteriordb", "demos")

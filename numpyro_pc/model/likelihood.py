@@ -30,6 +30,7 @@ from numpyro_pc.errors import (
 from numpyro_pc.options import check_name, check_names
 
 from . import probes
+from .analysis_memo import memoised, structural_key
 from .data_support import as_data_array, check_support, latent_free_supports
 from .latent import LatentSpace
 from .local_binding import bind_locals, check_local_modes, split_local_latents
@@ -188,10 +189,11 @@ def bind_model(model, args=(), kwargs=None, data_plate=None, shared=(), allow_di
     if local_names:
         spec = bind_locals(spec, data, local_names)
     z0 = global_latent.unconstrain({n: trace[n]["value"] for n in global_latent.names})
-    spec = replace(spec, support_sites=latent_free_supports(spec, data, z0))
+    key = structural_key(spec, data)
+    spec = replace(spec, support_sites=memoised("supports", key, lambda: latent_free_supports(spec, data, z0)))
     check_support(spec, data)  # first: a label outside the support can also break the binding's identity check
     verify_binding(spec, data, z0)
-    return _analyse_params(spec, data, z0), data
+    return _analyse_params(spec, data, z0, key), data
 
 
 def _check_rows_observed(trace, plate, size, observed, leaves) -> None:
@@ -328,8 +330,9 @@ def _implicit_rows(observed, leaf_names, leaves, shared) -> int:
     return leading[0]
 
 
-def _analyse_params(spec, data, z0):
-    """Find which distribution leaves depend on ``z``, their count and whether affine.
+def _analyse_params(spec, data, z0, key=None):
+    """Find which distribution leaves depend on ``z``, their count and whether affine (the masks memoised
+    under ``key``, :mod:`numpyro_pc.model.analysis_memo`; the affine probe reads the data every time).
 
     A model with local latents has the marginal of :mod:`numpyro_pc.model.locals` as ``ℓ_i``,
     whose parameter is ``z`` itself (:func:`~numpyro_pc.model.terms.example_params`).
@@ -337,6 +340,23 @@ def _analyse_params(spec, data, z0):
     if spec.local is not None:
         return replace(spec, num_params=spec.latent.dim, affine=True)
     first = tuple(take_rows(x, 0) for x in data.per_example)
+    spec = replace(spec, param_leaves=memoised("param_leaves", key, lambda: _param_leaf_masks(spec, first, data, z0)))
+    theta, _ = example_params(spec, z0, first, data.shared)
+
+    k = int(theta.shape[0])
+    affine = False
+    if k > 0:
+        n_probe = min(8, spec.num_examples)
+        probe = tuple(take_rows(x, np.arange(n_probe)) for x in data.per_example)
+        z1 = z0 + probes.normal(17, z0.shape, z0.dtype)
+        j0, j1 = _param_jacobians(replace(spec, num_examples=n_probe), jnp.stack([z0, z1]), probe, data.shared)
+        affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
+    return replace(spec, num_params=k, affine=affine)
+
+
+
+def _param_leaf_masks(spec, first, data, z0) -> tuple:
+    """Per observed site, which float leaves of its distribution depend on ``z`` (from the jaxpr)."""
     trace = trace_at(spec, z0, example_args(first), data.shared)
     masks = []
     for name in spec.observed:
@@ -349,18 +369,7 @@ def _analyse_params(spec, data, z0):
 
         dep = output_dependence(jax.make_jaxpr(leaves_of)(z0))
         masks.append(tuple(bool(d and f) for d, f in zip(dep, float_leaf)))
-    spec = replace(spec, param_leaves=tuple(masks))
-    theta, _ = example_params(spec, z0, first, data.shared)
-    k = int(theta.shape[0])
-    affine = False
-    if k > 0:
-        n_probe = min(8, spec.num_examples)
-        probe = tuple(take_rows(x, np.arange(n_probe)) for x in data.per_example)
-        z1 = z0 + probes.normal(17, z0.shape, z0.dtype)
-        j0, j1 = _param_jacobians(replace(spec, num_examples=n_probe), jnp.stack([z0, z1]), probe, data.shared)
-        affine = bool(jnp.all(jnp.isfinite(j0))) and bool(jnp.allclose(j0, j1, rtol=1e-12, atol=0.0))
-    return replace(spec, num_params=k, affine=affine)
-
+    return tuple(masks)
 
 
 # --------------------------------------------------------------------------- verification
