@@ -7,24 +7,41 @@ whose live terms are the new examples and the corrected examples ``C``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import jax.numpy as jnp
 import numpy as np
 
 from numpyro_pc.curvature.stores import FULL
-from numpyro_pc.errors import ConvergenceError
+from numpyro_pc.errors import ConvergenceError, NonFiniteResultError
 from numpyro_pc.families.registry import Gaussian, GaussianNatural, add_site, remove_site, scale_site
 from numpyro_pc.model.rows import concat_data, filled, pad_to_bucket, positions, stand_in_row, take_data
 from numpyro_pc.protocols.capabilities import SiteSum, needs_dense_sum, require
 from numpyro_pc.protocols.records import IterationInfo
 from numpyro_pc.sites.cached import Sites
 from numpyro_pc.sites.gaussian import SiteSums, compute_sites
+from numpyro_pc.solvers.fixed_point import default_tol
 from numpyro_pc.solvers.gaussian import solve
 from numpyro_pc.solvers.site_problem import SiteProblem
 from numpyro_pc.solvers.start import default_start
 
-__all__ = ["solve_update"]
+__all__ = ["solve_update", "check_sites_represent"]
+
+
+def check_sites_represent(post, operation: str, stacklevel: int) -> None:
+    """Refuse a posterior whose dual-form identity is not finite, and warn when its sites do not add up to it
+    (a correction divides those sites out): ``operation`` names what is being done (``"an update"``).
+
+    :raises NonFiniteResultError: the sites or the state hold non-finite values.
+    """
+    residual = post.site_identity_residual
+    if not np.isfinite(residual):
+        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
+                                   f"non-finite values, so {operation} cannot be trusted; refit the posterior.")
+    if residual > 100 * default_tol(post.state.mean.dtype):
+        warnings.warn(f"{operation} of a posterior whose dual-form residual is {residual:.1e}; refine() it first "
+                      "so that its sites represent it", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def _cavity(post, corrected_sum, correct_prior, weight, corrects_all=False) -> GaussianNatural:

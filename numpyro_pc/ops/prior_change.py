@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_pc.errors import InvalidOptionError, ModelMismatchError, NonFiniteResultError, PosteriorCorrectionError
+from numpyro_pc.errors import InvalidOptionError, ModelMismatchError, PosteriorCorrectionError
 from numpyro_pc.model.likelihood import ModelData, bind_model
 from numpyro_pc.model.rows import positions, stand_in_row, take_data
 from numpyro_pc.model.terms import is_array
@@ -47,11 +46,10 @@ from numpyro_pc.sites.expfam import conjugate_rtol, prior_form_residual
 from numpyro_pc.sites.expfam_table import EFSiteTable, EFState
 from numpyro_pc.solvers.expfam import bucketed_target, solve_every_site
 from numpyro_pc.sites.memory_sets import corrected_ids
-from numpyro_pc.solvers.fixed_point import default_tol
 
 from numpyro_pc.dual.expfam_adapt import KPRIOR_REFUSAL, solve_with_rows_live, split_frozen
 
-from .correction import solve_update
+from .correction import check_sites_represent, solve_update
 from .handlers import check_terms_agree
 from .kprior import kprior_update
 
@@ -202,13 +200,7 @@ def _change_gaussian_prior(post, model, correction, memory, selection, seed, sol
 def _solve_gaussian(post, model, correction, memory, selection, seed, solve_options, raise_on_failure,
                     fixed) -> Posterior:
     start = time.perf_counter()
-    residual = post.site_identity_residual
-    if not np.isfinite(residual):
-        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
-                                   "non-finite values, so the prior change cannot be trusted; refit the posterior.")
-    if residual > 100 * default_tol(post.state.mean.dtype):
-        warnings.warn(f"changing the prior of a posterior whose dual-form residual is {residual:.1e}; refine() it first "
-                      "so that its sites represent it", RuntimeWarning, stacklevel=5)
+    check_sites_represent(post, "a prior change", stacklevel=5)
     spec, data = rebind_prior(post, model, **fixed)
     rebound = post.evolve(spec=spec, data=data)
     corrected, _ = corrected_ids(rebound, correction, memory, selection, seed)

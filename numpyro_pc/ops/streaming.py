@@ -48,15 +48,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from numpyro_pc.errors import ConvergenceError, NonFiniteResultError, NotPositiveDefiniteError
+from numpyro_pc.errors import ConvergenceError, NotPositiveDefiniteError
 from numpyro_pc.model.batches import bind_batch
 from numpyro_pc.model.rows import check_keep, concat_data, positions, retain, take_data, to_device
 from numpyro_pc.protocols.posterior import Posterior, provides
 from numpyro_pc.protocols.records import CorrectionMagnitude, UpdateInfo
 from numpyro_pc.sites.memory_sets import CORRECTIONS, SELECTIONS, check_stochastic_options, corrected_ids, select_memory
-from numpyro_pc.solvers.gaussian import default_tol
 
-from .correction import solve_update
+from .correction import check_sites_represent, solve_update
 from .diagnostics import site_mismatch
 from .kprior import check_kprior_memory, kprior_update, new_memory_ids
 from .stochastic import stochastic_update
@@ -70,13 +69,7 @@ def update(post, *args, correction="exact", memory=None, selection="random", kee
     """Add a batch of examples to ``post`` (see :meth:`numpyro_pc.DualPosterior.update`)."""
     start = time.perf_counter()
     check_keep(keep)
-    residual = post.site_identity_residual  # the sites' own identity: an exact update recomputes stale ones
-    if not np.isfinite(residual):
-        raise NonFiniteResultError(f"the posterior's dual-form residual is {residual}: its sites or state hold "
-                                   "non-finite values, so no update can be trusted; refit the posterior.")
-    if residual > 100 * default_tol(post.state.mean.dtype):
-        warnings.warn(f"updating a posterior whose dual-form residual is {residual:.1e}; refine() it first "
-                      "so that its sites represent it", RuntimeWarning, stacklevel=3)
+    check_sites_represent(post, "an update", stacklevel=3)  # the sites' own identity: an exact update recomputes stale ones
     new_data = bind_batch(post, args, kwargs)
     num_new = int(new_data.per_example[0].shape[0])
     new_ids = np.arange(post.next_id, post.next_id + num_new, dtype=np.int64)
