@@ -95,7 +95,7 @@ def _call_arguments(post, model, fixed) -> tuple[tuple, dict, tuple]:
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(args)]
     args = list(args)
     for name, value in fixed.items():
-        if name not in signature.parameters:
+        if name not in signature.parameters and not any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
             raise InvalidOptionError(f"change_prior got {name}={value!r}, but the model takes no argument {name!r}; "
                                      f"its arguments are {list(signature.parameters)}")
         if kinds.get(name) == "example":
