@@ -40,15 +40,14 @@ __all__ = ["SolveInfo", "blr_solve", "relative_residual", "bucketed_target", "co
 _P = TypeVar("_P", bound=Posterior)
 
 
-@partial(jax.jit, static_argnums=(0, 3))
+@partial(jax.jit, static_argnums=0)
 def _target(config, lam, data, prior_active, const, weights, seed) -> tuple[Any, Any]:
     """:math:`\\tau(\\lambda) = c - \\sum_i w_i g_i(\\lambda) [- g_0(\\lambda)]` and the sites at ``lam``
-    (``weights`` 0 on the rows that only pad the data to its bucket)."""
+    (``weights`` 0 on the rows that only pad the data to its bucket). ``prior_active`` is traced: the sites,
+    the prior's included, are computed either way, so one program serves both."""
     sites = compute_sites(config, lam, data, seed)
     tau = const - weights @ jnp.where(weights[:, None] > 0, sites.grads, 0.0)  # a weight-0 row adds nothing
-    if prior_active:
-        tau = tau - sites.prior
-    return tau, sites
+    return jnp.where(prior_active, tau - sites.prior, tau), sites
 
 
 def bucketed_target(config, data, prior_active, const, seed=None, trim=True) -> Callable:
@@ -79,7 +78,7 @@ def _padded(config, data, dtype) -> tuple[EFConfig, object, jax.Array, int]:
     return config_rows(config, int(weights.shape[0])), padded, weights, num
 
 
-@partial(jax.jit, static_argnums=(0, 3))
+@partial(jax.jit, static_argnums=0)
 def _device_solve(config, lam, data, prior_active, const, weights, seed, tol, max_iters, rho
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The natural-parameter iteration of :func:`blr_solve` as one compiled loop
