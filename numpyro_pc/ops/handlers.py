@@ -246,15 +246,20 @@ def check_same_model(model, posterior, num_probes=3) -> None:
         return
     first = take_data(posterior.data, np.zeros(1, np.int64))
     other, data = bind_like(spec, model, first, allow_discrete=bool(spec.latent.discrete_names))
-    ours, theirs = (dict(zip(s.latent.names + s.latent.discrete_names,
-                             zip(s.latent.shapes + s.latent.discrete_shapes,
-                                 s.latent.unconstrained_shapes + s.latent.discrete_shapes))) for s in (spec, other))
+    ours, theirs = latent_layout(spec), latent_layout(other)
     if ours != theirs:
         raise ModelMismatchError(f"the model's latent sites {theirs} differ from the posterior's {ours} "
                                  "(names and shapes, constrained and unconstrained)")
     dtype = jnp.result_type(*jax.tree.leaves(posterior.q))
     rtol = 1e-8 if dtype == jnp.float64 else 1e-4
     check_terms_agree(spec, other, first, data, posterior.probe_points(num_probes), rtol, "a probe point")
+
+
+def latent_layout(spec) -> dict:
+    """``{site: (constrained shape, unconstrained shape)}`` of a binding's latent sites, discrete ones included."""
+    latent = spec.latent
+    return dict(zip(latent.names + latent.discrete_names,
+                    zip(latent.shapes + latent.discrete_shapes, latent.unconstrained_shapes + latent.discrete_shapes)))
 
 
 def bind_like(spec, model, first, allow_discrete=False) -> tuple:

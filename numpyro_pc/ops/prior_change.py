@@ -50,19 +50,13 @@ from numpyro_pc.sites.memory_sets import corrected_ids
 from numpyro_pc.dual.expfam_adapt import KPRIOR_REFUSAL, solve_with_rows_live, split_frozen
 
 from .correction import check_sites_represent, solve_update
-from .handlers import check_terms_agree
+from .handlers import check_terms_agree, latent_layout
 from .kprior import kprior_update
 
 __all__ = ["PRIOR_CORRECTIONS", "change_prior", "rebind_prior"]
 
 #: The corrections a prior change accepts (``update``'s names; the prior term is always live).
 PRIOR_CORRECTIONS = ("exact", "memory", "kprior", "prior")
-
-
-def _latent_layout(spec) -> dict:
-    latent = spec.latent
-    return dict(zip(latent.names + latent.discrete_names,
-                    zip(latent.shapes + latent.discrete_shapes, latent.unconstrained_shapes + latent.discrete_shapes)))
 
 
 def _dtype(post) -> np.dtype:
@@ -131,7 +125,7 @@ def rebind_prior(post, model=None, **fixed) -> tuple[object, ModelData]:
                                 allow_discrete=bool(spec.latent.discrete_names))
     except PosteriorCorrectionError as err:
         raise ModelMismatchError(f"the model cannot be called like the posterior's model: {err}") from err
-    ours, theirs = _latent_layout(spec), _latent_layout(other)
+    ours, theirs = latent_layout(spec), latent_layout(other)
     if ours != theirs or tuple(other.observed) != tuple(spec.observed):
         raise ModelMismatchError(f"a prior change keeps the latent and observed sites: the model has latent {theirs} and "
                                  f"observed {list(other.observed)}, the posterior {ours} and {list(spec.observed)}")
